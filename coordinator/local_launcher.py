@@ -1,0 +1,137 @@
+"""Run one pipeline as local processes on this machine, supervised.
+
+Starts every rank of a ``PipelinePlan`` as ``python -m stage_worker.stage_process``
+at once (the ring needs all ranks to come up together), each logging to its own
+file. If any rank exits with an error, the others are stopped within a second
+and ``PipelineFailed`` names the rank, its exit code and the end of its log, so
+a dead or refused stage never leaves the caller waiting. Used by the parity tool
+and the tests; ``stagemesh serve`` places stages with Ray instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator.plan import PipelinePlan
+
+_POLL_S = 0.05
+
+
+class PipelineFailed(RuntimeError):
+    """A stage process failed; the message carries its rank, exit code and log tail."""
+
+    def __init__(self, message: str, rank: int, returncode: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.returncode = returncode
+
+
+@dataclass
+class StageProcess:
+    rank: int
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalPipeline:
+    """A started pipeline: its processes and the files they write."""
+
+    plan: PipelinePlan
+    workdir: Path
+    stages: list[StageProcess] = field(default_factory=list)
+
+    def path(self, name: str) -> Path:
+        return self.workdir / name
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.process.pid for s in self.stages]
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait until every stage exits 0; on the first failure stop the rest and raise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            running = False
+            for stage in self.stages:
+                code = stage.process.poll()
+                if code is None:
+                    running = True
+                elif code != 0:
+                    self.stop()
+                    raise PipelineFailed(
+                        f"stage {stage.rank} exited with code {code}:\n{stage.log_tail()}",
+                        stage.rank, code,
+                    )
+            if not running:
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                tails = "\n".join(f"--- stage {s.rank}\n{s.log_tail(5)}" for s in self.stages)
+                raise PipelineFailed(f"pipeline did not finish within {timeout_s:.0f} s\n{tails}", -1, None)
+            time.sleep(_POLL_S)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        for stage in self.stages:
+            if stage.process.poll() is None:
+                stage.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for stage in self.stages:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                stage.process.wait(remaining)
+            except subprocess.TimeoutExpired:
+                stage.process.kill()
+                stage.process.wait()
+
+
+def start_local_pipeline(
+    plan: PipelinePlan,
+    *,
+    job: dict | None = None,
+    record_logits: bool = False,
+    stats: bool = False,
+    extra_args: Sequence[Sequence[str]] | None = None,
+    env: dict[str, str] | None = None,
+    workdir: str | None = None,
+) -> LocalPipeline:
+    """Start every rank of ``plan``; ``extra_args[r]`` adds flags to rank r only."""
+    root = Path(workdir or tempfile.mkdtemp(prefix="stagemesh-pipeline-"))
+    root.mkdir(parents=True, exist_ok=True)
+    plan_path = root / "plan.json"
+    plan_path.write_text(plan.to_json())
+    if job is not None:
+        (root / "job.json").write_text(json.dumps(job))
+    pipeline = LocalPipeline(plan, root)
+    child_env = {**os.environ, **(env or {})}
+    for stage in plan.stages:
+        args = [sys.executable, "-m", "stage_worker.stage_process", "--plan", str(plan_path),
+                "--rank", str(stage.rank)]
+        if stage.rank == 0 and job is not None:
+            args += ["--job", str(root / "job.json"), "--job-result", str(root / "result.json")]
+        if record_logits and stage.rank == plan.size - 1:
+            args += ["--record-logits", str(root / "logits.npz")]
+        if stats:
+            args += ["--stats", str(root / f"stats-{stage.rank}.json")]
+        if extra_args is not None:
+            args += list(extra_args[stage.rank])
+        log_path = root / f"stage-{stage.rank}.log"
+        with open(log_path, "w") as log_file:
+            process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
+        pipeline.stages.append(StageProcess(stage.rank, process, log_path))
+    return pipeline

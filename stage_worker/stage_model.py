@@ -1,0 +1,182 @@
+"""One stage's slice of a model: mlx-lm's own layers, holding only what this stage owns.
+
+``StageModel.load`` builds mlx-lm's model for the architecture (lazily: nothing
+is allocated until evaluated), keeps the decoder layers ``[start, end)`` plus
+the embedding on the first stage and the final norm and head on the last (the
+embedding again when the head is tied), quantizes exactly the modules whose
+weights arrive quantized, loads those weights strictly, and casts the floating
+parameters to the compute dtype every stage of the pipeline agrees on.
+
+Forward pieces are separate so a stage runs only its part: ``embed`` (first
+stage), ``run_layers`` (every stage, one sequence at a time against that
+sequence's KV caches), ``logits`` (last stage, float32 for sampling).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from coordinator.layer_split import LayerRange
+from stage_worker.model_spec import ModelFormatError, ModelSpec
+from stage_worker.stage_weights import load_stage_weights
+
+COMPUTE_DTYPES: dict[str, mx.Dtype] = {
+    "float32": mx.float32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+}
+
+
+def resolve_compute_dtype(name: str) -> mx.Dtype:
+    """``auto`` is float32 on the CPU backend (no fast half-precision kernels) and float16 on Metal."""
+    if name == "auto":
+        return mx.float16 if mx.default_device() == mx.gpu else mx.float32
+    try:
+        return COMPUTE_DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"--dtype {name!r} is not supported; use auto, {', '.join(COMPUTE_DTYPES)}"
+        ) from None
+
+
+def model_fingerprint(spec: ModelSpec) -> str:
+    """Identifies the architecture and shapes, so neighbours can check they load the same model."""
+    text = json.dumps({"type": spec.model_type, "args": dict(spec.args)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class _Slice(nn.Module):
+    """Container whose parameter names are the stage-local weight names."""
+
+    def __init__(self, embed_tokens, layers, norm, lm_head) -> None:
+        super().__init__()
+        if embed_tokens is not None:
+            self.embed_tokens = embed_tokens
+        self.layers = layers
+        if norm is not None:
+            self.norm = norm
+        if lm_head is not None:
+            self.lm_head = lm_head
+
+
+@dataclass(frozen=True)
+class StageRole:
+    layers: LayerRange
+    is_first: bool
+    is_last: bool
+
+
+class StageModel:
+    """The model slice of one stage, ready to compute."""
+
+    def __init__(self, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, module: _Slice) -> None:
+        self.spec = spec
+        self.role = role
+        self.dtype = dtype
+        self._module = module
+        self.hidden_size = spec.hidden_size
+        self.quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                             for _, m in module.named_modules())
+        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+    @classmethod
+    def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:
+        if spec.model_type not in ("llama", "qwen2", "qwen3"):
+            raise ModelFormatError(f"architecture {spec.model_type!r} is not supported")
+        arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+        args = arch.ModelArgs.from_dict(dict(spec.args))
+        if any(t != "full_attention" for t in getattr(args, "layer_types", None) or []):
+            raise ModelFormatError(
+                "sliding-window attention layers are not supported yet; serve a model "
+                "whose config has only full-attention layers"
+            )
+        full = arch.Model(args)  # lazy: unowned parts are never evaluated
+        needs_embedding = role.is_first or (role.is_last and spec.tie_word_embeddings)
+        lm_head = None
+        if role.is_last and not spec.tie_word_embeddings:
+            lm_head = full.lm_head
+        module = _Slice(
+            embed_tokens=full.model.embed_tokens if needs_embedding else None,
+            layers=full.model.layers[role.layers.start : role.layers.end],
+            norm=full.model.norm if role.is_last else None,
+            lm_head=lm_head,
+        )
+        del full
+        weights = load_stage_weights(
+            spec, role.layers.as_range(), with_embedding=role.is_first, with_head=role.is_last
+        )
+        local = {_local_name(k, role.layers): v for k, v in weights.items()}
+        del weights
+
+        def quantize_predicate(path: str, _module: nn.Module):
+            if f"{path}.scales" not in local:
+                return False
+            params = spec.quantization_for(_global_path(path, role.layers))
+            if params is None:
+                raise ModelFormatError(f"{path} arrives quantized but the model config gives no bits")
+            group_size, bits = params
+            return {"group_size": group_size, "bits": bits}
+
+        nn.quantize(module, class_predicate=quantize_predicate)
+        try:
+            module.load_weights(list(local.items()), strict=True)
+        except ValueError as exc:
+            raise ModelFormatError(
+                f"weights for layers {role.layers} do not match the {spec.model_type} "
+                f"model definition: {exc}"
+            ) from exc
+        del local
+        module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
+        module.eval()
+        mx.eval(module.parameters())
+        return cls(spec, role, dtype, module)
+
+    def new_caches(self) -> list[KVCache]:
+        return [KVCache() for _ in self._module.layers]
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        """``int32[T]`` -> ``[T, hidden]`` in the compute dtype."""
+        return self._module.embed_tokens(token_ids).astype(self.dtype)
+
+    def run_layers(self, hidden: mx.array, caches: list[KVCache]) -> mx.array:
+        """``[n, hidden]`` rows of one sequence through this stage's layers (lazy)."""
+        h = hidden[None]
+        mask = create_attention_mask(h, caches[0] if caches else None)
+        for layer, cache in zip(self._module.layers, caches):
+            h = layer(h, mask, cache=cache)
+        return h[0]
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final norm and head on ``[k, hidden]`` rows; float32 ``[k, vocab]`` (lazy)."""
+        h = self._module.norm(hidden)
+        if "lm_head" in self._module:
+            out = self._module.lm_head(h)
+        else:
+            out = self._module.embed_tokens.as_linear(h)
+        return out.astype(mx.float32)
+
+
+def _local_name(name: str, layers: LayerRange) -> str:
+    """``model.layers.12.x`` -> ``layers.2.x`` for a stage starting at 10; drop the ``model.`` prefix."""
+    if name.startswith("model.layers."):
+        index, rest = name[len("model.layers."):].split(".", 1)
+        return f"layers.{int(index) - layers.start}.{rest}"
+    return name.removeprefix("model.")
+
+
+def _global_path(path: str, layers: LayerRange) -> str:
+    if path.startswith("layers."):
+        index, rest = path[len("layers."):].split(".", 1)
+        return f"model.layers.{int(index) + layers.start}.{rest}"
+    if path == "lm_head":
+        return path
+    return f"model.{path}"

@@ -1,0 +1,229 @@
+"""One stage as an operating-system process: load the slice, join the pipeline, serve.
+
+``python -m stage_worker.stage_process --plan PLAN.json --rank R`` loads rank R's
+slice of the plan's model, opens its control lane, connects to its successor's,
+checks with both neighbours that they belong to the same pipeline (handshake),
+then joins MLX's ring (``MLX_RANK`` and ``MLX_HOSTFILE`` from the plan,
+``mx.distributed.init(backend="ring", strict=True)``). The first rank then runs
+the work it was given (``--job``: a generation job) and stops the pipeline; the
+others relay until the SHUTDOWN message has gone round the ring.
+
+Exit codes: 0 done; 2 bad configuration; 3 a neighbour failed or refused us;
+75 a ring operation outlived ``--ring-timeout`` (frozen peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from coordinator.plan import PipelinePlan, StagePlacement
+from stage_worker import wire
+from stage_worker.generation_job import GenerationJob, run_generation
+from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
+from stage_worker.model_spec import ModelFormatError, read_model_spec
+from stage_worker.stage_model import StageModel, StageRole, model_fingerprint, resolve_compute_dtype
+from stage_worker.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
+
+log = logging.getLogger("stagemesh.stage")
+
+EXIT_CONFIG = 2
+EXIT_PEER = 3
+
+
+@dataclass(frozen=True)
+class StageIdentity:
+    """What a stage tells its neighbour in the handshake; both sides must agree."""
+
+    rank: int
+    world: int
+    replica: int
+    layers: tuple[int, int]
+    num_layers: int
+    hidden_size: int
+    wire_dtype: str
+    fingerprint: str
+
+    def to_body(self) -> dict:
+        return {"protocol": wire.PROTOCOL_VERSION, **self.__dict__, "layers": list(self.layers)}
+
+
+def check_predecessor(me: StageIdentity, body: dict) -> str | None:
+    """Pure handshake rule: why the stage that sent ``body`` cannot feed ``me`` (None if it can)."""
+    expected_rank = (me.rank - 1) % me.world
+    if body.get("protocol") != wire.PROTOCOL_VERSION:
+        return f"wire protocol v{body.get('protocol')} != v{wire.PROTOCOL_VERSION}; run one stagemesh version"
+    if body.get("world") != me.world or body.get("replica") != me.replica:
+        return (f"peer belongs to a pipeline of {body.get('world')} stages (replica "
+                f"{body.get('replica')}), this stage to {me.world} (replica {me.replica})")
+    if body.get("rank") != expected_rank:
+        return f"peer is rank {body.get('rank')}, expected rank {expected_rank} before rank {me.rank}"
+    if body.get("fingerprint") != me.fingerprint:
+        return "peer loaded a different model (architecture or shapes differ)"
+    if body.get("hidden_size") != me.hidden_size or body.get("wire_dtype") != me.wire_dtype:
+        return (f"peer sends hidden size {body.get('hidden_size')} in {body.get('wire_dtype')}, "
+                f"this stage takes {me.hidden_size} in {me.wire_dtype}; give every stage the same --dtype")
+    peer_end = body.get("layers", [None, None])[1]
+    my_start = me.layers[0] if me.rank != 0 else me.num_layers
+    if peer_end != my_start:
+        return (f"peer's layers end at {peer_end} but this stage starts at {my_start}: "
+                f"the layer split has a gap or overlap")
+    return None
+
+
+def connect_neighbours(
+    plan: PipelinePlan, me: StagePlacement, identity: StageIdentity, deadline_s: float
+) -> tuple[InboundLink, OutboundLink]:
+    """Open our lane, connect to the successor's, and handshake both ways concurrently.
+
+    Accepting runs on a thread because every stage both accepts and connects:
+    done in sequence, the ring of handshakes would wait on itself.
+    """
+    prev_rank = (me.rank - 1) % plan.size
+    next_stage = plan.stages[(me.rank + 1) % plan.size]
+    inbound = InboundLink(None, prev_rank, f"stage {prev_rank} ({plan.stages[prev_rank].host})")
+    outbound = OutboundLink(None, next_stage.rank, f"stage {next_stage.rank} ({next_stage.host})")
+    inbound.listen(me.host, me.lane_port)
+    errors: list[BaseException] = []
+
+    def accept() -> None:
+        try:
+            inbound.accept(deadline_s, lambda body: check_predecessor(identity, body))
+        except BaseException as exc:  # reported by the main thread below
+            errors.append(exc)
+
+    acceptor = threading.Thread(target=accept, name="lane-accept", daemon=True)
+    acceptor.start()
+    outbound.connect(next_stage.host, next_stage.lane_port, deadline_s)
+    outbound.handshake(identity.to_body(), deadline_s)
+    acceptor.join()
+    if errors:
+        raise errors[0]
+    return inbound, outbound
+
+
+def init_ring(plan: PipelinePlan, rank: int, watchdog: RingWatchdog) -> mx.distributed.Group:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix=f"stagemesh-ring-{rank}-", delete=False) as f:
+        json.dump(plan.ring_hostfile(), f)
+        hostfile = f.name
+    os.environ["MLX_RANK"] = str(rank)
+    os.environ["MLX_HOSTFILE"] = hostfile
+    try:
+        with watchdog.guard("ring init"):
+            group = mx.distributed.init(backend="ring", strict=True)
+    finally:
+        os.unlink(hostfile)
+    if group.size() != plan.size or group.rank() != rank:
+        raise LinkError(
+            f"MLX ring formed with size {group.size()} rank {group.rank()}, expected size "
+            f"{plan.size} rank {rank}: check MLX_RANK/MLX_HOSTFILE and that every host in the "
+            f"hostfile is reachable"
+        )
+    return group
+
+
+def peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB, macOS in bytes.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = PipelinePlan.from_json(open(args.plan).read())
+    me = plan.stages[args.rank]
+    is_first, is_last = me.rank == 0, me.rank == plan.size - 1
+    stage_name = f"stage {me.rank}/{plan.size}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {stage_name} %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        spec = read_model_spec(plan.model_path)
+        dtype = resolve_compute_dtype(plan.compute_dtype)
+    except (ModelFormatError, ValueError) as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    log.info("loading layers %s of %s (%s) host=%s ring_port=%d lane_port=%d",
+             me.layers, spec.model_type, plan.model_path, me.host, me.ring_port, me.lane_port)
+    started = time.monotonic()
+    model = StageModel.load(spec, StageRole(me.layers, is_first, is_last), dtype)
+    log.info("loaded %.1f MB of weights in %.2f s (dtype=%s quantized=%s)",
+             model.weight_bytes / 1e6, time.monotonic() - started, wire.dtype_name(dtype), model.quantized)
+    recorder = LogitRecorder() if (args.record_logits and is_last) else None
+    compute = StageCompute(model, args.max_num_seqs, recorder)
+    inbound = outbound = None
+    try:
+        if plan.size > 1:
+            identity = StageIdentity(
+                rank=me.rank, world=plan.size, replica=plan.replica,
+                layers=(me.layers.start, me.layers.end), num_layers=plan.num_layers,
+                hidden_size=spec.hidden_size, wire_dtype=wire.dtype_name(dtype),
+                fingerprint=model_fingerprint(spec),
+            )
+            inbound, outbound = connect_neighbours(plan, me, identity, args.connect_timeout)
+            watchdog = RingWatchdog(args.ring_timeout, stage_name)
+            ring = Ring(init_ring(plan, me.rank, watchdog), watchdog)
+            inbound.attach_ring(ring)
+            outbound.attach_ring(ring)
+            log.info("joined the ring of %d stages", plan.size)
+        if is_first:
+            pipeline = EntryPipeline(compute, outbound, inbound, is_last)
+            if args.job:
+                job = GenerationJob.from_dict(json.load(open(args.job)))
+                _write_json(args.job_result, run_generation(pipeline, job).to_dict())
+            pipeline.shutdown()
+        else:
+            assert inbound is not None and outbound is not None
+            relay_loop(compute, inbound, outbound, is_last)
+    except (LinkError, wire.WireMismatchError) as exc:
+        log.error("%s", exc)
+        return EXIT_PEER
+    finally:
+        for link in (inbound, outbound):
+            if link is not None:
+                link.close()
+    if recorder is not None:
+        recorder.save(args.record_logits)
+    if args.stats:
+        _write_json(args.stats, {
+            "rank": me.rank, "layers": [me.layers.start, me.layers.end],
+            "weight_bytes": model.weight_bytes, "peak_rss_bytes": peak_rss_bytes(),
+        })
+    log.info("stopped")
+    return 0
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m stage_worker.stage_process", description=__doc__)
+    parser.add_argument("--plan", required=True, help="pipeline plan JSON written by the coordinator")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--connect-timeout", type=float, default=60.0)
+    parser.add_argument("--ring-timeout", type=float, default=float(os.environ.get("STAGEMESH_RING_TIMEOUT", 30)))
+    parser.add_argument("--job", help="generation job JSON (first stage only)")
+    parser.add_argument("--job-result", help="where the first stage writes the job's outputs")
+    parser.add_argument("--record-logits", help="last stage: save every sampled row's logits (.npz)")
+    parser.add_argument("--stats", help="write weight bytes and peak RSS here on exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

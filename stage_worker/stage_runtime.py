@@ -1,0 +1,235 @@
+"""What a stage does with each message: compute its layers, pass on, sample at the end.
+
+``StageCompute`` is the per-batch work of any stage (embed on the first, own
+layers on all, norm + head + sampling on the last), independent of transport.
+``EntryPipeline`` is the first stage's view of the whole pipeline: it turns a
+batch of token chunks into sampled tokens, sending hidden states down the ring
+and waiting (in a lane read, not a spinning ring receive) for the token ids the
+last stage sends back. ``relay_loop`` is every other stage's life: receive,
+compute, send, until a SHUTDOWN has gone round the ring.
+
+Messages are consumed strictly in the order they were sent; with one batch in
+flight the entry checks each TOKENS reply against the batch it sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import mlx.core as mx
+import numpy as np
+
+from stage_worker import wire
+from stage_worker.kv_store import KVStore
+from stage_worker.links import InboundLink, LinkError, OutboundLink
+from stage_worker.sampling import sample_rows
+from stage_worker.stage_model import StageModel
+from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens of one sequence entering the pipeline in one batch."""
+
+    record: SequenceRecord
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq_id: int
+    position: int  # position the sampled token will occupy
+    token_id: int
+
+
+@dataclass
+class LogitRecorder:
+    """Keeps the last stage's float32 logits of every sampled row (for parity checks)."""
+
+    rows: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+
+    def add(self, records: Sequence[SequenceRecord], logits: mx.array) -> None:
+        values = np.array(logits, copy=True)
+        for i, record in enumerate(records):
+            self.rows.append((record.seq_id, record.start_pos + record.num_tokens, values[i]))
+
+    def save(self, path: str) -> None:
+        if not self.rows:
+            np.savez(path, seq_ids=np.zeros(0, np.int64), positions=np.zeros(0, np.int64),
+                     logits=np.zeros((0, 0), np.float32))
+            return
+        np.savez(
+            path,
+            seq_ids=np.array([r[0] for r in self.rows], dtype=np.int64),
+            positions=np.array([r[1] for r in self.rows], dtype=np.int64),
+            logits=np.stack([r[2] for r in self.rows]),
+        )
+
+
+class StageCompute:
+    """One stage's computation on a batch, against its own KV caches."""
+
+    def __init__(self, model: StageModel, max_sequences: int, recorder: LogitRecorder | None = None):
+        self.model = model
+        self.kv = KVStore(model.new_caches, max_sequences)
+        self._recorder = recorder
+
+    def forward(self, records: Sequence[SequenceRecord], hidden: mx.array) -> mx.array:
+        """Run every record's rows through this stage's layers; ``[T, hidden]`` out, evaluated."""
+        outputs = []
+        row = 0
+        for record in records:
+            if record.num_tokens == 0:
+                continue
+            caches = self.kv.for_chunk(record.seq_id, record.start_pos, record.has(RecordFlag.NEW_SEQUENCE))
+            outputs.append(self.model.run_layers(hidden[row : row + record.num_tokens], caches))
+            row += record.num_tokens
+        if row != hidden.shape[0]:
+            raise wire.WireMismatchError(
+                f"batch records cover {row} rows but the payload has {hidden.shape[0]}"
+            )
+        out = mx.concatenate(outputs) if outputs else hidden
+        # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.
+        mx.eval(out)
+        return out
+
+    def sample(self, records: Sequence[SequenceRecord], hidden: mx.array) -> tuple[list[SequenceRecord], mx.array]:
+        """Norm, head and sampling for the records flagged SAMPLE; returns TOKENS records and ids."""
+        picks, chosen = [], []
+        row = 0
+        for record in records:
+            row += record.num_tokens
+            if record.has(RecordFlag.SAMPLE) and record.num_tokens > 0:
+                picks.append(row - 1)
+                chosen.append(record)
+        if not chosen:
+            return [], mx.zeros((0,), dtype=mx.int32)
+        logits = self.model.logits(hidden[mx.array(picks)])
+        positions = [r.start_pos + r.num_tokens for r in chosen]
+        tokens = sample_rows(logits, [r.sampling for r in chosen], positions)
+        mx.eval(tokens, logits)
+        if self._recorder is not None:
+            self._recorder.add(chosen, logits)
+        out_records = [
+            SequenceRecord(seq_id=r.seq_id, start_pos=r.start_pos + r.num_tokens, num_tokens=1)
+            for r in chosen
+        ]
+        return out_records, tokens
+
+    def release_finished(self, records: Sequence[SequenceRecord]) -> None:
+        for record in records:
+            if record.has(RecordFlag.RELEASE):
+                self.kv.release(record.seq_id)
+
+
+class EntryPipeline:
+    """The first stage: runs batches through the whole pipeline and returns sampled tokens."""
+
+    def __init__(
+        self,
+        compute: StageCompute,
+        outbound: OutboundLink | None,
+        inbound: InboundLink | None,
+        is_last: bool,
+    ) -> None:
+        self._compute = compute
+        self._outbound = outbound
+        self._inbound = inbound
+        self._is_last = is_last
+        self._batch_id = 0
+
+    def step(self, chunks: Sequence[Chunk]) -> list[SampledToken]:
+        records = [_with_seed(c.record) for c in chunks]
+        token_ids = [t for c in chunks for t in c.token_ids]
+        for chunk in chunks:
+            if len(chunk.token_ids) != chunk.record.num_tokens:
+                raise ValueError(f"sequence {chunk.record.seq_id}: record says "
+                                 f"{chunk.record.num_tokens} tokens, chunk has {len(chunk.token_ids)}")
+        self._batch_id += 1
+        model = self._compute.model
+        hidden = model.embed(mx.array(token_ids, dtype=mx.int32)) if token_ids else \
+            mx.zeros((0, model.hidden_size), dtype=model.dtype)
+        hidden = self._compute.forward(records, hidden)
+        if self._is_last:
+            out_records, tokens = self._compute.sample(records, hidden)
+        else:
+            assert self._outbound is not None and self._inbound is not None
+            self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id)
+            reply = self._inbound.recv()
+            if reply.kind != FrameKind.TOKENS or reply.header.batch_id != self._batch_id:
+                raise wire.WireMismatchError(
+                    f"expected TOKENS for batch {self._batch_id}, got {reply.kind.name} "
+                    f"for batch {reply.header.batch_id}"
+                )
+            out_records = list(reply.records)
+            tokens = reply.payload if reply.payload is not None else mx.zeros((0,), mx.int32)
+        self._compute.release_finished(records)
+        ids = np.array(tokens).tolist()
+        return [SampledToken(r.seq_id, r.start_pos, int(t)) for r, t in zip(out_records, ids)]
+
+    def shutdown(self) -> None:
+        """Send SHUTDOWN round the ring and wait for it to come back (every stage stopped)."""
+        if self._outbound is None or self._inbound is None:
+            return
+        self._outbound.send(FrameKind.SHUTDOWN)
+        while True:
+            message = self._inbound.recv()
+            if message.kind == FrameKind.SHUTDOWN:
+                return
+
+
+def relay_loop(
+    compute: StageCompute,
+    inbound: InboundLink,
+    outbound: OutboundLink,
+    is_last: bool,
+    on_message: Callable[[wire.Message], None] | None = None,
+) -> None:
+    """Middle and last stages: receive, compute, pass on; return after SHUTDOWN."""
+    model = compute.model
+
+    def check(header: wire.FrameHeader) -> None:
+        if header.kind == FrameKind.FORWARD:
+            wire.check_forward_header(
+                header, hidden_size=model.hidden_size, wire_dtype=model.dtype, sender=inbound.peer_name
+            )
+
+    while True:
+        message = inbound.recv(check=check)
+        if on_message is not None:
+            on_message(message)
+        if message.kind == FrameKind.SHUTDOWN:
+            outbound.send(FrameKind.SHUTDOWN)
+            return
+        if message.kind != FrameKind.FORWARD:
+            raise wire.WireMismatchError(f"{inbound.peer_name} sent unexpected {message.kind.name}")
+        hidden = message.payload
+        if hidden is None:  # a batch of zero-token records (releases only)
+            hidden = mx.zeros((0, model.hidden_size), dtype=model.dtype)
+        hidden = compute.forward(message.records, hidden)
+        if is_last:
+            out_records, tokens = compute.sample(message.records, hidden)
+            outbound.send(
+                FrameKind.TOKENS,
+                out_records,
+                tokens if out_records else None,
+                batch_id=message.header.batch_id,
+            )
+        else:
+            outbound.send(FrameKind.FORWARD, message.records, hidden, batch_id=message.header.batch_id)
+        compute.release_finished(message.records)
+
+
+def _with_seed(record: SequenceRecord) -> SequenceRecord:
+    """Unseeded random sampling gets a fresh seed here, so every stage layout samples alike."""
+    if record.sampling.greedy or record.sampling.seed != wire.NO_SEED:
+        return record
+    return replace(record, sampling=replace(record.sampling, seed=random.getrandbits(62)))
+
+
+__all__ = ["Chunk", "EntryPipeline", "LinkError", "LogitRecorder", "SampledToken", "StageCompute", "relay_loop"]

@@ -1,0 +1,269 @@
+"""Wire layout between neighbouring stages: the one home of every byte offset.
+
+Each hop from stage r to stage r+1 (and from the last stage back to the first)
+uses two lanes that carry messages in the same order:
+
+* the **control lane**, a TCP connection, carries a fixed 56-byte ``FrameHeader``
+  followed by ``num_records`` fixed 40-byte ``SequenceRecord`` entries. It says
+  what follows; a receiver blocks on it in the kernel (no spinning) and learns
+  the exact shape and dtype of the payload before it posts a ring receive;
+* the **MLX ring** carries the payload array the header announced: hidden
+  states ``[num_rows, hidden_size]`` in the wire dtype for ``FORWARD``, token ids
+  ``int32[num_records]`` for ``TOKENS``, nothing for ``SHUTDOWN``.
+
+Because the receiver sizes its ring receive from the header, sender and
+receiver can never disagree on the byte count (which would deadlock the
+tagless ring); a header that contradicts the receiver's own model (hidden size,
+dtype, a gap in the message sequence) is reported as a ``WireMismatchError``
+instead.
+
+A ``FORWARD`` batch holds many sequences: record i owns the payload rows
+``[sum(n_0..n_{i-1}), +n_i)`` and says where its tokens sit in the sequence
+(``start_pos``), whether it starts the sequence (reset KV), whether the last
+stage must sample a token for it, whether the sequence ends after this batch
+(free its KV), and its sampling parameters. ``HELLO`` frames carry a JSON body
+(``body_bytes``) used once at start-up to check that neighbours agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+MAGIC = b"SMW1"
+PROTOCOL_VERSION = 1
+
+
+class WireMismatchError(RuntimeError):
+    """A neighbour sent something this stage cannot consume; the pipeline must restart."""
+
+
+class FrameKind(enum.IntEnum):
+    HELLO = 1  # start-up handshake, JSON body, no ring payload
+    HELLO_REPLY = 2  # receiver's verdict on a HELLO, JSON body
+    FORWARD = 3  # a micro-batch of hidden states moving down the pipeline
+    TOKENS = 4  # sampled token ids, last stage -> first stage
+    SHUTDOWN = 5  # stop after this message; travels the whole ring once
+
+
+class RecordFlag(enum.IntFlag):
+    NONE = 0
+    NEW_SEQUENCE = 1  # start_pos must be 0; drop any KV held under this id
+    SAMPLE = 2  # the last stage samples a token from this record's last row
+    RELEASE = 4  # free this sequence's KV cache after the batch
+
+
+# dtype codes on the wire; the order is part of the protocol.
+_DTYPE_CODES: dict[mx.Dtype, int] = {
+    mx.float32: 1,
+    mx.float16: 2,
+    mx.bfloat16: 3,
+    mx.int32: 4,
+}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: mx.Dtype) -> int:
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel on the wire") from None
+
+
+def code_dtype(code: int) -> mx.Dtype:
+    try:
+        return _CODE_DTYPES[code]
+    except KeyError:
+        raise WireMismatchError(f"unknown wire dtype code {code}") from None
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+# magic, version, kind, message_no, batch_id, num_records, num_rows, row_width,
+# dtype code, body_bytes, reserved
+_HEADER = struct.Struct("<4sHHQQIIIIII")
+# seq_id, start_pos, num_tokens, flags, temperature, top_p, top_k, seed, reserved
+_RECORD = struct.Struct("<QIIIffiqI")
+
+HEADER_BYTES = _HEADER.size
+RECORD_BYTES = _RECORD.size
+NO_SEED = -1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling; temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int = NO_SEED
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SequenceRecord:
+    """One sequence's share of a batch; for TOKENS, ``num_tokens`` is 1 per sampled id."""
+
+    seq_id: int
+    start_pos: int
+    num_tokens: int
+    flags: RecordFlag = RecordFlag.NONE
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def has(self, flag: RecordFlag) -> bool:
+        return bool(self.flags & flag)
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    kind: FrameKind
+    message_no: int  # per-link counter: a gap means a lost or reordered message
+    batch_id: int
+    num_records: int
+    num_rows: int  # payload rows on the ring (0: no payload)
+    row_width: int  # hidden size for FORWARD, 1 for TOKENS
+    dtype: mx.Dtype | None
+    body_bytes: int = 0  # JSON body on the lane (HELLO / HELLO_REPLY)
+
+    @property
+    def payload_shape(self) -> tuple[int, ...]:
+        if self.kind == FrameKind.TOKENS:
+            return (self.num_rows,)
+        return (self.num_rows, self.row_width)
+
+    @property
+    def has_payload(self) -> bool:
+        return self.num_rows > 0 and self.dtype is not None
+
+
+def pack_header(header: FrameHeader) -> bytes:
+    return _HEADER.pack(
+        MAGIC,
+        PROTOCOL_VERSION,
+        int(header.kind),
+        header.message_no,
+        header.batch_id,
+        header.num_records,
+        header.num_rows,
+        header.row_width,
+        0 if header.dtype is None else dtype_code(header.dtype),
+        header.body_bytes,
+        0,
+    )
+
+
+def unpack_header(data: bytes) -> FrameHeader:
+    (magic, version, kind, message_no, batch_id, num_records, num_rows, width,
+     code, body_bytes, _reserved) = _HEADER.unpack(data)
+    if magic != MAGIC:
+        raise WireMismatchError(
+            f"control lane frame starts with {magic!r}, not {MAGIC!r}: the peer is "
+            f"not a stagemesh stage or the lane lost its framing"
+        )
+    if version != PROTOCOL_VERSION:
+        raise WireMismatchError(
+            f"peer speaks wire protocol v{version}, this stage v{PROTOCOL_VERSION}: "
+            f"run the same stagemesh version on every node"
+        )
+    try:
+        frame_kind = FrameKind(kind)
+    except ValueError:
+        raise WireMismatchError(f"unknown frame kind {kind}") from None
+    return FrameHeader(
+        kind=frame_kind,
+        message_no=message_no,
+        batch_id=batch_id,
+        num_records=num_records,
+        num_rows=num_rows,
+        row_width=width,
+        dtype=None if code == 0 else code_dtype(code),
+        body_bytes=body_bytes,
+    )
+
+
+def pack_records(records: Sequence[SequenceRecord]) -> bytes:
+    return b"".join(
+        _RECORD.pack(
+            r.seq_id,
+            r.start_pos,
+            r.num_tokens,
+            int(r.flags),
+            r.sampling.temperature,
+            r.sampling.top_p,
+            r.sampling.top_k,
+            r.sampling.seed,
+            0,
+        )
+        for r in records
+    )
+
+
+def unpack_records(data: bytes, count: int) -> tuple[SequenceRecord, ...]:
+    records = []
+    for i in range(count):
+        (seq_id, start_pos, num_tokens, flags, temperature, top_p, top_k, seed,
+         _reserved) = _RECORD.unpack_from(data, i * RECORD_BYTES)
+        records.append(
+            SequenceRecord(
+                seq_id=seq_id,
+                start_pos=start_pos,
+                num_tokens=num_tokens,
+                flags=RecordFlag(flags),
+                sampling=SamplingParams(temperature, top_p, top_k, seed),
+            )
+        )
+    return tuple(records)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A whole message as a stage sees it: header, records, optional body and payload."""
+
+    header: FrameHeader
+    records: tuple[SequenceRecord, ...] = ()
+    body: dict | None = None
+    payload: mx.array | None = None
+
+    @property
+    def kind(self) -> FrameKind:
+        return self.header.kind
+
+
+def encode_body(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def decode_body(data: bytes) -> dict:
+    try:
+        return json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireMismatchError(f"malformed handshake body: {exc}") from None
+
+
+def total_rows(records: Sequence[SequenceRecord]) -> int:
+    return sum(r.num_tokens for r in records)
+
+
+def check_forward_header(
+    header: FrameHeader, *, hidden_size: int, wire_dtype: mx.Dtype, sender: str
+) -> None:
+    """Refuse a FORWARD payload this stage's model slice cannot consume."""
+    if header.row_width != hidden_size or header.dtype != wire_dtype:
+        got_dtype = "none" if header.dtype is None else dtype_name(header.dtype)
+        raise WireMismatchError(
+            f"{sender} sent hidden states of width {header.row_width} in {got_dtype}, "
+            f"but this stage's model slice takes width {hidden_size} in "
+            f"{dtype_name(wire_dtype)}: the stages loaded different models or compute "
+            f"dtypes; start every stage of a pipeline from the same plan"
+        )
