@@ -1,0 +1,125 @@
+"""Control lanes over real loopback sockets: handshake verdicts, ordering, dead peers."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from stage_worker import wire
+from stage_worker.links import InboundLink, LinkError, OutboundLink
+from stage_worker.stage_process import StageIdentity, check_predecessor
+from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _identity(rank, world=3, layers=(0, 10), **overrides):
+    base = dict(rank=rank, world=world, replica=0, layers=layers, num_layers=30, hidden_size=576,
+                wire_dtype="float32", fingerprint="abc")
+    base.update(overrides)
+    return StageIdentity(**base)
+
+
+def test_handshake_rule_accepts_the_true_predecessor():
+    me = _identity(1, layers=(10, 20))
+    assert check_predecessor(me, _identity(0, layers=(0, 10)).to_body()) is None
+    # the first stage's predecessor is the last stage, which must end at the last layer
+    assert check_predecessor(_identity(0), _identity(2, layers=(20, 30)).to_body()) is None
+
+
+@pytest.mark.parametrize(
+    "peer,reason",
+    [
+        (_identity(0, layers=(0, 9)), "gap or overlap"),
+        (_identity(2, layers=(0, 10)), "expected rank 0"),
+        (_identity(0, hidden_size=960), "hidden size 960"),
+        (_identity(0, wire_dtype="float16"), "same --dtype"),
+        (_identity(0, fingerprint="zzz"), "different model"),
+        (_identity(0, world=2), "pipeline of 2 stages"),
+    ],
+)
+def test_handshake_rule_names_the_mismatch(peer, reason):
+    assert reason in check_predecessor(_identity(1, layers=(10, 20)), peer.to_body())
+
+
+def _pair(verdict=lambda body: None):
+    port = _free_port()
+    inbound = InboundLink(None, 0, "stage 0")
+    inbound.listen("127.0.0.1", port)
+    result = {}
+
+    def accept():
+        try:
+            result["body"] = inbound.accept(5, verdict)
+        except Exception as exc:  # the test inspects it
+            result["error"] = exc
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    outbound = OutboundLink(None, 1, "stage 1")
+    outbound.connect("127.0.0.1", port, 5)
+    return inbound, outbound, thread, result
+
+
+def test_messages_arrive_in_order_with_their_records():
+    inbound, outbound, thread, result = _pair()
+    outbound.handshake({"hello": 1}, 5)
+    thread.join()
+    assert result["body"] == {"hello": 1}
+    records = [SequenceRecord(3, 0, 0, RecordFlag.RELEASE)]
+    outbound.send(FrameKind.FORWARD, records, batch_id=9)
+    outbound.send(FrameKind.SHUTDOWN)
+    first, second = inbound.recv(), inbound.recv()
+    assert first.kind == FrameKind.FORWARD and first.records == tuple(records) and first.header.batch_id == 9
+    assert first.payload is None
+    assert second.kind == FrameKind.SHUTDOWN
+    inbound.close()
+    outbound.close()
+
+
+def test_refusal_reaches_both_sides():
+    inbound, outbound, thread, result = _pair(lambda body: "peer loaded a different model")
+    with pytest.raises(LinkError, match="refused this stage: peer loaded a different model"):
+        outbound.handshake({"x": 1}, 5)
+    thread.join()
+    assert "different model" in str(result["error"])
+
+
+def test_a_peer_that_dies_is_reported_at_once_not_waited_for():
+    inbound, outbound, thread, _ = _pair()
+    outbound.handshake({}, 5)
+    thread.join()
+    outbound.close()  # the kernel does the same when a process dies
+    started = time.monotonic()
+    with pytest.raises(LinkError, match="closed its control lane"):
+        inbound.recv()
+    assert time.monotonic() - started < 1
+
+
+def test_unreachable_successor_fails_within_the_deadline():
+    outbound = OutboundLink(None, 1, "stage 1")
+    started = time.monotonic()
+    with pytest.raises(LinkError, match="could not reach stage 1"):
+        outbound.connect("127.0.0.1", _free_port(), 1.0)
+    assert time.monotonic() - started < 3
+
+
+def test_a_header_the_stage_cannot_consume_is_refused_before_any_ring_receive():
+    inbound, outbound, thread, _ = _pair()
+    outbound.handshake({}, 5)
+    thread.join()
+    # Frame claims a payload; the check refuses it before the (absent) ring is touched.
+    header = wire.FrameHeader(FrameKind.FORWARD, 1, 0, 0, 4, 960, wire.code_dtype(2))
+    outbound._require_sock().sendall(wire.pack_header(header))
+
+    def check(h):
+        import mlx.core as mx
+        wire.check_forward_header(h, hidden_size=576, wire_dtype=mx.float32, sender="stage 0")
+
+    with pytest.raises(wire.WireMismatchError, match="width 960"):
+        inbound.recv(check=check)
