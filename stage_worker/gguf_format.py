@@ -1,0 +1,539 @@
+"""GGUF files: spec from metadata, and a stage's tensors as mlx-lm weights.
+
+Contract:
+- ``read_gguf_spec(path)`` builds a ``ModelSpec`` from the GGUF header only
+  (architectures llama / qwen2 / qwen3; tensor types F32, F16, BF16, Q4_0,
+  Q4_1, Q8_0); anything else raises ``ModelFormatError`` before any weight is
+  read.
+- ``load_gguf_weights(spec, layers, with_embedding, with_head)`` reads the
+  bytes of only the tensors that slice needs (plain file reads, no mapping
+  kept) and returns them under mlx-lm's parameter names, layer indices global.
+  Quantized tensors come out in MLX's affine layout (packed uint32 weight,
+  float16 scales and biases, group size 32), bit-identical to
+  ``mx.load(path)`` for the same GGUF tensor; llama q/k rows are un-permuted
+  back to the Hugging Face layout, so the model runs with standard RoPE.
+- ``convert_gguf_tensor(path, name)`` gives one tensor exactly as ``mx.load``
+  names and lays it out (no permutation undone); tests compare the two.
+
+The header is parsed here with ``struct`` rather than ``gguf.GGUFReader``
+(whose per-element numpy views take ~2 s on the 49k-token vocabulary); the
+``gguf`` package still supplies the type tables and writes our test files.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+import os
+import re
+import struct
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from .model_spec import (
+    SUPPORTED_ARCHITECTURES,
+    ModelFormatError,
+    ModelSpec,
+    served_name_from_path,
+)
+
+T = GGMLQuantizationType
+PLAIN_TYPES: Mapping[int, np.dtype] = {
+    T.F32: np.dtype("<f4"),
+    T.F16: np.dtype("<f2"),
+    T.BF16: np.dtype("<u2"),  # reinterpreted as bfloat16 on the MLX side
+}
+# GGML block type -> bits of the MLX affine layout it maps to (group size 32).
+QUANT_BITS: Mapping[int, int] = {T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8}
+GGUF_GROUP_SIZE = 32
+SUPPORTED_TYPES_TEXT = "F32, F16, BF16, Q4_0, Q4_1 and Q8_0"
+
+# GGUF per-layer tensor base names -> mlx-lm module names inside model.layers.N.
+_LAYER_MODULES: Mapping[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_MODULES: Mapping[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors a GGUF may carry that mlx-lm recomputes itself.
+_IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+# --------------------------------------------------------------------------- header
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order: GGUF's dims reversed (rows first)
+    ggml_type: int
+    offset: int  # absolute file offset of the first byte
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        try:
+            return GGMLQuantizationType(self.ggml_type).name
+        except ValueError:
+            return f"type#{self.ggml_type}"
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: str
+    version: int
+    metadata: Mapping[str, Any]
+    tensors: Mapping[str, GGUFTensorInfo]
+
+
+_SCALARS: Mapping[int, str] = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+class _Cursor:
+    """Sequential little-endian reader over a read-only mapping of the header."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            etype = self.scalar("<I")
+            count = self.scalar("<Q")
+            if etype == GGUFValueType.STRING:
+                return [self.string() for _ in range(count)]
+            if etype == GGUFValueType.ARRAY:
+                return [self.value(GGUFValueType.ARRAY) for _ in range(count)]
+            dtype = np.dtype(_SCALARS[etype])
+            arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+            self.pos += dtype.itemsize * count
+            return arr.tolist()  # a copy: nothing keeps the mapping alive
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        raise ModelFormatError(f"unknown GGUF metadata value type {vtype}")
+
+
+def read_gguf_header(path: str) -> GGUFHeader:
+    """Parse metadata and tensor table of a GGUF file (cached per file version)."""
+    st = os.stat(path)
+    return _read_header_cached(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_header_cached(path: str, _mtime_ns: int, size: int) -> GGUFHeader:
+    with open(path, "rb") as f:
+        if size < 24 or f.read(4) != b"GGUF":
+            raise ModelFormatError(f"{path} is not a GGUF file (bad magic); pass a valid .gguf file.")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                return _parse_header(path, buf, size)
+            except (struct.error, IndexError, UnicodeDecodeError) as e:
+                raise ModelFormatError(f"{path} has a truncated or corrupt GGUF header ({e}).") from e
+
+
+def _parse_header(path: str, buf: mmap.mmap, size: int) -> GGUFHeader:
+    cur = _Cursor(buf)
+    cur.pos = 4
+    version = cur.scalar("<I")
+    if version not in (2, 3):
+        raise ModelFormatError(
+            f"{path} is GGUF version {version}; stagemesh reads little-endian GGUF v2/v3. "
+            "Re-convert it with a current llama.cpp."
+        )
+    n_tensors = cur.scalar("<Q")
+    n_kv = cur.scalar("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("<I"))
+    raw_infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.scalar("<I")
+        dims = [cur.scalar("<Q") for _ in range(n_dims)]
+        raw_infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, ggml_type, rel in raw_infos:
+        n_elements = math.prod(dims)
+        block, type_size = GGML_QUANT_SIZES.get(ggml_type, (1, 0))
+        nbytes = n_elements // block * type_size
+        info = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_start + rel, nbytes)
+        if info.offset + nbytes > size:
+            raise ModelFormatError(f"{path} is truncated: tensor {name} ends past the end of the file.")
+        tensors[name] = info
+    return GGUFHeader(path, version, metadata, tensors)
+
+
+# --------------------------------------------------------------------------- spec
+
+
+def _unsupported_type_error(info: GGUFTensorInfo) -> ModelFormatError:
+    return ModelFormatError(
+        f"GGUF tensor {info.name} has type {info.type_name}; stagemesh reads "
+        f"{SUPPORTED_TYPES_TEXT} GGUF tensors. Re-quantize with llama-quantize to "
+        "Q4_0/Q4_1/Q8_0, or use an MLX model directory."
+    )
+
+
+def gguf_to_mlx_name(name: str) -> str | None:
+    """GGUF tensor name -> mlx-lm parameter name (None if not a model parameter)."""
+    if m := _BLOCK_RE.match(name):
+        module = _LAYER_MODULES.get(m.group(2))
+        return None if module is None else f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+    if m := _GLOBAL_RE.match(name):
+        module = _GLOBAL_MODULES.get(m.group(1))
+        return None if module is None else f"{module}.{m.group(2)}"
+    return None
+
+
+def _meta(md: Mapping[str, Any], arch: str, key: str, default: Any = ...) -> Any:
+    full = f"{arch}.{key}"
+    if full in md:
+        return md[full]
+    if default is ...:
+        raise ModelFormatError(f"GGUF metadata lacks {full}; the file is incomplete or not a {arch} model.")
+    return default
+
+
+def _f32(x: float) -> float:
+    """The shortest decimal of a float32 (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(x)))
+
+
+def _rope_scaling(header: GGUFHeader, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
+    md = header.metadata
+    kind = _meta(md, arch, "rope.scaling.type", None)
+    factor = _meta(md, arch, "rope.scaling.factor", None)
+    orig = _meta(md, arch, "rope.scaling.original_context_length", None)
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        if arch == "llama" and "rope_freqs.weight" in header.tensors:
+            return _llama3_scaling(header, head_dim, theta)
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": _f32(factor)}
+    if kind == "yarn" and factor is not None:
+        cfg: dict[str, Any] = {"type": "yarn", "factor": _f32(factor)}
+        if orig is not None:
+            cfg["original_max_position_embeddings"] = int(orig)
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (v := _meta(md, arch, f"rope.scaling.{key}", None)) is not None:
+                cfg[name] = _f32(v)
+        return cfg
+    raise ModelFormatError(
+        f"GGUF rope scaling {kind!r} is not supported; stagemesh reads linear, yarn and "
+        "Llama 3 (rope_freqs) scaling. Use an MLX model directory for this model."
+    )
+
+
+def _llama3_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any]:
+    """Recover Llama 3's rope_scaling from the per-frequency factors llama.cpp stores.
+
+    The converter writes ``rope_freqs`` = 1, factor, or a smooth blend per
+    frequency; we take factor = max and check the rest against Meta's defaults.
+    """
+    info = header.tensors["rope_freqs.weight"]
+    if info.ggml_type != T.F32:
+        raise _unsupported_type_error(info)
+    stored = _read_bytes(header.path, [info])[info.name].view("<f4")
+    factor, low, high, orig = float(stored.max()), 1.0, 4.0, 8192
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / freqs
+    smooth = (orig / wavelen - low) / (high - low)
+    expected = np.where(
+        wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth))
+    )
+    if stored.shape != expected.shape or not np.allclose(stored, expected, rtol=1e-4):
+        raise ModelFormatError(
+            "GGUF rope_freqs does not match Llama 3 rope scaling with low/high frequency "
+            "factors 1/4 and original context 8192; use an MLX model directory for this model."
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": _f32(factor),
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": orig,
+    }
+
+
+def _quantization_map(header: GGUFHeader) -> dict[str, Any] | None:
+    """mlx-lm quantization config from the tensor types of every 2-D weight."""
+    per_module: dict[str, tuple[int, int] | None] = {}
+    for name, info in header.tensors.items():
+        mlx_name = gguf_to_mlx_name(name)
+        if mlx_name is None or not mlx_name.endswith(".weight") or len(info.shape) != 2:
+            continue
+        bits = QUANT_BITS.get(info.ggml_type)
+        per_module[mlx_name[: -len(".weight")]] = None if bits is None else (GGUF_GROUP_SIZE, bits)
+    counts = Counter(v for v in per_module.values() if v is not None)
+    if not counts:
+        return None
+    group_size, bits = counts.most_common(1)[0][0]
+    quant: dict[str, Any] = {"group_size": group_size, "bits": bits}
+    for module, gb in sorted(per_module.items()):
+        if gb is None:
+            quant[module] = False
+        elif gb != (group_size, bits):
+            quant[module] = {"group_size": gb[0], "bits": gb[1]}
+    return quant
+
+
+def _check_tensors(header: GGUFHeader, num_layers: int) -> None:
+    for name, info in header.tensors.items():
+        if name in _IGNORED_TENSORS:
+            continue
+        if info.ggml_type not in PLAIN_TYPES and info.ggml_type not in QUANT_BITS:
+            raise _unsupported_type_error(info)
+        mlx_name = gguf_to_mlx_name(name)
+        if mlx_name is None:
+            raise ModelFormatError(
+                f"GGUF tensor {name} has no counterpart in mlx-lm's llama/qwen2/qwen3 models; "
+                "this file is a variant stagemesh does not serve. Use an MLX model directory."
+            )
+        if (m := _BLOCK_RE.match(name)) and int(m.group(1)) >= num_layers:
+            raise ModelFormatError(f"GGUF tensor {name} lies beyond block_count={num_layers}; the file is corrupt.")
+        if info.ggml_type in QUANT_BITS and info.shape[-1] % GGUF_GROUP_SIZE:
+            raise ModelFormatError(f"GGUF tensor {name} has a row length not divisible by 32.")
+
+
+def read_gguf_spec(path: str) -> ModelSpec:
+    header = read_gguf_header(path)
+    md = header.metadata
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFormatError(
+            f"GGUF architecture {arch!r} is not supported; stagemesh serves "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUFs (llama covers SmolLM2, Llama 3.x "
+            "and Mistral). Use a model of one of these architectures."
+        )
+    num_layers = int(_meta(md, arch, "block_count"))
+    hidden = int(_meta(md, arch, "embedding_length"))
+    heads = _meta(md, arch, "attention.head_count")
+    kv_heads = _meta(md, arch, "attention.head_count_kv", heads)
+    if isinstance(heads, list) or isinstance(kv_heads, list):
+        raise ModelFormatError("GGUF with per-layer head counts is not supported; use a uniform-attention model.")
+    heads, kv_heads = int(heads), int(kv_heads)
+    head_dim = int(_meta(md, arch, "attention.key_length", hidden // heads))
+    rope_dims = int(_meta(md, arch, "rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelFormatError(f"GGUF uses partial rotary embeddings ({rope_dims} of {head_dim} dims); not supported.")
+    if arch == "qwen2" and head_dim != hidden // heads:
+        raise ModelFormatError("qwen2 GGUF with head_dim != hidden/heads is not supported by mlx-lm's qwen2 model.")
+    _check_tensors(header, num_layers)
+    if "token_embd.weight" not in header.tensors:
+        raise ModelFormatError(f"GGUF {path} has no token_embd.weight tensor; the file is incomplete.")
+    vocab = header.tensors["token_embd.weight"].shape[0]
+    tied = "output.weight" not in header.tensors
+    theta = _f32(_meta(md, arch, "rope.freq_base", 1_000_000.0 if arch.startswith("qwen") else 10_000.0))
+    args: dict[str, Any] = {
+        "model_type": arch,
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": int(_meta(md, arch, "feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(_meta(md, arch, "attention.layer_norm_rms_epsilon")),
+        "vocab_size": vocab,
+        "max_position_embeddings": int(_meta(md, arch, "context_length", 4096)),
+        "rope_theta": theta,
+        "rope_traditional": False,  # q/k rows are un-permuted on load
+        "rope_scaling": _rope_scaling(header, arch, head_dim, theta),
+        "tie_word_embeddings": tied,
+        "attention_bias": "blk.0.attn_q.bias" in header.tensors,
+        "mlp_bias": False,
+    }
+    return ModelSpec(
+        path=os.path.abspath(path),
+        format="gguf",
+        model_type=arch,
+        args=args,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        quantization=_quantization_map(header),
+        default_served_name=served_name_from_path(path),
+        details={"gguf_version": header.version, "general.name": md.get("general.name")},
+    )
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _read_bytes(path: str, infos: Iterable[GGUFTensorInfo]) -> dict[str, np.ndarray]:
+    """Copy each tensor's raw bytes out of the file (in file order, no mapping kept)."""
+    out: dict[str, np.ndarray] = {}
+    with open(path, "rb", buffering=0) as f:
+        for info in sorted(infos, key=lambda i: i.offset):
+            buf = np.empty(info.nbytes, dtype=np.uint8)
+            f.seek(info.offset)
+            if f.readinto(memoryview(buf)) != info.nbytes:
+                raise ModelFormatError(f"{path} is truncated inside tensor {info.name}.")
+            out[info.name] = buf
+    return out
+
+
+def _pack_4bit(q: np.ndarray) -> np.ndarray:
+    """(rows, cols) nibbles -> (rows, cols//8) uint32; element j at bits 4*(j%8) of word j//8."""
+    pairs = q[:, 0::2] | (q[:, 1::2] << 4)
+    return np.ascontiguousarray(pairs).view("<u4")
+
+
+def _blocks_to_affine(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """GGML 32-element blocks -> MLX affine (weight, scales, biases), as mx.load does."""
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    n_blocks = rows * cols // GGUF_GROUP_SIZE
+    blocks = raw.reshape(n_blocks, -1)
+    d = np.ascontiguousarray(blocks[:, 0:2]).view("<f2")[:, 0]
+    if ggml_type == T.Q8_0:
+        # int8 q -> q + 128 unsigned (flip the sign bit); w = d*q = d*(q+128) - 128d.
+        weight = np.ascontiguousarray(blocks[:, 2:34] ^ 0x80).view("<u4").reshape(rows, cols // 4)
+        biases = (np.float32(-128) * d.astype(np.float32)).astype(np.float16)
+    else:
+        start = 4 if ggml_type == T.Q4_1 else 2
+        qs = blocks[:, start : start + 16]
+        # A block keeps element i in the low nibble of byte i, element i+16 in the high one.
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+        weight = _pack_4bit(q).reshape(rows, cols // 8)
+        if ggml_type == T.Q4_1:
+            biases = np.ascontiguousarray(blocks[:, 2:4]).view("<f2")[:, 0]  # w = d*q + m
+        else:
+            biases = (np.float32(-8) * d.astype(np.float32)).astype(np.float16)  # w = d*(q-8)
+    group_shape = (*shape[:-1], cols // GGUF_GROUP_SIZE)
+    return {
+        "weight": weight.reshape(*shape[:-1], weight.shape[-1]),
+        "scales": d.reshape(group_shape),
+        "biases": biases.reshape(group_shape),
+    }
+
+
+def _tensor_arrays(info: GGUFTensorInfo, raw: np.ndarray) -> dict[str, np.ndarray]:
+    """Raw GGUF bytes -> {suffix: numpy array} in GGUF row order."""
+    if info.ggml_type in QUANT_BITS:
+        return _blocks_to_affine(raw, info.ggml_type, info.shape)
+    if info.ggml_type in PLAIN_TYPES:
+        return {"weight": raw.view(PLAIN_TYPES[info.ggml_type]).reshape(info.shape)}
+    raise _unsupported_type_error(info)
+
+
+def _to_mx(arr: np.ndarray, ggml_type: int) -> mx.array:
+    a = mx.array(arr)
+    return a.view(mx.bfloat16) if ggml_type == T.BF16 and arr.dtype == np.uint16 else a
+
+
+def _unpermute_rows(arr: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's HF->GGUF q/k row permutation (rows grouped per head)."""
+    rows = arr.shape[0]
+    return (
+        arr.reshape(n_head, rows // n_head // 2, 2, *arr.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(arr.shape)
+    )
+
+
+def convert_gguf_tensor(path: str, name: str) -> dict[str, mx.array]:
+    """One GGUF tensor exactly as ``mx.load`` gives it (GGUF names, GGUF row order)."""
+    info = read_gguf_header(path).tensors[name]
+    raw = _read_bytes(path, [info])[name]
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    out = {}
+    for suffix, arr in _tensor_arrays(info, raw).items():
+        key = name if suffix == "weight" else f"{base}.{suffix}"
+        out[key] = _to_mx(arr, info.ggml_type)
+    return out
+
+
+def needed_gguf_tensors(
+    header: GGUFHeader, layers: range, with_embedding: bool, with_head: bool, tied: bool
+) -> list[str]:
+    """Names of the GGUF tensors a stage holding ``layers`` must read."""
+    wanted_layers = set(layers)
+    names = []
+    for name in header.tensors:
+        if m := _BLOCK_RE.match(name):
+            if int(m.group(1)) in wanted_layers:
+                names.append(name)
+        elif name.startswith("token_embd."):
+            if with_embedding or (with_head and tied):
+                names.append(name)
+        elif name.startswith(("output_norm.", "output.")):
+            if with_head:
+                names.append(name)
+    return names
+
+
+def load_gguf_weights(
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool
+) -> dict[str, mx.array]:
+    """Read only the slice's tensors from a GGUF and return them under mlx-lm names."""
+    header = read_gguf_header(spec.path)
+    names = needed_gguf_tensors(header, layers, with_embedding, with_head, spec.tie_word_embeddings)
+    infos = [header.tensors[n] for n in names]
+    raw = _read_bytes(spec.path, infos)
+    permute = {
+        "attn_q": int(spec.args["num_attention_heads"]),
+        "attn_k": int(spec.args["num_key_value_heads"]),
+    } if spec.model_type == "llama" else {}
+    weights: dict[str, mx.array] = {}
+    for info in infos:
+        mlx_name = gguf_to_mlx_name(info.name)
+        assert mlx_name is not None  # _check_tensors ran when the spec was read
+        module, kind = mlx_name.rsplit(".", 1)
+        m = _BLOCK_RE.match(info.name)
+        n_head = permute.get(m.group(2)) if m else None
+        for suffix, arr in _tensor_arrays(info, raw.pop(info.name)).items():
+            if n_head is not None:
+                arr = _unpermute_rows(arr, n_head)  # exact for quantized rows too
+            key = f"{module}.{kind}" if suffix == "weight" else f"{module}.{suffix}"
+            weights[key] = _to_mx(arr, info.ggml_type)
+    return weights

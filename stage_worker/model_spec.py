@@ -1,0 +1,141 @@
+"""What a model is, read from its metadata alone.
+
+Contract:
+- ``read_model_spec(path)`` accepts a ``.gguf`` file or a directory holding
+  ``config.json`` (MLX / Hugging Face layout) and returns a frozen ``ModelSpec``.
+  It reads headers and config files only, never tensor data (the one exception:
+  a Llama 3 GGUF's 32-float ``rope_freqs`` tensor, from which the rope scaling
+  is recovered).
+- ``ModelSpec.args`` is a plain dict that ``mlx_lm.models.<model_type>.ModelArgs
+  .from_dict`` accepts; ``ModelSpec.quantization`` is in mlx-lm's config style
+  (top-level ``group_size``/``bits``, per-module overrides, ``False`` for a
+  module kept unquantized).
+- Anything we cannot serve (architecture, tensor type, quantization mode, a
+  missing file) raises ``ModelFormatError`` (a ``ValueError``) whose message
+  says what is supported and what the user should change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+# Hugging Face model_type -> the mlx_lm.models module that implements it.
+HF_MODEL_TYPES: Mapping[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+# Bits that mx.quantize's affine mode accepts.
+SUPPORTED_AFFINE_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+
+
+class ModelFormatError(ValueError):
+    """A model we cannot serve; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture, size and quantization of a model, without its weights."""
+
+    path: str
+    format: Literal["gguf", "mlx"]
+    model_type: str
+    args: Mapping[str, Any]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    quantization: Mapping[str, Any] | None
+    default_served_name: str
+    # Extra facts the format layer found useful (e.g. GGUF tensor types); not a contract.
+    details: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def quantization_for(self, module_path: str) -> tuple[int, int] | None:
+        """(group_size, bits) for a quantizable module (Linear/Embedding), or None.
+
+        ``module_path`` is mlx-lm's module name, e.g. ``model.layers.3.mlp.up_proj``.
+        Norms are never quantized; do not ask for them.
+        """
+        return quantization_for(self.quantization, module_path)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.quantization)
+
+
+def quantization_for(
+    quantization: Mapping[str, Any] | None, module_path: str
+) -> tuple[int, int] | None:
+    """Resolve one module's (group_size, bits) from an mlx-lm quantization map."""
+    if not quantization:
+        return None
+    override = quantization.get(module_path)
+    if override is False:
+        return None
+    if isinstance(override, Mapping):
+        return int(override["group_size"]), int(override["bits"])
+    return int(quantization["group_size"]), int(quantization["bits"])
+
+
+def check_affine(group_size: int, bits: int, where: str) -> None:
+    """Raise unless mx.quantize's affine mode can represent (group_size, bits)."""
+    if bits not in SUPPORTED_AFFINE_BITS or group_size not in SUPPORTED_GROUP_SIZES:
+        raise ModelFormatError(
+            f"{where} uses {bits}-bit quantization with group size {group_size}; "
+            f"stagemesh serves MLX affine quantization with bits in "
+            f"{list(SUPPORTED_AFFINE_BITS)} and group size in {list(SUPPORTED_GROUP_SIZES)}. "
+            "Re-quantize with `mlx_lm.convert -q --q-bits 4` (or 8), or use an unquantized model."
+        )
+
+
+_GGUF_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+_HF_SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/[^/]+$")
+
+
+def served_name_from_path(path: str) -> str:
+    """A readable model name: "org/name" for a Hugging Face cache snapshot, the
+    directory name, or the GGUF file name without .gguf and its quant suffix
+    (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct)."""
+    norm = os.path.normpath(os.path.abspath(path))
+    if m := _HF_SNAPSHOT.search(norm.replace(os.sep, "/")):
+        return f"{m.group(1)}/{m.group(2)}"
+    base = os.path.basename(norm)
+    if base.lower().endswith(".gguf"):
+        stem = base[: -len(".gguf")]
+        return _GGUF_QUANT_SUFFIX.sub("", stem) or stem
+    return base
+
+
+def read_model_spec(path: str) -> ModelSpec:
+    """Read a model's spec from a .gguf file or a directory with config.json."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelFormatError(
+                f"{path} is a directory without config.json; stagemesh reads a .gguf file "
+                "or an MLX / Hugging Face model directory (config.json, *.safetensors, "
+                "tokenizer files). Pass one of those."
+            )
+        from .safetensors_format import read_safetensors_spec
+
+        return read_safetensors_spec(path)
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            from .gguf_format import read_gguf_spec
+
+            return read_gguf_spec(path)
+        raise ModelFormatError(
+            f"{path} is neither a .gguf file nor a model directory; stagemesh reads "
+            "GGUF files (llama, qwen2, qwen3) and MLX / Hugging Face model directories."
+        )
+    raise ModelFormatError(
+        f"model {path!r} does not exist; pass a .gguf file, a model directory with "
+        "config.json, or a Hugging Face repo id that is already in the local cache."
+    )

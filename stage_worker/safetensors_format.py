@@ -1,0 +1,195 @@
+"""MLX / Hugging Face model directories (config.json + *.safetensors).
+
+Contract:
+- ``read_safetensors_spec(path)`` builds a ``ModelSpec`` from config.json and
+  the tensor *names* (model.safetensors.index.json when present, else the
+  safetensors headers); no tensor data is read. Architectures llama (also
+  ``mistral``), qwen2, qwen3; unquantized (bf16/f16/f32) or MLX affine
+  quantization (``quantization`` / ``quantization_config`` with group_size and
+  bits, per-module overrides). Other quantizers (AWQ, GPTQ, fp8, mxfp4, ...)
+  raise ``ModelFormatError``. The spec's quantization map is made explicit:
+  a quantizable module stored without ``.scales`` gets ``False``.
+- ``load_safetensors_weights(spec, layers, with_embedding, with_head)`` opens
+  only the shard files that hold the slice's tensors (``mx.load`` is lazy, so
+  only the kept arrays are read) and applies what mlx-lm's ``Model.sanitize``
+  does for these architectures: drop rotary ``inv_freq``, drop ``lm_head`` when
+  the embeddings are tied.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import os
+import struct
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import mlx.core as mx
+
+from .model_spec import (
+    HF_MODEL_TYPES,
+    ModelFormatError,
+    ModelSpec,
+    check_affine,
+    served_name_from_path,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+_QUANT_KEYS = ("quantization", "quantization_config")
+
+
+def _safetensors_keys(file: str) -> list[str]:
+    """Tensor names from a safetensors header (8-byte length + JSON), no data read."""
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise ModelFormatError(f"cannot read the safetensors header of {file}: {e}") from e
+    return [k for k in header if k != "__metadata__"]
+
+
+def weight_map(path: str) -> dict[str, str]:
+    """Tensor name -> shard file name, from the index or from the files' headers."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return dict(json.load(f)["weight_map"])
+    # Same glob as mlx-lm's loader.
+    files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
+    if not files:
+        raise ModelFormatError(
+            f"{path} has no model*.safetensors files; an MLX / Hugging Face model directory needs "
+            "its weights (model.safetensors or shards with model.safetensors.index.json)."
+        )
+    return {key: os.path.basename(file) for file in files for key in _safetensors_keys(file)}
+
+
+def _mlx_quantization(config: Mapping[str, Any], path: str) -> dict[str, Any] | None:
+    quant = config.get("quantization")
+    if quant is None:
+        legacy = config.get("quantization_config")
+        if legacy and "quant_method" in legacy:
+            raise ModelFormatError(
+                f"{path} is quantized with {legacy['quant_method']!r}; stagemesh serves MLX affine "
+                "quantization (mlx_lm.convert -q) or unquantized bf16/f16/f32 checkpoints. "
+                "Convert it with `mlx_lm.convert --hf-path <model> -q`."
+            )
+        quant = legacy or None
+    if not quant:
+        return None
+    quant = dict(quant)
+    mode = quant.get("mode", "affine")
+    if mode != "affine":
+        raise ModelFormatError(
+            f"{path} uses MLX quantization mode {mode!r}; stagemesh serves the affine mode "
+            "(2/3/4/5/6/8 bits). Re-quantize with `mlx_lm.convert -q --q-mode affine`."
+        )
+    check_affine(int(quant["group_size"]), int(quant["bits"]), f"{path}/config.json")
+    for module, value in quant.items():
+        if isinstance(value, Mapping):
+            if value.get("mode", "affine") != "affine":
+                raise ModelFormatError(f"{path}: module {module} uses quantization mode {value['mode']!r}; only affine is served.")
+            check_affine(int(value["group_size"]), int(value["bits"]), f"{path}: module {module}")
+    return quant
+
+
+def _quantizable(module: str) -> bool:
+    """Linear and Embedding modules of llama/qwen2/qwen3 (norms are never quantized)."""
+    return module.endswith(("_proj", "embed_tokens", "lm_head"))
+
+
+def _explicit_quantization(quant: dict[str, Any] | None, names: Iterable[str]) -> dict[str, Any] | None:
+    """Mark quantizable modules stored without scales as False, as mlx-lm would infer."""
+    if quant is None:
+        return None
+    names = set(names)
+    for name in sorted(names):
+        if name.endswith(".weight"):
+            module = name[: -len(".weight")]
+            if _quantizable(module) and f"{module}.scales" not in names and module not in quant:
+                quant[module] = False
+    return quant
+
+
+def read_safetensors_spec(path: str) -> ModelSpec:
+    path = os.path.abspath(path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    hf_type = config.get("model_type")
+    model_type = HF_MODEL_TYPES.get(hf_type)
+    if model_type is None:
+        raise ModelFormatError(
+            f"{path} is a {hf_type!r} model; stagemesh serves llama (SmolLM2, Llama 3.x, "
+            "Mistral), qwen2 and qwen3 models. Use a model of one of these architectures."
+        )
+    names = weight_map(path)
+    tie_default = config.get("tie_word_embeddings")
+    args = {k: v for k, v in config.items() if k not in _QUANT_KEYS}
+    if tie_default is None and "lm_head.weight" in names:
+        # mlx-lm's ModelArgs default to tied; a stored lm_head says otherwise.
+        args["tie_word_embeddings"] = False
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    try:
+        margs = module.ModelArgs.from_dict(args)
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{path}/config.json is incomplete for mlx-lm's {model_type} model: {e}") from e
+    quant = _explicit_quantization(_mlx_quantization(config, path), names)
+    return ModelSpec(
+        path=path,
+        format="mlx",
+        model_type=model_type,
+        args=args,
+        num_layers=int(margs.num_hidden_layers),
+        hidden_size=int(margs.hidden_size),
+        vocab_size=int(margs.vocab_size),
+        tie_word_embeddings=bool(margs.tie_word_embeddings),
+        quantization=quant,
+        default_served_name=served_name_from_path(path),
+        details={"weight_map": names},
+    )
+
+
+def wanted(name: str, layers: range, with_embedding: bool, with_head: bool, tied: bool) -> bool:
+    """Whether a stage holding ``layers`` keeps tensor ``name`` (after sanitize)."""
+    if "rotary_emb.inv_freq" in name:
+        return False  # mlx-lm recomputes rotary frequencies
+    if name.startswith("model.layers."):
+        return int(name.split(".", 3)[2]) in layers
+    if name.startswith("model.embed_tokens."):
+        return with_embedding or (with_head and tied)
+    if name.startswith("model.norm."):
+        return with_head
+    if name.startswith("lm_head."):
+        return with_head and not tied  # sanitize drops a tied head
+    return False
+
+
+def load_safetensors_weights(
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool
+) -> dict[str, mx.array]:
+    """Read only the shards holding the slice's tensors; return mlx-lm names."""
+    names = spec.details.get("weight_map") or weight_map(spec.path)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, file in names.items():
+        if wanted(name, layers, with_embedding, with_head, spec.tie_word_embeddings):
+            by_file[file].append(name)
+    weights: dict[str, mx.array] = {}
+    for file, keys in sorted(by_file.items()):
+        full = os.path.join(spec.path, file)
+        if not os.path.isfile(full):
+            raise ModelFormatError(f"shard {full} holding {keys[0]} is missing; download the model's shards again.")
+        try:
+            arrays = mx.load(full)  # lazy: only the arrays we evaluate are read
+        except (RuntimeError, ValueError) as e:
+            raise ModelFormatError(f"cannot read {full}: {e}") from e
+        for key in keys:
+            if key not in arrays:
+                raise ModelFormatError(f"{full} lacks {key}, which {INDEX_FILE} places there.")
+            weights[key] = arrays[key]
+        del arrays
+        mx.eval(list(weights[k] for k in keys))  # read this shard's slice before opening the next
+    return weights
