@@ -13,6 +13,7 @@ layer at a time, so memory stays near one shard. Returns ``out_dir``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -30,9 +31,11 @@ def _units(spec: ModelSpec) -> Iterator[dict[str, mx.array]]:
     yield load_gguf_weights(spec, range(0), with_embedding=True, with_head=False)
     for i in range(spec.num_layers):
         yield load_gguf_weights(spec, range(i, i + 1), with_embedding=False, with_head=False)
-    head = load_gguf_weights(spec, range(0), with_embedding=False, with_head=True)
-    # With tied embeddings the head reuses the embedding already written above.
-    yield {k: v for k, v in head.items() if not k.startswith("model.embed_tokens.")}
+    # Norm and (untied) output only: a tied head reuses the embedding written above,
+    # so ask as if untied rather than read the embedding twice.
+    yield load_gguf_weights(
+        dataclasses.replace(spec, tie_word_embeddings=False), range(0), with_embedding=False, with_head=True
+    )
 
 
 def _unit_bytes(unit: dict[str, mx.array]) -> int:
