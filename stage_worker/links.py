@@ -111,6 +111,8 @@ def _recv_exact(sock: socket.socket, count: int, peer: str) -> bytes:
     while len(chunks) < count:
         try:
             chunk = sock.recv(count - len(chunks))
+        except TimeoutError:
+            raise
         except OSError as exc:
             raise LinkError(f"control lane from {peer} failed: {exc}") from exc
         if not chunk:
@@ -295,15 +297,30 @@ class InboundLink:
             raise LinkError(f"refused {self.peer_name}: {problem}")
         return message.body
 
-    def recv(self, check: Callable[[wire.FrameHeader], None] | None = None) -> wire.Message:
+    def recv(
+        self,
+        check: Callable[[wire.FrameHeader], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> wire.Message:
         """Block (in the kernel, not spinning) for the next message; then take its payload.
 
         ``check`` may refuse the header before any ring receive is posted.
+        ``timeout_s`` bounds the wait for a reply that is owed (a batch in
+        flight); waiting for new work has no deadline.
         """
         sock = self._sock
         if sock is None:
             raise LinkError(f"link from {self.peer_name} is not connected")
-        header = wire.unpack_header(_recv_exact(sock, wire.HEADER_BYTES, self.peer_name))
+        sock.settimeout(timeout_s)
+        try:
+            header = wire.unpack_header(_recv_exact(sock, wire.HEADER_BYTES, self.peer_name))
+        except TimeoutError:
+            raise LinkError(
+                f"{self.peer_name} sent nothing for {timeout_s:.0f} s while a batch was in "
+                f"flight: a stage is frozen or unreachable"
+            ) from None
+        finally:
+            sock.settimeout(None)
         if header.message_no != self._expected_no:
             raise wire.WireMismatchError(
                 f"{self.peer_name} sent message #{header.message_no}, expected "

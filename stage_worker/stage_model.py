@@ -86,7 +86,9 @@ class StageModel:
         self.hidden_size = spec.hidden_size
         self.quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
                              for _, m in module.named_modules())
-        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+        params = tree_flatten(module.parameters())
+        self.weight_bytes = sum(v.nbytes for _, v in params)
+        self.layer_bytes = sum(v.nbytes for name, v in params if name.startswith("layers."))
 
     @classmethod
     def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             outbound.attach_ring(ring)
             log.info("joined the ring of %d stages", plan.size)
         if is_first:
-            pipeline = EntryPipeline(compute, outbound, inbound, is_last)
+            pipeline = EntryPipeline(compute, outbound, inbound, is_last, reply_timeout_s=args.ring_timeout)
             if args.job:
                 job = GenerationJob.from_dict(json.load(open(args.job)))
                 _write_json(args.job_result, run_generation(pipeline, job).to_dict())

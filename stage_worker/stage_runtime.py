@@ -136,8 +136,10 @@ class EntryPipeline:
         outbound: OutboundLink | None,
         inbound: InboundLink | None,
         is_last: bool,
+        reply_timeout_s: float = 30.0,
     ) -> None:
         self._compute = compute
+        self._reply_timeout_s = reply_timeout_s
         self._outbound = outbound
         self._inbound = inbound
         self._is_last = is_last
@@ -160,7 +162,7 @@ class EntryPipeline:
         else:
             assert self._outbound is not None and self._inbound is not None
             self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id)
-            reply = self._inbound.recv()
+            reply = self._inbound.recv(timeout_s=self._reply_timeout_s)
             if reply.kind != FrameKind.TOKENS or reply.header.batch_id != self._batch_id:
                 raise wire.WireMismatchError(
                     f"expected TOKENS for batch {self._batch_id}, got {reply.kind.name} "
@@ -178,7 +180,7 @@ class EntryPipeline:
             return
         self._outbound.send(FrameKind.SHUTDOWN)
         while True:
-            message = self._inbound.recv()
+            message = self._inbound.recv(timeout_s=self._reply_timeout_s)
             if message.kind == FrameKind.SHUTDOWN:
                 return
 

@@ -19,25 +19,43 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _selected(argv: list[str]) -> str | None:
+    """The subcommand named on the command line, so only its module is imported."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in SUBCOMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stagemesh",
         description="Serve language models from a handful of Macs as a gRPC stage mesh over MLX's ring.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = _selected(argv)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        sub_parser = sub.add_parser(name, help=help_text, description=module.__doc__,
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(sub_parser)
-        sub_parser.set_defaults(_run=module.run)
+        if name == chosen:
+            # Heavy imports (MLX, transformers) happen only for the command being run.
+            module = importlib.import_module(module_name)
+            sub_parser.description = module.__doc__
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    from stagemesh.errors import USER_ERRORS
+
     try:
         return args._run(args)
+    except USER_ERRORS as exc:
+        print(f"stagemesh {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -1,0 +1,29 @@
+"""``stagemesh convert GGUF OUT_DIR``: write an mlx-lm model directory from a GGUF file.
+
+The directory holds the same weights our GGUF loader serves (quantized blocks
+kept as MLX affine arrays, q/k rows un-permuted), config.json with per-module
+quantization, tokenizer files with the chat template, and generation_config.json;
+``mlx_lm`` loads it, so it is also the reference for benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("gguf", nargs="?", default=None, help="GGUF file (default: the embedded default model)")
+    parser.add_argument("out_dir", help="directory to write")
+    parser.add_argument("--max-shard-mb", type=float, default=None,
+                        help="split weights into shards of at most this many MB (never splitting a layer)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stage_worker.convert import convert_gguf_to_mlx_dir
+    from stage_worker.default_model import resolve_model_path
+
+    source = resolve_model_path(args.gguf)
+    max_bytes = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
+    out = convert_gguf_to_mlx_dir(source, args.out_dir, max_shard_bytes=max_bytes)
+    print(f"wrote {out} from {source}")
+    return 0

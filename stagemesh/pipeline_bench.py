@@ -1,0 +1,160 @@
+"""``stagemesh bench-pipeline``: per-stage memory and single-stream decode speed, PP=1..N vs mlx_lm.
+
+In one invocation, alternating so machine noise hits every arm alike, it runs:
+
+* ``mlx_lm``: the model converted to an mlx-lm directory (same weights), loaded
+  by mlx_lm and decoded greedily with its own ``generate_step`` in a fresh
+  process (the reference);
+* stagemesh pipelines of 1..``--max-pp`` stages over the MLX ring on loopback,
+  each stage a fresh process reporting its peak resident memory.
+
+Every arm decodes ``--max-tokens`` tokens from the same prompt, ignoring EOS.
+It prints decode tokens/s with ratios to mlx_lm and to PP=1, and each stage's
+peak RSS with its ratio to the PP=1 stage, and writes everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_MLX_LM_ARM = """
+import json, resource, sys, time
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+model, tokenizer = load(sys.argv[1])
+prompt = mx.array(json.loads(sys.argv[2]))
+max_tokens = int(sys.argv[3])
+stamps = []
+for token, _ in generate_step(prompt, model, max_tokens=max_tokens):
+    stamps.append(time.perf_counter())
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+rss = rss if sys.platform == "darwin" else rss * 1024
+print(json.dumps({"decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+                  "peak_rss_bytes": rss}))
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded default model)")
+    parser.add_argument("--max-pp", type=int, default=3, help="measure PP=1..MAX_PP")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of all arms; medians are reported")
+    parser.add_argument("--ring-base-port", type=int, default=None)
+    parser.add_argument("--output", default="bench-results/pipeline.json")
+
+
+def _run_pipeline_arm(model_path: str, num_layers: int, pp: int, dtype: str, prompt: list[int],
+                      max_tokens: int, ring_base: int) -> dict:
+    from coordinator.local_launcher import start_local_pipeline
+    from coordinator.plan import make_local_plan
+
+    plan = make_local_plan(model_path, num_layers, pp, dtype, ring_base_port=ring_base)
+    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as workdir:
+        pipeline = start_local_pipeline(plan, job={"prompts": [prompt], "max_tokens": max_tokens},
+                                        stats=True, workdir=workdir)
+        pipeline.wait(1800)
+        result = json.loads(Path(workdir, "result.json").read_text())
+        stages = [json.loads(Path(workdir, f"stats-{r}.json").read_text()) for r in range(pp)]
+    return {"decode_tokens_per_s": result["decode_tokens_per_s"], "stages": stages}
+
+
+def _run_mlx_lm_arm(mlx_dir: str, prompt: list[int], max_tokens: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _MLX_LM_ARM, mlx_dir, json.dumps(prompt), str(max_tokens)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> int:
+    from stage_worker.convert import convert_gguf_to_mlx_dir
+    from stage_worker.default_model import resolve_model_path
+    from stage_worker.model_spec import read_model_spec
+    from stage_worker.tokenizer import load_tokenizer
+
+    model_path = resolve_model_path(args.model)
+    spec = read_model_spec(model_path)
+    if spec.format != "gguf":
+        print("bench-pipeline converts a GGUF model for the mlx_lm reference; pass a GGUF file", file=sys.stderr)
+        return 2
+    prompt = load_tokenizer(spec).encode(args.prompt, add_special_tokens=False)
+    base = args.ring_base_port or int(os.environ.get("STAGEMESH_RING_BASE_PORT", 32323))
+    arms = ["mlx_lm"] + [f"pp{n}" for n in range(1, args.max_pp + 1)]
+    samples: dict[str, list[dict]] = {arm: [] for arm in arms}
+    with tempfile.TemporaryDirectory(prefix="stagemesh-mlx-") as mlx_dir:
+        convert_gguf_to_mlx_dir(model_path, mlx_dir)
+        for round_no in range(args.repeats):
+            for arm in arms:
+                if arm == "mlx_lm":
+                    sample = _run_mlx_lm_arm(mlx_dir, prompt, args.max_tokens)
+                else:
+                    sample = _run_pipeline_arm(model_path, spec.num_layers, int(arm[2:]), args.dtype,
+                                               prompt, args.max_tokens, base)
+                samples[arm].append(sample)
+                print(f"round {round_no + 1}/{args.repeats} {arm}: "
+                      f"{sample['decode_tokens_per_s']:.2f} tok/s", file=sys.stderr)
+    summary = summarize(samples)
+    report = {"model": model_path, "dtype": args.dtype, "max_tokens": args.max_tokens,
+              "prompt_tokens": len(prompt), "repeats": args.repeats, "machine": _machine(),
+              "summary": summary, "samples": samples}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(format_table(summary))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def summarize(samples: dict[str, list[dict]]) -> dict:
+    """Medians per arm, with ratios to mlx_lm and to PP=1 (pure)."""
+    median_tps = {arm: statistics.median(s["decode_tokens_per_s"] for s in runs) for arm, runs in samples.items()}
+    summary: dict = {}
+    pp1_stage_rss = None
+    for arm, runs in samples.items():
+        entry = {"decode_tokens_per_s": median_tps[arm],
+                 "vs_mlx_lm": median_tps[arm] / median_tps["mlx_lm"]}
+        if "pp1" in median_tps:
+            entry["vs_pp1"] = median_tps[arm] / median_tps["pp1"]
+        if arm == "mlx_lm":
+            entry["peak_rss_bytes"] = [statistics.median(s["peak_rss_bytes"] for s in runs)]
+        else:
+            ranks = len(runs[0]["stages"])
+            entry["peak_rss_bytes"] = [statistics.median(s["stages"][r]["peak_rss_bytes"] for s in runs)
+                                       for r in range(ranks)]
+            entry["weight_bytes"] = [runs[0]["stages"][r]["weight_bytes"] for r in range(ranks)]
+            if arm == "pp1":
+                pp1_stage_rss = entry["peak_rss_bytes"][0]
+        summary[arm] = entry
+    if pp1_stage_rss:
+        for arm, entry in summary.items():
+            if arm != "mlx_lm":
+                entry["rss_vs_pp1"] = [r / pp1_stage_rss for r in entry["peak_rss_bytes"]]
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'arm':<8} {'decode tok/s':>12} {'vs mlx_lm':>9} {'vs PP=1':>8}  per-stage peak RSS MB (ratio to PP=1)"]
+    for arm, e in summary.items():
+        rss = ", ".join(
+            f"{b / 1e6:.0f}" + (f" ({e['rss_vs_pp1'][i]:.2f})" if "rss_vs_pp1" in e else "")
+            for i, b in enumerate(e["peak_rss_bytes"])
+        )
+        lines.append(f"{arm:<8} {e['decode_tokens_per_s']:>12.2f} {e['vs_mlx_lm']:>9.2f} "
+                     f"{e.get('vs_pp1', float('nan')):>8.2f}  {rss}")
+    return "\n".join(lines)
+
+
+def _machine() -> dict:
+    import platform
+
+    import mlx.core as mx
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "mlx": mx.__version__,
+            "device": str(mx.default_device())}
