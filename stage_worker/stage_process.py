@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ import mlx.core as mx
 from coordinator.plan import PipelinePlan, StagePlacement
 from stage_worker import wire
 from stage_worker.generation_job import GenerationJob, run_generation
+from stage_worker.memory import peak_rss_bytes
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
 from stage_worker.model_spec import ModelFormatError, read_model_spec
 from stage_worker.stage_model import StageModel, StageRole, model_fingerprint, resolve_compute_dtype
@@ -132,12 +132,6 @@ def init_ring(plan: PipelinePlan, rank: int, watchdog: RingWatchdog) -> mx.distr
     return group
 
 
-def peak_rss_bytes() -> int:
-    # Linux reports ru_maxrss in KiB, macOS in bytes.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
 def run(args: argparse.Namespace) -> int:
     plan = PipelinePlan.from_json(open(args.plan).read())
     me = plan.stages[args.rank]
@@ -155,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
              me.layers, spec.model_type, plan.model_path, me.host, me.ring_port, me.lane_port)
     started = time.monotonic()
     model = StageModel.load(spec, StageRole(me.layers, is_first, is_last), dtype)
-    log.info("loaded %.1f MB of weights in %.2f s (dtype=%s quantized=%s)",
-             model.weight_bytes / 1e6, time.monotonic() - started, wire.dtype_name(dtype), model.quantized)
+    log.info("loaded %.1f MB of weights in %.2f s (dtype=%s quantized=%s, peak RSS %.0f MB)",
+             model.weight_bytes / 1e6, time.monotonic() - started, wire.dtype_name(dtype), model.quantized,
+             peak_rss_bytes() / 1e6)
     recorder = LogitRecorder() if (args.record_logits and is_last) else None
     compute = StageCompute(model, args.max_num_seqs, recorder)
     inbound = outbound = None
@@ -173,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             ring = Ring(init_ring(plan, me.rank, watchdog), watchdog)
             inbound.attach_ring(ring)
             outbound.attach_ring(ring)
-            log.info("joined the ring of %d stages", plan.size)
+            log.info("joined the ring of %d stages (peak RSS %.0f MB)", plan.size, peak_rss_bytes() / 1e6)
         if is_first:
             pipeline = EntryPipeline(compute, outbound, inbound, is_last, reply_timeout_s=args.ring_timeout)
             if args.job:

@@ -25,8 +25,9 @@ import tempfile
 from pathlib import Path
 
 _MLX_LM_ARM = """
-import json, resource, sys, time
+import json, sys, time
 import mlx.core as mx
+from stage_worker.memory import peak_rss_bytes
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 model, tokenizer = load(sys.argv[1])
@@ -35,10 +36,8 @@ max_tokens = int(sys.argv[3])
 stamps = []
 for token, _ in generate_step(prompt, model, max_tokens=max_tokens):
     stamps.append(time.perf_counter())
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-rss = rss if sys.platform == "darwin" else rss * 1024
 print(json.dumps({"decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
-                  "peak_rss_bytes": rss}))
+                  "peak_rss_bytes": peak_rss_bytes()}))
 """
 
 
