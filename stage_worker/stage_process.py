@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -28,12 +29,17 @@ import mlx.core as mx
 
 from coordinator.plan import PipelinePlan, StagePlacement
 from stage_worker import wire
+from stage_worker.engine import EntryEngine, PipelineBroken
 from stage_worker.generation_job import GenerationJob, run_generation
-from stage_worker.memory import peak_rss_bytes
+from stage_worker.grpc_service import StageDescription, start_grpc_server
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
+from stage_worker.memory import peak_rss_bytes
 from stage_worker.model_spec import ModelFormatError, read_model_spec
+from stage_worker.scheduler import Scheduler
 from stage_worker.stage_model import StageModel, StageRole, model_fingerprint, resolve_compute_dtype
 from stage_worker.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
+from stage_worker.stage_status import StageState, StageStatus
+from stagemesh.version import stagemesh_version
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -132,11 +138,24 @@ def init_ring(plan: PipelinePlan, rank: int, watchdog: RingWatchdog) -> mx.distr
     return group
 
 
+class _StopRequested(Exception):
+    """SIGTERM/SIGINT on a relay stage: leave the relay loop and exit cleanly."""
+
+
+def _describe(plan: PipelinePlan, me: StagePlacement, args: argparse.Namespace, spec, dtype) -> StageDescription:
+    return StageDescription(
+        replica=plan.replica, rank=me.rank, world_size=plan.size, layers=(me.layers.start, me.layers.end),
+        num_layers=plan.num_layers, host=me.host, grpc_port=me.grpc_port, ring_port=me.ring_port,
+        lane_port=me.lane_port, node_id=args.node_id, model=plan.model_path,
+        compute_dtype=wire.dtype_name(dtype), max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or 0, version=stagemesh_version(),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     plan = PipelinePlan.from_json(open(args.plan).read())
     me = plan.stages[args.rank]
-    is_first, is_last = me.rank == 0, me.rank == plan.size - 1
-    stage_name = f"stage {me.rank}/{plan.size}"
+    stage_name = f"replica {plan.replica} stage {me.rank}/{plan.size}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {stage_name} %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
@@ -145,16 +164,44 @@ def run(args: argparse.Namespace) -> int:
     except (ModelFormatError, ValueError) as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
-    log.info("loading layers %s of %s (%s) host=%s ring_port=%d lane_port=%d",
-             me.layers, spec.model_type, plan.model_path, me.host, me.ring_port, me.lane_port)
+    if args.max_model_len is None:
+        args.max_model_len = int(spec.args.get("max_position_embeddings") or 4096)
+    status = StageStatus()
+    server = servicer = None
+    if args.serve:
+        try:
+            server, servicer = start_grpc_server(_describe(plan, me, args, spec, dtype), status,
+                                                 max_workers=args.max_num_seqs + args.max_waiting + 16)
+        except OSError as exc:
+            log.error("%s", exc)
+            return EXIT_CONFIG
+        log.info("gRPC control on %s:%d", me.host, me.grpc_port)
+    try:
+        return _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name)
+    finally:
+        if server is not None:
+            server.stop(grace=1.0).wait()
+
+
+def _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name) -> int:
+    is_first, is_last = me.rank == 0, me.rank == plan.size - 1
+    log.info("loading layers %s of %s (%s) host=%s grpc_port=%d ring_port=%d lane_port=%d",
+             me.layers, spec.model_type, plan.model_path, me.host, me.grpc_port, me.ring_port, me.lane_port)
     started = time.monotonic()
-    model = StageModel.load(spec, StageRole(me.layers, is_first, is_last), dtype)
+    try:
+        model = StageModel.load(spec, StageRole(me.layers, is_first, is_last), dtype)
+    except ModelFormatError as exc:
+        status.set_state(StageState.FAILED, str(exc))
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    status.weight_bytes, status.quantized = model.weight_bytes, model.quantized
     log.info("loaded %.1f MB of weights in %.2f s (dtype=%s quantized=%s, peak RSS %.0f MB)",
              model.weight_bytes / 1e6, time.monotonic() - started, wire.dtype_name(dtype), model.quantized,
              peak_rss_bytes() / 1e6)
     recorder = LogitRecorder() if (args.record_logits and is_last) else None
     compute = StageCompute(model, args.max_num_seqs, recorder)
     inbound = outbound = None
+    status.set_state(StageState.CONNECTING)
     try:
         if plan.size > 1:
             identity = StageIdentity(
@@ -170,21 +217,33 @@ def run(args: argparse.Namespace) -> int:
             outbound.attach_ring(ring)
             log.info("joined the ring of %d stages (peak RSS %.0f MB)", plan.size, peak_rss_bytes() / 1e6)
         if is_first:
-            pipeline = EntryPipeline(compute, outbound, inbound, is_last, reply_timeout_s=args.ring_timeout)
-            if args.job:
-                job = GenerationJob.from_dict(json.load(open(args.job)))
-                _write_json(args.job_result, run_generation(pipeline, job).to_dict())
-            pipeline.shutdown()
+            pipeline = EntryPipeline(compute, outbound, inbound, is_last, reply_timeout_s=args.ring_timeout,
+                                     on_batch=status.record_batch)
+            if args.serve:
+                _serve_entry(args, pipeline, status, servicer)
+            else:
+                if args.job:
+                    job = GenerationJob.from_dict(json.load(open(args.job)))
+                    _write_json(args.job_result, run_generation(pipeline, job).to_dict())
+                pipeline.shutdown()
         else:
             assert inbound is not None and outbound is not None
-            relay_loop(compute, inbound, outbound, is_last)
-    except (LinkError, wire.WireMismatchError) as exc:
+            status.set_state(StageState.SERVING)
+            _on_stop_signal(lambda: _raise_stop())
+            try:
+                relay_loop(compute, inbound, outbound, is_last, on_batch=status.record_batch)
+            except _StopRequested:
+                log.info("stop requested")
+    except (LinkError, wire.WireMismatchError, PipelineBroken) as exc:
+        status.set_state(StageState.FAILED, str(exc))
         log.error("%s", exc)
+        time.sleep(0.3)  # let gRPC handlers deliver the failure to their callers
         return EXIT_PEER
     finally:
         for link in (inbound, outbound):
             if link is not None:
                 link.close()
+    status.set_state(StageState.STOPPED)
     if recorder is not None:
         recorder.save(args.record_logits)
     if args.stats:
@@ -194,6 +253,31 @@ def run(args: argparse.Namespace) -> int:
         })
     log.info("stopped")
     return 0
+
+
+def _serve_entry(args, pipeline: EntryPipeline, status: StageStatus, servicer) -> None:
+    scheduler = Scheduler(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          max_waiting=args.max_waiting, max_batch_tokens=args.max_batch_tokens,
+                          prefill_chunk_tokens=args.max_batch_tokens)
+    engine = EntryEngine(pipeline, scheduler, status)
+    servicer.engine = engine
+    _on_stop_signal(engine.stop)
+    status.set_state(StageState.SERVING)
+    log.info("serving (max_num_seqs=%d max_model_len=%d)", args.max_num_seqs, args.max_model_len)
+    engine.run()
+
+
+def _raise_stop() -> None:
+    raise _StopRequested()
+
+
+def _on_stop_signal(action) -> None:
+    def handler(signum, frame):
+        log.info("received %s", signal.Signals(signum).name)
+        action()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def _write_json(path: str | None, data: dict) -> None:
@@ -206,7 +290,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stage_worker.stage_process", description=__doc__)
     parser.add_argument("--plan", required=True, help="pipeline plan JSON written by the coordinator")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--serve", action="store_true",
+                        help="serve gRPC (Stage, health, reflection) on the plan's grpc_port until SIGTERM")
+    parser.add_argument("--node-id", default="", help="Ray node id, reported by GetStageInfo")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    parser.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond the running ones")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    parser.add_argument("--max-batch-tokens", type=int, default=512,
+                        help="token rows per batch (long prompts are prefilled in chunks of this size)")
     parser.add_argument("--connect-timeout", type=float, default=60.0)
     parser.add_argument("--ring-timeout", type=float, default=float(os.environ.get("STAGEMESH_RING_TIMEOUT", 30)))
     parser.add_argument("--job", help="generation job JSON (first stage only)")

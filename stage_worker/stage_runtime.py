@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -30,6 +31,9 @@ from stage_worker.stage_model import StageModel
 from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
 
 log = logging.getLogger(__name__)
+
+# (token rows, compute seconds, wait seconds, send seconds) of one batch
+BatchTimer = Callable[[int, float, float, float], None]
 
 
 @dataclass(frozen=True)
@@ -137,9 +141,11 @@ class EntryPipeline:
         inbound: InboundLink | None,
         is_last: bool,
         reply_timeout_s: float = 30.0,
+        on_batch: BatchTimer | None = None,
     ) -> None:
         self._compute = compute
         self._reply_timeout_s = reply_timeout_s
+        self._on_batch = on_batch
         self._outbound = outbound
         self._inbound = inbound
         self._is_last = is_last
@@ -154,14 +160,18 @@ class EntryPipeline:
                                  f"{chunk.record.num_tokens} tokens, chunk has {len(chunk.token_ids)}")
         self._batch_id += 1
         model = self._compute.model
+        started = time.perf_counter()
         hidden = model.embed(mx.array(token_ids, dtype=mx.int32)) if token_ids else \
             mx.zeros((0, model.hidden_size), dtype=model.dtype)
         hidden = self._compute.forward(records, hidden)
+        computed = sent = time.perf_counter()
         if self._is_last:
             out_records, tokens = self._compute.sample(records, hidden)
+            computed = sent = time.perf_counter()
         else:
             assert self._outbound is not None and self._inbound is not None
             self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id)
+            sent = time.perf_counter()
             reply = self._inbound.recv(timeout_s=self._reply_timeout_s)
             if reply.kind != FrameKind.TOKENS or reply.header.batch_id != self._batch_id:
                 raise wire.WireMismatchError(
@@ -172,6 +182,9 @@ class EntryPipeline:
             tokens = reply.payload if reply.payload is not None else mx.zeros((0,), mx.int32)
         self._compute.release_finished(records)
         ids = np.array(tokens).tolist()
+        if self._on_batch is not None:
+            done = time.perf_counter()
+            self._on_batch(len(token_ids), computed - started, done - sent, sent - computed)
         return [SampledToken(r.seq_id, r.start_pos, int(t)) for r, t in zip(out_records, ids)]
 
     def shutdown(self) -> None:
@@ -190,7 +203,7 @@ def relay_loop(
     inbound: InboundLink,
     outbound: OutboundLink,
     is_last: bool,
-    on_message: Callable[[wire.Message], None] | None = None,
+    on_batch: BatchTimer | None = None,
 ) -> None:
     """Middle and last stages: receive, compute, pass on; return after SHUTDOWN."""
     model = compute.model
@@ -202,9 +215,9 @@ def relay_loop(
             )
 
     while True:
+        waited = time.perf_counter()
         message = inbound.recv(check=check)
-        if on_message is not None:
-            on_message(message)
+        started = time.perf_counter()
         if message.kind == FrameKind.SHUTDOWN:
             outbound.send(FrameKind.SHUTDOWN)
             return
@@ -216,6 +229,7 @@ def relay_loop(
         hidden = compute.forward(message.records, hidden)
         if is_last:
             out_records, tokens = compute.sample(message.records, hidden)
+            computed = time.perf_counter()
             outbound.send(
                 FrameKind.TOKENS,
                 out_records,
@@ -223,8 +237,11 @@ def relay_loop(
                 batch_id=message.header.batch_id,
             )
         else:
+            computed = time.perf_counter()
             outbound.send(FrameKind.FORWARD, message.records, hidden, batch_id=message.header.batch_id)
         compute.release_finished(message.records)
+        if on_batch is not None:
+            on_batch(hidden.shape[0], computed - started, started - waited, time.perf_counter() - computed)
 
 
 def _with_seed(record: SequenceRecord) -> SequenceRecord:

@@ -1,0 +1,155 @@
+"""The entry stage's engine: requests in from gRPC threads, batches through the pipeline.
+
+gRPC handler threads call ``submit`` / ``abort`` and read events from the
+returned ``RequestHandle``; the engine loop runs on the thread that loaded the
+model (MLX streams are per thread) and is the only one touching the pipeline.
+When there is no work the loop sleeps on a condition variable, never spinning.
+A pipeline failure fails every request at once with the reason and ends the
+loop with ``PipelineBroken`` so the process can exit and be replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from stage_worker import wire
+from stage_worker.links import LinkError
+from stage_worker.scheduler import (
+    Finish,
+    GenerationRequest,
+    QueueFullError,
+    RequestError,
+    RequestEvent,
+    Scheduler,
+)
+from stage_worker.stage_runtime import EntryPipeline
+from stage_worker.stage_status import StageState, StageStatus
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+class PipelineBroken(RuntimeError):
+    """A neighbour failed; this process must exit so the replica is rebuilt."""
+
+
+class NotAccepting(RuntimeError):
+    """The stage is draining, stopping or failed; the caller answers UNAVAILABLE."""
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    message: str
+
+
+class RequestHandle:
+    """A request's event stream: ``RequestEvent`` items, or a final ``RequestFailed``."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.events: queue.SimpleQueue[RequestEvent | RequestFailed] = queue.SimpleQueue()
+
+
+class EntryEngine:
+    def __init__(self, pipeline: EntryPipeline, scheduler: Scheduler, status: StageStatus) -> None:
+        self._pipeline = pipeline
+        self._scheduler = scheduler
+        self._status = status
+        self._cond = threading.Condition()
+        self._handles: dict[str, RequestHandle] = {}
+        self._stopping = False
+        self._accepting = True
+
+    # -- called from gRPC threads ------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises RequestError, QueueFullError or NotAccepting."""
+        with self._cond:
+            if not self._accepting:
+                raise NotAccepting(f"the entry stage is {self._status.state.value}, not accepting requests")
+            self._scheduler.add(request)
+            handle = RequestHandle(request.request_id)
+            self._handles[request.request_id] = handle
+            self._publish_load()
+            self._cond.notify()
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        with self._cond:
+            event = self._scheduler.abort(request_id)
+            if event is None:
+                return False
+            handle = self._handles.pop(request_id, None)
+            self._publish_load()
+            self._cond.notify()
+        if handle is not None:
+            handle.events.put(event)
+        return True
+
+    def drain(self) -> tuple[int, int]:
+        with self._cond:
+            self._accepting = False
+            self._status.set_state(StageState.DRAINING)
+            return self._scheduler.num_running, self._scheduler.num_waiting
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._accepting = False
+            self._cond.notify()
+
+    # -- the loop, on the model's thread --------------------------------------
+    def run(self) -> None:
+        """Serve until ``stop``; then abort what is left and stop the pipeline cleanly."""
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._scheduler.has_work():
+                        self._cond.wait(_IDLE_WAIT_S)
+                    if self._stopping:
+                        break
+                    batch = self._scheduler.next_batch()
+                    self._publish_load()
+                sampled = self._pipeline.step(batch.chunks)
+                with self._cond:
+                    events = self._scheduler.on_sampled(batch, sampled)
+                    handles = [(self._handles.get(e.request_id), e) for e in events]
+                    for event in events:
+                        if event.finish is not None:
+                            self._handles.pop(event.request_id, None)
+                    self._publish_load()
+                for handle, event in handles:
+                    if handle is not None:
+                        handle.events.put(event)
+        except (LinkError, wire.WireMismatchError) as exc:
+            self._fail_all(f"the pipeline failed: {exc}")
+            raise PipelineBroken(str(exc)) from exc
+        self._finish_all_aborted()
+        self._pipeline.shutdown()
+
+    def _publish_load(self) -> None:
+        s = self._scheduler
+        self._status.set_load(s.num_running, s.num_waiting, s.finished_count)
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            self._accepting = False
+            self._scheduler.fail_all()
+            handles, self._handles = list(self._handles.values()), {}
+        self._status.set_state(StageState.FAILED, message)
+        for handle in handles:
+            handle.events.put(RequestFailed(message))
+
+    def _finish_all_aborted(self) -> None:
+        with self._cond:
+            self._scheduler.fail_all()
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            handle.events.put(RequestEvent(handle.request_id, (), Finish.ABORT, 0, 0))
+
+
+__all__ = ["EntryEngine", "NotAccepting", "PipelineBroken", "QueueFullError", "RequestError",
+           "RequestFailed", "RequestHandle"]

@@ -1,0 +1,250 @@
+"""Entry-stage scheduling: which sequences go into the next batch. Pure logic, no threads, no MLX.
+
+Continuous batching: requests join (admitted from a bounded waiting queue while
+fewer than ``max_num_seqs`` run) and leave (finished, aborted) at every step.
+Each batch holds, in this order, one decode token for every running sequence
+whose last sampled token has not been fed yet, then prompt chunks of at most
+``prefill_chunk_tokens`` per sequence while the batch has fewer than
+``max_batch_tokens`` rows, so a long prompt is prefilled over several steps
+instead of stalling the running decodes. Only a prompt's last chunk asks the
+last stage to sample. A finished or aborted sequence that holds KV on the
+stages gets a zero-token RELEASE record in the next batch.
+
+The caller (``engine``) runs ``next_batch`` -> pipeline -> ``on_sampled`` and
+delivers the returned events to the waiting RPCs.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from stage_worker.stage_runtime import Chunk, SampledToken
+from stage_worker.wire import RecordFlag, SamplingParams, SequenceRecord
+
+
+class Finish(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller answers RESOURCE_EXHAUSTED / 503."""
+
+
+class RequestError(ValueError):
+    """A request the stage cannot run; the message names the field to change."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """New tokens for one request, and its finish reason once it is done."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish: Finish | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    request: GenerationRequest
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    holds_kv: bool = False
+    in_flight: bool = False
+    aborted: bool = False
+
+    @property
+    def position(self) -> int:
+        """Tokens fed to the pipeline so far (prompt chunks plus fed decode tokens)."""
+        return self.prefilled + max(0, len(self.generated) - 1) if self.prefill_done else self.prefilled
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled == len(self.request.prompt)
+
+
+@dataclass(frozen=True)
+class Batch:
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.record.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_waiting: int,
+        max_batch_tokens: int = 512,
+        prefill_chunk_tokens: int = 512,
+    ) -> None:
+        if max_num_seqs < 1 or max_model_len < 2 or max_waiting < 0 or max_batch_tokens < 1:
+            raise ValueError("max_num_seqs >= 1, max_model_len >= 2, max_waiting >= 0, max_batch_tokens >= 1")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk_tokens = max(1, min(prefill_chunk_tokens, max_batch_tokens))
+        self._waiting: deque[GenerationRequest] = deque()
+        self._running: OrderedDict[int, _Sequence] = OrderedDict()
+        self._by_request: dict[str, _Sequence] = {}
+        self._releases: list[SequenceRecord] = []
+        self._next_seq_id = 1
+        self.finished_count = 0
+
+    # -- admission -------------------------------------------------------
+    def validate(self, request: GenerationRequest) -> None:
+        if not request.prompt:
+            raise RequestError("prompt_token_ids must hold at least one token")
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        total = len(request.prompt) + request.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} "
+                f"exceeds the model length {self.max_model_len} (--max-model-len); shorten the prompt "
+                f"or lower max_tokens"
+            )
+        if request.request_id in self._by_request or any(r.request_id == request.request_id for r in self._waiting):
+            raise RequestError(f"request_id {request.request_id!r} is already running")
+
+    def add(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        free_slots = self.max_num_seqs - len(self._running)
+        if len(self._waiting) >= self.max_waiting + max(0, free_slots):
+            raise QueueFullError(
+                f"{len(self._running)} sequences running and {len(self._waiting)} waiting (the bound, "
+                f"--max-num-seqs {self.max_num_seqs}); retry later"
+            )
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> RequestEvent | None:
+        """Abort a waiting or running request; returns its final event if it was found."""
+        for request in self._waiting:
+            if request.request_id == request_id:
+                self._waiting.remove(request)
+                self.finished_count += 1
+                return RequestEvent(request_id, (), Finish.ABORT, len(request.prompt), 0)
+        seq = self._by_request.get(request_id)
+        if seq is None or seq.aborted:
+            return None
+        seq.aborted = True
+        if not seq.in_flight:
+            self._retire(seq)
+        return RequestEvent(request_id, (), Finish.ABORT, len(seq.request.prompt), len(seq.generated))
+
+    # -- stepping --------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or bool(self._releases) or any(
+            not s.in_flight and not s.aborted for s in self._running.values()
+        )
+
+    def next_batch(self) -> Batch:
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            request = self._waiting.popleft()
+            seq = _Sequence(self._next_seq_id, request)
+            self._next_seq_id += 1
+            self._running[seq.seq_id] = seq
+            self._by_request[request.request_id] = seq
+        chunks: list[Chunk] = [Chunk(r, ()) for r in self._releases]
+        self._releases = []
+        budget = self.max_batch_tokens
+        for seq in self._running.values():  # decodes first: they are latency bound
+            if seq.in_flight or seq.aborted or not seq.prefill_done or budget <= 0:
+                continue
+            token = seq.generated[-1]
+            record = SequenceRecord(seq.seq_id, seq.position, 1, RecordFlag.SAMPLE, seq.request.sampling)
+            chunks.append(Chunk(record, (token,)))
+            seq.in_flight = True
+            budget -= 1
+        for seq in self._running.values():
+            if seq.in_flight or seq.aborted or seq.prefill_done or budget <= 0:
+                continue
+            size = min(self.prefill_chunk_tokens, budget, len(seq.request.prompt) - seq.prefilled)
+            flags = RecordFlag.NEW_SEQUENCE if seq.prefilled == 0 else RecordFlag.NONE
+            if seq.prefilled + size == len(seq.request.prompt):
+                flags |= RecordFlag.SAMPLE
+            tokens = seq.request.prompt[seq.prefilled : seq.prefilled + size]
+            chunks.append(Chunk(SequenceRecord(seq.seq_id, seq.prefilled, size, flags, seq.request.sampling), tokens))
+            seq.prefilled += size
+            seq.holds_kv = True
+            seq.in_flight = True
+            budget -= size
+        return Batch(tuple(chunks))
+
+    def on_sampled(self, batch: Batch, sampled: Sequence[SampledToken]) -> list[RequestEvent]:
+        """Account for a finished batch; return the events to deliver."""
+        by_seq = {t.seq_id: t for t in sampled}
+        events = []
+        for chunk in batch.chunks:
+            seq = self._running.get(chunk.record.seq_id)
+            if seq is None or chunk.record.num_tokens == 0:
+                continue
+            seq.in_flight = False
+            if seq.aborted:
+                self._retire(seq)
+                continue
+            token = by_seq.get(seq.seq_id)
+            if token is None:
+                continue  # a prompt chunk that did not sample yet
+            seq.generated.append(token.token_id)
+            finish = self._finish_reason(seq, token.token_id)
+            events.append(RequestEvent(seq.request.request_id, (token.token_id,), finish,
+                                       len(seq.request.prompt), len(seq.generated)))
+            if finish is not None:
+                self._retire(seq)
+        return events
+
+    def fail_all(self) -> list[str]:
+        """Forget every request (the pipeline broke); returns their ids."""
+        ids = [r.request_id for r in self._waiting] + [s.request.request_id for s in self._running.values()]
+        self._waiting.clear()
+        self._running.clear()
+        self._by_request.clear()
+        self._releases.clear()
+        return ids
+
+    def _finish_reason(self, seq: _Sequence, token_id: int) -> Finish | None:
+        if not seq.request.ignore_eos and token_id in seq.request.stop_token_ids:
+            return Finish.STOP
+        if len(seq.generated) >= seq.request.max_tokens:
+            return Finish.LENGTH
+        if len(seq.request.prompt) + len(seq.generated) >= self.max_model_len:
+            return Finish.LENGTH
+        return None
+
+    def _retire(self, seq: _Sequence) -> None:
+        self._running.pop(seq.seq_id, None)
+        self._by_request.pop(seq.request.request_id, None)
+        self.finished_count += 1
+        if seq.holds_kv:
+            self._releases.append(SequenceRecord(seq.seq_id, seq.position, 0, RecordFlag.RELEASE))

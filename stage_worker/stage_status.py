@@ -1,0 +1,95 @@
+"""A stage's lifecycle state and counters, shared by its runtime and its gRPC service.
+
+The runtime thread writes (state changes, timings); gRPC threads read
+snapshots. ``on_state`` lets the service mirror every state change into the
+standard gRPC health status.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class StageState(enum.Enum):
+    LOADING = "loading"
+    CONNECTING = "connecting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    batches: int
+    tokens: int
+    compute_seconds: float
+    wait_seconds: float
+    send_seconds: float
+    running_sequences: int
+    waiting_requests: int
+    requests_finished: int
+
+
+class StageStatus:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = StageState.LOADING
+        self._error = ""
+        self._listeners: list[Callable[[StageState], None]] = []
+        self.batches = 0
+        self.tokens = 0
+        self.compute_seconds = 0.0
+        self.wait_seconds = 0.0
+        self.send_seconds = 0.0
+        self.running_sequences = 0
+        self.waiting_requests = 0
+        self.requests_finished = 0
+        self.weight_bytes = 0
+        self.quantized = False
+
+    def on_state(self, listener: Callable[[StageState], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+            state = self._state
+        listener(state)
+
+    def set_state(self, state: StageState, error: str = "") -> None:
+        with self._lock:
+            if self._state == StageState.FAILED and state != StageState.FAILED:
+                return  # failure is final for this process
+            self._state, self._error = state, error or self._error
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(state)
+
+    @property
+    def state(self) -> StageState:
+        with self._lock:
+            return self._state
+
+    @property
+    def error(self) -> str:
+        with self._lock:
+            return self._error
+
+    def record_batch(self, tokens: int, compute_s: float, wait_s: float, send_s: float) -> None:
+        with self._lock:
+            self.batches += 1
+            self.tokens += tokens
+            self.compute_seconds += compute_s
+            self.wait_seconds += wait_s
+            self.send_seconds += send_s
+
+    def set_load(self, running: int, waiting: int, finished: int) -> None:
+        with self._lock:
+            self.running_sequences, self.waiting_requests, self.requests_finished = running, waiting, finished
+
+    def stats(self) -> StatsSnapshot:
+        with self._lock:
+            return StatsSnapshot(self.batches, self.tokens, self.compute_seconds, self.wait_seconds,
+                                 self.send_seconds, self.running_sequences, self.waiting_requests,
+                                 self.requests_finished)
