@@ -134,8 +134,9 @@ class Scheduler:
         free_slots = self.max_num_seqs - len(self._running)
         if len(self._waiting) >= self.max_waiting + max(0, free_slots):
             raise QueueFullError(
-                f"{len(self._running)} sequences running and {len(self._waiting)} waiting (the bound, "
-                f"--max-num-seqs {self.max_num_seqs}); retry later"
+                f"the stage is full: {len(self._running)} sequences running (--max-num-seqs "
+                f"{self.max_num_seqs}) and {len(self._waiting)} waiting (--max-waiting "
+                f"{self.max_waiting}); retry later"
             )
         self._waiting.append(request)
 

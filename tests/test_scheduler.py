@@ -1,0 +1,122 @@
+"""Entry-stage scheduling: join/leave every step, chunked prefill, releases, bounds."""
+
+import pytest
+
+from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, Scheduler
+from stage_worker.stage_runtime import SampledToken
+from stage_worker.wire import RecordFlag
+
+
+def _scheduler(**overrides):
+    options = dict(max_num_seqs=2, max_model_len=64, max_waiting=2, max_batch_tokens=8, prefill_chunk_tokens=8)
+    options.update(overrides)
+    return Scheduler(**options)
+
+
+def _request(rid, prompt_len=3, max_tokens=3, stop=frozenset()):
+    return GenerationRequest(rid, tuple(range(10, 10 + prompt_len)), max_tokens, stop_token_ids=stop)
+
+
+def _sample(batch, token=7):
+    """Pretend the pipeline sampled ``token`` for every record that asked for a sample."""
+    return [SampledToken(c.record.seq_id, c.record.start_pos + c.record.num_tokens, token)
+            for c in batch.chunks if c.record.has(RecordFlag.SAMPLE)]
+
+
+def test_a_request_prefills_then_decodes_until_max_tokens():
+    s = _scheduler()
+    s.add(_request("a", prompt_len=3, max_tokens=3))
+    batch = s.next_batch()
+    (chunk,) = batch.chunks
+    assert chunk.token_ids == (10, 11, 12) and chunk.record.start_pos == 0
+    assert chunk.record.flags == RecordFlag.NEW_SEQUENCE | RecordFlag.SAMPLE
+    events = s.on_sampled(batch, _sample(batch, 7))
+    assert [(e.token_ids, e.finish) for e in events] == [((7,), None)]
+    batch = s.next_batch()
+    (chunk,) = batch.chunks
+    assert chunk.token_ids == (7,) and chunk.record.start_pos == 3 and chunk.record.num_tokens == 1
+    s.on_sampled(batch, _sample(batch, 8))
+    batch = s.next_batch()
+    assert batch.chunks[0].record.start_pos == 4
+    events = s.on_sampled(batch, _sample(batch, 9))
+    assert events[0].finish == Finish.LENGTH and events[0].completion_tokens == 3
+    # the finished sequence's KV is released in the next batch, with no tokens
+    (release,) = s.next_batch().chunks
+    assert release.record.has(RecordFlag.RELEASE) and release.record.num_tokens == 0
+    assert not s.has_work()
+
+
+def test_stop_token_finishes_with_stop():
+    s = _scheduler()
+    s.add(_request("a", stop=frozenset({2})))
+    batch = s.next_batch()
+    (event,) = s.on_sampled(batch, _sample(batch, 2))
+    assert event.finish == Finish.STOP and event.token_ids == (2,)
+
+
+def test_sequences_join_and_leave_between_steps_and_decodes_go_first():
+    s = _scheduler(max_num_seqs=3, max_batch_tokens=16, prefill_chunk_tokens=16)
+    s.add(_request("a", max_tokens=2))
+    first = s.next_batch()
+    s.on_sampled(first, _sample(first))
+    s.add(_request("b", prompt_len=5))
+    batch = s.next_batch()
+    kinds = [(c.record.seq_id, c.record.num_tokens) for c in batch.chunks]
+    assert kinds == [(1, 1), (2, 5)]  # a's decode, then b's prefill joining
+    events = s.on_sampled(batch, _sample(batch))
+    assert {e.request_id: e.finish for e in events} == {"a": Finish.LENGTH, "b": None}
+    batch = s.next_batch()
+    assert [c.record.num_tokens for c in batch.chunks] == [0, 1]  # a's release, b's decode
+
+
+def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes():
+    s = _scheduler(max_num_seqs=2, max_batch_tokens=4, prefill_chunk_tokens=4)
+    s.add(_request("short", prompt_len=2, max_tokens=10))
+    batch = s.next_batch()
+    s.on_sampled(batch, _sample(batch))
+    s.add(_request("long", prompt_len=10))
+    sizes = []
+    for _ in range(4):
+        batch = s.next_batch()
+        sizes.append([(c.record.seq_id, c.record.start_pos, c.record.num_tokens, c.record.has(RecordFlag.SAMPLE))
+                      for c in batch.chunks])
+        s.on_sampled(batch, _sample(batch))
+    assert sizes[0] == [(1, 2, 1, True), (2, 0, 3, False)]
+    assert sizes[1] == [(1, 3, 1, True), (2, 3, 3, False)]
+    assert sizes[2] == [(1, 4, 1, True), (2, 6, 3, False)]
+    assert sizes[3] == [(1, 5, 1, True), (2, 9, 1, True)]  # last chunk samples
+
+
+def test_admission_is_bounded_by_running_slots_and_the_waiting_queue():
+    s = _scheduler(max_num_seqs=1, max_waiting=1)
+    s.add(_request("a"))
+    s.add(_request("b"))  # a free slot still counts as room
+    with pytest.raises(QueueFullError):
+        s.add(_request("c"))  # one slot + one waiting place, both taken
+    s.next_batch()
+    assert s.num_running == 1 and s.num_waiting == 1
+    with pytest.raises(QueueFullError, match=r"1 sequences running \(--max-num-seqs 1\) and 1 waiting \(--max-waiting 1\)"):
+        s.add(_request("c"))
+
+
+def test_requests_that_cannot_fit_are_refused_with_the_field_to_change():
+    s = _scheduler(max_model_len=10)
+    with pytest.raises(RequestError, match=r"prompt \(8 tokens\) \+ max_tokens \(3\) = 11 exceeds the model length 10"):
+        s.add(_request("a", prompt_len=8, max_tokens=3))
+    with pytest.raises(RequestError, match="max_tokens must be at least 1"):
+        s.add(_request("a", max_tokens=0))
+    with pytest.raises(RequestError, match="at least one token"):
+        s.add(GenerationRequest("a", (), 3))
+
+
+def test_abort_while_waiting_in_flight_or_idle():
+    s = _scheduler(max_num_seqs=1)
+    s.add(_request("a"))
+    s.add(_request("b"))
+    assert s.abort("b").finish == Finish.ABORT  # waiting: gone at once
+    batch = s.next_batch()
+    assert s.abort("a").finish == Finish.ABORT  # in flight: retired when the batch returns
+    assert s.on_sampled(batch, _sample(batch)) == []
+    (release,) = s.next_batch().chunks
+    assert release.record.has(RecordFlag.RELEASE)
+    assert s.abort("a") is None and s.abort("nope") is None
