@@ -136,7 +136,6 @@ class StageModel:
                 f"weights for layers {role.layers} do not match the {spec.model_type} "
                 f"model definition: {exc}"
             ) from exc
-        del local
         module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
         module.eval()
         mx.eval(module.parameters())

@@ -39,6 +39,7 @@ from stage_worker.scheduler import Scheduler
 from stage_worker.stage_model import StageModel, StageRole, model_fingerprint, resolve_compute_dtype
 from stage_worker.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
 from stage_worker.stage_status import StageState, StageStatus
+from stagemesh import envs
 from stagemesh.version import stagemesh_version
 
 log = logging.getLogger("stagemesh.stage")
@@ -299,7 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-tokens", type=int, default=512,
                         help="token rows per batch (long prompts are prefilled in chunks of this size)")
     parser.add_argument("--connect-timeout", type=float, default=60.0)
-    parser.add_argument("--ring-timeout", type=float, default=float(os.environ.get("STAGEMESH_RING_TIMEOUT", 30)))
+    parser.add_argument("--ring-timeout", type=float, default=envs.RING_TIMEOUT)
     parser.add_argument("--job", help="generation job JSON (first stage only)")
     parser.add_argument("--job-result", help="where the first stage writes the job's outputs")
     parser.add_argument("--record-logits", help="last stage: save every sampled row's logits (.npz)")

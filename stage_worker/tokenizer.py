@@ -62,6 +62,7 @@ def load_tokenizer(spec: ModelSpec) -> Any:
 def _gguf_tokenizer(spec: ModelSpec) -> Any:
     from tokenizers import pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     # An internal module of the pinned transformers: its GGUF entry point needs torch,
     # but the vocabulary builders below it do not.
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stagemesh import envs
+
 _MLX_LM_ARM = """
 import json, sys, time
 import mlx.core as mx
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         print("bench-pipeline converts a GGUF model for the mlx_lm reference; pass a GGUF file", file=sys.stderr)
         return 2
     prompt = load_tokenizer(spec).encode(args.prompt, add_special_tokens=False)
-    base = args.ring_base_port or int(os.environ.get("STAGEMESH_RING_BASE_PORT", 32323))
+    base = args.ring_base_port or envs.RING_BASE_PORT
     arms = ["mlx_lm"] + [f"pp{n}" for n in range(1, args.max_pp + 1)]
     samples: dict[str, list[dict]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="stagemesh-mlx-") as mlx_dir:
