@@ -1,0 +1,230 @@
+"""Placement: which Ray node hosts each (replica, rank), and the plans that follow.
+
+Pure functions over plain values (no Ray), so every decision is unit-tested
+with made-up clusters:
+
+- ``place_stages(nodes, P, D)`` gives each of the ``P * D`` stages one ``mlx``
+  unit. Rank 0 of every replica goes to the head node (where the gateway and
+  coordinator run, so the hop gateway -> entry stage stays local) while it has
+  units; a replica's other ranks go to distinct nodes when possible (PP exists
+  for models too big for one Mac, so two ranks of one replica on one node is
+  the fallback, not the goal). Too few units raise ``PlacementError`` saying
+  how many there are and how to add some.
+- ``pipeline_plan(replica, hosts, ...)`` builds one replica's ``PipelinePlan``:
+  global stage index ``g = replica * P + rank`` fixes its ports
+  (``coordinator.ports``), ``hosts[rank]`` is the address that stage's node
+  advertises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from coordinator.layer_split import plan_layer_split
+from coordinator.plan import PipelinePlan, StagePlacement
+from coordinator.ports import PortRangeError, stage_ports
+
+MLX_RESOURCE = "mlx"
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host the requested mesh; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One Ray node as placement sees it."""
+
+    node_id: str
+    address: str  # the address Ray knows the node by (NodeManagerAddress)
+    mlx_units: int
+    is_head: bool = False  # the node the coordinator (and gateway) run on
+
+
+@dataclass(frozen=True)
+class StageSlot:
+    """The node chosen for one stage."""
+
+    replica: int
+    rank: int
+    node_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    replicas: tuple[tuple[StageSlot, ...], ...]  # [replica][rank]
+
+    @property
+    def slots(self) -> tuple[StageSlot, ...]:
+        """Every slot, replica-major: index ``replica * P + rank`` (the global stage index)."""
+        return tuple(s for replica in self.replicas for s in replica)
+
+    def is_spread(self, replica: int) -> bool:
+        """True when no two ranks of ``replica`` share a node."""
+        nodes = [s.node_id for s in self.replicas[replica]]
+        return len(set(nodes)) == len(nodes)
+
+
+def _check_sizes(pipeline_parallel_size: int, data_parallel_size: int) -> None:
+    if pipeline_parallel_size < 1:
+        raise PlacementError(
+            f"--pipeline-parallel-size/-pp must be at least 1, got {pipeline_parallel_size}."
+        )
+    if data_parallel_size < 1:
+        raise PlacementError(
+            f"--data-parallel-size/-dp must be at least 1, got {data_parallel_size}."
+        )
+
+
+def _not_enough_units(
+    nodes: Sequence[ClusterNode], needed: int, pp: int, dp: int, local: bool, head_address: str | None
+) -> PlacementError:
+    have = sum(max(0, n.mlx_units) for n in nodes)
+    holders = [n for n in nodes if n.mlx_units > 0]
+    where = ", ".join(f"{n.address} x{n.mlx_units}" for n in holders) or "no node has any"
+    ask = (
+        f"--pipeline-parallel-size {pp} x --data-parallel-size {dp} needs {needed} "
+        f"'{MLX_RESOURCE}' units (one per stage)"
+    )
+    if local:
+        return PlacementError(
+            f"{ask}, but this machine offers {have}. A local mesh (no RAY_ADDRESS) runs "
+            f"every stage here: keep --pipeline-parallel-size x --data-parallel-size "
+            f"at or below {have}, or join a cluster with more Macs by setting RAY_ADDRESS."
+        )
+    head = head_address or "HEAD_IP"
+    return PlacementError(
+        f"{ask}, but the Ray cluster has {have} ({where}). Add a Mac: on it run "
+        f"`ray start --address={head}:6379 --resources='{{\"{MLX_RESOURCE}\": 1}}'` "
+        f"(with STAGEMESH_HOST_IP set to the address its peers should use), or lower "
+        f"-pp/-dp so that pp x dp <= {have}."
+    )
+
+
+def place_stages(
+    nodes: Sequence[ClusterNode],
+    pipeline_parallel_size: int,
+    data_parallel_size: int,
+    *,
+    local: bool = False,
+    head_address: str | None = None,
+) -> Placement:
+    """Choose a node for every (replica, rank); see the module docstring for the rules.
+
+    ``local`` and ``head_address`` only shape the error message.
+    """
+    pp, dp = pipeline_parallel_size, data_parallel_size
+    _check_sizes(pp, dp)
+    needed = pp * dp
+    if sum(max(0, n.mlx_units) for n in nodes) < needed:
+        raise _not_enough_units(nodes, needed, pp, dp, local, head_address)
+
+    order = {n.node_id: i for i, n in enumerate(nodes)}
+    remaining = {n.node_id: n.mlx_units for n in nodes if n.mlx_units > 0}
+    by_id = {n.node_id: n for n in nodes}
+
+    def pick(candidates: list[str], prefer_head: bool) -> str:
+        # Rank 0 wants the head; other ranks avoid it (keeping its units for the
+        # next replica's entry), then take the fullest node, then cluster order.
+        def key(node_id: str) -> tuple:
+            head_rank = 0 if by_id[node_id].is_head == prefer_head else 1
+            return (head_rank, -remaining[node_id], order[node_id])
+
+        return min(candidates, key=key)
+
+    replicas = []
+    for replica in range(dp):
+        used: set[str] = set()
+        slots = []
+        for rank in range(pp):
+            free = [nid for nid, units in remaining.items() if units > 0]
+            fresh = [nid for nid in free if nid not in used]
+            node_id = pick(fresh or free, prefer_head=(rank == 0))
+            remaining[node_id] -= 1
+            used.add(node_id)
+            slots.append(StageSlot(replica, rank, node_id, by_id[node_id].address))
+        replicas.append(tuple(slots))
+    return Placement(pp, dp, tuple(replicas))
+
+
+def check_port_ranges(total_stages: int, ring_base_port: int, grpc_base_port: int) -> None:
+    """Refuse bases whose ranges leave [1024, 65535] or overlap.
+
+    The ring and control-lane ports take ``[ring_base, ring_base + 2 * total)``,
+    gRPC takes ``[grpc_base, grpc_base + total)``.
+    """
+    if total_stages < 1:
+        raise PlacementError(f"a mesh needs at least one stage, got {total_stages}")
+    try:
+        stage_ports(0, total_stages, ring_base_port, grpc_base_port)
+    except PortRangeError as exc:
+        raise PlacementError(str(exc)) from None
+    ring = range(ring_base_port, ring_base_port + 2 * total_stages)
+    grpc = range(grpc_base_port, grpc_base_port + total_stages)
+    if ring.start < grpc.stop and grpc.start < ring.stop:
+        raise PlacementError(
+            f"--ring-base-port {ring_base_port} (ring and control lanes use "
+            f"{ring.start}..{ring.stop - 1}) overlaps --grpc-base-port {grpc_base_port} "
+            f"(gRPC uses {grpc.start}..{grpc.stop - 1}); move one of them."
+        )
+
+
+def pipeline_plan(
+    replica: int,
+    hosts: Sequence[str],
+    *,
+    data_parallel_size: int,
+    model_path: str,
+    num_layers: int,
+    compute_dtype: str,
+    layer_split: str | None = None,
+    ring_base_port: int,
+    grpc_base_port: int,
+) -> PipelinePlan:
+    """One replica's plan: rank r on ``hosts[r]``, ports from global index ``replica * P + r``."""
+    pp = len(hosts)
+    _check_sizes(pp, data_parallel_size)
+    if not 0 <= replica < data_parallel_size:
+        raise ValueError(f"replica {replica} outside 0..{data_parallel_size - 1}")
+    total = pp * data_parallel_size
+    check_port_ranges(total, ring_base_port, grpc_base_port)
+    ranges = plan_layer_split(num_layers, pp, layer_split)
+    stages = []
+    for rank, (layers, host) in enumerate(zip(ranges, hosts)):
+        g = replica * pp + rank
+        ports = stage_ports(g, total, ring_base_port, grpc_base_port)
+        stages.append(StagePlacement(
+            rank=rank, global_index=g, layers=layers, host=host,
+            ring_port=ports.ring, lane_port=ports.lane, grpc_port=ports.grpc,
+        ))
+    return PipelinePlan(
+        replica=replica, model_path=model_path, num_layers=num_layers,
+        compute_dtype=compute_dtype, stages=tuple(stages),
+    )
+
+
+def pipeline_plans(
+    placement: Placement,
+    hosts: Mapping[str, str] | None = None,
+    **plan_args,
+) -> tuple[PipelinePlan, ...]:
+    """Plans for every replica of ``placement``.
+
+    ``hosts`` maps node id -> advertised address (``STAGEMESH_HOST_IP`` as each
+    node's StageHost reported it); nodes missing from it use the address Ray
+    knows them by.
+    """
+    hosts = hosts or {}
+    return tuple(
+        pipeline_plan(
+            replica,
+            [hosts.get(s.node_id, s.address) for s in slots],
+            data_parallel_size=placement.data_parallel_size,
+            **plan_args,
+        )
+        for replica, slots in enumerate(placement.replicas)
+    )
