@@ -1,0 +1,147 @@
+"""``stagemesh serve [MODEL]``: place a mesh of pipeline stages with Ray and serve the OpenAI API.
+
+Order of events: every flag is validated before anything starts (model file,
+layer split, port ranges, context length, the gateway's port); the coordinator
+joins the Ray cluster at ``RAY_ADDRESS`` or starts a local one on loopback with
+just enough ``mlx`` units, places ``-pp`` x ``-dp`` stage processes, and waits
+until every stage serves; then the FastAPI gateway listens on ``--host:--port``.
+Ctrl-C or SIGTERM stops the gateway, every stage, and the local Ray it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from stagemesh import envs
+
+log = logging.getLogger("stagemesh.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="GGUF file, MLX/Hugging Face model directory, or cached HF repo id "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (default %(default)s)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="stages per replica, each holding a contiguous slice of the layers")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="replicas of the pipeline")
+    parser.add_argument("--pp-layer-split", default=None,
+                        help="first layer of each stage after the first, e.g. 10,20 (default: even split)")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: from the model)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion in tokens (default: the model's context length)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences a replica runs at once")
+    parser.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, float16, bfloat16")
+    parser.add_argument("--api-key", default=None, help="require this key on /v1 (default $STAGEMESH_API_KEY)")
+    parser.add_argument("--ring-base-port", type=int, default=None,
+                        help="global stage g binds base+g for the MLX ring (default $STAGEMESH_RING_BASE_PORT "
+                             "or 32323)")
+    parser.add_argument("--grpc-base-port", type=int, default=None,
+                        help="global stage g binds base+g for gRPC (default $STAGEMESH_GRPC_BASE_PORT or 50051)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds allowed for every stage to load and join its ring")
+
+
+class ServeConfigError(ValueError):
+    """A flag that cannot work; the message names it."""
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ServeConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                                   f"stop what uses it or choose another {flag}") from None
+
+
+def build_mesh_config(args: argparse.Namespace):
+    """Validate every flag against the model and return the coordinator's config (no side effects)."""
+    from coordinator.layer_split import plan_layer_split
+    from coordinator.mesh import MeshConfig
+    from coordinator.ports import check_port_base
+    from stage_worker.default_model import resolve_model_path
+    from stage_worker.model_spec import read_model_spec
+    from stage_worker.stage_model import resolve_compute_dtype
+
+    for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
+                        ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs)):
+        if value < 1:
+            raise ServeConfigError(f"{flag} must be at least 1, got {value}")
+    model_path = resolve_model_path(args.model)
+    spec = read_model_spec(model_path)
+    plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
+    resolve_compute_dtype(args.dtype)
+    context = int(spec.args.get("max_position_embeddings") or 0)
+    max_model_len = args.max_model_len or context or 4096
+    if max_model_len < 2 or (context and max_model_len > context):
+        raise ServeConfigError(f"--max-model-len {max_model_len} must be between 2 and the model's context "
+                               f"length {context}")
+    total = args.pipeline_parallel_size * args.data_parallel_size
+    ring_base = args.ring_base_port if args.ring_base_port is not None else envs.RING_BASE_PORT
+    grpc_base = args.grpc_base_port if args.grpc_base_port is not None else envs.GRPC_BASE_PORT
+    check_port_base("--ring-base-port", ring_base, 2 * total)
+    check_port_base("--grpc-base-port", grpc_base, total)
+    return spec, MeshConfig(
+        model_path=model_path,
+        served_model_name=args.served_model_name or spec.default_served_name,
+        num_layers=spec.num_layers,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        compute_dtype=args.dtype,
+        layer_split=args.pp_layer_split,
+        ring_base_port=ring_base,
+        grpc_base_port=grpc_base,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        startup_timeout_s=args.startup_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    import uvicorn
+
+    from coordinator.mesh import MeshCoordinator
+    from gateway.app import GatewayConfig, create_app
+    from stage_worker.tokenizer import eos_token_ids, load_tokenizer
+
+    try:
+        spec, config = build_mesh_config(args)
+        check_port_free(args.host, args.port, "--port")
+    except ServeConfigError as exc:
+        print(f"stagemesh serve: error: {exc}", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(spec)
+    api_key = args.api_key or envs.API_KEY
+    coordinator = MeshCoordinator(config)
+    try:
+        coordinator.start()
+    except KeyboardInterrupt:
+        coordinator.stop()
+        return 130
+    except Exception as exc:  # startup failed: report it and leave nothing running
+        print(f"stagemesh serve: the mesh did not start: {exc}", file=sys.stderr)
+        coordinator.stop()
+        return 1
+    app = create_app(
+        GatewayConfig(served_model_name=config.served_model_name, max_model_len=config.max_model_len,
+                      api_keys=(api_key,) if api_key else ()),
+        mesh=coordinator,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(spec, tokenizer),
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    log.info("gateway on http://%s:%d (model %s)", args.host, args.port, config.served_model_name)
+    try:
+        server.run()  # returns after Ctrl-C / SIGTERM
+    finally:
+        coordinator.stop()
+    return 0

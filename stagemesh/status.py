@@ -1,0 +1,56 @@
+"""``stagemesh status``: the mesh as the coordinator sees it, from a running gateway's ``/mesh``.
+
+Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
+pid, health, state) or, with ``--json``, the ``/mesh`` document unchanged.
+Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
+gateway cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print GET /mesh as JSON")
+    parser.add_argument("--timeout", type=float, default=5.0)
+
+
+def format_mesh(mesh: dict) -> str:
+    """The /mesh document as a table (pure)."""
+    header = ("replica", "rank", "layers", "host", "grpc", "ring", "pid", "dtype", "quant", "state", "healthy")
+    rows = [header]
+    for replica in mesh.get("replicas", []):
+        for stage in replica.get("stages", []):
+            start, end = stage.get("layers", [0, 0])
+            rows.append((
+                str(replica.get("replica")), str(stage.get("rank")), f"[{start}, {end})", str(stage.get("host")),
+                str(stage.get("grpc_port")), str(stage.get("ring_port")), str(stage.get("pid") or "-"),
+                str(stage.get("compute_dtype")), "yes" if stage.get("quantized") else "no",
+                str(stage.get("state", "")), "yes" if stage.get("healthy") else "NO",
+            ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [f"model: {mesh.get('model')}"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    healthy = sum(1 for r in mesh.get("replicas", []) if r.get("healthy"))
+    lines.append(f"{healthy}/{len(mesh.get('replicas', []))} replicas healthy")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    url = args.url.rstrip("/") + "/mesh"
+    try:
+        response = httpx.get(url, timeout=args.timeout)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"stagemesh status: cannot read {url}: {exc}. Is `stagemesh serve` running there? "
+              f"Pass --url to point at its gateway.", file=sys.stderr)
+        return 2
+    mesh = response.json()
+    print(json.dumps(mesh, indent=2) if args.json else format_mesh(mesh))
+    return 0 if any(r.get("healthy") for r in mesh.get("replicas", [])) else 1
