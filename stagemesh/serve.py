@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec, config = build_mesh_config(args)
         check_port_free(args.host, args.port, "--port")
-    except ServeConfigError as exc:
+    except ValueError as exc:  # ServeConfigError, LayerSplitError, PortRangeError, ModelFormatError, --dtype
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(spec)
