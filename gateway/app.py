@@ -1,0 +1,112 @@
+"""The gateway's FastAPI app: the factory and its routes, nothing else.
+
+Contract::
+
+    app = create_app(GatewayConfig(served_model_name=..., max_model_len=..., api_keys=(...)),
+                     mesh=mesh_view, tokenizer=tok, eos_token_ids=frozenset({2}))
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
+not), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200 when at
+least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
+snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
+own registry). ``/v1/*`` requires a bearer key when ``api_keys`` is set. Every
+error is an OpenAI envelope (``gateway.errors``). gRPC channels to the entry
+stages are opened lazily on the server's event loop and closed at shutdown.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from coordinator.mesh_state import MeshView
+
+from . import errors
+from .auth import ApiKeyMiddleware
+from .cancellation import until_disconnect
+from .config import GatewayConfig
+from .metrics import GatewayMetrics, RequestMetricsMiddleware
+from .replica_client import ReplicaClient
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .serving import OpenAIServing
+
+__all__ = ["GatewayConfig", "create_app"]
+
+
+def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_token_ids: frozenset[int]) -> FastAPI:
+    client = ReplicaClient(
+        mesh, request_timeout_s=config.request_timeout_s,
+        max_outstanding_per_replica=config.max_outstanding_per_replica,
+        failover_attempts=config.failover_attempts, channel_options=config.grpc_channel_options,
+    )
+
+    def outstanding_by_replica() -> dict[int, int]:
+        out: dict[int, int] = {}
+        for (replica, _target), count in client.balancer.snapshot().items():  # type: ignore[misc]
+            out[replica] = out.get(replica, 0) + count
+        return out
+
+    metrics = GatewayMetrics(mesh, outstanding_by_replica)
+    serving = OpenAIServing(config, client, tokenizer, eos_token_ids, metrics)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.close()
+
+    app = FastAPI(title="stagemesh gateway", version="0.1.0", lifespan=lifespan)
+    app.state.config = config
+    app.state.metrics = metrics
+    app.state.replica_client = client
+    errors.install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await until_disconnect(request, serving.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await until_disconnect(request, serving.chat(body))
+
+    def model_card() -> dict[str, Any]:
+        name = config.served_model_name
+        return {"id": name, "object": "model", "created": created, "owned_by": "stagemesh", "root": name,
+                "parent": None, "max_model_len": config.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id or None)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        snapshot = mesh.snapshot()
+        healthy = len(snapshot.healthy_replicas)
+        if not healthy:
+            return errors.no_healthy_replica().response()
+        return JSONResponse({"status": "ok", "healthy_replicas": healthy, "replicas": len(snapshot.replicas)})
+
+    @app.get("/mesh")
+    async def mesh_json() -> dict[str, Any]:
+        return mesh.snapshot().to_json()
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    known = frozenset(route.path for route in app.routes if hasattr(route, "path") and "{" not in route.path)
+    # Outermost first: count every response (401s too), then check keys.
+    app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=lambda: known)
+    return app

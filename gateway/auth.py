@@ -1,0 +1,59 @@
+"""API-key check for the OpenAI routes.
+
+Contract: ``ApiKeyMiddleware(app, keys)`` is pure ASGI. With no keys it is a
+no-op. Otherwise every HTTP request under ``/v1`` (except CORS preflight
+OPTIONS) must carry ``Authorization: Bearer <key>`` (scheme case-insensitive)
+matching one of the keys, or it gets a 401 OpenAI envelope. ``/health``,
+``/metrics`` and ``/mesh`` stay open so probes and scrapers need no secret.
+Keys are compared as sha256 digests with ``secrets.compare_digest`` so the
+time taken does not leak how much of a key matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .errors import unauthorized
+
+_GUARDED_PREFIX = "/v1"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: Any, keys: Iterable[str]) -> None:
+        self.app = app
+        self._digests = tuple(_digest(k) for k in keys if k)
+
+    def _guarded(self, scope: dict) -> bool:
+        path = scope.get("path", "")
+        return (scope["type"] == "http" and scope.get("method") != "OPTIONS"
+                and (path == _GUARDED_PREFIX or path.startswith(_GUARDED_PREFIX + "/")))
+
+    def _authorized(self, scope: dict) -> bool:
+        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        scheme, _, token = header.decode("latin-1").strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        got = _digest(token.strip())
+        ok = False
+        for digest in self._digests:  # no early exit: constant work whichever key matches
+            ok |= secrets.compare_digest(got, digest)
+        return ok
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if not self._digests or not self._guarded(scope) or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        err = unauthorized()
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,48 @@
+"""Gateway configuration: one frozen value, defaults that suit one Mac or a few.
+
+``GatewayConfig`` fields:
+- ``served_model_name``: the only model name clients may ask for (an empty or
+  absent ``model`` also means it).
+- ``max_model_len``: context length; a prompt plus ``max_tokens`` must fit.
+- ``api_keys``: accepted bearer keys for ``/v1/*``; empty: no auth.
+- ``request_timeout_s``: gRPC deadline of each Generate call (a request
+  outliving it gets a 504, and the stage aborts the sequence).
+- ``max_outstanding_per_replica``: calls in flight per replica before new ones
+  get 503 (0: no gateway-side cap; the entry stage's own queue still answers
+  RESOURCE_EXHAUSTED when full).
+- ``failover_attempts``: other replicas tried when a call is refused
+  (UNAVAILABLE / RESOURCE_EXHAUSTED) before its first token.
+- ``grpc_channel_options``: extra ``grpc.aio`` channel options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    served_model_name: str
+    max_model_len: int
+    api_keys: tuple[str, ...] = ()
+    request_timeout_s: float = 600.0
+    max_outstanding_per_replica: int = 0
+    failover_attempts: int = 1
+    grpc_channel_options: tuple[tuple[str, Any], ...] = (
+        # Notice a dead stage host within ~30 s even on an idle long stream.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    )
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if self.max_outstanding_per_replica < 0 or self.failover_attempts < 0:
+            raise ValueError("max_outstanding_per_replica and failover_attempts must be >= 0")
+        if isinstance(self.api_keys, str):  # a bare string would be taken as one key per character
+            raise TypeError("api_keys must be a tuple of strings, not a string")

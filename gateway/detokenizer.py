@@ -1,0 +1,58 @@
+"""Incremental detokenization: token ids in, complete text out, once.
+
+Contract: ``IncrementalDetokenizer(tokenizer, prompt_ids)``; ``push(ids)``
+returns the text the new ids complete (possibly ""), ``flush()`` returns what
+is still held when the sequence ends. The concatenation of every ``push`` and
+the final ``flush`` equals the text of all pushed ids decoded at once with
+special tokens skipped.
+
+Why windows: byte-level BPE splits one character over several tokens (an
+emoji is often 3-4), so a token decoded alone gives U+FFFD. We decode a small
+window of recent ids and emit only the text beyond what the window's older
+part already produced, and only when it does not end in U+FFFD (an incomplete
+UTF-8 sequence). The window starts with the prompt's last ids so tokenizers
+that drop a word's leading space at the start of a decode (SentencePiece) get
+it right. This is vLLM's prefix/read-offset scheme.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_PROMPT_CONTEXT = 5  # prompt ids kept as left context of the first window
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._prefix = 0  # start of the decode window
+        self._read = len(self._ids)  # ids before this have been emitted as text
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held; an incomplete character at the very end is emitted as U+FFFD."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        if self._read >= len(self._ids):
+            return ""
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(before) or (text.endswith(_REPLACEMENT) and not final):
+            # Nothing printable yet (a special token, or a character still missing bytes).
+            if final:
+                self._read = len(self._ids)
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]

@@ -1,0 +1,151 @@
+"""One OpenAI request's choices, run against the mesh, as a stream of text deltas.
+
+Contract:
+- ``ChoiceJob`` is one (prompt, choice) pair: its OpenAI choice index, the
+  prompt's token ids and the resolved token budget and stage sampling.
+- ``run_choices(jobs, ...)`` starts one Generate call per job concurrently and
+  yields ``ChoiceEvent``s as text becomes available, each job ending with
+  exactly one event whose ``finish_reason`` is set ("stop": EOS or a stop
+  string; "length": the token budget). Text is detokenized incrementally (no
+  partial characters), stop strings are cut out and end the job, which
+  cancels its gRPC call so the stage frees the slot; an EOS token ending the
+  generation counts in ``completion_tokens`` but never shows in the text.
+- The first failing job raises its ``APIError`` out of the iterator and the
+  other jobs are cancelled; closing the iterator (or cancelling the consumer)
+  cancels every call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from stagemesh.v1 import stage_pb2
+
+from . import errors
+from .detokenizer import IncrementalDetokenizer
+from .stop_strings import StopStringMatcher
+
+_FINISH = {stage_pb2.FINISH_REASON_STOP: "stop", stage_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(frozen=True)
+class ChoiceJob:
+    index: int
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: stage_pb2.SamplingParams
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    index: int
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int  # so far
+
+
+class TokenObserver(Protocol):
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float, count: int) -> None: ...
+
+
+class Generator(Protocol):
+    def generate(self, request: stage_pb2.GenerateRequest) -> AsyncIterator[stage_pb2.GenerateResponse]: ...
+
+
+@dataclass(frozen=True)
+class RunContext:
+    client: Generator
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    request_id: str
+    observer: TokenObserver | None = None
+
+
+async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncIterator[ChoiceEvent]:
+    request = stage_pb2.GenerateRequest(
+        request_id=f"{ctx.request_id}-{job.index}", prompt_token_ids=job.prompt_ids, max_tokens=job.max_tokens,
+        sampling=job.sampling, stop_token_ids=sorted(ctx.eos_token_ids), ignore_eos=ctx.ignore_eos,
+    )
+    detok = IncrementalDetokenizer(ctx.tokenizer, job.prompt_ids)
+    stops = StopStringMatcher(ctx.stop)
+    generated = 0
+    last_arrival: float | None = None
+    prompt_tokens = len(job.prompt_ids)
+    async with aclosing(ctx.client.generate(request)) as responses:
+        async for response in responses:
+            ids = list(response.token_ids)
+            finish = response.finish_reason
+            if ids:
+                now = time.monotonic()
+                if ctx.observer is not None:
+                    if last_arrival is None:
+                        ctx.observer.first_token(now - started)
+                    else:
+                        ctx.observer.inter_token((now - last_arrival) / len(ids), len(ids))
+                last_arrival = now
+                generated += len(ids)
+            if finish == stage_pb2.FINISH_REASON_ABORT:
+                raise errors.pipeline_failed("the stage aborted the request")
+            shown = ids
+            if finish == stage_pb2.FINISH_REASON_STOP and ids and ids[-1] in ctx.eos_token_ids and not ctx.ignore_eos:
+                shown = ids[:-1]  # the EOS token is generated (and counted) but not text
+            text = detok.push(shown)
+            if finish:
+                text += detok.flush()
+            emit, stopped = stops.feed(text)
+            if stopped:
+                # Leaving the ``aclosing`` block cancels the call: the stage frees the slot now.
+                yield ChoiceEvent(job.index, emit, "stop", prompt_tokens, generated)
+                return
+            if finish:
+                yield ChoiceEvent(job.index, emit + stops.flush(), _FINISH.get(finish, "stop"),
+                                  prompt_tokens, generated)
+                return
+            if emit:
+                yield ChoiceEvent(job.index, emit, None, prompt_tokens, generated)
+    raise errors.pipeline_failed("the stage ended the stream without a finish reason")
+
+
+class _Done:
+    pass
+
+
+async def run_choices(jobs: Sequence[ChoiceJob], ctx: RunContext) -> AsyncIterator[ChoiceEvent]:
+    started = time.monotonic()
+    queue: asyncio.Queue[ChoiceEvent | BaseException | _Done] = asyncio.Queue()
+
+    async def pump(job: ChoiceJob) -> None:
+        try:
+            async with aclosing(run_choice(job, ctx, started)) as events:
+                async for event in events:
+                    queue.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(_Done())
+
+    tasks = [asyncio.create_task(pump(job)) for job in jobs]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if isinstance(item, _Done):
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item if isinstance(item, errors.APIError) else errors.internal(repr(item))
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # sync: safe while we are being cancelled ourselves

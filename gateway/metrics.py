@@ -1,0 +1,150 @@
+"""Prometheus metrics of one gateway app, in its own registry.
+
+Contract:
+- ``GatewayMetrics(mesh, outstanding)`` owns a private ``CollectorRegistry``
+  (several apps can live in one process, e.g. tests). Request-level series:
+  ``stagemesh_gateway_requests_total{endpoint,status}``,
+  ``..._time_to_first_token_seconds``, ``..._inter_token_latency_seconds``,
+  ``..._e2e_request_latency_seconds`` (histograms),
+  ``..._prompt_tokens_total``, ``..._generation_tokens_total`` (counters),
+  ``..._requests_running`` (gauge).
+- At scrape time a collector reads ``mesh.snapshot()`` and exports per-stage
+  series labelled ``replica``, ``rank``, ``host``:
+  ``stagemesh_stage_{compute,wait,send}_seconds_total``,
+  ``stagemesh_stage_batches_total``, ``stagemesh_stage_tokens_total``,
+  ``stagemesh_stage_running_sequences``, ``stagemesh_stage_waiting_requests``,
+  ``stagemesh_stage_healthy``; plus
+  ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer.
+- ``RequestMetricsMiddleware`` (pure ASGI, so it never breaks disconnect
+  detection or streaming) counts every response by route and status and times
+  the generation endpoints end to end, including the stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from coordinator.mesh_state import MeshView
+
+# vLLM's buckets, so dashboards built for it read ours alike.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class StageCollector(Collector):
+    """Per-stage series from the coordinator's latest snapshot, read at scrape time."""
+
+    def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]]) -> None:
+        self._mesh = mesh
+        self._outstanding = outstanding
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["replica", "rank", "host"]
+        counters = {
+            "compute_seconds": CounterMetricFamily("stagemesh_stage_compute_seconds", "Seconds the stage spent computing its layers", labels=labels),
+            "wait_seconds": CounterMetricFamily("stagemesh_stage_wait_seconds", "Seconds the stage waited for input from its predecessor", labels=labels),
+            "send_seconds": CounterMetricFamily("stagemesh_stage_send_seconds", "Seconds the stage spent handing results to its successor", labels=labels),
+            "batches": CounterMetricFamily("stagemesh_stage_batches", "Batches the stage computed", labels=labels),
+            "tokens": CounterMetricFamily("stagemesh_stage_tokens", "Token rows the stage computed", labels=labels),
+        }
+        gauges = {
+            "running_sequences": GaugeMetricFamily("stagemesh_stage_running_sequences", "Sequences holding KV cache on the stage", labels=labels),
+            "waiting_requests": GaugeMetricFamily("stagemesh_stage_waiting_requests", "Requests queued on the entry stage", labels=labels),
+        }
+        healthy = GaugeMetricFamily("stagemesh_stage_healthy", "1 when the stage is healthy", labels=labels)
+        snapshot = self._mesh.snapshot()
+        for replica in snapshot.replicas:
+            for stage in replica.stages:
+                values = [str(replica.replica), str(stage.rank), stage.host]
+                for name, family in counters.items():
+                    family.add_metric(values, float(getattr(stage.stats, name)))
+                for name, family in gauges.items():
+                    family.add_metric(values, float(getattr(stage.stats, name)))
+                healthy.add_metric(values, 1.0 if stage.healthy else 0.0)
+        outstanding = GaugeMetricFamily("stagemesh_gateway_replica_outstanding_requests",
+                                        "Generate calls in flight from this gateway, per replica", labels=["replica"])
+        for replica_id, count in sorted(self._outstanding().items()):
+            outstanding.add_metric([str(replica_id)], float(count))
+        yield from counters.values()
+        yield from gauges.values()
+        yield healthy
+        yield outstanding
+
+
+class GatewayMetrics:
+    def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("stagemesh_gateway_requests", "HTTP responses by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("stagemesh_gateway_time_to_first_token_seconds", "Time to the first generated token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("stagemesh_gateway_inter_token_latency_seconds", "Time between generated tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("stagemesh_gateway_e2e_request_latency_seconds",
+                             "Generation request latency, arrival to last byte", buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("stagemesh_gateway_prompt_tokens", "Prompt tokens sent to stages", registry=r)
+        self.generation_tokens = Counter("stagemesh_gateway_generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("stagemesh_gateway_requests_running", "Generation requests in flight", registry=r)
+        r.register(StageCollector(mesh, outstanding))
+
+    # TokenObserver (gateway.generation)
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float, count: int) -> None:
+        for _ in range(count):
+            self.itl.observe(seconds)
+
+    def usage(self, prompt_tokens: int, generation_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestMetricsMiddleware:
+    def __init__(self, app: Any, metrics: GatewayMetrics, known_paths: Callable[[], frozenset[str]]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.known_paths = known_paths
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in self.known_paths() else "other"  # bounded label values
+        generation = path in GENERATION_PATHS
+        status = 500  # if the app dies before answering, that is what the client sees
+        started = time.monotonic()
+
+        async def send_wrapper(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        if generation:
+            self.metrics.running.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            if generation:
+                self.metrics.running.dec()
+                if status < 400:
+                    self.metrics.e2e.observe(time.monotonic() - started)
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -1,0 +1,126 @@
+"""gRPC client of the replicas' entry stages, with load balancing and failover.
+
+Contract:
+- ``ReplicaClient(mesh, ...)`` keeps one ``grpc.aio`` channel per entry-stage
+  target (``host:grpc_port``), created on first use in the running event loop
+  and reused; ``close()`` closes them all.
+- ``generate(request)`` is an async generator of ``GenerateResponse``
+  messages from one healthy replica chosen by least outstanding requests
+  (ties round-robin), under a per-request deadline. Close it (``aclosing``)
+  or cancel the task consuming it and the gRPC call is cancelled, which makes
+  the stage abort the sequence and free its slot.
+- If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token
+  arrived, another healthy replica is tried (up to ``failover_attempts``
+  more); nothing was generated yet, so this cannot duplicate output.
+- gRPC failures become ``APIError``: INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED
+  and UNAVAILABLE 503 "overloaded" (after tokens were sent: 503
+  pipeline_failed), DEADLINE_EXCEEDED 504, anything else 500.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from coordinator.mesh_state import MeshView, ReplicaSnapshot
+from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+
+from . import errors
+from .balancer import LeastOutstandingBalancer
+
+_RETRY_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+ReplicaKey = tuple[int, str]  # (replica id, entry target)
+
+
+class ReplicaClient:
+    def __init__(
+        self,
+        mesh: MeshView,
+        *,
+        request_timeout_s: float,
+        max_outstanding_per_replica: int = 0,
+        failover_attempts: int = 1,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._mesh = mesh
+        self._timeout = request_timeout_s
+        self._cap = max_outstanding_per_replica
+        self._failover = failover_attempts
+        self._options = tuple(channel_options)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
+        self.balancer = LeastOutstandingBalancer()
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self._timeout
+
+    def _stub(self, target: str) -> stage_pb2_grpc.StageStub:
+        stub = self._stubs.get(target)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(target, options=self._options)
+            self._channels[target] = channel
+            stub = self._stubs[target] = stage_pb2_grpc.StageStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in channels:
+            await channel.close()
+
+    def _healthy_keys(self) -> list[ReplicaKey]:
+        healthy: tuple[ReplicaSnapshot, ...] = self._mesh.snapshot().healthy_replicas
+        return [(r.replica, r.entry.grpc_target) for r in healthy]
+
+    def _pick(self, tried: set[ReplicaKey]) -> ReplicaKey:
+        keys = self._healthy_keys()
+        if not keys:
+            raise errors.no_healthy_replica()
+        key = self.balancer.pick(keys, exclude=tried, cap=self._cap)
+        if key is None:
+            raise errors.overloaded(f"every healthy replica has {self._cap} requests in flight")
+        return key
+
+    def _another_replica(self, tried: set[ReplicaKey]) -> bool:
+        return bool(self.balancer.eligible(self._healthy_keys(), exclude=tried, cap=self._cap))
+
+    async def generate(self, request: stage_pb2.GenerateRequest) -> AsyncIterator[stage_pb2.GenerateResponse]:
+        tried: set[ReplicaKey] = set()
+        attempt = 0
+        while True:
+            key = self._pick(tried)
+            tried.add(key)
+            self.balancer.acquire(key)
+            call = self._stub(key[1]).Generate(request, timeout=self._timeout)
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield response
+                return
+            except grpc.aio.AioRpcError as e:
+                if (not received and e.code() in _RETRY_ELSEWHERE and attempt < self._failover
+                        and self._another_replica(tried)):
+                    attempt += 1
+                    continue
+                raise self._api_error(e, received) from None
+            finally:
+                # Sync on purpose: this also runs while the task is being cancelled.
+                call.cancel()
+                self.balancer.release(key)
+
+    def _api_error(self, e: grpc.aio.AioRpcError, received: bool) -> errors.APIError:
+        code, details = e.code(), e.details() or e.code().name
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return errors.bad_request(f"The stage rejected the request: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return errors.timed_out(self._timeout)
+        if code in _RETRY_ELSEWHERE:
+            return errors.pipeline_failed(details) if received else errors.overloaded(details)
+        if code == grpc.StatusCode.CANCELLED:
+            return errors.pipeline_failed(f"the stage cancelled the request ({details})")
+        return errors.internal(f"stage error {code.name}: {details}")

@@ -1,0 +1,80 @@
+"""OpenAI response and stream-chunk shapes, as plain dicts, and SSE framing.
+
+Contract: every function returns exactly the JSON OpenAI sends for that
+object (explicit nulls included, since SDKs and clients read them), for the
+two kinds of endpoint: ``"chat"`` (``chat.completion`` /
+``chat.completion.chunk``) and ``"completion"`` (``text_completion``).
+``sse(obj)`` frames one ``data:`` event; ``SSE_DONE`` ends a stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["chat", "completion"]
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every object of one response shares."""
+
+    kind: Kind
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @staticmethod
+    def new(kind: Kind, model: str) -> ResponseHeader:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return ResponseHeader(kind, model, f"{prefix}-{uuid.uuid4().hex}")
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, texts: list[str], finish_reasons: list[str | None], use: dict[str, int]) -> dict[str, Any]:
+        if self.kind == "chat":
+            choices = [{"index": i, "message": {"role": "assistant", "content": t, "refusal": None},
+                        "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish_reasons))]
+            return {**self._base("chat.completion"), "choices": choices, "usage": use}
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                   for i, (t, f) in enumerate(zip(texts, finish_reasons))]
+        return {**self._base("text_completion"), "choices": choices, "usage": use}
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None, *, role: bool = False,
+              include_usage: bool = False) -> dict[str, Any]:
+        """One choice's stream chunk. Chat: ``role`` opens the choice; text None gives an empty delta."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            out = {**self._base("chat.completion.chunk"),
+                   "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+        else:
+            out = {**self._base("text_completion"),
+                   "choices": [{"index": index, "text": text or "", "logprobs": None,
+                                "finish_reason": finish_reason}]}
+        if include_usage:
+            out["usage"] = None  # OpenAI: null on every chunk but the last when usage is requested
+        return out
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": use}
+
+
+def error_event(body: dict[str, Any]) -> str:
+    return sse(body)

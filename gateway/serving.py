@@ -1,0 +1,143 @@
+"""The OpenAI completion and chat endpoints: validated request in, HTTP response out.
+
+Contract: ``OpenAIServing.completions(req)`` / ``.chat(req)`` return a
+``JSONResponse`` (non-streaming) or an ``SSEResponse`` (``stream=true``), or
+raise ``APIError``. Everything is validated (model, fields, prompt, context
+length) before any gRPC call. A stream does not start until the first text
+(or the first failure) is known, so a mesh that cannot serve still gets a
+proper 503 status; once a stream has started, a failure is sent as
+``data: {"error": ...}`` followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import errors
+from .chat_template import render_chat
+from .config import GatewayConfig
+from .generation import ChoiceEvent, ChoiceJob, Generator, RunContext, run_choices
+from .metrics import GatewayMetrics
+from .prompts import completion_prompts
+from .responses import SSE_DONE, Kind, ResponseHeader, sse, usage
+from .sampling_params import SamplingSettings, settings_from_request
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("stagemesh.gateway")
+
+
+class SSEResponse(StreamingResponse):
+    """A stream whose iterator is always closed, whichever way the response ends."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(BaseException):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class OpenAIServing:
+    def __init__(self, config: GatewayConfig, client: Generator, tokenizer: Any, eos_token_ids: frozenset[int],
+                 metrics: GatewayMetrics) -> None:
+        self._config = config
+        self._client = client
+        self._tokenizer = tokenizer
+        self._eos = frozenset(eos_token_ids)
+        self._metrics = metrics
+
+    def check_model(self, model: str | None) -> str:
+        served = self._config.served_model_name
+        if model and model != served:
+            raise errors.model_not_found(model, served)
+        return served
+
+    async def completions(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
+        model = self.check_model(req.model)
+        settings = settings_from_request(req)
+        prompts = completion_prompts(req.prompt, self._tokenizer)
+        return await self._serve("completion", model, prompts, settings, "prompt")
+
+    async def chat(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        model = self.check_model(req.model)
+        settings = settings_from_request(req)
+        prompt = render_chat(req.messages, self._tokenizer)
+        return await self._serve("chat", model, [prompt], settings, "messages")
+
+    async def _serve(self, kind: Kind, model: str, prompts: list[tuple[int, ...]], settings: SamplingSettings,
+                     prompt_param: str) -> JSONResponse | StreamingResponse:
+        max_len = self._config.max_model_len
+        jobs = [
+            ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
+                      max_tokens=settings.max_tokens_for(len(ids), max_len, prompt_param),
+                      sampling=settings.stage_sampling(i))
+            for p, ids in enumerate(prompts) for i in range(settings.n)
+        ]
+        header = ResponseHeader.new(kind, model)
+        ctx = RunContext(client=self._client, tokenizer=self._tokenizer, eos_token_ids=self._eos, stop=settings.stop,
+                         ignore_eos=settings.ignore_eos, request_id=header.id, observer=self._metrics)
+        events = run_choices(jobs, ctx)
+        if not settings.stream:
+            return await self._collect(header, jobs, settings, events)
+        try:
+            first = await anext(events)  # a failure here is still a proper HTTP status
+        except BaseException:
+            await events.aclose()
+            raise
+        return SSEResponse(self._stream(header, jobs, settings, first, events))
+
+    async def _collect(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
+                       events: AsyncIterator[ChoiceEvent]) -> JSONResponse:
+        texts: list[list[str]] = [[] for _ in jobs]
+        finish: list[str | None] = [None] * len(jobs)
+        completion = [0] * len(jobs)
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                texts[ev.index].append(ev.text)
+                completion[ev.index] = ev.completion_tokens
+                if ev.finish_reason:
+                    finish[ev.index] = ev.finish_reason
+        use = usage(_prompt_tokens(jobs, settings.n), sum(completion))
+        self._metrics.usage(sum(len(j.prompt_ids) for j in jobs), use["completion_tokens"])
+        return JSONResponse(header.full(["".join(t) for t in texts], finish, use))
+
+    async def _stream(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
+                      first: ChoiceEvent, events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
+        inc = settings.include_usage
+        completion = [0] * len(jobs)
+        try:
+            if header.kind == "chat":
+                for job in jobs:  # OpenAI opens each choice with the assistant role
+                    yield sse(header.chunk(job.index, None, None, role=True, include_usage=inc))
+            pending: ChoiceEvent | None = first
+            while True:
+                ev = pending if pending is not None else await anext(events, None)
+                pending = None
+                if ev is None:
+                    break
+                completion[ev.index] = ev.completion_tokens
+                if ev.text or ev.finish_reason:
+                    yield sse(header.chunk(ev.index, ev.text, ev.finish_reason, include_usage=inc))
+            use = usage(_prompt_tokens(jobs, settings.n), sum(completion))
+            self._metrics.usage(sum(len(j.prompt_ids) for j in jobs), use["completion_tokens"])
+            if inc:
+                yield sse(header.usage_chunk(use))
+        except errors.APIError as e:
+            log.warning("stream %s failed after it started: %s", header.id, e.message)
+            yield sse(e.body())
+        finally:
+            with contextlib.suppress(BaseException):
+                await events.aclose()
+        yield SSE_DONE
+
+
+def _prompt_tokens(jobs: list[ChoiceJob], n: int) -> int:
+    """Each prompt counts once however many choices it has (OpenAI's usage)."""
+    return sum(len(j.prompt_ids) for j in jobs if j.index % n == 0)
