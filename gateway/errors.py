@@ -133,7 +133,8 @@ def validation_error(exc: RequestValidationError, request: Request) -> APIError:
         return bad_request(f"The request body is not valid JSON: {why}.", code="invalid_json")
     if "json" not in content_type.lower() and any(
             isinstance(e.get("input"), (bytes, str)) and tuple(e.get("loc", ())) == ("body",) for e in errors):
-        return bad_request(f"Expected a JSON body with Content-Type: application/json (got {content_type or 'none'!r}).",
+        got = content_type or "none"
+        return bad_request(f"Expected a JSON body with Content-Type: application/json (got {got!r}).",
                            code="invalid_content_type")
     # Group by field: a union field fails once per member, which reads better as one line.
     by_param: dict[str | None, list[dict[str, Any]]] = {}

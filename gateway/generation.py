@@ -18,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -29,6 +30,8 @@ from stagemesh.v1 import stage_pb2
 from . import errors
 from .detokenizer import IncrementalDetokenizer
 from .stop_strings import StopStringMatcher
+
+log = logging.getLogger("stagemesh.gateway")
 
 _FINISH = {stage_pb2.FINISH_REASON_STOP: "stop", stage_pb2.FINISH_REASON_LENGTH: "length"}
 
@@ -68,6 +71,7 @@ class RunContext:
     ignore_eos: bool
     request_id: str
     observer: TokenObserver | None = None
+    arrived: float | None = None  # time.monotonic() when the HTTP request arrived (TTFT starts there)
 
 
 async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncIterator[ChoiceEvent]:
@@ -120,7 +124,7 @@ class _Done:
 
 
 async def run_choices(jobs: Sequence[ChoiceJob], ctx: RunContext) -> AsyncIterator[ChoiceEvent]:
-    started = time.monotonic()
+    started = ctx.arrived if ctx.arrived is not None else time.monotonic()
     queue: asyncio.Queue[ChoiceEvent | BaseException | _Done] = asyncio.Queue()
 
     async def pump(job: ChoiceJob) -> None:
@@ -130,7 +134,10 @@ async def run_choices(jobs: Sequence[ChoiceJob], ctx: RunContext) -> AsyncIterat
                     queue.put_nowait(event)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+        except errors.APIError as e:
+            queue.put_nowait(e)
+        except Exception as e:  # noqa: BLE001 - a bug: logged here, a 500 for the client
+            log.exception("choice %d of %s failed", job.index, ctx.request_id)
             queue.put_nowait(e)
         finally:
             queue.put_nowait(_Done())

@@ -26,8 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -53,15 +52,21 @@ class StageCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         labels = ["replica", "rank", "host"]
         counters = {
-            "compute_seconds": CounterMetricFamily("stagemesh_stage_compute_seconds", "Seconds the stage spent computing its layers", labels=labels),
-            "wait_seconds": CounterMetricFamily("stagemesh_stage_wait_seconds", "Seconds the stage waited for input from its predecessor", labels=labels),
-            "send_seconds": CounterMetricFamily("stagemesh_stage_send_seconds", "Seconds the stage spent handing results to its successor", labels=labels),
-            "batches": CounterMetricFamily("stagemesh_stage_batches", "Batches the stage computed", labels=labels),
-            "tokens": CounterMetricFamily("stagemesh_stage_tokens", "Token rows the stage computed", labels=labels),
+            name: CounterMetricFamily(f"stagemesh_stage_{name}", doc, labels=labels)
+            for name, doc in (
+                ("compute_seconds", "Seconds the stage spent computing its layers"),
+                ("wait_seconds", "Seconds the stage waited for input from its predecessor"),
+                ("send_seconds", "Seconds the stage spent handing results to its successor"),
+                ("batches", "Batches the stage computed"),
+                ("tokens", "Token rows the stage computed"),
+            )
         }
         gauges = {
-            "running_sequences": GaugeMetricFamily("stagemesh_stage_running_sequences", "Sequences holding KV cache on the stage", labels=labels),
-            "waiting_requests": GaugeMetricFamily("stagemesh_stage_waiting_requests", "Requests queued on the entry stage", labels=labels),
+            name: GaugeMetricFamily(f"stagemesh_stage_{name}", doc, labels=labels)
+            for name, doc in (
+                ("running_sequences", "Sequences holding KV cache on the stage"),
+                ("waiting_requests", "Requests queued on the entry stage"),
+            )
         }
         healthy = GaugeMetricFamily("stagemesh_stage_healthy", "1 when the stage is healthy", labels=labels)
         snapshot = self._mesh.snapshot()

@@ -48,10 +48,10 @@ class ResponseHeader:
     def full(self, texts: list[str], finish_reasons: list[str | None], use: dict[str, int]) -> dict[str, Any]:
         if self.kind == "chat":
             choices = [{"index": i, "message": {"role": "assistant", "content": t, "refusal": None},
-                        "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish_reasons))]
+                        "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish_reasons, strict=True))]
             return {**self._base("chat.completion"), "choices": choices, "usage": use}
         choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                   for i, (t, f) in enumerate(zip(texts, finish_reasons))]
+                   for i, (t, f) in enumerate(zip(texts, finish_reasons, strict=True))]
         return {**self._base("text_completion"), "choices": choices, "usage": use}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, *, role: bool = False,

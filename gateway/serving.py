@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,19 +61,21 @@ class OpenAIServing:
         return served
 
     async def completions(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
+        arrived = time.monotonic()
         model = self.check_model(req.model)
         settings = settings_from_request(req)
         prompts = completion_prompts(req.prompt, self._tokenizer)
-        return await self._serve("completion", model, prompts, settings, "prompt")
+        return await self._serve("completion", model, prompts, settings, "prompt", arrived)
 
     async def chat(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        arrived = time.monotonic()
         model = self.check_model(req.model)
         settings = settings_from_request(req)
         prompt = render_chat(req.messages, self._tokenizer)
-        return await self._serve("chat", model, [prompt], settings, "messages")
+        return await self._serve("chat", model, [prompt], settings, "messages", arrived)
 
     async def _serve(self, kind: Kind, model: str, prompts: list[tuple[int, ...]], settings: SamplingSettings,
-                     prompt_param: str) -> JSONResponse | StreamingResponse:
+                     prompt_param: str, arrived: float) -> JSONResponse | StreamingResponse:
         max_len = self._config.max_model_len
         jobs = [
             ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
@@ -81,8 +84,9 @@ class OpenAIServing:
             for p, ids in enumerate(prompts) for i in range(settings.n)
         ]
         header = ResponseHeader.new(kind, model)
-        ctx = RunContext(client=self._client, tokenizer=self._tokenizer, eos_token_ids=self._eos, stop=settings.stop,
-                         ignore_eos=settings.ignore_eos, request_id=header.id, observer=self._metrics)
+        ctx = RunContext(client=self._client, tokenizer=self._tokenizer, eos_token_ids=self._eos,
+                         stop=settings.stop, ignore_eos=settings.ignore_eos, request_id=header.id,
+                         observer=self._metrics, arrived=arrived)
         events = run_choices(jobs, ctx)
         if not settings.stream:
             return await self._collect(header, jobs, settings, events)
@@ -91,7 +95,9 @@ class OpenAIServing:
         except BaseException:
             await events.aclose()
             raise
-        return SSEResponse(self._stream(header, jobs, settings, first, events))
+        # no-cache / no buffering: proxies must pass each event on at once.
+        return SSEResponse(self._stream(header, jobs, settings, first, events),
+                           headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def _collect(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
                        events: AsyncIterator[ChoiceEvent]) -> JSONResponse:
