@@ -1,0 +1,186 @@
+"""Stage health: how the coordinator probes a stage, judges it, and paces restarts.
+
+- ``StageChannel`` holds one gRPC channel to a stage and issues, without
+  blocking, the two probes the coordinator needs: the standard
+  ``grpc.health.v1.Health/Check`` (service "") and ``stagemesh.v1.Stage/
+  GetStageInfo``. The channel reconnects fast (100 ms .. 1 s backoff) because
+  a stage's port appears a moment after its process starts and again after
+  every restart; gRPC's default backoff would grow to minutes.
+- ``judge(probe, ...)`` is the pure rule turning one probe into a verdict.
+  A stage whose process exited, whose host actor is gone, or that reports
+  FAILED has failed at once. While starting, anything short of SERVING is
+  just "starting" (the startup deadline is enforced elsewhere). Once serving,
+  a stage that is not SERVING (unreachable, slow, NOT_SERVING) is unhealthy
+  immediately but fails only after ``max_misses`` consecutive checks, so one
+  slow answer under load does not cost a whole replica; a frozen stage is
+  caught in ``max_misses`` intervals. DRAINING is an operator's choice: not
+  healthy (the gateway skips it), not a failure (no restart).
+- ``RestartPolicy.delay(restart_times, now)``: the first restart is at once,
+  later ones back off exponentially; more than ``max_restarts`` within
+  ``window_s`` means give up (None).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from coordinator.mesh_state import StageStatsSnapshot
+
+EXIT_MEANINGS = {
+    0: "it stopped",
+    2: "configuration error",
+    3: "a neighbour failed or refused it",
+    75: "a ring operation outlived --ring-timeout",
+}
+
+STATE_NAMES = {  # stagemesh.v1.StageState -> snapshot state
+    0: "starting", 1: "loading", 2: "connecting", 3: "serving",
+    4: "draining", 5: "failed", 6: "stopped",
+}
+
+
+class Verdict(enum.Enum):
+    SERVING = "serving"
+    STARTING = "starting"
+    DRAINING = "draining"
+    SUSPECT = "suspect"  # not serving now; fails after max_misses in a row
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class StageInfoView:
+    """The parts of ``stagemesh.v1.StageInfo`` the snapshot keeps."""
+
+    state: str
+    pid: int
+    compute_dtype: str
+    quantized: bool
+    error: str
+    weight_bytes: int
+    stats: StageStatsSnapshot
+
+
+@dataclass(frozen=True)
+class StageProbe:
+    exit_code: int | None = None  # from StageHost.poll; None while running
+    host_lost: str | None = None  # the StageHost actor is gone (why)
+    health: str | None = None  # "SERVING", "NOT_SERVING", ...; None when the RPC failed
+    info: StageInfoView | None = None
+    rpc_error: str | None = None
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by signal {-code}"
+    meaning = EXIT_MEANINGS.get(code)
+    return f"exited with code {code}" + (f" ({meaning})" if meaning else "")
+
+
+def judge(probe: StageProbe, *, starting: bool, misses: int, max_misses: int) -> tuple[Verdict, str | None]:
+    """(verdict, reason); ``misses`` counts the consecutive non-serving checks before this one."""
+    if probe.host_lost is not None:
+        return Verdict.FAILED, f"its StageHost is gone ({probe.host_lost})"
+    if probe.exit_code is not None:
+        return Verdict.FAILED, describe_exit(probe.exit_code)
+    if probe.info is not None and probe.info.state == "failed":
+        return Verdict.FAILED, probe.info.error or "it reported FAILED"
+    if probe.health == "SERVING":
+        return Verdict.SERVING, None
+    if probe.info is not None and probe.info.state == "draining":
+        return Verdict.DRAINING, None
+    if starting:
+        return Verdict.STARTING, None
+    detail = f"health {probe.health}" if probe.health else (probe.rpc_error or "no answer")
+    if misses + 1 >= max_misses:
+        return Verdict.FAILED, f"not serving for {misses + 1} consecutive checks ({detail})"
+    return Verdict.SUSPECT, detail
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def delay(self, restart_times: Sequence[float], now: float) -> float | None:
+        """Seconds to wait before the next restart, or None to give up."""
+        recent = [t for t in restart_times if now - t <= self.window_s]
+        if len(recent) >= self.max_restarts:
+            return None
+        if not recent:
+            return 0.0
+        return min(self.backoff_s * 2 ** (len(recent) - 1), self.max_backoff_s)
+
+
+class StageChannel:
+    """A gRPC channel to one stage and its two probes (see the module docstring)."""
+
+    _OPTIONS = [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+    def __init__(self, target: str) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2_grpc
+
+        from stagemesh.v1 import stage_pb2_grpc
+
+        self.target = target
+        self._channel = grpc.insecure_channel(target, options=self._OPTIONS)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._stage = stage_pb2_grpc.StageStub(self._channel)
+
+    def start_probe(self, timeout_s: float) -> tuple[Future, Future]:
+        from grpc_health.v1 import health_pb2
+
+        from stagemesh.v1 import stage_pb2
+
+        health = self._health.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        info = self._stage.GetStageInfo.future(stage_pb2.GetStageInfoRequest(), timeout=timeout_s)
+        return health, info
+
+    @staticmethod
+    def finish_probe(futures: tuple[Future, Future]) -> tuple[str | None, StageInfoView | None, str | None]:
+        """(health status name, info, first RPC error) from ``start_probe``'s futures."""
+        import grpc
+        from grpc_health.v1 import health_pb2
+
+        health_future, info_future = futures
+        health = info = error = None
+        try:
+            health = health_pb2.HealthCheckResponse.ServingStatus.Name(health_future.result().status)
+        except grpc.RpcError as exc:
+            error = f"health check: {exc.code().name}"
+        try:
+            info = info_view(info_future.result())
+        except grpc.RpcError as exc:
+            error = error or f"GetStageInfo: {exc.code().name}"
+        return health, info, error
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def info_view(message) -> StageInfoView:
+    """``stagemesh.v1.StageInfo`` -> ``StageInfoView``."""
+    s = message.stats
+    return StageInfoView(
+        state=STATE_NAMES.get(int(message.state), "starting"),
+        pid=int(message.pid),
+        compute_dtype=message.compute_dtype,
+        quantized=bool(message.quantized),
+        error=message.error,
+        weight_bytes=int(message.weight_bytes),
+        stats=StageStatsSnapshot(
+            batches=s.batches, tokens=s.tokens, compute_seconds=s.compute_seconds,
+            wait_seconds=s.wait_seconds, send_seconds=s.send_seconds,
+            running_sequences=s.running_sequences, waiting_requests=s.waiting_requests,
+            requests_finished=s.requests_finished,
+        ),
+    )

@@ -1,0 +1,261 @@
+"""StageHost: the Ray actor that owns one stage process on one node.
+
+One ``StageHost`` sits in each placement-group bundle (``{"mlx": 1, "CPU":
+0.01}``). It is deliberately thin: the stage itself is a subprocess
+(``python -m stage_worker.stage_process ... --serve``), never the actor,
+because MLX's ring cannot be re-created inside a process (a broken pipeline
+needs fresh processes) and because it keeps Ray's worker out of the stage's
+memory and CPU budget.
+
+Contract (every method returns quickly; nothing here blocks on the stage):
+
+- ``describe()`` -> ``HostInfo``: the node id, the address the stage must
+  advertise (``STAGEMESH_HOST_IP`` from this node's environment, else the
+  address the node registered with Ray: its ``NodeManagerAddress``; never
+  ``ray.util.get_node_ip_address()``, which names the outward interface even
+  for a node started on 127.0.0.1), and Python / MLX / stagemesh versions.
+- ``start(plan_json, rank, args)`` writes the plan to a temp file on this
+  node, starts the stage with its output in a log file there, returns its pid.
+- ``poll()`` -> exit code or None; ``terminate()`` sends SIGTERM and returns;
+  ``stop(grace_s)`` sends SIGTERM, waits, then SIGKILLs; ``log_tail()``.
+- ``busy_ports(host, ports)``: which of ``ports`` cannot be bound on this node
+  right now (a restart waits for its old ports to be released).
+
+The class is plain Python: tests use it directly without Ray;
+``stage_host_actor`` wraps it as an actor in a given bundle.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST_IP_ENV = "STAGEMESH_HOST_IP"
+DEFAULT_STAGE_COMMAND = ("-m", "stage_worker.stage_process")
+ACTOR_NUM_CPUS = 0.01  # Ray bookkeeping only; actors ask for 1 CPU unless told
+
+# Linux: the stage gets SIGTERM if the actor process dies (killed by Ray, node
+# shutdown), so no orphan keeps its ring and gRPC ports. PDEATHSIG survives
+# exec; the ppid check closes the race where the parent died before prctl.
+_PDEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(70)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+
+
+class StageHostError(RuntimeError):
+    """A StageHost cannot do what was asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    node_id: str
+    host: str  # address to advertise for ring and gRPC
+    host_source: str  # "STAGEMESH_HOST_IP" or "ray node address"
+    hostname: str
+    pid: int  # the actor's own pid
+    python: str
+    mlx: str | None
+    stagemesh: str | None
+    platform: str
+
+
+def advertised_host(node_id: str, env: Mapping[str, str], nodes: Sequence[Mapping]) -> tuple[str, str]:
+    """(address, source): ``STAGEMESH_HOST_IP`` when set, else this node's Ray address.
+
+    ``nodes`` is ``ray.nodes()``; the node's ``NodeManagerAddress`` is what it
+    was started with (``ray start --node-ip-address`` / ``_node_ip_address``).
+    """
+    pinned = env.get(HOST_IP_ENV, "").strip()
+    if pinned:
+        return pinned, HOST_IP_ENV
+    for node in nodes:
+        if node.get("NodeID") == node_id and node.get("Alive", node.get("alive", True)):
+            address = node.get("NodeManagerAddress")
+            if address:
+                return str(address), "ray node address"
+    raise StageHostError(
+        f"node {node_id} is not among Ray's live nodes; set {HOST_IP_ENV} on it "
+        f"to the address its peers should use"
+    )
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def stage_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The stage's environment: the node's, minus what Ray forced on its worker."""
+    env = dict(base)
+    # Ray pins OMP_NUM_THREADS=1 in workers holding less than one CPU; our 0.01
+    # CPU is bookkeeping, so the stage keeps the node's own threading defaults.
+    if env.get("OMP_NUM_THREADS") == "1":
+        env.pop("OMP_NUM_THREADS")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class StageHost:
+    """Owns at most one stage process at a time (see the module docstring)."""
+
+    def __init__(self, label: str = "stage") -> None:
+        self._label = label
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"stagemesh-{label}-"))
+        self._process: subprocess.Popen | None = None
+        self._log_path: Path | None = None
+        self._starts = 0
+
+    # -- identity -------------------------------------------------------------
+
+    def describe(self) -> HostInfo:
+        import ray  # only inside an actor; plain use (tests) goes through describe_local
+
+        node_id = ray.get_runtime_context().get_node_id()
+        return self.describe_local(node_id, ray.nodes())
+
+    def describe_local(self, node_id: str, nodes: Sequence[Mapping]) -> HostInfo:
+        host, source = advertised_host(node_id, os.environ, nodes)
+        return HostInfo(
+            node_id=node_id, host=host, host_source=source, hostname=socket.gethostname(),
+            pid=os.getpid(), python=platform.python_version(), mlx=_version("mlx"),
+            stagemesh=_version("stagemesh"), platform=f"{sys.platform}-{platform.machine()}",
+        )
+
+    # -- the stage process ----------------------------------------------------
+
+    def start(self, plan_json: str, rank: int, args: Sequence[str] = (),
+              command: Sequence[str] = DEFAULT_STAGE_COMMAND) -> int:
+        """Start ``python <command> --plan PLAN --rank RANK <args>``; returns its pid."""
+        if self._process is not None and self._process.poll() is None:
+            raise StageHostError(
+                f"{self._label}: stage pid {self._process.pid} is still running; stop it first"
+            )
+        self._starts += 1
+        plan_path = self._workdir / "plan.json"
+        plan_path.write_text(plan_json)
+        self._log_path = self._workdir / f"stage-{self._starts}.log"
+        argv = [*command, "--plan", str(plan_path), "--rank", str(rank), *args]
+        if sys.platform.startswith("linux"):
+            argv = ["-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+        with open(self._log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, cwd=self._workdir, env=stage_env(os.environ),
+                start_new_session=True,  # a Ctrl-C at the driver's terminal is the coordinator's to handle
+            )
+        return self._process.pid
+
+    def poll(self) -> int | None:
+        """The stage's exit code, or None while it runs (or before any start)."""
+        return None if self._process is None else self._process.poll()
+
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def terminate(self) -> None:
+        """SIGTERM the stage, without waiting (the entry stage then stops its pipeline)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the stage to exit; its exit code or None."""
+        if self._process is None:
+            return None
+        try:
+            return self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: float = 5.0) -> int | None:
+        """SIGTERM, wait ``grace_s``, then SIGKILL; returns the exit code (None if never started)."""
+        process = self._process
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return process.returncode
+
+    def log_path(self) -> str | None:
+        return None if self._log_path is None else str(self._log_path)
+
+    def log_tail(self, lines: int = 20) -> str:
+        if self._log_path is None:
+            return ""
+        try:
+            text = self._log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- ports ----------------------------------------------------------------
+
+    def busy_ports(self, host: str, ports: Sequence[int]) -> list[int]:
+        return busy_ports(host, ports)
+
+
+def busy_ports(host: str, ports: Sequence[int]) -> list[int]:
+    """Ports of ``ports`` that cannot be bound on ``host`` now.
+
+    Binds with SO_REUSEADDR, as the stage's own listeners do, so sockets left in
+    TIME_WAIT by a previous stage do not count as busy; a live listener does.
+    """
+    busy = []
+    for port in ports:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError:
+            busy.append(port)
+        finally:
+            sock.close()
+    return busy
+
+
+def wait_ports_free(host: str, ports: Sequence[int], timeout_s: float, poll_s: float = 0.2) -> list[int]:
+    """Wait until every port is bindable; returns the ones still busy at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = busy_ports(host, ports)
+        if not busy or time.monotonic() >= deadline:
+            return busy
+        time.sleep(poll_s)
+
+
+def stage_host_actor(placement_group, bundle_index: int, label: str, name: str | None = None):
+    """Create a ``StageHost`` actor in bundle ``bundle_index`` of ``placement_group``."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from coordinator.placement import MLX_RESOURCE
+
+    actor_class = ray.remote(StageHost)
+    return actor_class.options(
+        num_cpus=ACTOR_NUM_CPUS,
+        resources={MLX_RESOURCE: 1},
+        max_restarts=0,  # a lost host means re-placing its replica, not a silent restart
+        name=name,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle_index,
+        ),
+    ).remote(label)
