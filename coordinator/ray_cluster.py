@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from coordinator.placement import MLX_RESOURCE, ClusterNode, PlacementError, StageSlot
@@ -60,7 +60,7 @@ class RaySession:
 
 
 @contextmanager
-def _loopback_only() -> Iterator[None]:
+def loopback_only() -> Iterator[None]:
     """Keep a locally started Ray on 127.0.0.1 (see the module docstring)."""
     from ray._private import ray_constants
 
@@ -90,8 +90,12 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
     # private mesh has nothing to report.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
+        # A cluster on loopback (one machine, tests) needs the same guard, or Ray
+        # rewrites 127.0.0.1 in the address to the outward interface and fails.
+        guard = loopback_only() if _is_loopback_address(address) else nullcontext()
         try:
-            ray.init(address=address, log_to_driver=False)
+            with guard:
+                ray.init(address=address, log_to_driver=False)
         except Exception as exc:  # ConnectionError, ValueError, RuntimeError across versions
             raise RayStartError(
                 f"could not join the Ray cluster at RAY_ADDRESS={address} ({exc}); start it "
@@ -100,7 +104,7 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
             ) from exc
         return _session(local=False, owns=True, started=started)
     cpus = num_cpus if num_cpus is not None else max(1, os.cpu_count() or 1)
-    with _loopback_only():
+    with loopback_only():
         ray.init(
             address="local",  # never attach to another Ray already running here
             _node_ip_address=LOOPBACK,
@@ -121,6 +125,11 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
     log.info("started a local Ray on %s with %d '%s' unit(s), %d CPU(s) in %.1f s",
              session.address, mlx_units, MLX_RESOURCE, cpus, session.started_in_s)
     return session
+
+
+def _is_loopback_address(address: str) -> bool:
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def _session(*, local: bool, owns: bool, started: float) -> RaySession:

@@ -1,0 +1,81 @@
+"""Stage verdicts, restart pacing and mesh config checks (pure, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.health import RestartPolicy, StageInfoView, StageProbe, Verdict, describe_exit, judge
+from coordinator.layer_split import LayerSplitError
+from coordinator.mesh import MeshConfig, stage_args, validate_config
+from coordinator.mesh_state import StageStatsSnapshot
+from coordinator.placement import PlacementError
+
+
+def _info(state: str, error: str = "") -> StageInfoView:
+    return StageInfoView(state, 123, "float32", True, error, 0, StageStatsSnapshot())
+
+
+SERVING = StageProbe(health="SERVING", info=_info("serving"))
+
+
+@pytest.mark.parametrize(
+    ("probe", "starting", "misses", "expected"),
+    [
+        pytest.param(SERVING, False, 0, Verdict.SERVING, id="serving"),
+        pytest.param(SERVING, False, 2, Verdict.SERVING, id="serving-resets"),
+        pytest.param(StageProbe(exit_code=-9, health="SERVING"), False, 0, Verdict.FAILED, id="exited-beats-stale-health"),
+        pytest.param(StageProbe(host_lost="ActorDiedError"), False, 0, Verdict.FAILED, id="host-lost"),
+        pytest.param(StageProbe(health="NOT_SERVING", info=_info("failed", "boom")), True, 0, Verdict.FAILED, id="reports-failed"),
+        pytest.param(StageProbe(health="NOT_SERVING", info=_info("draining")), False, 5, Verdict.DRAINING, id="draining-no-restart"),
+        pytest.param(StageProbe(health="NOT_SERVING", info=_info("loading")), True, 9, Verdict.STARTING, id="loading"),
+        pytest.param(StageProbe(rpc_error="health check: UNAVAILABLE"), True, 9, Verdict.STARTING, id="port-not-up-yet"),
+        pytest.param(StageProbe(rpc_error="health check: DEADLINE_EXCEEDED"), False, 0, Verdict.SUSPECT, id="one-slow-answer"),
+        pytest.param(StageProbe(rpc_error="health check: DEADLINE_EXCEEDED"), False, 2, Verdict.FAILED, id="frozen"),
+        pytest.param(StageProbe(health="NOT_SERVING", info=_info("connecting")), False, 1, Verdict.SUSPECT, id="not-serving-once"),
+    ],
+)
+def test_judge(probe, starting, misses, expected):
+    verdict, reason = judge(probe, starting=starting, misses=misses, max_misses=3)
+    assert verdict is expected
+    assert (reason is None) == (expected in (Verdict.SERVING, Verdict.STARTING, Verdict.DRAINING))
+
+
+def test_failure_reasons_name_the_cause():
+    assert judge(StageProbe(exit_code=3), starting=False, misses=0, max_misses=3)[1] == (
+        "exited with code 3 (a neighbour failed or refused it)")
+    assert judge(StageProbe(rpc_error="health check: DEADLINE_EXCEEDED"), starting=False, misses=2,
+                 max_misses=3)[1] == "not serving for 3 consecutive checks (health check: DEADLINE_EXCEEDED)"
+    assert describe_exit(-9) == "killed by signal 9"
+    assert describe_exit(75) == "exited with code 75 (a ring operation outlived --ring-timeout)"
+
+
+def test_restart_policy_backs_off_then_gives_up():
+    policy = RestartPolicy(max_restarts=3, window_s=100, backoff_s=1, max_backoff_s=3)
+    assert policy.delay([], 0) == 0.0
+    assert policy.delay([10], 11) == 1.0
+    assert policy.delay([10, 12], 13) == 2.0
+    assert policy.delay([10, 12, 15], 16) is None
+    assert policy.delay([10, 12, 15], 200) == 0.0  # old restarts leave the window
+    assert RestartPolicy(max_restarts=9, backoff_s=1, max_backoff_s=3).delay([1, 2, 3, 4, 5], 6) == 3
+
+
+def _config(**overrides) -> MeshConfig:
+    base = dict(model_path="/m", served_model_name="m", num_layers=30, pipeline_parallel_size=2,
+                ring_base_port=30000, grpc_base_port=31000)
+    return MeshConfig(**{**base, **overrides})
+
+
+def test_validate_config_rejects_before_ray():
+    validate_config(_config())
+    with pytest.raises(PlacementError, match="overlaps --grpc-base-port"):
+        validate_config(_config(grpc_base_port=30002))
+    with pytest.raises(LayerSplitError, match="--pp-layer-split"):
+        validate_config(_config(layer_split="40"))
+    with pytest.raises(PlacementError, match="--data-parallel-size/-dp"):
+        validate_config(_config(data_parallel_size=0))
+
+
+def test_stage_args():
+    assert stage_args(_config(), "abc") == ["--serve", "--node-id", "abc", "--connect-timeout", "60"]
+    assert stage_args(_config(max_num_seqs=8, max_model_len=512, extra_stage_args=("--x",)), "n")[-5:] == [
+        "--max-num-seqs", "8", "--max-model-len", "512", "--x"]
