@@ -95,9 +95,10 @@ class ReplicaClient:
             key = self._pick(tried)
             tried.add(key)
             self.balancer.acquire(key)
-            call = self._stub(key[1]).Generate(request, timeout=self._timeout)
+            call: grpc.aio.UnaryStreamCall | None = None
             received = False
             try:
+                call = self._stub(key[1]).Generate(request, timeout=self._timeout)
                 async for response in call:
                     received = True
                     yield response
@@ -110,7 +111,8 @@ class ReplicaClient:
                 raise self._api_error(e, received) from None
             finally:
                 # Sync on purpose: this also runs while the task is being cancelled.
-                call.cancel()
+                if call is not None:
+                    call.cancel()
                 self.balancer.release(key)
 
     def _api_error(self, e: grpc.aio.AioRpcError, received: bool) -> errors.APIError:

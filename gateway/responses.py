@@ -46,12 +46,12 @@ class ResponseHeader:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def full(self, texts: list[str], finish_reasons: list[str | None], use: dict[str, int]) -> dict[str, Any]:
+        pairs = list(enumerate(zip(texts, finish_reasons, strict=True)))
         if self.kind == "chat":
             choices = [{"index": i, "message": {"role": "assistant", "content": t, "refusal": None},
-                        "logprobs": None, "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish_reasons, strict=True))]
+                        "logprobs": None, "finish_reason": f} for i, (t, f) in pairs]
             return {**self._base("chat.completion"), "choices": choices, "usage": use}
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                   for i, (t, f) in enumerate(zip(texts, finish_reasons, strict=True))]
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in pairs]
         return {**self._base("text_completion"), "choices": choices, "usage": use}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, *, role: bool = False,

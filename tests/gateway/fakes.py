@@ -153,6 +153,7 @@ class AppServer:
 
     def __init__(self, app: object) -> None:
         self.port = free_port()
+        self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on", timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=self.server.run, daemon=True)

@@ -113,3 +113,38 @@ def test_deadline_is_504_without_retry(mesh, tokenizer, eos_ids, stage):
         assert r.json()["error"]["code"] == "timeout"
     finally:
         server.stop()
+
+
+def test_busy_replica_is_avoided(server, healthy_mesh, stages, stage):
+    from .fakes import Script
+
+    healthy_mesh.ports[:] = [stages[0].port, stages[1].port]
+    reply = list(stage.script.reply_ids)
+    for s in stages:
+        s.servicer.script.hang_after_tokens = 1
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        lines = r.iter_lines()  # keep a reference: a collected iterator closes the connection
+        assert next(lines).startswith("data: ")
+        busy = 0 if stages[0].servicer.requests else 1
+        for s in stages:
+            s.servicer.script = Script(reply_ids=reply)  # the hanging call keeps its own script
+        for _ in range(2):
+            assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert len(stages[busy].servicer.requests) == 1 and len(stages[1 - busy].servicer.requests) == 2
+    assert wait_for(lambda: len(stages[busy].servicer.cancelled) == 1)
+    assert wait_for(lambda: not server.app.state.replica_client.balancer.snapshot())  # nothing leaked
+
+
+def test_dead_entry_stage_fails_fast_or_fails_over(client, healthy_mesh, stages, stage):
+    import time
+
+    from .fakes import free_port
+
+    healthy_mesh.ports[:] = [free_port()]  # nothing listens there, yet the mesh says healthy
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL, prompt="x")
+    assert e.value.status_code == 503 and time.monotonic() - t0 < 5
+    healthy_mesh.ports[:] = [free_port(), stages[0].port]
+    for _ in range(2):
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].text == "Hello"
