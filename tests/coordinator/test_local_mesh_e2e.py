@@ -1,0 +1,137 @@
+"""A local mesh (no RAY_ADDRESS) with fake stages: Ray on loopback only, DP x PP lifecycle.
+
+The coordinator starts and stops its own Ray here, so these tests also check
+that nothing of Ray listens beyond 127.0.0.1 and that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from coordinator.mesh import MeshConfig, MeshCoordinator, MeshStartError
+from coordinator.ray_cluster import connect_ray, disconnect
+from tests.coordinator.conftest import FAKE_STAGE, mesh_ports
+from tests.coordinator.helpers import assert_all_released, stage_ports, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_address(monkeypatch):
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not ray.is_initialized()
+    yield
+    ray.shutdown()
+
+
+def _ray_listeners() -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP listener of this process's descendants."""
+    me = psutil.Process()
+    pids = {me.pid} | {p.pid for p in me.children(recursive=True)}
+    out = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in pids:
+            try:
+                name = psutil.Process(conn.pid).name()
+            except psutil.NoSuchProcess:
+                continue
+            out.append((name, conn.laddr.ip, conn.laddr.port))
+    return out
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def test_local_ray_listens_on_loopback_only_and_goes_away():
+    import ray
+
+    session = connect_ray(2)
+    try:
+        assert session.local and session.owns_connection
+        assert session.address.startswith("127.0.0.1:")
+        listeners = _ray_listeners()
+        assert any(name.startswith("gcs_server") for name, _, _ in listeners), listeners
+        assert all(_is_loopback(ip) for _, ip, _ in listeners), listeners
+        assert ray.cluster_resources().get("mlx") == 2
+    finally:
+        disconnect(session)
+    assert not ray.is_initialized()
+    wait_until(lambda: not _ray_listeners(), 10, "Ray's listeners close")
+
+
+def _config(pp: int, dp: int, **overrides) -> MeshConfig:
+    ring, grpc = mesh_ports(pp * dp)
+    return MeshConfig(**{
+        "model_path": "/none", "served_model_name": "fake", "num_layers": 30,
+        "pipeline_parallel_size": pp, "data_parallel_size": dp, "ring_base_port": ring,
+        "grpc_base_port": grpc, "stage_command": FAKE_STAGE, "startup_timeout_s": 60, **overrides})
+
+
+def test_dp2_pp2_start_restart_one_replica_and_stop():
+    import ray
+
+    config = _config(2, 2, max_num_seqs=4)
+    coordinator = MeshCoordinator(config)
+    started = time.monotonic()
+    snapshot = coordinator.start()
+    try:
+        assert time.monotonic() - started < 60
+        assert [r.healthy for r in snapshot.replicas] == [True, True]
+        rows = [(r.replica, s.rank, s.layers, s.host, s.grpc_port, s.ring_port, s.state)
+                for r in snapshot.replicas for s in r.stages]
+        g, ring = config.grpc_base_port, config.ring_base_port
+        assert rows == [
+            (0, 0, (0, 15), "127.0.0.1", g, ring, "serving"),
+            (0, 1, (15, 30), "127.0.0.1", g + 1, ring + 1, "serving"),
+            (1, 0, (0, 15), "127.0.0.1", g + 2, ring + 2, "serving"),
+            (1, 1, (15, 30), "127.0.0.1", g + 3, ring + 3, "serving"),
+        ]
+        stage = snapshot.replicas[1].stages[1]
+        assert (stage.compute_dtype, stage.quantized, stage.stats.batches) == ("float32", True, 7)
+        assert stage.to_json()["node_id"] == ray.get_runtime_context().get_node_id()
+
+        os.kill(stage.pid, signal.SIGKILL)
+        took = wait_until(lambda: not coordinator.snapshot().replicas[1].healthy, 3, "replica 1 unhealthy")
+        assert took < 2.5
+        assert coordinator.snapshot().replicas[0].healthy  # the other replica keeps serving
+        wait_until(lambda: coordinator.snapshot().replicas[1].healthy, 30, "replica 1 restarted")
+        after = coordinator.snapshot()
+        assert [r.restarts for r in after.replicas] == [0, 1]
+        assert after.replicas[0].stages[0].pid == snapshot.replicas[0].stages[0].pid
+        assert after.replicas[1].stages[1].pid != stage.pid
+        pids = [s.pid for r in (*snapshot.replicas, *after.replicas) for s in r.stages]
+    finally:
+        last = coordinator.snapshot()
+        coordinator.stop()
+    assert_all_released(pids, stage_ports(last, 4, config.ring_base_port))
+    assert not ray.is_initialized()  # the local Ray it started is gone
+    assert all(not s.healthy and s.state == "stopped" for r in coordinator.snapshot().replicas for s in r.stages)
+    coordinator.stop()  # idempotent
+
+
+def test_a_stage_failing_at_startup_raises_with_its_log_and_cleans_up():
+    import ray
+
+    config = _config(2, 1, extra_stage_args=("--fake-exit-code", "2", "--fake-fail-rank", "1"))
+    coordinator = MeshCoordinator(config)
+    started = time.monotonic()
+    with pytest.raises(MeshStartError) as info:
+        coordinator.start()
+    assert time.monotonic() - started < 30
+    message = str(info.value)
+    assert "replica 0 stage 1" in message and f"grpc :{config.grpc_base_port + 1}" in message
+    assert "exited with code 2 (configuration error)" in message
+    assert "fake stage 1: failing with exit code 2" in message  # the log tail
+    assert not ray.is_initialized()
+    assert_all_released([], [("127.0.0.1", config.grpc_base_port), ("127.0.0.1", config.ring_base_port)])
