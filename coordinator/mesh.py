@@ -338,8 +338,8 @@ class MeshCoordinator:
                     held[stage.slot.node_id] = held.get(stage.slot.node_id, 0) + 1
         nodes = [replace(n, mlx_units=n.mlx_units - held.get(n.node_id, 0))
                  for n in cluster_nodes(self._session.driver_node_id if self._session else None)]
-        placement = place_stages(nodes, cfg.pipeline_parallel_size, 1, local=bool(self._session and self._session.local),
-                                 head_address=head_address(nodes))
+        local = bool(self._session and self._session.local)
+        placement = place_stages(nodes, cfg.pipeline_parallel_size, 1, local=local, head_address=head_address(nodes))
         slots = [replace(s, replica=replica.index) for s in placement.replicas[0]]
         fresh = self._reserve(replica.index, slots)
         with self._lock:
@@ -524,7 +524,7 @@ class MeshCoordinator:
                     replica.phase = "failed"
                     for s in replica.stages:
                         s.state, s.healthy = "failed", False
-                        s.error = s.error or f"replica {replica.index} gave up after {len(replica.restart_times)} restarts"
+                        s.error = s.error or f"gave up after {len(replica.restart_times)} restarts"
                     self._publish()
                 log.error("replica %d: giving up after %d restarts within %.0f s; fix the cause "
                           "and restart stagemesh", replica.index, self.config.max_restarts,

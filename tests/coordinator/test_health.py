@@ -16,6 +16,13 @@ def _info(state: str, error: str = "") -> StageInfoView:
 
 
 SERVING = StageProbe(health="SERVING", info=_info("serving"))
+SLOW = StageProbe(rpc_error="health check: DEADLINE_EXCEEDED")
+DOWN = StageProbe(rpc_error="health check: UNAVAILABLE")
+
+
+def _not_serving(state: str, error: str = "") -> StageProbe:
+    return StageProbe(health="NOT_SERVING", info=_info(state, error))
+
 
 
 @pytest.mark.parametrize(
@@ -23,15 +30,15 @@ SERVING = StageProbe(health="SERVING", info=_info("serving"))
     [
         pytest.param(SERVING, False, 0, Verdict.SERVING, id="serving"),
         pytest.param(SERVING, False, 2, Verdict.SERVING, id="serving-resets"),
-        pytest.param(StageProbe(exit_code=-9, health="SERVING"), False, 0, Verdict.FAILED, id="exited-beats-stale-health"),
+        pytest.param(StageProbe(exit_code=-9, health="SERVING"), False, 0, Verdict.FAILED, id="exited-beats-stale"),
         pytest.param(StageProbe(host_lost="ActorDiedError"), False, 0, Verdict.FAILED, id="host-lost"),
-        pytest.param(StageProbe(health="NOT_SERVING", info=_info("failed", "boom")), True, 0, Verdict.FAILED, id="reports-failed"),
-        pytest.param(StageProbe(health="NOT_SERVING", info=_info("draining")), False, 5, Verdict.DRAINING, id="draining-no-restart"),
-        pytest.param(StageProbe(health="NOT_SERVING", info=_info("loading")), True, 9, Verdict.STARTING, id="loading"),
-        pytest.param(StageProbe(rpc_error="health check: UNAVAILABLE"), True, 9, Verdict.STARTING, id="port-not-up-yet"),
-        pytest.param(StageProbe(rpc_error="health check: DEADLINE_EXCEEDED"), False, 0, Verdict.SUSPECT, id="one-slow-answer"),
-        pytest.param(StageProbe(rpc_error="health check: DEADLINE_EXCEEDED"), False, 2, Verdict.FAILED, id="frozen"),
-        pytest.param(StageProbe(health="NOT_SERVING", info=_info("connecting")), False, 1, Verdict.SUSPECT, id="not-serving-once"),
+        pytest.param(_not_serving("failed", "boom"), True, 0, Verdict.FAILED, id="reports-failed"),
+        pytest.param(_not_serving("draining"), False, 5, Verdict.DRAINING, id="draining-no-restart"),
+        pytest.param(_not_serving("loading"), True, 9, Verdict.STARTING, id="loading"),
+        pytest.param(DOWN, True, 9, Verdict.STARTING, id="port-not-up-yet"),
+        pytest.param(SLOW, False, 0, Verdict.SUSPECT, id="one-slow-answer"),
+        pytest.param(SLOW, False, 2, Verdict.FAILED, id="frozen"),
+        pytest.param(_not_serving("connecting"), False, 1, Verdict.SUSPECT, id="not-serving-once"),
     ],
 )
 def test_judge(probe, starting, misses, expected):

@@ -158,3 +158,30 @@ def test_mesh_spreads_a_pipeline_over_three_nodes_and_recovers(cluster):
     import ray
 
     assert ray.is_initialized()  # the cluster was not ours to shut down
+
+
+def test_a_replica_whose_node_leaves_is_placed_again_on_a_new_node(cluster):
+    """Last in this module: it removes a node from the shared cluster."""
+    ring, grpc = mesh_ports(2)
+    coordinator = MeshCoordinator(MeshConfig(
+        model_path="/none", served_model_name="fake", num_layers=30, pipeline_parallel_size=2,
+        ring_base_port=ring, grpc_base_port=grpc, stage_command=FAKE_STAGE, startup_timeout_s=60))
+    try:
+        before = coordinator.start().replicas[0]
+        lost = before.stages[1].node_id
+        node = next(n for n in cluster.worker_nodes if n.node_id == lost)
+        with loopback_only():
+            cluster.remove_node(node)
+            replacement = cluster.add_node(node_ip_address="127.0.0.1", resources={"mlx": 1}, num_cpus=1)
+        wait_until(lambda: not coordinator.snapshot().replicas[0].healthy, 5, "replica marked unhealthy")
+        wait_until(lambda: coordinator.snapshot().replicas[0].healthy, 60, "replica placed again")
+        after = coordinator.snapshot().replicas[0]
+        assert after.stages[0].node_id == before.stages[0].node_id
+        assert after.stages[1].node_id != lost
+        assert after.stages[1].node_id in {replacement.node_id} | {n.node_id for n in cluster.worker_nodes}
+        assert after.restarts >= 1
+        pids = [s.pid for s in (*before.stages, *after.stages)]
+    finally:
+        last = coordinator.snapshot()
+        coordinator.stop()
+    assert_all_released(pids, stage_ports(last, 2, ring))

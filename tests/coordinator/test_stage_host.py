@@ -12,7 +12,8 @@ import pytest
 from coordinator.stage_host import StageHost, StageHostError, advertised_host, busy_ports, stage_env
 
 SLEEPER = ("-c", "import sys, time; print('args', sys.argv[1:], flush=True); time.sleep(60)")
-STUBBORN = ("-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)")
+STUBBORN = ("-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "print('up', flush=True); time.sleep(60)")
 
 NODES = [
     {"NodeID": "aaa", "Alive": True, "NodeManagerAddress": "127.0.0.1"},
