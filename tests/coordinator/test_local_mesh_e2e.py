@@ -135,3 +135,20 @@ def test_a_stage_failing_at_startup_raises_with_its_log_and_cleans_up():
     assert "fake stage 1: failing with exit code 2" in message  # the log tail
     assert not ray.is_initialized()
     assert_all_released([], [("127.0.0.1", config.grpc_base_port), ("127.0.0.1", config.ring_base_port)])
+
+
+def test_a_frozen_stage_is_unhealthy_at_once_and_replaced_after_three_misses():
+    config = _config(1, 1, health_timeout_s=0.5, health_interval_s=0.5)
+    coordinator = MeshCoordinator(config)
+    try:
+        frozen = coordinator.start().replicas[0].stages[0]
+        os.kill(frozen.pid, signal.SIGSTOP)  # alive, but answers nothing: only health checks can tell
+        wait_until(lambda: not coordinator.snapshot().replicas[0].healthy, 3, "frozen stage marked unhealthy")
+        assert "DEADLINE_EXCEEDED" in (coordinator.snapshot().replicas[0].stages[0].error or "")
+        wait_until(lambda: coordinator.snapshot().replicas[0].restarts == 1, 15, "frozen stage replaced")
+        wait_until(lambda: coordinator.snapshot().replicas[0].healthy, 30, "replica serving again")
+        pids = [frozen.pid, coordinator.snapshot().replicas[0].stages[0].pid]
+    finally:
+        last = coordinator.snapshot()
+        coordinator.stop()
+    assert_all_released(pids, stage_ports(last, 1, config.ring_base_port))
