@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 
@@ -141,7 +142,11 @@ def run(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=5))
     log.info("gateway on http://%s:%d (model %s)", args.host, args.port, config.served_model_name)
     try:
-        server.run()  # returns after Ctrl-C / SIGTERM
+        server.run()  # returns after Ctrl-C / SIGTERM, then re-raises the signal it captured
+    except SystemExit as exc:
+        # Ray's driver turns a re-raised SIGTERM into SystemExit(15); the shutdown is orderly, so exit 0.
+        if exc.code != signal.SIGTERM:
+            raise
     finally:
         coordinator.stop()
     return 0

