@@ -8,15 +8,18 @@ import socket
 
 import pytest
 
-# Each call hands out a fresh range so tests (and reruns) never share ring ports.
-_NEXT_BASE = itertools.count(42000 + (os.getpid() % 200) * 40, 40)
+# Each call hands out a fresh range so tests (and reruns) never share ports. The range sits
+# between Ray's worker ports (10002-19999) and Linux's ephemeral ports (32768-60999), where an
+# outgoing connection's TIME_WAIT could otherwise hold a port we want to bind.
+_FIRST, _LAST = 22000, 32700
+_NEXT_BASE = itertools.count(_FIRST + (os.getpid() % 100) * 40, 40)
 
 
 def free_port_base(count: int) -> int:
     """A base port such that ``count`` consecutive loopback ports are free now."""
     for _ in range(200):
         base = next(_NEXT_BASE)
-        if base + count > 60000:
+        if base + count > _LAST:
             break
         sockets = []
         try:
