@@ -138,3 +138,17 @@ def test_stopping_leaves_no_stage_process_and_no_bound_port(tmp_path, whole_grou
         _assert_nothing_left(serve, stage_pids)
     finally:
         serve.kill_leftovers()
+
+
+def test_chat_command_streams_an_answer_and_keeps_history(serve_pp1):
+    session = subprocess.run(
+        [sys.executable, "-m", "stagemesh.cli", "chat", "--url", serve_pp1.url, "--temperature", "0",
+         "--max-tokens", "32"],
+        input="What is the capital of France?\nAnd what is its largest river?\n/exit\n",
+        capture_output=True, text=True, timeout=180,
+    )
+    assert session.returncode == 0, session.stderr
+    assert f"chatting with {MODEL}" in session.stdout
+    first_answer = session.stdout.split(f"{MODEL}> ")[1]
+    assert "Paris" in first_answer
+    assert session.stdout.count(f"{MODEL}> ") == 2 and "[error" not in session.stdout
