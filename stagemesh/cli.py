@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("stagemesh.serve", "serve a model over the OpenAI API from a mesh of pipeline stages"),
     "status": ("stagemesh.status", "show the mesh (replicas, stages, hosts, layers, ports, health)"),
     "chat": ("stagemesh.chat", "chat interactively with a running gateway"),
+    "bench": ("stagemesh.bench", "load-test OpenAI-compatible endpoints: TTFT, inter-token latency, throughput"),
+    "doctor": ("stagemesh.doctor", "check this node or the cluster for known pitfalls and say how to fix each"),
     "parity": ("stagemesh.parity", "check that PP=N computes bit-identical logits and tokens to PP=1"),
     "bench-pipeline": ("stagemesh.pipeline_bench",
                        "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
