@@ -1,0 +1,352 @@
+"""``stagemesh bench``: load-test OpenAI-compatible endpoints, like ``vllm bench serve``.
+
+Streams synthetic prompts (``--input-len`` tokens in, up to ``--output-len``
+tokens out) to one or more endpoints (``--base-url``, repeatable: ours,
+``mlx_lm.server``, vLLM, anything speaking the OpenAI API) at each load level:
+``--concurrency 1,4,16`` (closed loop: N requests always in flight) and/or
+``--request-rate 2,8`` (open loop: Poisson arrivals, at most
+``--max-concurrency`` in flight). Reports per endpoint and level: TTFT,
+inter-token latency (ITL, every gap between streamed chunks), TPOT and
+end-to-end latency (mean/p50/p90/p99), output and total tokens/s and
+requests/s over the level's wall time, and completed/failed counts with every
+distinct error. With several endpoints, levels alternate between them
+(A level 1, B level 1, A level 2, ...; every other ``--round`` in reverse
+endpoint order) so machine noise hits all alike, and the report gives each
+endpoint's ratio to the first.
+
+Output: a table on stdout, progress on stderr, ``--output results.json``
+(config, machine, per-level and per-round metrics, ratios, every request's
+record) and ``--plot results.png``. Exits 0 when every request succeeded,
+1 when any failed (they are listed), 2 when the benchmark could not start.
+
+Examples:
+  stagemesh bench --concurrency 1,4,16 --num-prompts 64 --plot bench.png
+  stagemesh bench --base-url http://127.0.0.1:8000 --label stagemesh \\
+      --base-url http://127.0.0.1:8080 --label mlx_lm --rounds 3 --output cmp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import asdict, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+class BenchSetupError(Exception):
+    """The benchmark cannot start as asked; the message says what to change."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    ep = parser.add_argument_group(
+        "endpoints (repeat --base-url to compare; give the others once for all or once each)")
+    ep.add_argument("--base-url", action="append", default=None, metavar="URL",
+                    help=f"server to load, with or without /v1 (default {DEFAULT_BASE_URL})")
+    ep.add_argument("--label", action="append", default=None,
+                    help="name of the endpoint in reports (default host:port)")
+    ep.add_argument("--model", action="append", default=None,
+                    help="model name to request (default: the first one GET /v1/models lists)")
+    ep.add_argument("--api-key", action="append", default=None,
+                    help="sent as Authorization: Bearer KEY (default $STAGEMESH_API_KEY, if set)")
+    wl = parser.add_argument_group("workload")
+    wl.add_argument("--endpoint-type", choices=("completions", "chat"), default="completions",
+                    help="/v1/completions or /v1/chat/completions (default %(default)s)")
+    wl.add_argument("--input-len", type=int, default=128, help="prompt tokens (default %(default)s)")
+    wl.add_argument("--output-len", type=int, default=128, help="max_tokens of every request (default %(default)s)")
+    wl.add_argument("--tokenizer", default=None, metavar="PATH",
+                    help="GGUF file or model/tokenizer directory to size prompts exactly (default: words ~ tokens)")
+    wl.add_argument("--ignore-eos", action="store_true",
+                    help='add "ignore_eos": true to every body (vLLM, stagemesh; strict servers answer 400)')
+    wl.add_argument("--no-usage", action="store_true",
+                    help="do not send stream_options.include_usage (count output tokens from chunks)")
+    wl.add_argument("--temperature", type=float, default=0.0, help="default %(default)s")
+    wl.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default %(default)s)")
+    ld = parser.add_argument_group("load")
+    ld.add_argument("--concurrency", default=None, metavar="N,N,...",
+                    help="closed-loop levels: requests kept in flight (default 1 when no --request-rate)")
+    ld.add_argument("--request-rate", default=None, metavar="R,R,...",
+                    help="open-loop levels: Poisson arrivals per second ('inf': all at once)")
+    ld.add_argument("--max-concurrency", type=int, default=256,
+                    help="cap on requests in flight at a --request-rate level (default %(default)s)")
+    ld.add_argument("--num-prompts", type=int, default=None,
+                    help="requests per level and round (default 4 x concurrency, at least 16; for a rate, "
+                         "10 s of arrivals, at least 16; with --duration: no limit)")
+    ld.add_argument("--duration", type=float, default=None,
+                    help="seconds per level and round after which no new request starts")
+    ld.add_argument("--warmup", type=int, default=2, help="uncounted requests per endpoint first (default %(default)s)")
+    ld.add_argument("--rounds", type=int, default=1, help="repeat all levels this many times (default %(default)s)")
+    ld.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds one request may take in all before it counts as failed (default %(default)s)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--output", default=None, metavar="JSON", help="write everything, raw records included")
+    out.add_argument("--plot", default=None, metavar="PNG", help="tok/s, TTFT and ITL against the load")
+
+
+# ---- argument checking (pure) ----
+
+def parse_list(text: str | None, kind: type, flag: str) -> list:
+    if not text:
+        return []
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise BenchSetupError(f"{flag} takes comma-separated numbers, e.g. 1,4,16; got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise BenchSetupError(f"{flag} values must be positive; got {text!r}")
+    return values
+
+
+def normalize_base_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise BenchSetupError(f"--base-url {url!r} must look like http://HOST:PORT (optionally ending in /v1)")
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _per_endpoint(values: list[str] | None, n: int, flag: str, *, allow_one: bool = True) -> list[str | None]:
+    if not values:
+        return [None] * n
+    if len(values) == n:
+        return list(values)
+    if len(values) == 1 and allow_one:
+        return values * n
+    once = "once for all endpoints or " if allow_one else ""
+    raise BenchSetupError(f"give {flag} {once}once per --base-url ({n}); got {len(values)}")
+
+
+def endpoints_from_args(args: argparse.Namespace) -> list:
+    from stagemesh import envs
+    from stagemesh.bench_types import Endpoint
+
+    urls = [normalize_base_url(u) for u in (args.base_url or [DEFAULT_BASE_URL])]
+    n = len(urls)
+    labels = _per_endpoint(args.label, n, "--label", allow_one=n == 1)
+    models = _per_endpoint(args.model, n, "--model")
+    keys = _per_endpoint(args.api_key, n, "--api-key")
+    default_key = envs.API_KEY
+    eps = [Endpoint(label or urlsplit(url).netloc, url, model, key or default_key)
+           for url, label, model, key in zip(urls, labels, models, keys)]
+    if len({e.label for e in eps}) != n:
+        raise BenchSetupError("endpoints need distinct labels; give --label once per --base-url")
+    return eps
+
+
+def levels_from_args(args: argparse.Namespace) -> list:
+    from stagemesh.bench_types import Level
+
+    conc = parse_list(args.concurrency, int, "--concurrency")
+    rates = parse_list(args.request_rate, float, "--request-rate")
+    if not conc and not rates:
+        conc = [1]
+    return [Level("concurrency", c) for c in conc] + [Level("rate", r) for r in rates]
+
+
+def default_num_prompts(level, num_prompts: int | None, duration: float | None) -> int | None:
+    if num_prompts is not None or duration is not None:
+        return num_prompts
+    if level.kind == "concurrency":
+        return max(16, 4 * int(level.value))
+    return 64 if math.isinf(level.value) else max(16, math.ceil(10 * level.value))
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--input-len", args.input_len, 1), ("--output-len", args.output_len, 1),
+                             ("--max-concurrency", args.max_concurrency, 1), ("--warmup", args.warmup, 0),
+                             ("--rounds", args.rounds, 1)):
+        if value < low:
+            raise BenchSetupError(f"{flag} must be at least {low}; got {value}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise BenchSetupError(f"--num-prompts must be at least 1; got {args.num_prompts}")
+    for flag, value in (("--duration", args.duration), ("--timeout", args.timeout)):
+        if value is not None and value <= 0:
+            raise BenchSetupError(f"{flag} must be positive; got {value}")
+
+
+# ---- running ----
+
+async def resolve_model(client, endpoint):
+    """The endpoint with its model set: as given, else the first id its GET /v1/models lists."""
+    import httpx
+
+    from stagemesh.bench_load import _error_message, headers_for
+
+    if endpoint.model:
+        return endpoint
+    url = endpoint.base_url + "/v1/models"
+    try:
+        response = await client.get(url, headers=headers_for(endpoint), timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise BenchSetupError(f"cannot reach {url} ({type(exc).__name__}: {exc}); is the server up? "
+                              "Check --base-url.") from None
+    if response.status_code != 200:
+        raise BenchSetupError(f"GET {url} answered HTTP {response.status_code}: {_error_message(response.content)}; "
+                              "pass --model (and --api-key if it needs one)")
+    try:
+        model = response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchSetupError(f"GET {url} lists no model; pass --model for {endpoint.label}") from None
+    return replace(endpoint, model=model)
+
+
+async def _run_one(client, endpoint, workload, level, round_: int, plan, tokenizer, title: str,
+                   key_prefix: str) -> list:
+    """One (endpoint, level, round): its records, with progress on stderr."""
+    import asyncio
+    import random
+    import time
+
+    from stagemesh.bench_load import Progress, closed_loop, open_loop, send
+    from stagemesh.bench_workload import make_prompt
+
+    prompts: dict[int, Any] = {}
+
+    def prompt(i: int):
+        if i not in prompts:
+            prompts[i] = make_prompt(f"{key_prefix}:{i}", workload.input_tokens, tokenizer)
+        return prompts[i]
+
+    for i in range(plan.num_prompts or 0):  # before the clock starts: tokenizing is not the server's time
+        prompt(i)
+    progress = Progress(title, plan.num_prompts)
+    run_start = time.perf_counter()
+
+    async def send_indexed(i: int, queued: float):
+        rec = await send(client, endpoint, workload, prompt(i), plan.timeout, level=level.name, round_=round_,
+                         index=i, run_start=run_start, queued=queued)
+        progress.record(rec)
+        return rec
+
+    ticker = asyncio.create_task(progress.tick())
+    try:
+        if level.kind == "concurrency":
+            records = await closed_loop(send_indexed, int(level.value), plan)
+        else:
+            # The same arrival times for every endpoint at this level and round.
+            rng = random.Random(f"{key_prefix}:arrivals")
+            records = await open_loop(send_indexed, level.value, plan, rng)
+    finally:
+        ticker.cancel()
+    progress.finish()
+    return records
+
+
+async def run_benchmark(endpoints, levels, workload, args, tokenizer) -> tuple[list, list, list]:
+    """Resolve models, warm up, run every level; returns (endpoints, warmup records, measured records)."""
+    import httpx
+
+    from stagemesh.bench_types import Level, RunPlan
+
+    # No connection cap here: the runner decides what is in flight.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    clients = {e.label: httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) for e in endpoints}
+    try:
+        endpoints = [await resolve_model(clients[e.label], e) for e in endpoints]
+        for e in endpoints:
+            print(f"bench: {e.label}: {e.base_url} model {e.model}", file=sys.stderr)
+        warm_records: list = []
+        if args.warmup:
+            top = max((int(lv.value) for lv in levels if lv.kind == "concurrency"), default=1)
+            warm_level = Level("concurrency", min(args.warmup, top))
+            plan = RunPlan(args.warmup, None, args.max_concurrency, args.timeout)
+            for e in endpoints:
+                warm_records += await _run_one(clients[e.label], e, workload, warm_level, 0, plan, tokenizer,
+                                               f"{e.label} warmup", f"{args.seed}:warmup")
+        records: list = []
+        for round_ in range(1, args.rounds + 1):
+            # Reverse the order every other round so no endpoint always runs right after another.
+            order = endpoints if round_ % 2 else endpoints[::-1]
+            for level in levels:
+                plan = RunPlan(default_num_prompts(level, args.num_prompts, args.duration), args.duration,
+                               args.max_concurrency, args.timeout)
+                for e in order:
+                    title = f"{e.label} {level.name}" + (f" round {round_}/{args.rounds}" if args.rounds > 1 else "")
+                    records += await _run_one(clients[e.label], e, workload, level, round_, plan, tokenizer, title,
+                                              f"{args.seed}:{round_}:{level.name}")
+        return endpoints, warm_records, records
+    finally:
+        for c in clients.values():
+            await c.aclose()
+
+
+def _group(records: list, key) -> dict:
+    out: dict = {}
+    for r in records:
+        out.setdefault(key(r), []).append(r)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from stagemesh.bench_report import build_document, format_report, machine_info
+    from stagemesh.bench_stats import level_metrics, ratios
+    from stagemesh.bench_types import Workload
+
+    try:
+        check_args(args)
+        endpoints = endpoints_from_args(args)
+        levels = levels_from_args(args)
+        tokenizer = None
+        if args.tokenizer:
+            from stage_worker.model_spec import ModelFormatError
+            from stagemesh.bench_workload import load_tokenizer
+            try:
+                tokenizer = load_tokenizer(args.tokenizer)
+            except (ModelFormatError, OSError, ValueError) as exc:
+                raise BenchSetupError(f"cannot load --tokenizer {args.tokenizer}: {exc}") from None
+        workload = Workload(args.endpoint_type, args.input_len, args.output_len, args.seed, args.ignore_eos,
+                            not args.no_usage, args.temperature)
+        endpoints, warm_records, records = asyncio.run(run_benchmark(endpoints, levels, workload, args, tokenizer))
+    except BenchSetupError as exc:
+        print(f"stagemesh bench: error: {exc}", file=sys.stderr)
+        return 2
+
+    labels = [e.label for e in endpoints]
+    by_key = _group(records, lambda r: (r.endpoint, r.level))
+    pooled = [level_metrics(by_key[(label, lv.name)])
+              for lv in levels for label in labels if (label, lv.name) in by_key]
+    by_round = _group(records, lambda r: (r.round, r.endpoint, r.level))
+    per_round = [(rd, level_metrics(by_round[(rd, label, lv.name)]))
+                 for rd in range(1, args.rounds + 1) for lv in levels for label in labels
+                 if (rd, label, lv.name) in by_round]
+    warm_by = _group(warm_records, lambda r: r.endpoint)
+    warmup = [level_metrics(warm_by[label]) for label in labels if label in warm_by]
+    config = {
+        "endpoints": [{"label": e.label, "base_url": e.base_url, "model": e.model, "api_key": bool(e.api_key)}
+                      for e in endpoints],
+        "workload": asdict(workload),
+        "workload_summary": f"{workload.endpoint_type}, {workload.input_tokens} tokens in, "
+                            f"max {workload.output_tokens} out",
+        "tokenizer": args.tokenizer,
+        "levels": [lv.name for lv in levels],
+        "num_prompts": {lv.name: default_num_prompts(lv, args.num_prompts, args.duration) for lv in levels},
+        "duration": args.duration,
+        "max_concurrency": args.max_concurrency,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "timeout": args.timeout,
+        "order": "per level, endpoints in turn; every other round in reverse order",
+    }
+    doc = build_document(command=sys.argv, config=config, endpoints=endpoints, levels=levels, pooled=pooled,
+                         per_round=per_round, ratios=ratios(pooled, [m for _, m in per_round], labels),
+                         warmup=warmup, records=records, machine=machine_info())
+    print(format_report(doc))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"bench: wrote {args.output}", file=sys.stderr)
+    if args.plot:
+        from stagemesh.bench_plot import plot
+
+        plot(doc, args.plot)
+        print(f"bench: wrote {args.plot}", file=sys.stderr)
+    failed = doc["summary"]["failed"] + doc["summary"]["warmup_failed"]
+    if failed:
+        print(f"bench: {failed} request(s) FAILED; see the failures above", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,217 @@
+"""The async load runner of ``stagemesh bench``: sends streaming requests and times every chunk.
+
+Contract:
+- ``send(...)`` makes one streaming request and always returns a
+  ``RequestRecord``: a non-200 status, a transport error, the whole-request
+  timeout, an error event in the stream, a stream that ends before
+  ``[DONE]``/``finish_reason`` or without any text all become ``ok=False``
+  with the HTTP status and the server's message. Nothing is retried.
+- Output tokens come from the stream's ``usage`` when the server sends it,
+  otherwise from the number of chunks with text; prompt tokens likewise from
+  ``usage``, otherwise from the prompt's own estimate.
+- ``closed_loop`` keeps N requests in flight (each worker sends its next request
+  as soon as the last one ends); ``open_loop`` starts requests at Poisson
+  arrival times (seeded) and lets at most ``max_concurrency`` run at once.
+  Both stop after ``num_prompts`` requests, or start no new one after
+  ``duration`` seconds, whichever comes first, and return records in send order.
+- ``Progress`` prints a compact status line per run on stderr: rewritten in
+  place on a terminal, every few seconds otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TextIO
+
+import httpx
+
+from stagemesh.bench_types import Endpoint, Prompt, RequestRecord, RunPlan, Workload
+from stagemesh.bench_workload import request_body
+
+MAX_ERROR_CHARS = 300
+
+
+def endpoint_path(endpoint_type: str) -> str:
+    return "/v1/chat/completions" if endpoint_type == "chat" else "/v1/completions"
+
+
+def headers_for(endpoint: Endpoint) -> dict[str, str]:
+    return {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+
+
+def _error_message(raw: bytes | str) -> str:
+    """The server's error message from an OpenAI-style error body, else the body itself."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text.strip()[:MAX_ERROR_CHARS] or "(empty body)"
+    err = doc.get("error", doc) if isinstance(doc, dict) else doc
+    if isinstance(err, dict):
+        msg = err.get("message") or err.get("detail") or json.dumps(err)
+    else:
+        msg = str(err)
+    return str(msg)[:MAX_ERROR_CHARS]
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    """Text of a completions or chat chunk (reasoning deltas are generated tokens too)."""
+    parts = []
+    for choice in chunk.get("choices") or []:
+        if "text" in choice:
+            parts.append(choice.get("text") or "")
+        delta = choice.get("delta") or {}
+        for key in ("content", "reasoning_content", "reasoning"):
+            parts.append(delta.get(key) or "")
+    return "".join(parts)
+
+
+async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload, prompt: Prompt,
+               timeout: float, *, level: str, round_: int, index: int, run_start: float,
+               queued: float = 0.0) -> RequestRecord:
+    assert endpoint.model is not None, "resolve the model name before sending"
+    body = request_body(workload, endpoint.model, prompt)
+    url = endpoint.base_url + endpoint_path(workload.endpoint_type)
+    chunk_times: list[float] = []
+    usage: dict[str, Any] | None = None
+    status: int | None = None
+    error: str | None = None
+    finished = False
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url, json=body, headers=headers_for(endpoint)) as response:
+                status = response.status_code
+                if status != 200:
+                    error = _error_message(await response.aread())
+                else:
+                    async for line in response.aiter_lines():
+                        now = time.perf_counter()
+                        if not line.startswith("data:"):
+                            continue  # blank separators, SSE comments and keep-alives
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            finished = True
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            error = f"unparseable stream event: {data[:100]!r}"
+                            break
+                        if "error" in chunk:
+                            error = "error in stream: " + _error_message(json.dumps(chunk))
+                            break
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                        if _chunk_text(chunk):
+                            chunk_times.append(now - t0)
+                        if any(c.get("finish_reason") for c in chunk.get("choices") or []):
+                            finished = True  # servers that omit [DONE] still end cleanly
+    except TimeoutError:
+        error = f"timed out after {timeout:g} s"
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    latency = time.perf_counter() - t0
+    if error is None and not finished:
+        error = "stream ended before [DONE] or a finish_reason"
+    if error is None and not chunk_times:
+        error = "the response streamed no text"
+    usage_out = (usage or {}).get("completion_tokens")
+    usage_in = (usage or {}).get("prompt_tokens")
+    return RequestRecord(
+        endpoint=endpoint.label, level=level, round=round_, index=index,
+        start=t0 - run_start, latency=latency,
+        ttft=chunk_times[0] if chunk_times else None, chunk_times=tuple(chunk_times),
+        output_tokens=int(usage_out) if usage_out is not None else len(chunk_times),
+        output_tokens_source="usage" if usage_out is not None else "chunks",
+        prompt_tokens=int(usage_in) if usage_in is not None else prompt.tokens,
+        prompt_tokens_source="usage" if usage_in is not None else prompt.tokens_source,
+        ok=error is None, status=status, error=error, queued=queued,
+    )
+
+
+# send_indexed(index, queued) -> record; the runner fills in everything else.
+SendFn = Callable[[int, float], Awaitable[RequestRecord]]
+
+
+def _more(i: int, plan: RunPlan, deadline: float | None) -> bool:
+    if plan.num_prompts is not None and i >= plan.num_prompts:
+        return False
+    return deadline is None or time.perf_counter() < deadline
+
+
+async def closed_loop(send_indexed: SendFn, concurrency: int, plan: RunPlan) -> list[RequestRecord]:
+    deadline = time.perf_counter() + plan.duration if plan.duration else None
+    counter = itertools.count()
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        while _more(i := next(counter), plan, deadline):
+            records.append(await send_indexed(i, 0.0))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sorted(records, key=lambda r: r.index)
+
+
+async def open_loop(send_indexed: SendFn, rate: float, plan: RunPlan, rng: random.Random) -> list[RequestRecord]:
+    start = time.perf_counter()
+    deadline = start + plan.duration if plan.duration else None
+    cap = asyncio.Semaphore(plan.max_concurrency)
+
+    async def one(i: int, due: float) -> RequestRecord:
+        async with cap:  # the cap delays the send; latency is still measured from the send
+            return await send_indexed(i, time.perf_counter() - due)
+
+    tasks = []
+    due = start
+    for i in itertools.count():
+        if not _more(i, plan, deadline) or (deadline is not None and due >= deadline):
+            break
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(i, due)))
+        due += rng.expovariate(rate) if rate != float("inf") else 0.0
+    return list(await asyncio.gather(*tasks))
+
+
+class Progress:
+    """One status line per run on ``stream``; ``record`` is called as each request ends."""
+
+    def __init__(self, title: str, total: int | None, stream: TextIO = sys.stderr) -> None:
+        self.title, self.total, self.stream = title, total, stream
+        self.done = self.failed = self.tokens = 0
+        self.start = time.perf_counter()
+        self.tty = stream.isatty()
+
+    def record(self, rec: RequestRecord) -> None:
+        self.done += 1
+        self.failed += 0 if rec.ok else 1
+        self.tokens += rec.output_tokens if rec.ok else 0
+
+    async def tick(self) -> None:
+        """Reprint the line until cancelled (requests can take long; a line per finished request would stall)."""
+        while True:
+            await asyncio.sleep(0.5 if self.tty else 5.0)
+            self._print(final=False)
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        total = f"/{self.total}" if self.total is not None else ""
+        failed = f", {self.failed} FAILED" if self.failed else ", 0 failed"
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        return f"{self.title}: {self.done}{total} done{failed}, {rate:.1f} out tok/s, {elapsed:.1f} s"
+
+    def _print(self, final: bool) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + self.line() + ("\n" if final else ""))
+        else:
+            self.stream.write(self.line() + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        self._print(final=True)

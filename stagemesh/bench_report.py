@@ -1,0 +1,158 @@
+"""Reports of ``stagemesh bench``: the results document (``--output``) and the text tables.
+
+Contract:
+- ``build_document(...)`` is the whole run as JSON-ready data (top-level keys:
+  ``schema, timestamp, command, config, machine, endpoints, summary, levels,
+  rounds, ratios, warmup, requests``); ``levels`` pools every round of an
+  (endpoint, level), ``rounds`` holds each round alone, ``requests`` every raw
+  record. Times are seconds.
+- ``format_report(doc)`` renders a document as text for stdout: the metrics
+  table (latencies in ms), then failures (every distinct error with its HTTP
+  status and count) and, with several endpoints, the ratios to the first.
+  It reads only the document, so a saved ``results.json`` renders the same.
+- ``machine_info()`` describes the machine that ran the benchmark.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from stagemesh.bench_stats import LevelMetrics, Ratio
+from stagemesh.bench_types import Endpoint, Level, RequestRecord
+
+SCHEMA = "stagemesh-bench/1"
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+
+    from stagemesh.version import stagemesh_version
+
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "stagemesh": stagemesh_version(),
+    }
+
+
+def _level_entry(m: LevelMetrics, level: Level, **extra: Any) -> dict[str, Any]:
+    return {**extra, "load": level.kind, "load_value": level.value, **m.to_dict()}
+
+
+def build_document(*, command: Sequence[str], config: dict[str, Any], endpoints: Sequence[Endpoint],
+                   levels: Sequence[Level], pooled: Sequence[LevelMetrics],
+                   per_round: Sequence[tuple[int, LevelMetrics]], ratios: Sequence[Ratio],
+                   warmup: Sequence[LevelMetrics], records: Sequence[RequestRecord],
+                   machine: dict[str, Any]) -> dict[str, Any]:
+    level_of = {lv.name: lv for lv in levels}
+    return {
+        "schema": SCHEMA,
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": list(command),
+        "config": config,
+        "machine": machine,
+        "endpoints": [{"label": e.label, "base_url": e.base_url, "model": e.model} for e in endpoints],
+        "summary": {
+            "sent": len(records),
+            "completed": sum(1 for r in records if r.ok),
+            "failed": sum(1 for r in records if not r.ok),
+            "warmup_failed": sum(m.failed for m in warmup),
+        },
+        "levels": [_level_entry(m, level_of[m.level]) for m in pooled],
+        "rounds": [_level_entry(m, level_of[m.level], round=r) for r, m in per_round],
+        "ratios": [asdict(r) for r in ratios],
+        "warmup": [m.to_dict() for m in warmup],
+        "requests": [asdict(r) for r in records],
+    }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _table(rows: list[tuple[str, ...]], right_from: int = 1) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i < right_from else cell.rjust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+
+
+def format_table(levels: Sequence[dict[str, Any]]) -> list[str]:
+    header = ("endpoint", "level", "ok", "failed", "req/s", "out tok/s", "total tok/s",
+              "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "E2E p50")
+    units = ("", "", "", "", "", "", "", "ms", "ms", "ms", "ms", "ms", "ms")
+    rows = [header, units]
+    for m in levels:
+        rows.append((
+            m["endpoint"], m["level"], f"{m['completed']}/{m['sent']}",
+            str(m["failed"]) if not m["failed"] else f"{m['failed']} !",
+            _num(m["requests_per_s"], 2), _num(m["output_tokens_per_s"]), _num(m["total_tokens_per_s"]),
+            _ms(m["ttft"]["p50"]), _ms(m["ttft"]["p99"]), _ms(m["itl"]["p50"]), _ms(m["itl"]["p99"]),
+            _ms(m["tpot"]["p50"]), _ms(m["e2el"]["p50"]),
+        ))
+    return _table(rows, right_from=2)
+
+
+def format_failures(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    summary = doc["summary"]
+    if summary["failed"]:
+        lines.append(f"FAILED: {summary['failed']} of {summary['sent']} requests")
+        for m in doc["levels"]:
+            if m["failed"]:
+                lines.append(f"  {m['endpoint']} {m['level']}: {m['failed']} of {m['sent']} failed")
+                for e in m["errors"]:
+                    status = f"HTTP {e['status']}" if e["status"] is not None else "no response"
+                    lines.append(f"    {e['count']} x {status}: {e['message']}")
+    for m in doc["warmup"]:
+        if m["failed"]:
+            lines.append(f"WARMUP FAILED: {m['endpoint']}: {m['failed']} of {m['sent']} warmup requests")
+            for e in m["errors"]:
+                status = f"HTTP {e['status']}" if e["status"] is not None else "no response"
+                lines.append(f"    {e['count']} x {status}: {e['message']}")
+    return lines
+
+
+def format_ratios(doc: dict[str, Any]) -> list[str]:
+    if not doc["ratios"]:
+        return []
+    base = doc["ratios"][0]["baseline"]
+    rounds = max(len(r["output_tokens_per_s_by_round"]) for r in doc["ratios"])
+    header = ("level", "endpoint", "out tok/s", "TTFT p50", "ITL p50") + (("tok/s by round",) if rounds > 1 else ())
+    rows = [header]
+    for r in doc["ratios"]:
+        row = (r["level"], r["endpoint"], _x(r["output_tokens_per_s"]), _x(r["ttft_p50"]), _x(r["itl_p50"]))
+        if rounds > 1:
+            row += (" ".join(_x(x) for x in r["output_tokens_per_s_by_round"]),)
+        rows.append(row)
+    return [f"ratios to {base} (out tok/s > 1: faster; TTFT/ITL > 1: slower)", *_table(rows, right_from=2)]
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    lines = format_table(doc["levels"])
+    for section in (format_failures(doc), format_ratios(doc)):
+        if section:
+            lines += ["", *section]
+    s = doc["summary"]
+    lines += ["", f"{s['completed']}/{s['sent']} requests completed, {s['failed']} failed"]
+    return "\n".join(lines)

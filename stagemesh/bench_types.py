@@ -1,0 +1,92 @@
+"""The value types ``stagemesh bench`` passes between its modules.
+
+Contract: frozen dataclasses only, no behaviour beyond trivial derived
+properties, no imports beyond the standard library, so every bench module
+(workload, load runner, statistics, report, plot) can share them without
+importing one another. Times are seconds from ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+EndpointType = Literal["completions", "chat"]
+LoadKind = Literal["concurrency", "rate"]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One server under test."""
+
+    label: str
+    base_url: str  # without a trailing "/v1"
+    model: str | None  # None until resolved from GET /v1/models
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Level:
+    """One load level: ``concurrency`` N closed-loop workers, or Poisson arrivals at ``rate`` requests/s."""
+
+    kind: LoadKind
+    value: float
+
+    @property
+    def name(self) -> str:
+        value = int(self.value) if float(self.value).is_integer() else self.value
+        return f"{self.kind}={value}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every request looks like (the same for every endpoint, so they are compared on equal terms)."""
+
+    endpoint_type: EndpointType
+    input_tokens: int
+    output_tokens: int
+    seed: int
+    ignore_eos: bool
+    include_usage: bool
+    temperature: float
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A synthetic prompt and how long we believe it is (the server's ``usage`` wins when it reports one)."""
+
+    text: str
+    tokens: int
+    tokens_source: Literal["tokenizer", "words"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How many requests one (endpoint, level, round) run sends and for how long."""
+
+    num_prompts: int | None  # None: as many as fit in ``duration``
+    duration: float | None  # None: until ``num_prompts`` are done
+    max_concurrency: int  # cap on requests in flight for the open loop (rate levels)
+    timeout: float  # whole-request limit, seconds
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What happened to one request. ``start`` is relative to the start of its run; the rest to ``start``."""
+
+    endpoint: str
+    level: str
+    round: int
+    index: int
+    start: float
+    latency: float  # send to end of stream (or to the failure)
+    ttft: float | None  # send to the first chunk with text
+    chunk_times: tuple[float, ...]  # arrival of every chunk with text, from send
+    output_tokens: int
+    output_tokens_source: Literal["usage", "chunks"]
+    prompt_tokens: int
+    prompt_tokens_source: Literal["usage", "tokenizer", "words"]
+    ok: bool
+    status: int | None  # HTTP status; None when no response arrived
+    error: str | None
+    queued: float = 0.0  # open loop: time spent waiting for the concurrency cap before sending

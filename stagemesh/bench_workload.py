@@ -1,0 +1,116 @@
+"""Synthetic workload of ``stagemesh bench``: seeded prompts of a given length, and the request body.
+
+Contract:
+- ``make_prompt(key, input_tokens, tokenizer)`` is deterministic in (key,
+  input_tokens, tokenizer): filler words drawn from the fixed ``WORDS`` list by
+  a RNG seeded with ``key``, then ``COUNT_INSTRUCTION``, which asks the model to
+  count for longer than any sensible ``max_tokens`` so outputs run to the limit
+  without the non-portable ``ignore_eos``. With a tokenizer the prompt is
+  ``input_tokens`` long as that tokenizer counts it (special tokens included;
+  within a token or two where a word boundary re-merges); without one, words
+  approximate tokens. A target below the instruction's own length yields just
+  the instruction. Distinct keys give distinct prompts from the first word, so
+  a server's prefix cache cannot make one request cheaper than another.
+- ``request_body(workload, model, prompt)`` is the JSON body for
+  ``/v1/completions`` or ``/v1/chat/completions``, streaming; ``ignore_eos`` and
+  ``stream_options`` appear only when asked for (strict servers reject unknown
+  fields with a 400).
+- ``load_tokenizer(path)`` reads a GGUF file or a model/tokenizer directory, offline.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any, Protocol
+
+from stagemesh.bench_types import Prompt, Workload
+
+# Common English words: almost all are one token (with their leading space) in
+# every BPE vocabulary we serve, so without a tokenizer one word ~ one token.
+WORDS: tuple[str, ...] = tuple("""
+the of and to in is was for on that with as by at from his her he she it they we you this an be are or
+not have had has but were which one all their there been when who will more no if out so said what up
+its about into than them can only other new some could time these two may then do first any my now
+such like our over man me even most made after also did many before must through back years where much
+your way well down should because each just those people how too little state good very make world
+still own see men work long get here between both life being under never day same another know while
+last might us great old year off come since against go came right used take three house water small
+place light river stone tree green blue red white black city road field garden window table paper
+letter music story morning evening summer winter spring autumn number open close bright quiet simple
+""".split())
+
+COUNT_INSTRUCTION = (
+    "\n\nIgnore the words above. Count from 1 to 10000 in digits, separated by commas, "
+    "without stopping and without any other text: 1, 2, 3, 4, 5,"
+)
+
+_APPROX_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def approx_tokens(text: str) -> int:
+    """Words and punctuation marks: a tokenizer-free stand-in for a token count."""
+    return len(_APPROX_TOKEN.findall(text))
+
+
+def _words(key: str, n: int) -> str:
+    rng = random.Random(key)  # str seeds hash with SHA-512: the same words on every machine and run
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def make_prompt(key: str, input_tokens: int, tokenizer: Tokenizer | None = None) -> Prompt:
+    if tokenizer is None:
+        n = max(0, input_tokens - approx_tokens(COUNT_INSTRUCTION))
+        text = _words(key, n) + COUNT_INSTRUCTION if n else COUNT_INSTRUCTION.lstrip()
+        return Prompt(text, approx_tokens(text), "words")
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text))
+
+    # Every word is at least one token, so input_tokens words are enough filler to cut from.
+    filler_ids = tokenizer.encode(_words(key, max(input_tokens, 1)), add_special_tokens=False)
+    want = input_tokens - count(COUNT_INSTRUCTION)
+    text = COUNT_INSTRUCTION.lstrip()
+    for _ in range(4):  # cutting and re-encoding can shift a token at the seam; correct a few times
+        if want <= 0:
+            break
+        text = tokenizer.decode(filler_ids[:want]) + COUNT_INSTRUCTION
+        off = count(text) - input_tokens
+        if off == 0:
+            break
+        want -= off
+    return Prompt(text, count(text), "tokenizer")
+
+
+def request_body(workload: Workload, model: str, prompt: Prompt) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": workload.output_tokens, "stream": True,
+                            "temperature": workload.temperature}
+    if workload.endpoint_type == "chat":
+        body["messages"] = [{"role": "user", "content": prompt.text}]
+    else:
+        body["prompt"] = prompt.text
+    if workload.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    if workload.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a GGUF file or a model directory; a bare tokenizer directory works too."""
+    import os
+
+    from stage_worker.model_spec import read_model_spec
+    from stage_worker.tokenizer import load_tokenizer as load_model_tokenizer
+
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load_model_tokenizer(read_model_spec(path))
