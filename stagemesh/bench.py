@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ep.add_argument("--model", action="append", default=None,
                     help="model name to request (default: the first one GET /v1/models lists)")
     ep.add_argument("--api-key", action="append", default=None,
-                    help="sent as Authorization: Bearer KEY (default $STAGEMESH_API_KEY, if set)")
+                    help="sent as Authorization: Bearer KEY ('' for none; default $STAGEMESH_API_KEY, if set)")
     wl = parser.add_argument_group("workload")
     wl.add_argument("--endpoint-type", choices=("completions", "chat"), default="completions",
                     help="/v1/completions or /v1/chat/completions (default %(default)s)")
@@ -129,7 +129,8 @@ def endpoints_from_args(args: argparse.Namespace) -> list:
     models = _per_endpoint(args.model, n, "--model")
     keys = _per_endpoint(args.api_key, n, "--api-key")
     default_key = envs.API_KEY
-    eps = [Endpoint(label or urlsplit(url).netloc, url, model, key or default_key)
+    # An explicit empty --api-key means "no key" for that endpoint, not the environment's.
+    eps = [Endpoint(label or urlsplit(url).netloc, url, model, default_key if key is None else key or None)
            for url, label, model, key in zip(urls, labels, models, keys)]
     if len({e.label for e in eps}) != n:
         raise BenchSetupError("endpoints need distinct labels; give --label once per --base-url")

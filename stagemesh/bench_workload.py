@@ -45,7 +45,7 @@ COUNT_INSTRUCTION = (
     "without stopping and without any other text: 1, 2, 3, 4, 5,"
 )
 
-_APPROX_TOKEN = re.compile(r"\w+|[^\w\s]")
+_APPROX_TOKEN = re.compile(r"\d|[^\W\d]+|[^\w\s]|\n+")  # digits apart, as many tokenizers split numbers
 
 
 class Tokenizer(Protocol):

@@ -1,0 +1,88 @@
+"""Argument checking and the text report of stagemesh bench (no network)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from stagemesh import bench
+from stagemesh.bench import BenchSetupError
+from stagemesh.bench_report import format_report
+from stagemesh.bench_types import Level
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_lists_and_urls():
+    assert bench.parse_list("1,4, 16", int, "--concurrency") == [1, 4, 16]
+    assert bench.parse_list("0.5,inf", float, "--request-rate") == [0.5, float("inf")]
+    with pytest.raises(BenchSetupError, match="--concurrency"):
+        bench.parse_list("1,x", int, "--concurrency")
+    with pytest.raises(BenchSetupError, match="positive"):
+        bench.parse_list("0", int, "--concurrency")
+    assert bench.normalize_base_url("http://h:1/v1/") == "http://h:1"
+    assert bench.normalize_base_url("https://h/x") == "https://h/x"
+    with pytest.raises(BenchSetupError, match="--base-url"):
+        bench.normalize_base_url("h:8000")
+
+
+def test_per_endpoint_flags_once_for_all_or_once_each(monkeypatch):
+    monkeypatch.delenv("STAGEMESH_API_KEY", raising=False)
+    eps = bench.endpoints_from_args(parse("--base-url", "http://a:1", "--base-url", "http://b:2/v1",
+                                          "--model", "m", "--api-key", "k1", "--api-key", "k2"))
+    assert [(e.label, e.base_url, e.model, e.api_key) for e in eps] == [
+        ("a:1", "http://a:1", "m", "k1"), ("b:2", "http://b:2", "m", "k2")]
+    with pytest.raises(BenchSetupError, match="--model"):
+        bench.endpoints_from_args(parse("--base-url", "http://a:1", "--base-url", "http://b:2", "--base-url",
+                                        "http://c:3", "--model", "x", "--model", "y"))
+    with pytest.raises(BenchSetupError, match="--label"):  # one label cannot name two endpoints
+        bench.endpoints_from_args(parse("--base-url", "http://a:1", "--base-url", "http://b:2", "--label", "x"))
+    with pytest.raises(BenchSetupError, match="distinct labels"):
+        bench.endpoints_from_args(parse("--base-url", "http://a:1", "--base-url", "http://a:1"))
+    (default,) = bench.endpoints_from_args(parse())
+    assert default.base_url == bench.DEFAULT_BASE_URL and default.model is None
+
+
+def test_levels_and_default_request_counts():
+    assert bench.levels_from_args(parse()) == [Level("concurrency", 1)]
+    levels = bench.levels_from_args(parse("--concurrency", "2,8", "--request-rate", "0.5"))
+    assert [lv.name for lv in levels] == ["concurrency=2", "concurrency=8", "rate=0.5"]
+    assert [bench.default_num_prompts(lv, None, None) for lv in levels] == [16, 32, 16]
+    assert bench.default_num_prompts(Level("rate", 3.0), None, None) == 30
+    assert bench.default_num_prompts(levels[0], 5, None) == 5
+    assert bench.default_num_prompts(levels[0], None, 10.0) is None  # duration-bound
+
+
+def test_bad_numbers_are_rejected_before_anything_runs():
+    with pytest.raises(BenchSetupError, match="--rounds"):
+        bench.check_args(parse("--rounds", "0"))
+    with pytest.raises(BenchSetupError, match="--duration"):
+        bench.check_args(parse("--duration", "-1"))
+
+
+def _level(endpoint, failed=0, errors=()):
+    dist = {"count": 1, "mean": 0.01, "p50": 0.01, "p90": 0.01, "p99": 0.02, "max": 0.02}
+    return {"endpoint": endpoint, "level": "concurrency=1", "load": "concurrency", "load_value": 1, "sent": 4,
+            "completed": 4 - failed, "failed": failed, "requests_per_s": 2.0, "output_tokens_per_s": 100.0,
+            "total_tokens_per_s": 150.0, "ttft": dist, "itl": dist, "tpot": dist, "e2el": dist,
+            "errors": list(errors)}
+
+
+def test_report_shows_failures_with_status_and_message_and_the_ratios():
+    doc = {
+        "summary": {"sent": 8, "completed": 7, "failed": 1, "warmup_failed": 0},
+        "levels": [_level("a"), _level("b", 1, [{"status": 503, "message": "overloaded", "count": 1}])],
+        "warmup": [],
+        "ratios": [{"level": "concurrency=1", "endpoint": "b", "baseline": "a", "output_tokens_per_s": 0.5,
+                    "ttft_p50": 1.0, "itl_p50": 2.0, "output_tokens_per_s_by_round": [0.5]}],
+    }
+    text = format_report(doc)
+    assert "FAILED: 1 of 8 requests" in text
+    assert "1 x HTTP 503: overloaded" in text
+    assert "ratios to a" in text and "0.50x" in text and "2.00x" in text
+    assert text.splitlines()[0].split()[:3] == ["endpoint", "level", "ok"]
