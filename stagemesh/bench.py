@@ -218,7 +218,7 @@ async def _run_one(client, endpoint, workload, level, round_: int, plan, tokeniz
 
     async def send_indexed(i: int, queued: float):
         rec = await send(client, endpoint, workload, prompt(i), plan.timeout, level=level.name, round_=round_,
-                         index=i, run_start=run_start, queued=queued)
+                         index=i, run_start=run_start, queued=queued, on_chunk=progress.chunk)
         progress.record(rec)
         return rec
 

@@ -14,8 +14,9 @@ Contract:
   arrival times (seeded) and lets at most ``max_concurrency`` run at once.
   Both stop after ``num_prompts`` requests, or start no new one after
   ``duration`` seconds, whichever comes first, and return records in send order.
-- ``Progress`` prints a compact status line per run on stderr: rewritten in
-  place on a terminal, every few seconds otherwise.
+- ``Progress`` prints a compact status line per run on stderr (requests done
+  and failed, chunks streamed per second): rewritten in place on a terminal,
+  every few seconds otherwise.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload, prompt: Prompt,
                timeout: float, *, level: str, round_: int, index: int, run_start: float,
-               queued: float = 0.0) -> RequestRecord:
+               queued: float = 0.0, on_chunk: Callable[[], None] | None = None) -> RequestRecord:
     assert endpoint.model is not None, "resolve the model name before sending"
     body = request_body(workload, endpoint.model, prompt)
     url = endpoint.base_url + endpoint_path(workload.endpoint_type)
@@ -111,6 +112,8 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload
                             usage = chunk["usage"]
                         if _chunk_text(chunk):
                             chunk_times.append(now - t0)
+                            if on_chunk is not None:
+                                on_chunk()
                         if any(c.get("finish_reason") for c in chunk.get("choices") or []):
                             finished = True  # servers that omit [DONE] still end cleanly
     except TimeoutError:
@@ -184,14 +187,16 @@ class Progress:
 
     def __init__(self, title: str, total: int | None, stream: TextIO = sys.stderr) -> None:
         self.title, self.total, self.stream = title, total, stream
-        self.done = self.failed = self.tokens = 0
+        self.done = self.failed = self.chunks = 0
         self.start = time.perf_counter()
         self.tty = stream.isatty()
+
+    def chunk(self) -> None:
+        self.chunks += 1  # counted as they stream, so a line shows progress while long requests run
 
     def record(self, rec: RequestRecord) -> None:
         self.done += 1
         self.failed += 0 if rec.ok else 1
-        self.tokens += rec.output_tokens if rec.ok else 0
 
     async def tick(self) -> None:
         """Reprint the line until cancelled (requests can take long; a line per finished request would stall)."""
@@ -203,8 +208,8 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         total = f"/{self.total}" if self.total is not None else ""
         failed = f", {self.failed} FAILED" if self.failed else ", 0 failed"
-        rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        return f"{self.title}: {self.done}{total} done{failed}, {rate:.1f} out tok/s, {elapsed:.1f} s"
+        rate = self.chunks / elapsed if elapsed > 0 else 0.0
+        return f"{self.title}: {self.done}{total} done{failed}, {rate:.1f} chunks/s streamed, {elapsed:.1f} s"
 
     def _print(self, final: bool) -> None:
         if self.tty:
