@@ -23,9 +23,10 @@ usage: mesh.sh [--dry-run] [--state-dir DIR] [--venv DIR] [--platform macos|linu
       stagemesh serve on the head, joined to the cluster, gateway on IP:PORT; waits until /health is 200.
   status [--ip IP] [--head HEAD_IP[:PORT]] [--port 8000]
       Ray's nodes, this node's services, the mesh (stagemesh status) and each stage's gRPC health.
-  down   [--restore-dhcp] [--service NAME] [--interface IFACE]
-      Stop every service this script started and remove what it installed; --restore-dhcp also
-      returns the interface to DHCP and removes the /etc/hosts block.
+  down   [--only serve|worker|head] [--restore-dhcp] [--service NAME] [--interface IFACE]
+      Stop every service this script started (or just one) and remove what it installed;
+      --restore-dhcp also returns the interface to DHCP and removes the /etc/hosts block.
+      Take a cluster down serve first, then the workers, then the head.
 
 common options:
   --dry-run                 print every command that changes something instead of running it
@@ -78,6 +79,7 @@ GRPC_BASE_PORT="${STAGEMESH_GRPC_BASE_PORT:-50051}"
 AUTH_TOKEN_PATH=""
 NO_AUTH=0
 RESTORE_DHCP=0
+ONLY=""
 TIMEOUT=""
 SERVE_ARGS=()
 SERVE_TAIL=()
@@ -103,7 +105,7 @@ while [ "$#" -gt 0 ]; do
 	--*=*) usage_error "write '${1%%=*} ${1#*=}' (a space, not '=')" ;;
 	--platform | --state-dir | --venv | --ip | --peer | --peer-name | --name | --netmask | --service | \
 		--interface | --hosts-file | --head | --ray-port | --mlx-units | --num-cpus | --temp-dir | --port | \
-		--gateway-host | --ring-base-port | --grpc-base-port | --auth-token-path | --timeout)
+		--gateway-host | --ring-base-port | --grpc-base-port | --auth-token-path | --timeout | --only)
 		need_value "$@"
 		case "$1" in
 		--platform) PLATFORM=$2 ;;
@@ -128,6 +130,7 @@ while [ "$#" -gt 0 ]; do
 		--grpc-base-port) GRPC_BASE_PORT=$2 ;;
 		--auth-token-path) AUTH_TOKEN_PATH=$2 ;;
 		--timeout) TIMEOUT=$2 ;;
+		--only) ONLY=$2 ;;
 		esac
 		shift
 		;;
@@ -705,8 +708,11 @@ for replica in json.load(sys.stdin)["replicas"]:
 }
 
 cmd_down() {
-	local role label plist
-	for role in serve worker head; do
+	local role label plist roles="serve worker head"
+	if [ -n "$ONLY" ]; then
+		case "$ONLY" in serve | worker | head) roles=$ONLY ;; *) usage_error "--only must be serve, worker or head" ;; esac
+	fi
+	for role in $roles; do
 		if [ "$PLATFORM" = macos ]; then
 			label=$(label_of "$role")
 			plist="$LAUNCH_AGENTS/$label.plist"
