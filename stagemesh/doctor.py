@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-base-port", type=int, default=None,
                         help="default $STAGEMESH_GRPC_BASE_PORT or 50051")
     parser.add_argument("--port", type=int, default=8000, help="the gateway's port (default %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help="the MODEL you will serve (default: the embedded default model as found here); in a "
+                             "cluster every node must have it at the same absolute path")
     parser.add_argument("--json", action="store_true", help="print findings and facts as JSON")
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     parser.add_argument("--quiet", "-q", action="store_true", help="print only warnings and errors")
@@ -105,8 +108,25 @@ def _plan(args: argparse.Namespace, units: int | None = None) -> MeshPlan:
         pipeline_parallel_size=pp, data_parallel_size=dp,
         ring_base_port=args.ring_base_port if args.ring_base_port is not None else envs.RING_BASE_PORT,
         grpc_base_port=args.grpc_base_port if args.grpc_base_port is not None else envs.GRPC_BASE_PORT,
-        gateway_port=args.port, explicit_size=explicit,
+        gateway_port=args.port, explicit_size=explicit, model_path=_model_path(args.model),
     )
+
+
+def _model_path(model: str | None) -> str | None:
+    """MODEL as ``stagemesh serve`` would pass it to the stages (an absolute path); never downloads."""
+    from stagemesh.doctor_facts import default_model_path
+
+    if model is None:
+        return default_model_path()
+    expanded = os.path.abspath(os.path.expanduser(model))
+    if os.path.exists(expanded) or model.lower().endswith(".gguf") or model.count("/") != 1:
+        return expanded
+    try:  # an org/name repo id: its snapshot in the local Hugging Face cache, never a download
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception:
+        return expanded
 
 
 def check_local(args: argparse.Namespace) -> Report:

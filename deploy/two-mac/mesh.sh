@@ -635,15 +635,20 @@ cmd_serve() {
 
 cmd_status() {
 	find_venv
-	local rc=0 role pid conf head_addr url grpcurl
-	for role in head worker serve; do
-		[ -z "$IP" ] && IP=$(state_get "$role.conf" IP)
-		[ -z "$HEAD" ] && [ "$role" = worker ] && HEAD=$(state_get worker.conf HEAD)
-		[ -z "$GATEWAY_PORT" ] && GATEWAY_PORT=$(state_get serve.conf GATEWAY_PORT)
-	done
-	GATEWAY_PORT=${GATEWAY_PORT:-8000}
-	head_addr=${HEAD:-${IP:+$IP:$(state_get head.conf RAY_PORT)}}
+	local rc=0 role pid conf head_addr url grpcurl gw_host head_ip
+	# What this node ran, unless the flags say otherwise: the head's address, and the gateway's
+	# (serve on this node, else the head: that is where `mesh.sh serve` runs).
+	head_addr=${HEAD:-$(state_get serve.conf HEAD)}
+	head_addr=${head_addr:-$(state_get worker.conf HEAD)}
+	head_ip=$(state_get head.conf IP)
+	if [ -z "$head_addr" ] && [ -n "$head_ip" ]; then head_addr="$head_ip:$(state_get head.conf RAY_PORT)"; fi
+	if [ -z "$head_addr" ] && [ -n "$IP" ]; then head_addr=$IP; fi
 	case "$head_addr" in *:) head_addr="${head_addr}$RAY_PORT" ;; *:*) ;; ?*) head_addr="$head_addr:$RAY_PORT" ;; esac
+	gw_host=$(state_get serve.conf GATEWAY_HOST)
+	case "$gw_host" in '' | 0.0.0.0) gw_host=$(state_get serve.conf IP) ;; esac
+	gw_host=${gw_host:-${IP:-${head_addr%:*}}}
+	GATEWAY_PORT=${GATEWAY_PORT:-$(state_get serve.conf GATEWAY_PORT)}
+	GATEWAY_PORT=${GATEWAY_PORT:-8000}
 
 	echo "== services started by mesh.sh on this node ($PLATFORM, state in $STATE_DIR)"
 	for role in head worker serve; do
@@ -672,10 +677,7 @@ cmd_status() {
 		env "${auth_env[@]}" "$VENV/bin/ray" status --address "$head_addr" 2>&1 | sed -n '/^Node status/,/^From request_resources/p' | sed '$d' || rc=1
 	fi
 
-	if [ -f "$(state_file serve.conf)" ] || [ -n "$IP" ]; then
-		local gw_host
-		gw_host=$(state_get serve.conf GATEWAY_HOST)
-		case "$gw_host" in '' | 0.0.0.0) gw_host=$IP ;; esac
+	if [ -n "$gw_host" ]; then
 		url="http://$gw_host:$GATEWAY_PORT"
 		echo "== mesh (stagemesh status --url $url)"
 		if ! "$VENV/bin/stagemesh" status --url "$url"; then

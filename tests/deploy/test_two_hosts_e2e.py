@@ -161,10 +161,11 @@ def test_pp2_puts_stage_1_on_the_other_host(cluster):
     # The gateway listens on the address it was given, and only there.
     assert cluster.client("refused", "127.0.0.1", str(GATEWAY_PORT)) is True
 
-    status = cluster.mesh("a", "status")
-    assert f"{ADDRESS_A}:{GRPC_BASE}" in status and f"{ADDRESS_B}:{GRPC_BASE + 1}" in status
-    assert status.count('{"status":"SERVING"}') == 2
-    assert "1/1 replicas healthy" in status
+    for host in ("a", "b"):  # from the worker too: it finds the gateway through the head's address
+        status = cluster.mesh(host, "status")
+        assert f"{ADDRESS_A}:{GRPC_BASE}" in status and f"{ADDRESS_B}:{GRPC_BASE + 1}" in status
+        assert status.count('{"status":"SERVING"}') == 2
+        assert "1/1 replicas healthy" in status and "2.0/2.0 mlx" in status
 
 
 def test_dp2_puts_a_replica_on_each_host(cluster):
