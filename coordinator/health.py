@@ -59,6 +59,7 @@ class StageInfoView:
     compute_dtype: str
     quantized: bool
     error: str
+    blas: str
     weight_bytes: int
     stats: StageStatsSnapshot
 
@@ -176,6 +177,7 @@ def info_view(message) -> StageInfoView:
         compute_dtype=message.compute_dtype,
         quantized=bool(message.quantized),
         error=message.error,
+        blas=message.blas,
         weight_bytes=int(message.weight_bytes),
         stats=StageStatsSnapshot(
             batches=s.batches, tokens=s.tokens, compute_seconds=s.compute_seconds,

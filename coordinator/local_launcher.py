@@ -1,6 +1,6 @@
 """Run one pipeline as local processes on this machine, supervised.
 
-Starts every rank of a ``PipelinePlan`` as ``python -m stage_worker.stage_process``
+Starts every rank of a ``PipelinePlan`` as ``python -m stage_worker``
 at once (the ring needs all ranks to come up together), each logging to its own
 file. If any rank exits with an error, the others are stopped within a second
 and ``PipelineFailed`` names the rank, its exit code and the end of its log, so
@@ -120,7 +120,7 @@ def start_local_pipeline(
     pipeline = LocalPipeline(plan, root)
     child_env = {**os.environ, **(env or {})}
     for stage in plan.stages:
-        args = [sys.executable, "-m", "stage_worker.stage_process", "--plan", str(plan_path),
+        args = [sys.executable, "-m", "stage_worker", "--plan", str(plan_path),
                 "--rank", str(stage.rank)]
         if stage.rank == 0 and job is not None:
             args += ["--job", str(root / "job.json"), "--job-result", str(root / "result.json")]

@@ -88,6 +88,8 @@ class MeshConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     compute_dtype: str = "auto"
+    dequantize: str = "auto"  # --dequantize
+    memory_fraction: float | None = None  # --memory-fraction (None: the stage's default)
     layer_split: str | None = None  # --pp-layer-split
     ring_base_port: int = DEFAULT_RING_BASE_PORT
     grpc_base_port: int = DEFAULT_GRPC_BASE_PORT
@@ -130,9 +132,13 @@ def validate_config(config: MeshConfig) -> None:
         raise ValueError("health_interval_s must be positive and unhealthy_after_misses at least 1")
 
 
-def stage_args(config: MeshConfig, node_id: str) -> list[str]:
-    """Flags after ``--plan/--rank`` for a serving stage."""
+def stage_args(config: MeshConfig, node_id: str, stages_on_node: int = 1) -> list[str]:
+    """Flags after ``--plan/--rank`` for a serving stage; ``stages_on_node`` share its memory and cores."""
     args = ["--serve", "--node-id", node_id, "--connect-timeout", f"{config.connect_timeout_s:g}"]
+    if stages_on_node > 1:
+        args += ["--stages-on-host", str(stages_on_node)]
+    if config.memory_fraction is not None:
+        args += ["--memory-fraction", f"{config.memory_fraction:g}"]
     if config.max_num_seqs is not None:
         args += ["--max-num-seqs", str(config.max_num_seqs)]
     if config.max_model_len is not None:
@@ -156,6 +162,7 @@ class _Stage:
     error: str | None = None
     compute_dtype: str = ""
     quantized: bool = False
+    blas: str = ""
     stats: StageStatsSnapshot = field(default_factory=StageStatsSnapshot)
     misses: int = 0
     started_at: float = 0.0
@@ -307,7 +314,7 @@ class MeshCoordinator:
             replica.index, [s.host.host for s in replica.stages],
             data_parallel_size=cfg.data_parallel_size, model_path=cfg.model_path,
             num_layers=cfg.num_layers, compute_dtype=cfg.compute_dtype, layer_split=cfg.layer_split,
-            ring_base_port=cfg.ring_base_port, grpc_base_port=cfg.grpc_base_port,
+            ring_base_port=cfg.ring_base_port, grpc_base_port=cfg.grpc_base_port, dequantize=cfg.dequantize,
         )
         with self._lock:
             replica.plan = plan
@@ -380,7 +387,9 @@ class MeshCoordinator:
             log.info("replica %d stage %d: loading layers %s on %s grpc :%d ring :%d (node %s)",
                      replica.index, stage.rank, p.layers, p.host, p.grpc_port, p.ring_port, stage.slot.node_id[:8])
         pids = ray.get([
-            s.actor.start.remote(plan_json, s.rank, stage_args(self.config, s.slot.node_id), self.config.stage_command)
+            s.actor.start.remote(plan_json, s.rank, stage_args(self.config, s.slot.node_id,
+                                                               self._stages_on_node(s.slot.node_id)),
+                                 self.config.stage_command)
             for s in replica.stages
         ], timeout=_ACTOR_CALL_S)
         now = self._clock()
@@ -462,6 +471,7 @@ class MeshCoordinator:
         if info is not None:
             stage.compute_dtype = info.compute_dtype or stage.compute_dtype
             stage.quantized = info.quantized
+            stage.blas = info.blas or stage.blas
             stage.stats = info.stats
             stage.pid = info.pid or stage.pid
         stage.healthy = verdict is Verdict.SERVING
@@ -475,8 +485,8 @@ class MeshCoordinator:
             stage.state = "serving"
         if stage.state != previous:
             if stage.state == "serving":
-                log.info("%s: serving (pid %s, node %s, %s, quantized=%s, %.1f s)", stage.name, stage.pid,
-                         stage.slot.node_id[:8], stage.compute_dtype, stage.quantized,
+                log.info("%s: serving (pid %s, node %s, %s, quantized=%s, blas=%s, %.1f s)", stage.name,
+                         stage.pid, stage.slot.node_id[:8], stage.compute_dtype, stage.quantized, stage.blas,
                          self._clock() - stage.started_at)
             elif stage.state == "failed":
                 log.warning("%s: failed: %s", stage.name, reason)
@@ -550,6 +560,9 @@ class MeshCoordinator:
                 raise
             except Exception as exc:
                 log.error("replica %d: restart %d failed: %s", replica.index, replica.restarts, exc)
+
+    def _stages_on_node(self, node_id: str) -> int:
+        return sum(1 for r in self._replicas for s in r.stages if s.slot.node_id == node_id) or 1
 
     def _hosts_alive(self, replica: _Replica) -> bool:
         try:
@@ -648,6 +661,7 @@ class MeshCoordinator:
                     ring_port=p.ring_port if p else 0,
                     pid=s.pid, node_id=s.slot.node_id, compute_dtype=s.compute_dtype or self.config.compute_dtype,
                     quantized=s.quantized, healthy=s.healthy, state=s.state, error=s.error, stats=s.stats,
+                    blas=s.blas,
                 ))
             replicas.append(ReplicaSnapshot(replica.index, tuple(stages), replica.restarts))
         self._snapshot = MeshSnapshot(self.config.served_model_name, tuple(replicas))

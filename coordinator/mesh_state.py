@@ -41,6 +41,7 @@ class StageSnapshot:
     state: str = "starting"  # loading, connecting, serving, draining, failed, stopped, starting
     error: str | None = None
     stats: StageStatsSnapshot = field(default_factory=StageStatsSnapshot)
+    blas: str = ""  # the BLAS the stage's MLX uses: openblas, mkl, reference, accelerate
 
     @property
     def grpc_target(self) -> str:
@@ -57,6 +58,7 @@ class StageSnapshot:
             "node_id": self.node_id,
             "compute_dtype": self.compute_dtype,
             "quantized": self.quantized,
+            "blas": self.blas,
             "healthy": self.healthy,
             "state": self.state,
             "error": self.error,

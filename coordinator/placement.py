@@ -184,6 +184,7 @@ def pipeline_plan(
     layer_split: str | None = None,
     ring_base_port: int,
     grpc_base_port: int,
+    dequantize: str = "auto",
 ) -> PipelinePlan:
     """One replica's plan: rank r on ``hosts[r]``, ports from global index ``replica * P + r``."""
     pp = len(hosts)
@@ -203,7 +204,7 @@ def pipeline_plan(
         ))
     return PipelinePlan(
         replica=replica, model_path=model_path, num_layers=num_layers,
-        compute_dtype=compute_dtype, stages=tuple(stages),
+        compute_dtype=compute_dtype, stages=tuple(stages), dequantize=dequantize,
     )
 
 

@@ -42,6 +42,7 @@ class PipelinePlan:
     num_layers: int
     compute_dtype: str
     stages: tuple[StagePlacement, ...]
+    dequantize: str = "auto"  # auto / on / off: run quantized checkpoints with dense weights
 
     @property
     def size(self) -> int:
@@ -77,6 +78,7 @@ def make_local_plan(
     replica: int = 0,
     first_global_index: int = 0,
     total_stages: int | None = None,
+    dequantize: str = "auto",
 ) -> PipelinePlan:
     """Plan one pipeline with every stage on ``host`` (loopback by default)."""
     ranges = plan_layer_split(num_layers, pipeline_size, layer_split)
@@ -102,4 +104,5 @@ def make_local_plan(
         num_layers=num_layers,
         compute_dtype=compute_dtype,
         stages=tuple(stages),
+        dequantize=dequantize,
     )

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HOST_IP_ENV = "STAGEMESH_HOST_IP"
-DEFAULT_STAGE_COMMAND = ("-m", "stage_worker.stage_process")
+DEFAULT_STAGE_COMMAND = ("-m", "stage_worker")
 ACTOR_NUM_CPUS = 0.01  # Ray bookkeeping only; actors ask for 1 CPU unless told
 
 # Linux: the stage gets SIGTERM if the actor process dies (killed by Ray, node

@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 from stage_worker import wire
 from stage_worker.links import LinkError
 from stage_worker.scheduler import (
+    Batch,
     Finish,
     GenerationRequest,
     QueueFullError,
@@ -55,8 +57,12 @@ class RequestHandle:
 
 
 class EntryEngine:
-    def __init__(self, pipeline: EntryPipeline, scheduler: Scheduler, status: StageStatus) -> None:
+    def __init__(
+        self, pipeline: EntryPipeline, scheduler: Scheduler, status: StageStatus, micro_batches: int = 1
+    ) -> None:
         self._pipeline = pipeline
+        self._micro_batches = max(1, micro_batches)
+        self.micro_batches = self._micro_batches
         self._scheduler = scheduler
         self._status = status
         self._cond = threading.Condition()
@@ -103,19 +109,34 @@ class EntryEngine:
 
     # -- the loop, on the model's thread --------------------------------------
     def run(self) -> None:
-        """Serve until ``stop``; then abort what is left and stop the pipeline cleanly."""
+        """Serve until ``stop``; then abort what is left and stop the pipeline cleanly.
+
+        Keeps up to ``micro_batches`` batches in flight: while there is room and
+        work, it submits (stage 0 computes its part and hands it on); otherwise
+        it collects the oldest batch's tokens.
+        """
+        in_flight: deque[Batch] = deque()
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._scheduler.has_work():
+                    while not self._stopping and not in_flight and not self._scheduler.has_work():
                         self._cond.wait(_IDLE_WAIT_S)
                     if self._stopping:
                         break
-                    batch = self._scheduler.next_batch()
-                    self._publish_load()
-                sampled = self._pipeline.step(batch.chunks)
+                    batch = None
+                    if len(in_flight) < self._micro_batches and self._scheduler.has_work():
+                        batch = self._scheduler.next_batch(self._micro_batches)
+                        self._publish_load()
+                if batch is not None and batch.chunks:
+                    self._pipeline.submit(batch.chunks)
+                    in_flight.append(batch)
+                    continue
+                if not in_flight:
+                    continue
+                sampled = self._pipeline.collect()
+                done = in_flight.popleft()
                 with self._cond:
-                    events = self._scheduler.on_sampled(batch, sampled)
+                    events = self._scheduler.on_sampled(done, sampled)
                     handles = [(self._handles.get(e.request_id), e) for e in events]
                     for event in events:
                         if event.finish is not None:

@@ -82,7 +82,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             state=_STATE[self._status.state], error=self._status.error,
             weight_bytes=self._status.weight_bytes, peak_rss_bytes=peak_rss_bytes(),
             max_num_seqs=d.max_num_seqs, max_model_len=d.max_model_len, version=d.version,
-            stats=stage_pb2.StageStats(**stats.__dict__),
+            stats=stage_pb2.StageStats(**stats.__dict__), blas=self._status.blas,
         )
 
     def Generate(self, request, context):

@@ -180,8 +180,10 @@ class OutboundLink:
         records: Sequence[wire.SequenceRecord] = (),
         payload: mx.array | None = None,
         batch_id: int = 0,
+        body: dict | None = None,
     ) -> None:
-        self._send_frame(kind, records, payload=payload, batch_id=batch_id)
+        data = wire.encode_body(body) if body is not None else b""
+        self._send_frame(kind, records, body=data, payload=payload, batch_id=batch_id)
         if payload is not None and payload.size > 0:
             assert self._ring is not None, "a payload needs the ring"
             self._ring.send(payload, self._peer_rank)

@@ -98,6 +98,7 @@ class Scheduler:
         max_waiting: int,
         max_batch_tokens: int = 512,
         prefill_chunk_tokens: int = 512,
+        kv_token_capacity: int | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_model_len < 2 or max_waiting < 0 or max_batch_tokens < 1:
             raise ValueError("max_num_seqs >= 1, max_model_len >= 2, max_waiting >= 0, max_batch_tokens >= 1")
@@ -112,6 +113,10 @@ class Scheduler:
         self._releases: list[SequenceRecord] = []
         self._next_seq_id = 1
         self.finished_count = 0
+        # Every running sequence reserves prompt + max_tokens tokens of KV on every stage, so
+        # admitted work can never run the stages out of memory (no preemption needed).
+        self.kv_token_capacity = kv_token_capacity
+        self._reserved_tokens = 0
 
     # -- admission -------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -125,6 +130,11 @@ class Scheduler:
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) = {total} "
                 f"exceeds the model length {self.max_model_len} (--max-model-len); shorten the prompt "
                 f"or lower max_tokens"
+            )
+        if self.kv_token_capacity is not None and total > self.kv_token_capacity:
+            raise RequestError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV capacity of the pipeline "
+                f"({self.kv_token_capacity} tokens); lower max_tokens"
             )
         if request.request_id in self._by_request or any(r.request_id == request.request_id for r in self._waiting):
             raise RequestError(f"request_id {request.request_id!r} is already running")
@@ -165,13 +175,18 @@ class Scheduler:
         return len(self._waiting)
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or bool(self._releases) or any(
+        """Whether ``next_batch`` would return something to compute."""
+        admissible = bool(self._waiting) and len(self._running) < self.max_num_seqs and self._fits(self._waiting[0])
+        return admissible or bool(self._releases) or any(
             not s.in_flight and not s.aborted for s in self._running.values()
         )
 
-    def next_batch(self) -> Batch:
-        while self._waiting and len(self._running) < self.max_num_seqs:
+    def next_batch(self, micro_batches: int = 1) -> Batch:
+        """The next batch; with ``micro_batches`` > 1 it takes at most 1/micro_batches of the
+        running sequences, so the rest can fill the other micro-batches in flight."""
+        while self._waiting and len(self._running) < self.max_num_seqs and self._fits(self._waiting[0]):
             request = self._waiting.popleft()
+            self._reserved_tokens += _reservation(request)
             seq = _Sequence(self._next_seq_id, request)
             self._next_seq_id += 1
             self._running[seq.seq_id] = seq
@@ -179,16 +194,18 @@ class Scheduler:
         chunks: list[Chunk] = [Chunk(r, ()) for r in self._releases]
         self._releases = []
         budget = self.max_batch_tokens
+        seats = -(-len(self._running) // max(1, micro_batches))  # ceil: sequences this batch may take
         for seq in self._running.values():  # decodes first: they are latency bound
-            if seq.in_flight or seq.aborted or not seq.prefill_done or budget <= 0:
+            if seq.in_flight or seq.aborted or not seq.prefill_done or budget <= 0 or seats <= 0:
                 continue
             token = seq.generated[-1]
             record = SequenceRecord(seq.seq_id, seq.position, 1, RecordFlag.SAMPLE, seq.request.sampling)
             chunks.append(Chunk(record, (token,)))
             seq.in_flight = True
             budget -= 1
+            seats -= 1
         for seq in self._running.values():
-            if seq.in_flight or seq.aborted or seq.prefill_done or budget <= 0:
+            if seq.in_flight or seq.aborted or seq.prefill_done or budget <= 0 or seats <= 0:
                 continue
             size = min(self.prefill_chunk_tokens, budget, len(seq.request.prompt) - seq.prefilled)
             flags = RecordFlag.NEW_SEQUENCE if seq.prefilled == 0 else RecordFlag.NONE
@@ -200,6 +217,7 @@ class Scheduler:
             seq.holds_kv = True
             seq.in_flight = True
             budget -= size
+            seats -= 1
         return Batch(tuple(chunks))
 
     def on_sampled(self, batch: Batch, sampled: Sequence[SampledToken]) -> list[RequestEvent]:
@@ -232,6 +250,7 @@ class Scheduler:
         self._running.clear()
         self._by_request.clear()
         self._releases.clear()
+        self._reserved_tokens = 0
         return ids
 
     def _finish_reason(self, seq: _Sequence, token_id: int) -> Finish | None:
@@ -243,9 +262,23 @@ class Scheduler:
             return Finish.LENGTH
         return None
 
+    def _fits(self, request: GenerationRequest) -> bool:
+        if self.kv_token_capacity is None:
+            return True
+        return self._reserved_tokens + _reservation(request) <= self.kv_token_capacity
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self._reserved_tokens
+
     def _retire(self, seq: _Sequence) -> None:
-        self._running.pop(seq.seq_id, None)
+        if self._running.pop(seq.seq_id, None) is not None:
+            self._reserved_tokens -= _reservation(seq.request)
         self._by_request.pop(seq.request.request_id, None)
         self.finished_count += 1
         if seq.holds_kv:
             self._releases.append(SequenceRecord(seq.seq_id, seq.position, 0, RecordFlag.RELEASE))
+
+
+def _reservation(request: GenerationRequest) -> int:
+    return len(request.prompt) + request.max_tokens

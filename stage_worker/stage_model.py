@@ -8,8 +8,8 @@ weights arrive quantized, loads those weights strictly, and casts the floating
 parameters to the compute dtype every stage of the pipeline agrees on.
 
 Forward pieces are separate so a stage runs only its part: ``embed`` (first
-stage), ``run_layers`` (every stage, one sequence at a time against that
-sequence's KV caches), ``logits`` (last stage, float32 for sampling).
+stage), ``run_packed`` (every stage: many sequences' rows at once, see
+``packed_forward``), ``logits`` (last stage, float32 for sampling).
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import dequantize_model
 
 from coordinator.layer_split import LayerRange
 from stage_worker.model_spec import ModelFormatError, ModelSpec
+from stage_worker.packed_forward import Segment, packed_layers
 from stage_worker.stage_weights import load_stage_weights
 
 COMPUTE_DTYPES: dict[str, mx.Dtype] = {
@@ -46,6 +48,35 @@ def resolve_compute_dtype(name: str) -> mx.Dtype:
         raise ValueError(
             f"--dtype {name!r} is not supported; use auto, {', '.join(COMPUTE_DTYPES)}"
         ) from None
+
+
+DEQUANTIZE_CHOICES = ("auto", "on", "off")
+
+
+def choose_dense_weights(
+    setting: str, *, on_gpu: bool, blas: str, quantized: bool, dense_bytes: int, memory_budget: int
+) -> tuple[bool, str]:
+    """Whether to run a quantized checkpoint with dense weights, and why (pure).
+
+    ``auto`` weighs speed against memory: dense float weights pay off only on the
+    CPU with an optimized BLAS, and only when they fit in half the stage's memory
+    budget; on Metal the quantized kernels are the fast path.
+    """
+    if setting not in DEQUANTIZE_CHOICES:
+        raise ValueError(f"--dequantize {setting!r}: choose auto, on or off")
+    if not quantized:
+        return False, "the checkpoint is not quantized"
+    if setting != "auto":
+        return setting == "on", f"--dequantize {setting}"
+    if on_gpu:
+        return False, "auto: Metal runs quantized kernels fastest"
+    if blas not in ("openblas", "mkl"):
+        return False, (f"auto: the {blas} BLAS gains nothing from dense weights; install libopenblas0-pthread "
+                       f"for the fast path")
+    if dense_bytes > memory_budget // 2:
+        return False, (f"auto: dense weights ({dense_bytes / 1e6:.0f} MB) would exceed half this stage's memory "
+                       f"budget ({memory_budget / 1e6:.0f} MB)")
+    return True, f"auto: {blas} BLAS, dense weights {dense_bytes / 1e6:.0f} MB fit the memory budget"
 
 
 def model_fingerprint(spec: ModelSpec) -> str:
@@ -84,11 +115,39 @@ class StageModel:
         self.dtype = dtype
         self._module = module
         self.hidden_size = spec.hidden_size
+        self._measure()
+
+    def _measure(self) -> None:
+        module = self._module
         self.quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
                              for _, m in module.named_modules())
         params = tree_flatten(module.parameters())
         self.weight_bytes = sum(v.nbytes for _, v in params)
         self.layer_bytes = sum(v.nbytes for name, v in params if name.startswith("layers."))
+
+    def dense_bytes(self) -> int:
+        """Bytes the weights would take dequantized to the compute dtype."""
+        total = 0
+        for _, m in self._module.named_modules():
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                rows, packed = m.weight.shape
+                total += rows * packed * (32 // m.bits) * self.dtype.size
+                if "bias" in m:
+                    total += m.bias.nbytes
+            elif not list(m.children()):
+                total += sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+        return total
+
+    def dequantize(self) -> None:
+        """Replace quantized layers by dense ones in the compute dtype: on the CPU this is the fast
+        path, because a tuned BLAS does dense GEMMs while MLX's CPU quantized matmul gains
+        nothing from batching."""
+        if not self.quantized:
+            return
+        dequantize_model(self._module)
+        self._module.set_dtype(self.dtype, lambda d: mx.issubdtype(d, mx.floating))
+        mx.eval(self._module.parameters())
+        self._measure()
 
     @classmethod
     def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:
@@ -150,11 +209,11 @@ class StageModel:
 
     def run_layers(self, hidden: mx.array, caches: list[KVCache]) -> mx.array:
         """``[n, hidden]`` rows of one sequence through this stage's layers (lazy)."""
-        h = hidden[None]
-        mask = create_attention_mask(h, caches[0] if caches else None)
-        for layer, cache in zip(self._module.layers, caches):
-            h = layer(h, mask, cache=cache)
-        return h[0]
+        return self.run_packed(hidden, [Segment(caches, hidden.shape[0])])
+
+    def run_packed(self, hidden: mx.array, segments: Sequence[Segment]) -> mx.array:
+        """``[T, hidden]`` rows of several sequences (``segments`` in row order), lazy."""
+        return packed_layers(self._module.layers, hidden, segments)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and head on ``[k, hidden]`` rows; float32 ``[k, vocab]`` (lazy)."""

@@ -29,14 +29,27 @@ import mlx.core as mx
 
 from coordinator.plan import PipelinePlan, StagePlacement
 from stage_worker import wire
+from stage_worker.blas import loaded_blas
 from stage_worker.engine import EntryEngine, PipelineBroken
 from stage_worker.generation_job import GenerationJob, run_generation
 from stage_worker.grpc_service import StageDescription, start_grpc_server
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
-from stage_worker.memory import peak_rss_bytes
+from stage_worker.memory import (
+    MemoryBudgetError,
+    host_memory_budget,
+    kv_bytes_per_token,
+    kv_token_capacity,
+    peak_rss_bytes,
+)
 from stage_worker.model_spec import ModelFormatError, read_model_spec
 from stage_worker.scheduler import Scheduler
-from stage_worker.stage_model import StageModel, StageRole, model_fingerprint, resolve_compute_dtype
+from stage_worker.stage_model import (
+    StageModel,
+    StageRole,
+    choose_dense_weights,
+    model_fingerprint,
+    resolve_compute_dtype,
+)
 from stage_worker.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
 from stage_worker.stage_status import StageState, StageStatus
 from stagemesh import envs
@@ -195,10 +208,15 @@ def _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name) -> i
         status.set_state(StageState.FAILED, str(exc))
         log.error("%s", exc)
         return EXIT_CONFIG
-    status.weight_bytes, status.quantized = model.weight_bytes, model.quantized
-    log.info("loaded %.1f MB of weights in %.2f s (dtype=%s quantized=%s, peak RSS %.0f MB)",
-             model.weight_bytes / 1e6, time.monotonic() - started, wire.dtype_name(dtype), model.quantized,
-             peak_rss_bytes() / 1e6)
+    try:
+        kv_capacity = _prepare_weights_and_kv(args, plan, me, spec, model, status, stage_name)
+    except (MemoryBudgetError, ValueError) as exc:
+        status.set_state(StageState.FAILED, str(exc))
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    log.info("loaded %.1f MB of weights in %.2f s (dtype=%s quantized=%s blas=%s, KV capacity %d tokens, "
+             "peak RSS %.0f MB)", model.weight_bytes / 1e6, time.monotonic() - started, wire.dtype_name(dtype),
+             model.quantized, status.blas, kv_capacity, peak_rss_bytes() / 1e6)
     recorder = LogitRecorder() if (args.record_logits and is_last) else None
     compute = StageCompute(model, args.max_num_seqs, recorder)
     inbound = outbound = None
@@ -221,7 +239,8 @@ def _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name) -> i
             pipeline = EntryPipeline(compute, outbound, inbound, is_last, reply_timeout_s=args.ring_timeout,
                                      on_batch=status.record_batch)
             if args.serve:
-                _serve_entry(args, pipeline, status, servicer)
+                capacity = pipeline.pipeline_kv_capacity(kv_capacity)
+                _serve_entry(args, pipeline, status, servicer, plan.size, capacity)
             else:
                 if args.job:
                     job = GenerationJob.from_dict(json.load(open(args.job)))
@@ -232,7 +251,8 @@ def _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name) -> i
             status.set_state(StageState.SERVING)
             _on_stop_signal(lambda: _raise_stop())
             try:
-                relay_loop(compute, inbound, outbound, is_last, on_batch=status.record_batch)
+                relay_loop(compute, inbound, outbound, is_last, on_batch=status.record_batch,
+                           kv_token_capacity=kv_capacity)
             except _StopRequested:
                 log.info("stop requested")
     except (LinkError, wire.WireMismatchError, PipelineBroken) as exc:
@@ -256,15 +276,41 @@ def _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name) -> i
     return 0
 
 
-def _serve_entry(args, pipeline: EntryPipeline, status: StageStatus, servicer) -> None:
+def _prepare_weights_and_kv(args, plan, me, spec, model: StageModel, status: StageStatus, stage_name: str) -> int:
+    """Choose dense or quantized weights and size this stage's KV capacity (tokens)."""
+    budget = host_memory_budget(args.memory_fraction, args.stages_on_host or _stages_on_my_host(plan, me))
+    status.blas = loaded_blas()
+    dense, why = choose_dense_weights(
+        plan.dequantize, on_gpu=mx.default_device() == mx.gpu, blas=status.blas, quantized=model.quantized,
+        dense_bytes=model.dense_bytes(), memory_budget=budget.budget_bytes,
+    )
+    if dense:
+        model.dequantize()
+    log.info("weights %s (%s)", "dequantized" if dense else ("quantized" if model.quantized else "dense"), why)
+    status.weight_bytes, status.quantized = model.weight_bytes, model.quantized
+    args_ = spec.args
+    head_dim = int(args_.get("head_dim") or spec.hidden_size // int(args_["num_attention_heads"]))
+    kv_heads = int(args_.get("num_key_value_heads") or args_["num_attention_heads"])
+    per_token = kv_bytes_per_token(len(me.layers), kv_heads, head_dim, model.dtype.size)
+    return kv_token_capacity(budget, model.weight_bytes, per_token, args.max_model_len, stage_name)
+
+
+def _stages_on_my_host(plan: PipelinePlan, me: StagePlacement) -> int:
+    return sum(1 for s in plan.stages if s.host == me.host)
+
+
+def _serve_entry(args, pipeline: EntryPipeline, status: StageStatus, servicer, pipeline_size: int,
+                 kv_capacity: int) -> None:
     scheduler = Scheduler(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_waiting=args.max_waiting, max_batch_tokens=args.max_batch_tokens,
-                          prefill_chunk_tokens=args.max_batch_tokens)
-    engine = EntryEngine(pipeline, scheduler, status)
+                          prefill_chunk_tokens=args.max_batch_tokens, kv_token_capacity=kv_capacity)
+    # As many micro-batches in flight as there are stages keeps every stage busy.
+    engine = EntryEngine(pipeline, scheduler, status, micro_batches=args.micro_batches or pipeline_size)
     servicer.engine = engine
     _on_stop_signal(engine.stop)
     status.set_state(StageState.SERVING)
-    log.info("serving (max_num_seqs=%d max_model_len=%d)", args.max_num_seqs, args.max_model_len)
+    log.info("serving (max_num_seqs=%d max_model_len=%d, pipeline KV capacity %d tokens, %d micro-batches)",
+             args.max_num_seqs, args.max_model_len, kv_capacity, engine.micro_batches)
     engine.run()
 
 
@@ -297,6 +343,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond the running ones")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    parser.add_argument("--memory-fraction", type=float, default=0.8,
+                        help="share of the host's memory the stages on it may use (weights + KV cache)")
+    parser.add_argument("--stages-on-host", type=int, default=0,
+                        help="stages sharing this host's memory (default: this pipeline's stages on it)")
+    parser.add_argument("--micro-batches", type=int, default=0,
+                        help="batches in flight at once (default: the number of stages)")
     parser.add_argument("--max-batch-tokens", type=int, default=512,
                         help="token rows per batch (long prompts are prefilled in chunks of this size)")
     parser.add_argument("--connect-timeout", type=float, default=60.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +27,7 @@ import numpy as np
 from stage_worker import wire
 from stage_worker.kv_store import KVStore
 from stage_worker.links import InboundLink, LinkError, OutboundLink
+from stage_worker.packed_forward import Segment
 from stage_worker.sampling import sample_rows
 from stage_worker.stage_model import StageModel
 from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
@@ -85,19 +87,16 @@ class StageCompute:
 
     def forward(self, records: Sequence[SequenceRecord], hidden: mx.array) -> mx.array:
         """Run every record's rows through this stage's layers; ``[T, hidden]`` out, evaluated."""
-        outputs = []
-        row = 0
-        for record in records:
-            if record.num_tokens == 0:
-                continue
-            caches = self.kv.for_chunk(record.seq_id, record.start_pos, record.has(RecordFlag.NEW_SEQUENCE))
-            outputs.append(self.model.run_layers(hidden[row : row + record.num_tokens], caches))
-            row += record.num_tokens
-        if row != hidden.shape[0]:
-            raise wire.WireMismatchError(
-                f"batch records cover {row} rows but the payload has {hidden.shape[0]}"
-            )
-        out = mx.concatenate(outputs) if outputs else hidden
+        segments = [
+            Segment(self.kv.for_chunk(r.seq_id, r.start_pos, r.has(RecordFlag.NEW_SEQUENCE)), r.num_tokens)
+            for r in records if r.num_tokens > 0
+        ]
+        rows = sum(s.num_tokens for s in segments)
+        if rows != hidden.shape[0]:
+            raise wire.WireMismatchError(f"batch records cover {rows} rows but the payload has {hidden.shape[0]}")
+        if not segments:
+            return hidden
+        out = self.model.run_packed(hidden, segments)
         # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.
         mx.eval(out)
         return out
@@ -132,7 +131,13 @@ class StageCompute:
 
 
 class EntryPipeline:
-    """The first stage: runs batches through the whole pipeline and returns sampled tokens."""
+    """The first stage: pushes batches into the pipeline and collects their sampled tokens.
+
+    ``submit`` computes this stage's part of a batch and hands it to the next
+    stage without waiting, so several micro-batches can be in flight at once
+    (stage 0 computes batch B while stage 1 computes batch A); ``collect``
+    returns the oldest batch's tokens. Replies come back in submission order.
+    """
 
     def __init__(
         self,
@@ -150,8 +155,19 @@ class EntryPipeline:
         self._inbound = inbound
         self._is_last = is_last
         self._batch_id = 0
+        self._in_flight: deque[tuple[int, float]] = deque()  # (batch id, when submitted)
+        self._local_results: deque[list[SampledToken]] = deque()  # single-stage pipelines
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
 
     def step(self, chunks: Sequence[Chunk]) -> list[SampledToken]:
+        """One batch through the whole pipeline (nothing else may be in flight)."""
+        self.submit(chunks)
+        return self.collect()
+
+    def submit(self, chunks: Sequence[Chunk]) -> int:
         records = [_with_seed(c.record) for c in chunks]
         token_ids = [t for c in chunks for t in c.token_ids]
         for chunk in chunks:
@@ -164,31 +180,52 @@ class EntryPipeline:
         hidden = model.embed(mx.array(token_ids, dtype=mx.int32)) if token_ids else \
             mx.zeros((0, model.hidden_size), dtype=model.dtype)
         hidden = self._compute.forward(records, hidden)
-        computed = sent = time.perf_counter()
         if self._is_last:
             out_records, tokens = self._compute.sample(records, hidden)
+            self._local_results.append(_sampled(out_records, tokens))
             computed = sent = time.perf_counter()
         else:
-            assert self._outbound is not None and self._inbound is not None
+            assert self._outbound is not None
+            computed = time.perf_counter()
             self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id)
             sent = time.perf_counter()
-            reply = self._inbound.recv(timeout_s=self._reply_timeout_s)
-            if reply.kind != FrameKind.TOKENS or reply.header.batch_id != self._batch_id:
-                raise wire.WireMismatchError(
-                    f"expected TOKENS for batch {self._batch_id}, got {reply.kind.name} "
-                    f"for batch {reply.header.batch_id}"
-                )
-            out_records = list(reply.records)
-            tokens = reply.payload if reply.payload is not None else mx.zeros((0,), mx.int32)
         self._compute.release_finished(records)
-        ids = np.array(tokens).tolist()
+        self._in_flight.append((self._batch_id, sent))
         if self._on_batch is not None:
-            done = time.perf_counter()
-            self._on_batch(len(token_ids), computed - started, done - sent, sent - computed)
-        return [SampledToken(r.seq_id, r.start_pos, int(t)) for r, t in zip(out_records, ids)]
+            self._on_batch(len(token_ids), computed - started, 0.0, sent - computed)
+        return self._batch_id
+
+    def collect(self) -> list[SampledToken]:
+        """Tokens of the oldest batch in flight (waits for them on the lane, not spinning)."""
+        batch_id, _ = self._in_flight.popleft()
+        if self._is_last:
+            return self._local_results.popleft()
+        assert self._inbound is not None
+        waited = time.perf_counter()
+        reply = self._inbound.recv(timeout_s=self._reply_timeout_s)
+        if reply.kind != FrameKind.TOKENS or reply.header.batch_id != batch_id:
+            raise wire.WireMismatchError(
+                f"expected TOKENS for batch {batch_id}, got {reply.kind.name} for batch {reply.header.batch_id}"
+            )
+        if self._on_batch is not None:
+            self._on_batch(0, 0.0, time.perf_counter() - waited, 0.0)
+        tokens = reply.payload if reply.payload is not None else mx.zeros((0,), mx.int32)
+        return _sampled(reply.records, tokens)
+
+    def pipeline_kv_capacity(self, own_tokens: int) -> int:
+        """The smallest KV token capacity of any stage: a CAPACITY message goes round the ring once."""
+        if self._outbound is None or self._inbound is None:
+            return own_tokens
+        self._outbound.send(FrameKind.CAPACITY, body={"kv_tokens": own_tokens})
+        reply = self._inbound.recv(timeout_s=self._reply_timeout_s)
+        if reply.kind != FrameKind.CAPACITY or reply.body is None:
+            raise wire.WireMismatchError(f"expected CAPACITY back from the ring, got {reply.kind.name}")
+        return int(reply.body["kv_tokens"])
 
     def shutdown(self) -> None:
-        """Send SHUTDOWN round the ring and wait for it to come back (every stage stopped)."""
+        """Drain what is in flight, send SHUTDOWN round the ring and wait for it to come back."""
+        while self._in_flight:
+            self.collect()
         if self._outbound is None or self._inbound is None:
             return
         self._outbound.send(FrameKind.SHUTDOWN)
@@ -198,12 +235,18 @@ class EntryPipeline:
                 return
 
 
+def _sampled(records: Sequence[SequenceRecord], tokens: mx.array) -> list[SampledToken]:
+    ids = np.array(tokens).tolist()
+    return [SampledToken(r.seq_id, r.start_pos, int(t)) for r, t in zip(records, ids)]
+
+
 def relay_loop(
     compute: StageCompute,
     inbound: InboundLink,
     outbound: OutboundLink,
     is_last: bool,
     on_batch: BatchTimer | None = None,
+    kv_token_capacity: int | None = None,
 ) -> None:
     """Middle and last stages: receive, compute, pass on; return after SHUTDOWN."""
     model = compute.model
@@ -221,6 +264,12 @@ def relay_loop(
         if message.kind == FrameKind.SHUTDOWN:
             outbound.send(FrameKind.SHUTDOWN)
             return
+        if message.kind == FrameKind.CAPACITY and message.body is not None:
+            tokens = int(message.body["kv_tokens"])
+            if kv_token_capacity is not None:
+                tokens = min(tokens, kv_token_capacity)
+            outbound.send(FrameKind.CAPACITY, body={"kv_tokens": tokens})
+            continue
         if message.kind != FrameKind.FORWARD:
             raise wire.WireMismatchError(f"{inbound.peer_name} sent unexpected {message.kind.name}")
         hidden = message.payload

@@ -50,6 +50,7 @@ class StageStatus:
         self.requests_finished = 0
         self.weight_bytes = 0
         self.quantized = False
+        self.blas = ""
 
     def on_state(self, listener: Callable[[StageState], None]) -> None:
         with self._lock:
@@ -78,7 +79,8 @@ class StageStatus:
 
     def record_batch(self, tokens: int, compute_s: float, wait_s: float, send_s: float) -> None:
         with self._lock:
-            self.batches += 1
+            if tokens or compute_s:  # a pure wait (collecting a reply) is not a batch
+                self.batches += 1
             self.tokens += tokens
             self.compute_seconds += compute_s
             self.wait_seconds += wait_s

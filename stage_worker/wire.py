@@ -49,6 +49,7 @@ class FrameKind(enum.IntEnum):
     FORWARD = 3  # a micro-batch of hidden states moving down the pipeline
     TOKENS = 4  # sampled token ids, last stage -> first stage
     SHUTDOWN = 5  # stop after this message; travels the whole ring once
+    CAPACITY = 6  # JSON body {"kv_tokens": n}: each stage lowers n to its own; travels the ring once
 
 
 class RecordFlag(enum.IntFlag):

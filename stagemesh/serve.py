@@ -36,7 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's context length)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences a replica runs at once")
-    parser.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, float16, bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="compute dtype: auto (float32 on the CPU backend, float16 on Metal), float32, float16, "
+                             "bfloat16")
+    parser.add_argument("--dequantize", default="auto", choices=("auto", "on", "off"),
+                        help="run a quantized checkpoint with dense weights: auto does so on the CPU backend when "
+                             "an optimized BLAS is loaded and the dense weights fit half the memory budget")
+    parser.add_argument("--memory-fraction", type=float, default=0.8,
+                        help="share of each host's memory its stages may use for weights and KV cache "
+                             "(like vLLM's --gpu-memory-utilization)")
     parser.add_argument("--api-key", default=None, help="require this key on /v1 (default $STAGEMESH_API_KEY)")
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help="global stage g binds base+g for the MLX ring (default $STAGEMESH_RING_BASE_PORT "
@@ -78,6 +86,8 @@ def build_mesh_config(args: argparse.Namespace):
     spec = read_model_spec(model_path)
     plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
     resolve_compute_dtype(args.dtype)
+    if not 0 < args.memory_fraction <= 1:
+        raise ServeConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     context = int(spec.args.get("max_position_embeddings") or 0)
     max_model_len = args.max_model_len or context or 4096
     if max_model_len < 2 or (context and max_model_len > context):
@@ -95,6 +105,8 @@ def build_mesh_config(args: argparse.Namespace):
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         compute_dtype=args.dtype,
+        dequantize=args.dequantize,
+        memory_fraction=args.memory_fraction,
         layer_split=args.pp_layer_split,
         ring_base_port=ring_base,
         grpc_base_port=grpc_base,

@@ -120,3 +120,32 @@ def test_abort_while_waiting_in_flight_or_idle():
     (release,) = s.next_batch().chunks
     assert release.record.has(RecordFlag.RELEASE)
     assert s.abort("a") is None and s.abort("nope") is None
+
+
+def test_kv_capacity_admits_only_what_every_stage_can_hold():
+    s = _scheduler(max_num_seqs=4, max_waiting=4, kv_token_capacity=14)
+    s.add(_request("a", prompt_len=3, max_tokens=4))  # reserves 7
+    s.add(_request("b", prompt_len=3, max_tokens=4))  # 14: fits exactly
+    s.add(_request("c", prompt_len=3, max_tokens=4))  # must wait
+    batch = s.next_batch()
+    assert {c.record.seq_id for c in batch.chunks} == {1, 2} and s.num_waiting == 1
+    assert s.reserved_tokens == 14
+    s.abort("a")
+    s.on_sampled(batch, _sample(batch))
+    assert s.reserved_tokens == 7
+    assert any(c.token_ids == (10, 11, 12) and c.record.seq_id == 3 for c in s.next_batch().chunks)
+    with pytest.raises(RequestError, match="exceeds the KV capacity of the pipeline"):
+        s.add(_request("d", prompt_len=10, max_tokens=5))
+
+
+def test_micro_batches_split_the_running_sequences():
+    s = _scheduler(max_num_seqs=4, max_batch_tokens=64, prefill_chunk_tokens=64)
+    for rid in "abcd":
+        s.add(_request(rid))
+    first, second = s.next_batch(micro_batches=2), s.next_batch(micro_batches=2)
+    assert [c.record.seq_id for c in first.chunks] == [1, 2]
+    assert [c.record.seq_id for c in second.chunks] == [3, 4]
+    assert not s.has_work()  # everything is in flight
+    s.on_sampled(first, _sample(first))
+    third = s.next_batch(micro_batches=2)
+    assert [(c.record.seq_id, c.record.num_tokens) for c in third.chunks] == [(1, 1), (2, 1)]

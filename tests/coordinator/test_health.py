@@ -12,7 +12,7 @@ from coordinator.placement import PlacementError
 
 
 def _info(state: str, error: str = "") -> StageInfoView:
-    return StageInfoView(state, 123, "float32", True, error, 0, StageStatsSnapshot())
+    return StageInfoView(state, 123, "float32", True, error, "openblas", 0, StageStatsSnapshot())
 
 
 SERVING = StageProbe(health="SERVING", info=_info("serving"))

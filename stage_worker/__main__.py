@@ -1,0 +1,49 @@
+"""``python -m stage_worker --plan PLAN.json --rank R [...]``: start one stage, with a fast BLAS.
+
+Only the standard library is imported before the BLAS decision, because
+``LD_PRELOAD`` must be in place before MLX loads (see ``stage_worker.blas``);
+then it runs ``stage_worker.stage_process``. The BLAS gets the host's cores
+divided by the stages sharing the host (``STAGEMESH_BLAS_THREADS`` overrides),
+so co-located stages do not fight over cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from stage_worker.blas import THREADS_ENV, reexec_with_optimized_blas
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def blas_threads(argv: list[str], env: dict[str, str], cpus: int) -> int:
+    """Threads for this stage's BLAS (pure over its inputs)."""
+    if env.get(THREADS_ENV):
+        return max(1, int(env[THREADS_ENV]))
+    sharing = _flag(argv, "--stages-on-host")
+    count = int(sharing) if sharing and int(sharing) > 0 else 0
+    if not count:
+        try:
+            plan = json.loads(open(_flag(argv, "--plan") or "").read())
+            me = plan["stages"][int(_flag(argv, "--rank") or 0)]
+            count = sum(1 for s in plan["stages"] if s["host"] == me["host"])
+        except (OSError, ValueError, KeyError, IndexError):
+            count = 1
+    return max(1, cpus // max(1, count))
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    reexec_with_optimized_blas(["-m", "stage_worker", *argv], blas_threads(argv, dict(os.environ), os.cpu_count() or 1))
+    from stage_worker.stage_process import main
+
+    sys.exit(main())
