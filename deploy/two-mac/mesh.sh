@@ -11,7 +11,8 @@ usage() {
 	cat <<'EOF'
 usage: mesh.sh [--dry-run] [--state-dir DIR] [--venv DIR] [--platform macos|linux] COMMAND [options]
 
-  network --ip IP --peer PEER_IP --peer-name NAME [--name SELF_NAME] [--netmask 255.255.255.0]
+  network --ip IP --peer PEER_IP --peer-name NAME [--peer IP --peer-name NAME ...] [--name SELF_NAME]
+          [--netmask 255.255.255.0]
           [--service "Thunderbolt Bridge"] [--interface IFACE (Linux)] [--hosts-file /etc/hosts] [--no-check]
       Static IP on the Thunderbolt Bridge, an /etc/hosts block mapping both Macs' names (so *.local
       stops resolving to loopback), the macOS firewall opened for Python and Ray, a ping of the peer.
@@ -59,8 +60,8 @@ STATE_DIR=""
 VENV=""
 COMMAND=""
 IP=""
-PEER=""
-PEER_NAME=""
+PEERS=()
+PEER_NAMES=()
 SELF_NAME=""
 NETMASK="255.255.255.0"
 SERVICE="Thunderbolt Bridge"
@@ -112,8 +113,8 @@ while [ "$#" -gt 0 ]; do
 		--state-dir) STATE_DIR=$2 ;;
 		--venv) VENV=$2 ;;
 		--ip) IP=$2 ;;
-		--peer) PEER=$2 ;;
-		--peer-name) PEER_NAME=$2 ;;
+		--peer) PEERS+=("$2") ;;
+		--peer-name) PEER_NAMES+=("$2") ;;
 		--name) SELF_NAME=$2 ;;
 		--netmask) NETMASK=$2 ;;
 		--service) SERVICE=$2 ;;
@@ -503,9 +504,14 @@ self_name() {
 
 cmd_network() {
 	require_ip
-	[ -n "$PEER" ] || usage_error "network needs --peer PEER_IP (the other Mac's Thunderbolt address)"
-	is_ipv4 "$PEER" || usage_error "--peer $PEER is not an IPv4 address"
-	[ -n "$PEER_NAME" ] || usage_error "network needs --peer-name NAME (the other Mac's hostname, e.g. mac-b)"
+	[ -n "${PEERS[*]+x}" ] || usage_error "network needs --peer PEER_IP (the other Mac's Thunderbolt address)"
+	[ -n "${PEER_NAMES[*]+x}" ] || usage_error "network needs --peer-name NAME (the other Mac's hostname, e.g. mac-b)"
+	[ "${#PEERS[@]}" = "${#PEER_NAMES[@]}" ] || usage_error "give one --peer-name per --peer"
+	local i
+	for i in "${!PEERS[@]}"; do
+		is_ipv4 "${PEERS[$i]}" || usage_error "--peer ${PEERS[$i]} is not an IPv4 address"
+		[ "${PEERS[$i]}" != "$IP" ] || usage_error "--peer ${PEERS[$i]} is this node's own --ip"
+	done
 	local prefix name
 	prefix=$(mask_prefix "$NETMASK")
 	name=$(self_name)
@@ -535,17 +541,21 @@ cmd_network() {
 	else
 		say "network: no --interface given; leaving this Linux node's addresses as they are"
 	fi
-	if update_hosts "$IP $name $name.local" "$PEER $PEER_NAME $PEER_NAME.local"; then
+	local -a lines=("$IP $name $name.local")
+	for i in "${!PEERS[@]}"; do lines+=("${PEERS[$i]} ${PEER_NAMES[$i]} ${PEER_NAMES[$i]}.local"); done
+	if update_hosts "${lines[@]}"; then
 		if [ "$PLATFORM" = macos ]; then run $SUDO dscacheutil -flushcache; fi
 	fi
-	state_put network.conf "IP=$IP" "PEER=$PEER" "PEER_NAME=$PEER_NAME" "SERVICE=$SERVICE" \
+	state_put network.conf "IP=$IP" "PEERS=${PEERS[*]}" "SERVICE=$SERVICE" \
 		"INTERFACE=$INTERFACE" "PREFIX=$prefix" "HOSTS_FILE=$HOSTS_FILE"
 	[ "$CHECK" = 1 ] || return 0
-	if [ "$DRY_RUN" = 1 ]; then
-		say "network: would check that $PEER answers"
-		return 0
-	fi
-	check_peer
+	for i in "${!PEERS[@]}"; do
+		if [ "$DRY_RUN" = 1 ]; then
+			say "network: would check that ${PEERS[$i]} answers"
+		else
+			check_peer "${PEERS[$i]}" "${PEER_NAMES[$i]}"
+		fi
+	done
 }
 
 open_firewall() {
@@ -564,17 +574,17 @@ open_firewall() {
 	done
 }
 
-check_peer() {
-	local ok=0
+check_peer() { # PEER NAME
+	local peer=$1 peer_name=$2 ok=0
 	if command -v ping >/dev/null 2>&1; then
 		if [ "$PLATFORM" = macos ]; then
-			ping -c 3 -t 5 "$PEER" >/dev/null 2>&1 && ok=1
+			ping -c 3 -t 5 "$peer" >/dev/null 2>&1 && ok=1
 		else
-			ping -c 3 -W 2 "$PEER" >/dev/null 2>&1 && ok=1
+			ping -c 3 -W 2 "$peer" >/dev/null 2>&1 && ok=1
 		fi
 	else
 		find_venv
-		"$PY" - "$PEER" <<'EOF' && ok=1
+		"$PY" - "$peer" <<'EOF' && ok=1
 import socket, sys
 s = socket.socket()
 s.settimeout(3)
@@ -585,9 +595,9 @@ except ConnectionRefusedError:
 EOF
 	fi
 	if [ "$ok" = 1 ]; then
-		say "network: $PEER ($PEER_NAME) answers"
+		say "network: $peer ($peer_name) answers"
 	else
-		die "network: $PEER does not answer; check the cable, that the other Mac ran 'mesh.sh network --ip $PEER ...', and its firewall (stealth mode drops ping)"
+		die "network: $peer does not answer; check the cable, that the other Mac ran 'mesh.sh network --ip $peer ...', and its firewall (stealth mode drops ping)"
 	fi
 }
 

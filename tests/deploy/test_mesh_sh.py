@@ -47,6 +47,9 @@ def test_bash_parses_it():
     (["head", "--ip", "mac-a"], "not an IPv4 address"),
     (["worker", "--ip", "10.0.0.2"], "worker needs --head"),
     (["network", "--ip", "10.0.0.1", "--peer", "10.0.0.2"], "--peer-name"),
+    (["network", "--ip", "10.0.0.1", "--peer", "10.0.0.2", "--peer-name", "b", "--peer", "10.0.0.3"],
+     "one --peer-name per --peer"),
+    (["network", "--ip", "10.0.0.1", "--peer", "10.0.0.1", "--peer-name", "a"], "own --ip"),
     (["head", "--ip=10.0.0.1"], "a space, not '='"),
     (["head", "--bogus"], "unknown option --bogus"),
     (["launch"], "unknown command launch"),
@@ -155,6 +158,10 @@ def test_network_writes_the_hosts_block_once_and_down_removes_it(tmp_path):
     moved = mesh(*[a if a != "10.0.0.2" else "10.0.0.3" for a in args], state=state)
     assert moved.returncode == 0
     assert hosts.read_text() == original + block.replace("10.0.0.2", "10.0.0.3")
+    three = mesh(*args, "--peer", "10.0.0.4", "--peer-name", "mac-c", state=state)  # N Macs: one line per peer
+    assert three.returncode == 0, three.stderr
+    assert hosts.read_text() == original + block.replace(
+        "# <<<", "10.0.0.4 mac-c mac-c.local\n# <<<")
     down = mesh("--platform", "linux", "--venv", VENV, "down", "--restore-dhcp", state=state)
     assert down.returncode == 0, down.stderr
     assert hosts.read_text() == original
