@@ -87,6 +87,10 @@ class StageCompute:
 
     def forward(self, records: Sequence[SequenceRecord], hidden: mx.array) -> mx.array:
         """Run every record's rows through this stage's layers; ``[T, hidden]`` out, evaluated."""
+        for record in records:
+            # Sequences that ended earlier are released before this batch's new ones take their places.
+            if record.num_tokens == 0 and record.has(RecordFlag.RELEASE):
+                self.kv.release(record.seq_id)
         segments = [
             Segment(self.kv.for_chunk(r.seq_id, r.start_pos, r.has(RecordFlag.NEW_SEQUENCE)), r.num_tokens)
             for r in records if r.num_tokens > 0

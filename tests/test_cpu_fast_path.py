@@ -1,0 +1,79 @@
+"""The CPU fast path's decisions: which BLAS to preload, how many threads, dense or quantized
+weights, and the memory budget's verdicts."""
+
+import pytest
+
+from stage_worker.__main__ import blas_threads
+from stage_worker.blas import blas_environment, find_optimized_blas
+from stage_worker.memory import MemoryBudget, MemoryBudgetError, kv_bytes_per_token, kv_token_capacity
+from stage_worker.stage_model import choose_dense_weights
+
+GB = 1_000_000_000
+
+
+def test_preload_is_prepended_once_and_threads_are_set():
+    env = blas_environment({"LD_PRELOAD": "/x.so"}, "/blas.so", 2)
+    assert env["LD_PRELOAD"] == "/blas.so:/x.so"
+    assert env["OPENBLAS_NUM_THREADS"] == "2" and env["MKL_NUM_THREADS"] == "2"
+    assert blas_environment(env, "/blas.so", 2)["LD_PRELOAD"] == "/blas.so:/x.so"
+    assert blas_environment({}, None, 2) == {}
+
+
+def test_blas_choice_can_be_forced_or_disabled():
+    assert find_optimized_blas({"STAGEMESH_BLAS": "none"}) is None
+    with pytest.raises(ValueError, match="STAGEMESH_BLAS='/nope.so' does not exist"):
+        find_optimized_blas({"STAGEMESH_BLAS": "/nope.so"})
+
+
+def test_blas_threads_share_the_cores_among_the_stages_on_a_host(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"stages": [{"host": "10.0.0.1"}, {"host": "10.0.0.1"}, {"host": "10.0.0.2"}]}')
+    assert blas_threads(["--plan", str(plan), "--rank", "0"], {}, 8) == 4
+    assert blas_threads(["--plan", str(plan), "--rank", "2"], {}, 8) == 8
+    assert blas_threads(["--plan", str(plan), "--rank", "2", "--stages-on-host", "4"], {}, 8) == 2
+    assert blas_threads([], {"STAGEMESH_BLAS_THREADS": "3"}, 8) == 3
+    assert blas_threads(["--plan", str(plan), "--rank", "0"], {}, 1) == 1
+
+
+@pytest.mark.parametrize(
+    "setting,gpu,blas,quantized,dense,budget,expected,why",
+    [
+        ("auto", False, "openblas", True, 300, 1000, True, "openblas BLAS"),
+        ("auto", False, "reference", True, 300, 1000, False, "install libopenblas0-pthread"),
+        ("auto", True, "accelerate", True, 300, 1000, False, "Metal"),
+        ("auto", False, "mkl", True, 600, 1000, False, "half this stage's memory budget"),
+        ("on", False, "reference", True, 300, 1000, True, "--dequantize on"),
+        ("off", False, "openblas", True, 300, 1000, False, "--dequantize off"),
+        ("auto", False, "openblas", False, 300, 1000, False, "not quantized"),
+    ],
+)
+def test_dense_weights_weigh_speed_against_memory(setting, gpu, blas, quantized, dense, budget, expected, why):
+    choice, reason = choose_dense_weights(setting, on_gpu=gpu, blas=blas, quantized=quantized,
+                                          dense_bytes=dense, memory_budget=budget)
+    assert choice is expected and why in reason
+
+
+def test_unknown_dequantize_setting_names_the_flag():
+    with pytest.raises(ValueError, match="--dequantize 'maybe'"):
+        choose_dense_weights("maybe", on_gpu=False, blas="openblas", quantized=True, dense_bytes=1, memory_budget=2)
+
+
+def test_kv_capacity_is_what_the_budget_leaves_after_weights_and_runtime():
+    per_token = kv_bytes_per_token(local_layers=15, kv_heads=3, head_dim=64, dtype_bytes=4)
+    assert per_token == 15 * 2 * 3 * 64 * 4
+    budget = MemoryBudget(total_bytes=24 * GB, available_bytes=20 * GB, fraction=0.8, stages_on_host=2)
+    tokens = kv_token_capacity(budget, weight_bytes=300_000_000, per_token=per_token, max_model_len=8192, stage="s")
+    assert tokens * per_token <= budget.budget_bytes - 300_000_000
+    assert tokens > 8192
+
+
+def test_a_budget_too_small_for_one_sequence_names_the_flags():
+    budget = MemoryBudget(total_bytes=2 * GB, available_bytes=2 * GB, fraction=0.2, stages_on_host=1)
+    with pytest.raises(MemoryBudgetError, match="--max-model-len 8192.*--memory-fraction"):
+        kv_token_capacity(budget, weight_bytes=100_000_000, per_token=200_000, max_model_len=8192, stage="stage 1")
+
+
+def test_a_host_without_free_memory_is_refused():
+    budget = MemoryBudget(total_bytes=64 * GB, available_bytes=100_000_000, fraction=0.8, stages_on_host=1)
+    with pytest.raises(MemoryBudgetError, match="only 100 MB free"):
+        kv_token_capacity(budget, weight_bytes=90_000_000, per_token=10_000, max_model_len=4096, stage="stage 0")
