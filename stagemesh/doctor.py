@@ -152,6 +152,9 @@ def check_cluster_at(address: str, args: argparse.Namespace) -> Report:
     except OSError as exc:
         return Report("cluster", address, _plan(args),
                       findings=check_join(address, exc.strerror or str(exc), reachable=False))
+    # A driver on a Mac needs Ray's cluster switch like every other process of the cluster (it is
+    # read when Ray is imported); it changes nothing on Linux, where it is the default.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
     import ray
 
     from coordinator.ray_cluster import RayStartError, connect_ray, disconnect

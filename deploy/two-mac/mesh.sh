@@ -410,7 +410,7 @@ require_ip() {
 }
 
 local_addresses() {
-	if command -v ip >/dev/null 2>&1; then
+	if [ "$(uname -s)" = Linux ] && command -v ip >/dev/null 2>&1; then
 		ip -o -4 addr show 2>/dev/null | awk '{ split($4, a, "/"); print a[1] }'
 	elif command -v ifconfig >/dev/null 2>&1; then
 		ifconfig 2>/dev/null | awk '$1 == "inet" { print $2 }'
