@@ -274,6 +274,22 @@ pid_of() {
 	echo "$pid"
 }
 
+# http_status URL: the HTTP status of GET URL ("000" when nothing answers); curl, else the venv's Python.
+http_status() {
+	if command -v curl >/dev/null 2>&1; then
+		curl -s --noproxy '*' -o /dev/null -m 2 -w '%{http_code}' "$1" 2>/dev/null || true
+	else
+		"$PY" - "$1" <<'EOF' 2>/dev/null || echo 000
+import sys, urllib.error, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+try:
+    print(opener.open(sys.argv[1], timeout=2).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+EOF
+	fi
+}
+
 log_lines() { if [ -f "$1" ]; then wc -l <"$1" | tr -d ' '; else echo 0; fi; }
 
 # wait_ready ROLE LOG FROM_LINE: until the service is up (Ray: its startup line; serve: /health 200).
@@ -285,7 +301,7 @@ wait_ready() {
 	[ "${GATEWAY_HOST:-}" = 0.0.0.0 ] && url="http://$IP:$GATEWAY_PORT/health"
 	while [ "$waited" -lt "$limit" ]; do
 		if [ "$role" = serve ]; then
-			if [ "$(curl -s -o /dev/null -m 2 -w '%{http_code}' "$url" 2>/dev/null)" = 200 ]; then
+			if [ "$(http_status "$url")" = 200 ]; then
 				say "serve: healthy at ${url%/health}"
 				return 0
 			fi
