@@ -41,8 +41,30 @@ def blas_threads(argv: list[str], env: dict[str, str], cpus: int) -> int:
     return max(1, cpus // max(1, count))
 
 
+PIN_ENV = "STAGEMESH_PIN_CORES"
+
+
+def pinned_cores(argv: list[str], env: dict[str, str], cpus: int) -> set[int] | None:
+    """Cores to pin this stage to: ``STAGEMESH_PIN_CORES`` is a core list ("0,1") or
+    ``per-stage`` (global stage g on core g mod cpus); unset means no pinning."""
+    setting = env.get(PIN_ENV, "").strip()
+    if not setting:
+        return None
+    if setting == "per-stage":
+        try:
+            plan = json.loads(open(_flag(argv, "--plan") or "").read())
+            index = plan["stages"][int(_flag(argv, "--rank") or 0)]["global_index"]
+        except (OSError, ValueError, KeyError, IndexError):
+            return None
+        return {index % cpus}
+    return {int(c) for c in setting.split(",") if c.strip()}
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    cores = pinned_cores(argv, dict(os.environ), os.cpu_count() or 1)
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)  # inherited across the exec below
     reexec_with_optimized_blas(["-m", "stage_worker", *argv], blas_threads(argv, dict(os.environ), os.cpu_count() or 1))
     from stage_worker.stage_process import main
 

@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "parity": ("stagemesh.parity", "check that PP=N computes bit-identical logits and tokens to PP=1"),
     "bench-pipeline": ("stagemesh.pipeline_bench",
                        "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
+    "bench-serving": ("stagemesh.bench_serving",
+                      "run the serving comparisons (vs mlx_lm.server, PP=2 vs PP=1, two hosts) side by side"),
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
 }
 

@@ -43,6 +43,52 @@ print(json.dumps({"decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamp
 """
 
 
+_BARE_ARM = """
+import json, sys, time
+import mlx.core as mx
+from coordinator.layer_split import LayerRange
+from stage_worker.blas import loaded_blas
+from stage_worker.model_spec import read_model_spec
+from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
+from mlx_lm.models.cache import KVCache
+spec = read_model_spec(sys.argv[1])
+batch, steps, dense = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), resolve_compute_dtype(sys.argv[5]))
+if dense:
+    model.dequantize()
+layers = model._module.layers
+caches = [KVCache() for _ in layers]
+prompt = mx.broadcast_to(mx.arange(1, 10, dtype=mx.int32)[None], (batch, 9))
+h = model.embed(prompt)
+for layer, cache in zip(layers, caches):
+    h = layer(h, "causal", cache=cache)
+token = mx.argmax(model.logits(h[:, -1]), axis=-1).astype(mx.int32)
+mx.eval(token)
+started = time.perf_counter()
+for _ in range(steps):
+    h = model.embed(token[:, None])
+    for layer, cache in zip(layers, caches):
+        h = layer(h, None, cache=cache)
+    token = mx.argmax(model.logits(h[:, -1]), axis=-1).astype(mx.int32)
+    mx.eval(token)
+print(json.dumps({"decode_tokens_per_s": batch * steps / (time.perf_counter() - started),
+                  "blas": loaded_blas(), "dense": dense}))
+"""
+
+
+def bare_forward(model_path: str, batch: int, steps: int, dtype: str = "auto") -> dict:
+    """The backend's limit: mlx-lm's own layers on a same-length batch, no server, no scheduler,
+    with the same BLAS and weight choice a stage would make."""
+    from stage_worker.blas import blas_environment, find_optimized_blas
+
+    library = find_optimized_blas()
+    env = blas_environment(os.environ, library, os.cpu_count())
+    dense = "1" if library else "0"
+    out = subprocess.run([sys.executable, "-c", _BARE_ARM, model_path, str(batch), str(steps), dense, dtype],
+                         capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded default model)")
     parser.add_argument("--max-pp", type=int, default=3, help="measure PP=1..MAX_PP")
@@ -52,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of all arms; medians are reported")
     parser.add_argument("--ring-base-port", type=int, default=None)
     parser.add_argument("--output", default="bench-results/pipeline.json")
+    parser.add_argument("--bare", default="",
+                        help="also measure the bare batched forward of our weights at these batch sizes, "
+                             "e.g. 1,16 (the backend's limit for serving comparisons)")
 
 
 def _run_pipeline_arm(model_path: str, num_layers: int, pp: int, dtype: str, prompt: list[int],
@@ -102,8 +151,13 @@ def run(args: argparse.Namespace) -> int:
                 samples[arm].append(sample)
                 print(f"round {round_no + 1}/{args.repeats} {arm}: "
                       f"{sample['decode_tokens_per_s']:.2f} tok/s", file=sys.stderr)
+    bare = {}
+    for size in [int(b) for b in args.bare.split(",") if b.strip()]:
+        bare[f"batch{size}"] = bare_forward(model_path, size, 32, args.dtype)
+        print(f"bare batched forward, batch {size}: {bare[f'batch{size}']['decode_tokens_per_s']:.1f} tok/s "
+              f"({bare[f'batch{size}']['blas']} BLAS)", file=sys.stderr)
     summary = summarize(samples)
-    report = {"model": model_path, "dtype": args.dtype, "max_tokens": args.max_tokens,
+    report = {"bare_forward": bare,"model": model_path, "dtype": args.dtype, "max_tokens": args.max_tokens,
               "prompt_tokens": len(prompt), "repeats": args.repeats, "machine": _machine(),
               "summary": summary, "samples": samples}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

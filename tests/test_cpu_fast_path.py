@@ -77,3 +77,14 @@ def test_a_host_without_free_memory_is_refused():
     budget = MemoryBudget(total_bytes=64 * GB, available_bytes=100_000_000, fraction=0.8, stages_on_host=1)
     with pytest.raises(MemoryBudgetError, match="only 100 MB free"):
         kv_token_capacity(budget, weight_bytes=90_000_000, per_token=10_000, max_model_len=4096, stage="stage 0")
+
+
+def test_pinning_per_stage_puts_global_stage_g_on_core_g(tmp_path):
+    from stage_worker.__main__ import pinned_cores
+
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"stages": [{"host": "a", "global_index": 2}, {"host": "a", "global_index": 3}]}')
+    argv = ["--plan", str(plan), "--rank", "1"]
+    assert pinned_cores(argv, {"STAGEMESH_PIN_CORES": "per-stage"}, 2) == {1}
+    assert pinned_cores(argv, {"STAGEMESH_PIN_CORES": "0,1"}, 2) == {0, 1}
+    assert pinned_cores(argv, {}, 2) is None

@@ -1,0 +1,176 @@
+"""``stagemesh bench-serving``: the issue's comparisons, each side by side in one ``stagemesh bench`` run.
+
+Starts every server of a comparison on loopback, lets ``stagemesh bench`` load
+them alternately (same prompts, same concurrency levels), stops them, and
+writes one JSON + PNG per comparison under ``--out``:
+
+* ``stock``: stagemesh serve (defaults) vs stock ``mlx_lm.server`` on the same
+  checkpoint converted to an mlx-lm directory (4-bit layers, 8-bit embedding,
+  MLX's bundled reference BLAS): what a user gets today;
+* ``matched``: the same two, but mlx_lm.server on the same dense float32
+  weights with the same optimized BLAS preloaded as our stages;
+* ``pp``: stagemesh PP=2 vs PP=1 on this host;
+* ``two-hosts``: PP=2 over two "hosts" (each stage pinned to its own core)
+  vs PP=1 pinned to one core: the throughput a second host adds.
+
+Pinning uses ``taskset`` (Linux); the bare batched forward of our own weights,
+the backend's limit, comes from ``stagemesh bench-pipeline --bare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+COMPARISONS = ("stock", "matched", "pp", "two-hosts")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded default model)")
+    parser.add_argument("--comparisons", default=",".join(COMPARISONS),
+                        help=f"which to run, comma-separated from {', '.join(COMPARISONS)}")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests per level and endpoint")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--port-base", type=int, default=28000, help="ports for the servers under test")
+    parser.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stage_worker.blas import find_optimized_blas
+    from stage_worker.convert import convert_gguf_to_mlx_dir
+    from stage_worker.default_model import resolve_model_path
+
+    model = resolve_model_path(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    blas = find_optimized_blas()
+    chosen = [c.strip() for c in args.comparisons.split(",") if c.strip()]
+    unknown = set(chosen) - set(COMPARISONS)
+    if unknown:
+        print(f"--comparisons: unknown {sorted(unknown)}; choose from {', '.join(COMPARISONS)}", file=sys.stderr)
+        return 2
+    failures = 0
+    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-serving-") as tmp:
+        q4_dir = convert_gguf_to_mlx_dir(model, str(Path(tmp) / "q4"))
+        ports = iter(range(args.port_base, args.port_base + 1000, 10))
+        for name in chosen:
+            with contextlib.ExitStack() as stack:
+                endpoints = _start_comparison(name, stack, model, q4_dir, tmp, blas, ports)
+                failures += _bench(args, name, endpoints, out, q4_dir)
+    return 1 if failures else 0
+
+
+def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[tuple[str, str]]:
+    ncpu = os.cpu_count() or 1
+    if name == "stock":
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), [], "stagemesh")),
+            stack.enter_context(_mlx_lm_server(q4_dir, next(ports), {}, "mlx_lm-q4-refblas")),
+        ]
+    if name == "matched":
+        f32_dir = str(Path(tmp) / "f32")
+        if not Path(f32_dir).exists():
+            subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", q4_dir, "--mlx-path", f32_dir,
+                            "--dequantize", "--dtype", "float32"], check=True, capture_output=True)
+        env = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": str(ncpu)} if blas else {}
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), [], "stagemesh")),
+            stack.enter_context(_mlx_lm_server(f32_dir, next(ports), env, "mlx_lm-f32-same-blas")),
+        ]
+    if name == "pp":
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1"], "pp1")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2"], "pp2")),
+        ]
+    if name == "two-hosts":
+        if not shutil.which("taskset") or ncpu < 2:
+            raise SystemExit("two-hosts needs taskset and at least 2 cores")
+        # Each "host" is one core: stage g pinned to core g; the one-host reference on core 0.
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1"], "one-host", pin="0")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2"], "two-hosts", pin="per-stage")),
+        ]
+    raise ValueError(name)
+
+
+@contextlib.contextmanager
+def _stagemesh(
+    model: str, port: int, flags: list[str], label: str, pin: str | None = None
+) -> Iterator[tuple[str, str]]:
+    env = {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    if pin == "per-stage":
+        env["STAGEMESH_PIN_CORES"] = "per-stage"
+    elif pin is not None:
+        env["STAGEMESH_PIN_CORES"] = pin
+    command = [sys.executable, "-m", "stagemesh.cli", "serve", model, "--port", str(port),
+               "--grpc-base-port", str(port + 1), "--ring-base-port", str(port + 5), *flags]
+    if pin is not None:
+        command = ["taskset", "-c", "0", *command]  # the gateway, coordinator and Ray live on host A's core
+    with _server(command, env, f"http://127.0.0.1:{port}", label) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def _mlx_lm_server(model_dir: str, port: int, extra_env: dict, label: str) -> Iterator[tuple[str, str]]:
+    env = {**os.environ, **extra_env}
+    command = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--port", str(port)]
+    with _server(command, env, f"http://127.0.0.1:{port}", label) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def _server(command: list[str], env: dict, url: str, label: str) -> Iterator[tuple[str, str]]:
+    import httpx
+
+    log = tempfile.NamedTemporaryFile("w", prefix=f"bench-{label}-", suffix=".log", delete=False)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"{label} exited ({process.returncode}); see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{label} did not come up in 300 s; see {log.name}")
+            time.sleep(1)
+        print(f"{label} up at {url} (log {log.name})", file=sys.stderr)
+        yield url, label
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _bench(args, name: str, endpoints: list[tuple[str, str]], out: Path, tokenizer_dir: str) -> int:
+    command = [sys.executable, "-m", "stagemesh.cli", "bench", "--concurrency", args.concurrency,
+               "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+               "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--warmup", "2",
+               "--tokenizer", tokenizer_dir, "--output", str(out / f"{name}.json"), "--plot", str(out / f"{name}.png")]
+    for url, label in endpoints:
+        command += ["--base-url", url, "--label", label]
+    print(f"== {name}: {' vs '.join(label for _, label in endpoints)}", file=sys.stderr)
+    result = subprocess.run(command)
+    summary = out / f"{name}.json"
+    if summary.exists():
+        print(json.dumps(json.loads(summary.read_text()).get("ratios", {}), indent=1)[:2000])
+    return 0 if result.returncode == 0 else 1
