@@ -20,13 +20,15 @@ def plot(doc: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")  # before pyplot: headless, and never opens a window
     import matplotlib.pyplot as plt
 
-    kinds = list(dict.fromkeys(m["load"] for m in doc["levels"]))
+    # An infinite request rate ("inf": all at once) has no place on an axis; the table shows it.
+    levels = [m for m in doc["levels"] if isinstance(m["load_value"], int | float)]
+    kinds = list(dict.fromkeys(m["load"] for m in levels)) or ["concurrency"]
     labels = [e["label"] for e in doc["endpoints"]]
     fig, axes = plt.subplots(len(kinds), 3, figsize=(15, 4.2 * len(kinds)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for row, kind in zip(axes, kinds):
         for i, label in enumerate(labels):
-            ms = sorted((m for m in doc["levels"] if m["load"] == kind and m["endpoint"] == label),
+            ms = sorted((m for m in levels if m["load"] == kind and m["endpoint"] == label),
                         key=lambda m: m["load_value"])
             if not ms:
                 continue
@@ -40,7 +42,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
             for ax, metric in ((row[1], "ttft"), (row[2], "itl")):
                 ax.plot(x, series(metric, "p50"), "o-", color=color, label=f"{label} p50")
                 ax.plot(x, series(metric, "p99"), "x--", color=color, label=f"{label} p99")
-        xs = sorted({m["load_value"] for m in doc["levels"] if m["load"] == kind})
+        xs = sorted({m["load_value"] for m in levels if m["load"] == kind})
         titles = ("output tokens/s", "time to first token (ms)", "inter-token latency (ms)")
         for ax, title in zip(row, titles):
             ax.set_title(title)

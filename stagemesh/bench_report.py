@@ -16,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
 import socket
@@ -49,7 +50,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def _level_entry(m: LevelMetrics, level: Level, **extra: Any) -> dict[str, Any]:
-    return {**extra, "load": level.kind, "load_value": level.value, **m.to_dict()}
+    # "inf" as a string: JSON has no infinity, and jq rejects Python's Infinity.
+    value = level.value if math.isfinite(level.value) else "inf"
+    return {**extra, "load": level.kind, "load_value": value, **m.to_dict()}
 
 
 def build_document(*, command: Sequence[str], config: dict[str, Any], endpoints: Sequence[Endpoint],

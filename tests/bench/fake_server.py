@@ -1,7 +1,7 @@
 """A small real OpenAI-compatible streaming server for the bench tests, on 127.0.0.1 only.
 
 Streams ``max_tokens`` tokens per request: the first after ``first_delay``,
-each next one ``token_delay`` later; every ``fail_every``-th request (counted
+each next one ``token_delay`` after the one before; every ``fail_every``-th request (counted
 from 0, in arrival order) gets a 503 instead. It records every request body.
 """
 
@@ -67,10 +67,10 @@ class FakeServer:
         return app
 
     async def _stream(self, max_tokens: int, chat: bool, usage: bool):
-        start = time.perf_counter()
         for i in range(max_tokens):
-            # Sleep to an absolute schedule so scheduling jitter does not accumulate.
-            await asyncio.sleep(max(0.0, start + self.first_delay + i * self.token_delay - time.perf_counter()))
+            # Relative sleeps: a late token delays the next ones instead of bursting to catch up, so the
+            # gaps stay near token_delay even on a busy machine.
+            await asyncio.sleep(self.first_delay if i == 0 else self.token_delay)
             text = f" {i + 6},"
             finish = "length" if i == max_tokens - 1 else None
             choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if chat

@@ -82,23 +82,24 @@ def test_two_endpoints_side_by_side(servers, tmp_path):
     # ITL is the server's per-token delay; TTFT its first-token delay (plus a request's overhead)
     for (endpoint, _), m in levels.items():
         delay = 0.01 if endpoint == "fast" else 0.02
-        assert 0.7 * delay < m["itl"]["p50"] < 1.6 * delay, (endpoint, m["itl"])
-        assert 0.8 * delay < m["tpot"]["p50"] < 1.6 * delay, (endpoint, m["tpot"])
-        assert FIRST_DELAY * 0.8 < m["ttft"]["p50"] < FIRST_DELAY + 0.1, (endpoint, m["ttft"])
+        assert 0.5 * delay < m["itl"]["p50"] < 2.5 * delay, (endpoint, m["itl"])
+        assert 0.8 * delay < m["itl"]["mean"] < 2.5 * delay, (endpoint, m["itl"])
+        assert 0.8 * delay < m["tpot"]["p50"] < 2.5 * delay, (endpoint, m["tpot"])
+        assert FIRST_DELAY * 0.8 < m["ttft"]["p50"] < FIRST_DELAY + 0.25, (endpoint, m["ttft"])
         assert m["output_tokens_per_s"] == pytest.approx(m["output_tokens"] / m["wall_time"])
 
     # side by side: at concurrency 1 (one request at a time, so failures do not bunch up) the throughput
     # ratio is the ratio of per-request times
     ratio = {r["level"]: r for r in doc["ratios"]}
     expected = (FIRST_DELAY + (OUT_TOKENS - 1) * 0.01) / (FIRST_DELAY + (OUT_TOKENS - 1) * 0.02)
-    assert 0.7 * expected < ratio["concurrency=1"]["output_tokens_per_s"] < 1.3 * expected
+    assert 0.6 * expected < ratio["concurrency=1"]["output_tokens_per_s"] < 1.4 * expected, ratio
     for r in doc["ratios"]:
         assert r["baseline"] == "fast" and r["endpoint"] == "slow"
-        assert 1.4 < r["itl_p50"] < 2.8
+        assert 1.3 < r["itl_p50"] < 3.5, r
         assert r["output_tokens_per_s"] == pytest.approx(
             levels[("slow", r["level"])]["output_tokens_per_s"] / levels[("fast", r["level"])]["output_tokens_per_s"])
-    # fast's throughput grows with concurrency
-    assert levels[("fast", "concurrency=4")]["output_tokens_per_s"] > 2 * levels[("fast", "concurrency=1")][
+    # fast's throughput grows with concurrency (the server overlaps requests)
+    assert levels[("fast", "concurrency=4")]["output_tokens_per_s"] > 1.5 * levels[("fast", "concurrency=1")][
         "output_tokens_per_s"]
 
     table = proc.stdout
@@ -111,22 +112,27 @@ def test_two_endpoints_side_by_side(servers, tmp_path):
 
 def test_chat_open_loop_rounds_and_no_usage_from_the_server(servers, tmp_path):
     server = servers(model="m", token_delay=0.005, first_delay=0.01, send_usage=False)
-    out = tmp_path / "r.json"
-    proc = bench("--base-url", server.url, "--endpoint-type", "chat", "--request-rate", "40",
-                 "--num-prompts", "6", "--rounds", "2", "--output-len", "8", "--warmup", "0", "--output", str(out))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = bench("--base-url", server.url, "--endpoint-type", "chat", "--request-rate", "40,inf",
+                 "--num-prompts", "6", "--rounds", "2", "--output-len", "8", "--warmup", "0", "--output", str(out),
+                 "--plot", str(png))
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    doc = json.loads(out.read_text())
-    assert doc["summary"] == {"sent": 12, "completed": 12, "failed": 0, "warmup_failed": 0}
+    doc = json.loads(out.read_text())  # strict JSON: an infinite rate is the string "inf"
+    assert doc["summary"] == {"sent": 24, "completed": 24, "failed": 0, "warmup_failed": 0}
     assert all("messages" in b and "ignore_eos" not in b for b in server.bodies)
-    (level,) = doc["levels"]
-    assert (level["level"], level["load"], level["rounds"], level["completed"]) == ("rate=40", "rate", 2, 12)
-    assert [r["round"] for r in doc["rounds"]] == [1, 2] and doc["ratios"] == []
+    assert [(m["level"], m["load"], m["load_value"], m["rounds"], m["completed"]) for m in doc["levels"]] == [
+        ("rate=40", "rate", 40.0, 2, 12), ("rate=inf", "rate", "inf", 2, 12)]
+    assert [r["round"] for r in doc["rounds"]] == [1, 1, 2, 2] and doc["ratios"] == []
     # no usage in the stream: tokens are counted from the chunks
     assert {(r["output_tokens"], r["output_tokens_source"]) for r in doc["requests"]} == {(8, "chunks")}
     assert {r["prompt_tokens_source"] for r in doc["requests"]} == {"words"}
-    # every request has its own prompt, across rounds too (no prefix-cache hits)
-    prompts = [b["messages"][0]["content"] for b in server.bodies]
-    assert len(set(prompts)) == 12
+    # Poisson arrivals at 40/s spread the sends; "inf" sends all at once
+    starts = {lv: [r["start"] for r in doc["requests"] if r["level"] == lv and r["round"] == 1]
+              for lv in ("rate=40", "rate=inf")}
+    assert max(starts["rate=40"]) > 0.02 and max(starts["rate=inf"]) < 0.1
+    # every request has its own prompt, across levels and rounds too (no prefix-cache hits)
+    assert len({b["messages"][0]["content"] for b in server.bodies}) == 24
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_unreachable_endpoint_is_a_clear_setup_error():
