@@ -144,6 +144,8 @@ def levels_from_args(args: argparse.Namespace) -> list:
     rates = parse_list(args.request_rate, float, "--request-rate")
     if not conc and not rates:
         conc = [1]
+    if math.inf in rates and args.duration is not None and args.num_prompts is None:
+        raise BenchSetupError("--request-rate inf sends every request at once; with --duration give --num-prompts too")
     return [Level("concurrency", c) for c in conc] + [Level("rate", r) for r in rates]
 
 

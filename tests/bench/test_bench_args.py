@@ -56,6 +56,8 @@ def test_levels_and_default_request_counts():
     assert bench.default_num_prompts(Level("rate", 3.0), None, None) == 30
     assert bench.default_num_prompts(levels[0], 5, None) == 5
     assert bench.default_num_prompts(levels[0], None, 10.0) is None  # duration-bound
+    with pytest.raises(BenchSetupError, match="--num-prompts"):
+        bench.levels_from_args(parse("--request-rate", "inf", "--duration", "5"))
 
 
 def test_bad_numbers_are_rejected_before_anything_runs():
