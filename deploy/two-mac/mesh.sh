@@ -262,6 +262,34 @@ render_args() { # ROLE: the render.py flags for this node's ROLE
 # render ACTION...: render.py for this node's role, ACTION flags before the serve flags.
 render() { "$PY" "$RENDER" "${RENDER_ARGS[@]}" "$@" ${SERVE_TAIL[@]+"${SERVE_TAIL[@]}"}; }
 
+# proc_args PID: its command line (/proc where there is one: minimal Linux images have no ps).
+proc_args() {
+	if [ -r "/proc/$1/cmdline" ]; then
+		tr '\0' ' ' <"/proc/$1/cmdline"
+	else
+		ps -o args= -p "$1" 2>/dev/null
+	fi
+}
+
+# session_members SID: the pids in session SID.
+session_members() {
+	local sid=$1 stat rest
+	if [ -r /proc/self/stat ]; then
+		for stat in /proc/[0-9]*/stat; do
+			{ read -r rest <"$stat"; } 2>/dev/null || continue
+			rest=${rest##*) } # after "pid (comm) ": state ppid pgrp session ...
+			# shellcheck disable=SC2086 # split the numeric fields
+			set -- $rest
+			if [ "${4:-}" = "$sid" ]; then
+				stat=${stat#/proc/}
+				echo "${stat%/stat}"
+			fi
+		done
+	else
+		ps -e -o pid= -o sid= 2>/dev/null | awk -v s="$sid" '$2 == s { print $1 }'
+	fi
+}
+
 # pid_of ROLE: the live pid this script started for ROLE (Linux), else fails.
 pid_of() {
 	local pid program
@@ -270,7 +298,7 @@ pid_of() {
 	kill -0 "$pid" 2>/dev/null || return 1
 	# Guard against a recycled pid: the process must still be the program we started.
 	program=$(state_get "$1.conf" PROGRAM)
-	[ -n "$program" ] && ps -o args= -p "$pid" 2>/dev/null | grep -qF -- "$program" || return 1
+	[ -n "$program" ] && proc_args "$pid" | grep -qF -- "$program" || return 1
 	echo "$pid"
 }
 
@@ -410,7 +438,7 @@ stop_direct() {
 	fi
 	# The service leads its own session (render.py --exec calls setsid): sweep stragglers in it.
 	local left
-	left=$(ps -e -o pid= -o sid= 2>/dev/null | awk -v s="$pid" '$2 == s { print $1 }' | tr '\n' ' ')
+	left=$(session_members "$pid" | tr '\n' ' ')
 	if [ -n "${left// /}" ]; then
 		# shellcheck disable=SC2086 # one pid per word
 		run kill -KILL $left || true
