@@ -90,6 +90,7 @@ class MeshConfig:
     compute_dtype: str = "auto"
     dequantize: str = "auto"  # --dequantize
     memory_fraction: float | None = None  # --memory-fraction (None: the stage's default)
+    model_is_default: bool = False  # no MODEL given: every node uses its own embedded default
     layer_split: str | None = None  # --pp-layer-split
     ring_base_port: int = DEFAULT_RING_BASE_PORT
     grpc_base_port: int = DEFAULT_GRPC_BASE_PORT
@@ -315,6 +316,7 @@ class MeshCoordinator:
             data_parallel_size=cfg.data_parallel_size, model_path=cfg.model_path,
             num_layers=cfg.num_layers, compute_dtype=cfg.compute_dtype, layer_split=cfg.layer_split,
             ring_base_port=cfg.ring_base_port, grpc_base_port=cfg.grpc_base_port, dequantize=cfg.dequantize,
+            model_is_default=cfg.model_is_default,
         )
         with self._lock:
             replica.plan = plan

@@ -185,6 +185,7 @@ def pipeline_plan(
     ring_base_port: int,
     grpc_base_port: int,
     dequantize: str = "auto",
+    model_is_default: bool = False,
 ) -> PipelinePlan:
     """One replica's plan: rank r on ``hosts[r]``, ports from global index ``replica * P + r``."""
     pp = len(hosts)
@@ -205,6 +206,7 @@ def pipeline_plan(
     return PipelinePlan(
         replica=replica, model_path=model_path, num_layers=num_layers,
         compute_dtype=compute_dtype, stages=tuple(stages), dequantize=dequantize,
+        model_is_default=model_is_default,
     )
 
 

@@ -43,6 +43,16 @@ class PipelinePlan:
     compute_dtype: str
     stages: tuple[StagePlacement, ...]
     dequantize: str = "auto"  # auto / on / off: run quantized checkpoints with dense weights
+    # The embedded default model: each stage finds it in its own installation, because the
+    # head's absolute path need not exist on the other Macs.
+    model_is_default: bool = False
+
+    def local_model_path(self) -> str:
+        if self.model_is_default:
+            from stage_worker.default_model import default_model_path
+
+            return default_model_path()
+        return self.model_path
 
     @property
     def size(self) -> int:

@@ -93,14 +93,20 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
         # A cluster on loopback (one machine, tests) needs the same guard, or Ray
         # rewrites 127.0.0.1 in the address to the outward interface and fails.
         guard = loopback_only() if _is_loopback_address(address) else nullcontext()
+        # With STAGEMESH_HOST_IP the driver attaches to this node's own Ray node, not to
+        # whichever node Ray's process scan finds first.
+        host_ip = os.environ.get("STAGEMESH_HOST_IP")
+        node_ip = {"_node_ip_address": host_ip} if host_ip else {}
         try:
             with guard:
-                ray.init(address=address, log_to_driver=False)
+                ray.init(address=address, log_to_driver=False, **node_ip)
         except Exception as exc:  # ConnectionError, ValueError, RuntimeError across versions
             raise RayStartError(
                 f"could not join the Ray cluster at RAY_ADDRESS={address} ({exc}); start it "
                 f"with `ray start --head --resources='{{\"{MLX_RESOURCE}\": 1}}'` on the head "
-                f"Mac, or unset RAY_ADDRESS to run a local mesh on this machine"
+                f"Mac, or unset RAY_ADDRESS to run a local mesh on this machine. If the head "
+                f"uses token authentication (Ray 2.60 turns it on when ~/.ray/auth_token exists), "
+                f"give this machine the same token: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
             ) from exc
         return _session(local=False, owns=True, started=started)
     cpus = num_cpus if num_cpus is not None else max(1, os.cpu_count() or 1)

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {stage_name} %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
-        spec = read_model_spec(plan.model_path)
+        spec = read_model_spec(plan.local_model_path())
         dtype = resolve_compute_dtype(plan.compute_dtype)
     except (ModelFormatError, ValueError) as exc:
         log.error("%s", exc)

@@ -100,6 +100,7 @@ def build_mesh_config(args: argparse.Namespace):
     check_port_base("--grpc-base-port", grpc_base, total)
     return spec, MeshConfig(
         model_path=model_path,
+        model_is_default=args.model is None,
         served_model_name=args.served_model_name or spec.default_served_name,
         num_layers=spec.num_layers,
         pipeline_parallel_size=args.pipeline_parallel_size,

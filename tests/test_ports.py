@@ -24,3 +24,12 @@ def test_local_plan_round_trips_through_json_and_writes_the_ring_hostfile():
     assert plan.ring_hostfile() == [["127.0.0.1:40000"], ["127.0.0.1:40001"], ["127.0.0.1:40002"]]
     assert [s.lane_port for s in plan.stages] == [40003, 40004, 40005]
     assert PipelinePlan.from_json(plan.to_json()) == plan
+
+
+def test_the_default_model_is_found_in_each_stages_own_installation():
+    from stage_worker.default_model import default_model_path
+
+    plan = make_local_plan("/Users/someone-else/venv/SmolLM2.gguf", 30, 2, "auto")
+    assert plan.local_model_path() == "/Users/someone-else/venv/SmolLM2.gguf"
+    default = PipelinePlan.from_json(plan.to_json().replace('"model_is_default": false', '"model_is_default": true'))
+    assert default.local_model_path() == default_model_path()
