@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -154,9 +155,24 @@ def disconnect(session: RaySession | None) -> None:
 
     if session is not None and session.owns_connection and ray.is_initialized():
         started = time.monotonic()
-        ray.shutdown()
+        bounded(ray.shutdown, 20.0, "ray.shutdown")
+        if session.local:
+            _kill_leftover_ray_processes()
         log.info("Ray %s in %.1f s", "stopped" if session.local else "disconnected",
                  time.monotonic() - started)
+
+
+def _kill_leftover_ray_processes() -> None:
+    """A local Ray's processes are our own children; none may outlive us (by pid, never by name)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            command = " ".join(child.cmdline())
+            if "ray" in child.name() or "/ray/" in command or command.startswith("ray::"):
+                child.kill()
+        except psutil.Error:
+            continue
 
 
 def cluster_nodes(driver_node_id: str | None = None) -> list[ClusterNode]:
@@ -210,11 +226,31 @@ def reserve_bundles(slots: Sequence[StageSlot], timeout_s: float, name: str = ""
     return group
 
 
+def bounded(action, timeout_s: float, what: str) -> bool:
+    """Run ``action`` on a daemon thread for at most ``timeout_s``; False if it did not finish.
+
+    Ray calls block forever when the local raylet is gone (a signal sent to the whole
+    process group kills it first), and stopping must never hang on that.
+    """
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            action()
+        except Exception as exc:  # reported, not fatal: we are tearing down
+            log.debug("%s: %s", what, exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"bounded-{what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.warning("%s did not finish in %.0f s (Ray unresponsive); going on", what, timeout_s)
+        return False
+    return True
+
+
 def release_bundles(group) -> None:
     """Remove a placement group (this also kills the actors still in it)."""
     from ray.util.placement_group import remove_placement_group
 
-    try:
-        remove_placement_group(group)
-    except Exception as exc:  # already gone with the cluster
-        log.debug("removing placement group: %s", exc)
+    bounded(lambda: remove_placement_group(group), 5.0, "removing a placement group")
