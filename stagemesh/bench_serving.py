@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[tuple[str, str]]:
+def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[tuple[str, str, str]]:
     ncpu = os.cpu_count() or 1
     if name == "stock":
         return [
@@ -109,31 +109,33 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[tupl
 @contextlib.contextmanager
 def _stagemesh(
     model: str, port: int, flags: list[str], label: str, pin: str | None = None
-) -> Iterator[tuple[str, str]]:
+) -> Iterator[tuple[str, str, str]]:
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
     if pin == "per-stage":
         env["STAGEMESH_PIN_CORES"] = "per-stage"
     elif pin is not None:
         env["STAGEMESH_PIN_CORES"] = pin
-    command = [sys.executable, "-m", "stagemesh.cli", "serve", model, "--port", str(port),
+    command = [sys.executable, "-m", "stagemesh.cli", "serve", model, "--served-model-name", "stagemesh-bench",
+               "--port", str(port),
                "--grpc-base-port", str(port + 1), "--ring-base-port", str(port + 5), *flags]
     if pin is not None:
         command = ["taskset", "-c", "0", *command]  # the gateway, coordinator and Ray live on host A's core
-    with _server(command, env, f"http://127.0.0.1:{port}", label) as endpoint:
+    with _server(command, env, f"http://127.0.0.1:{port}", label, "stagemesh-bench") as endpoint:
         yield endpoint
 
 
 @contextlib.contextmanager
-def _mlx_lm_server(model_dir: str, port: int, extra_env: dict, label: str) -> Iterator[tuple[str, str]]:
+def _mlx_lm_server(model_dir: str, port: int, extra_env: dict, label: str) -> Iterator[tuple[str, str, str]]:
     env = {**os.environ, **extra_env}
     command = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--port", str(port)]
-    with _server(command, env, f"http://127.0.0.1:{port}", label) as endpoint:
+    # mlx_lm.server lists only Hugging Face cache entries; it serves its --model under that path.
+    with _server(command, env, f"http://127.0.0.1:{port}", label, model_dir) as endpoint:
         yield endpoint
 
 
 @contextlib.contextmanager
-def _server(command: list[str], env: dict, url: str, label: str) -> Iterator[tuple[str, str]]:
+def _server(command: list[str], env: dict, url: str, label: str, model: str) -> Iterator[tuple[str, str, str]]:
     import httpx
 
     log = tempfile.NamedTemporaryFile("w", prefix=f"bench-{label}-", suffix=".log", delete=False)
@@ -144,13 +146,13 @@ def _server(command: list[str], env: dict, url: str, label: str) -> Iterator[tup
             if process.poll() is not None:
                 raise SystemExit(f"{label} exited ({process.returncode}); see {log.name}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise SystemExit(f"{label} did not come up in 300 s; see {log.name}")
             time.sleep(1)
         print(f"{label} up at {url} (log {log.name})", file=sys.stderr)
-        yield url, label
+        yield url, label, model
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -161,14 +163,14 @@ def _server(command: list[str], env: dict, url: str, label: str) -> Iterator[tup
                 process.wait()
 
 
-def _bench(args, name: str, endpoints: list[tuple[str, str]], out: Path, tokenizer_dir: str) -> int:
+def _bench(args, name: str, endpoints: list[tuple[str, str, str]], out: Path, tokenizer_dir: str) -> int:
     command = [sys.executable, "-m", "stagemesh.cli", "bench", "--concurrency", args.concurrency,
                "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--warmup", "2",
                "--tokenizer", tokenizer_dir, "--output", str(out / f"{name}.json"), "--plot", str(out / f"{name}.png")]
-    for url, label in endpoints:
-        command += ["--base-url", url, "--label", label]
-    print(f"== {name}: {' vs '.join(label for _, label in endpoints)}", file=sys.stderr)
+    for url, label, model in endpoints:
+        command += ["--base-url", url, "--label", label, "--model", model]
+    print(f"== {name}: {' vs '.join(label for _, label, _ in endpoints)}", file=sys.stderr)
     result = subprocess.run(command)
     summary = out / f"{name}.json"
     if summary.exists():
