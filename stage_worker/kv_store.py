@@ -1,53 +1,159 @@
-"""Per-sequence KV caches of one stage's own layers.
+"""KV caches of one stage's own layers, per sequence and per decoding group.
 
-Every stage keeps, for each live sequence, one mlx-lm ``KVCache`` per layer it
-owns (never for other stages' layers). The store checks that each chunk
-continues its sequence exactly where the cache ends, so a stage that missed a
-message fails loudly instead of attending to the wrong positions.
+Every stage keeps the keys and values of its own layers only (never another
+stage's). A sequence starts *standalone*, one mlx-lm ``KVCache`` per layer,
+while its prompt is prefilled (in one or several chunks). Sequences that
+decode together are kept in a *decode group*: one mlx-lm ``BatchKVCache`` per
+layer holding all of them (left-padded), so a decode step appends to and
+attends over the whole group in a few ops instead of a few ops per sequence.
+
+Groups follow the batches: when a decode batch lists a different set of
+sequences than the group its first sequence is in, the store filters out the
+ones that left (extracting them back to standalone caches first) and extends
+the group with the newcomers' caches merged — the same way mlx-lm's
+BatchGenerator grows and shrinks its batch. Every stage sees the same records
+in the same order, so all stages make the same changes.
+
+Positions are tracked here too: a chunk must continue its sequence exactly
+where this stage's cache ends, so a stage that missed a message fails loudly
+instead of attending to the wrong positions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from mlx_lm.models.cache import KVCache
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from stage_worker.wire import WireMismatchError
+
+
+@dataclass
+class _Group:
+    members: list[int]
+    caches: list[BatchKVCache]
 
 
 class KVStore:
     def __init__(self, make_caches: Callable[[], list[KVCache]], max_sequences: int) -> None:
         self._make_caches = make_caches
         self._max_sequences = max_sequences
-        self._caches: dict[int, list[KVCache]] = {}
+        self._standalone: dict[int, list[KVCache]] = {}
+        self._group_of: dict[int, _Group] = {}
+        self._positions: dict[int, int] = {}
 
     def __len__(self) -> int:
-        return len(self._caches)
+        return len(self._positions)
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._caches
+        return seq_id in self._positions
 
-    def for_chunk(self, seq_id: int, start_pos: int, new_sequence: bool) -> list[KVCache]:
-        """The caches a chunk starting at ``start_pos`` must extend."""
+    # -- prompt chunks --------------------------------------------------------
+    def for_chunk(self, seq_id: int, start_pos: int, new_sequence: bool, num_tokens: int) -> list[KVCache]:
+        """The standalone caches a prompt chunk starting at ``start_pos`` extends."""
         if new_sequence:
             if start_pos != 0:
                 raise WireMismatchError(f"sequence {seq_id} starts at position {start_pos}, not 0")
-            if seq_id not in self._caches and len(self._caches) >= self._max_sequences:
+            if seq_id not in self._positions and len(self._positions) >= self._max_sequences:
                 raise WireMismatchError(
                     f"stage holds {self._max_sequences} sequences already; the entry stage "
                     f"admitted more than --max-num-seqs"
                 )
-            self._caches[seq_id] = self._make_caches()
-        caches = self._caches.get(seq_id)
+            self.release(seq_id)
+            self._standalone[seq_id] = self._make_caches()
+            self._positions[seq_id] = 0
+        self._check_position(seq_id, start_pos)
+        caches = self._standalone.get(seq_id)
         if caches is None:
+            caches = self._ungroup(seq_id)
+        self._positions[seq_id] += num_tokens
+        return caches
+
+    # -- decode steps ------------------------------------------------------------
+    def for_decode(self, seq_ids: Sequence[int], positions: Sequence[int]) -> list[BatchKVCache]:
+        """Per-layer batch caches holding exactly ``seq_ids`` in that order, each one token on."""
+        for seq_id, position in zip(seq_ids, positions):
+            self._check_position(seq_id, position)
+        wanted = list(seq_ids)
+        group = self._group_of.get(wanted[0])
+        if group is None or group.members != wanted:
+            group = self._regroup(wanted, group)
+        for seq_id in wanted:
+            self._positions[seq_id] += 1
+        return group.caches
+
+    def _regroup(self, wanted: list[int], group: _Group | None) -> _Group:
+        wanted_set = set(wanted)
+        kept = [m for m in group.members if m in wanted_set] if group is not None else []
+        if group is None or kept != wanted[: len(kept)]:
+            group, kept = None, []
+        else:
+            leaving = [m for m in group.members if m not in wanted_set]
+            for member in leaving:
+                self._standalone[member] = self._extract(group, member)
+                del self._group_of[member]
+            if leaving:
+                indices = mx.array([group.members.index(m) for m in kept])
+                for cache in group.caches:
+                    cache.filter(indices)
+                group.members = kept
+        newcomers = wanted[len(kept):]
+        newcomer_caches = [self._standalone.pop(m, None) or self._ungroup_pop(m) for m in newcomers]
+        if newcomers:
+            merged = [BatchKVCache.merge([c[layer] for c in newcomer_caches])
+                      for layer in range(len(newcomer_caches[0]))]
+            if group is None:
+                group = _Group(list(newcomers), merged)
+            else:
+                for cache, extra in zip(group.caches, merged):
+                    cache.extend(extra)
+                group.members += newcomers
+        assert group is not None
+        for member in group.members:
+            self._group_of[member] = group
+        return group
+
+    # -- leaving ---------------------------------------------------------------
+    def release(self, seq_id: int) -> None:
+        self._positions.pop(seq_id, None)
+        if self._standalone.pop(seq_id, None) is None and seq_id in self._group_of:
+            self._drop_from_group(seq_id)
+
+    def _ungroup(self, seq_id: int) -> list[KVCache]:
+        caches = self._ungroup_pop(seq_id)
+        self._standalone[seq_id] = caches
+        return caches
+
+    def _ungroup_pop(self, seq_id: int) -> list[KVCache]:
+        group = self._group_of.get(seq_id)
+        if group is None:
             raise WireMismatchError(f"sequence {seq_id} continues but this stage holds no KV for it")
-        held = caches[0].offset if caches else start_pos
+        caches = self._extract(group, seq_id)
+        self._drop_from_group(seq_id)
+        return caches
+
+    def _drop_from_group(self, seq_id: int) -> None:
+        group = self._group_of.pop(seq_id)
+        index = group.members.index(seq_id)
+        group.members.pop(index)
+        if group.members:
+            keep = mx.array([i for i in range(len(group.members) + 1) if i != index])
+            for cache in group.caches:
+                cache.filter(keep)
+
+    @staticmethod
+    def _extract(group: _Group, seq_id: int) -> list[KVCache]:
+        index = group.members.index(seq_id)
+        return [cache.extract(index) for cache in group.caches]
+
+    def _check_position(self, seq_id: int, start_pos: int) -> None:
+        held = self._positions.get(seq_id)
+        if held is None:
+            raise WireMismatchError(f"sequence {seq_id} continues but this stage holds no KV for it")
         if held != start_pos:
             raise WireMismatchError(
                 f"sequence {seq_id} continues at position {start_pos} but this stage's KV "
                 f"holds {held} positions"
             )
-        return caches
-
-    def release(self, seq_id: int) -> None:
-        self._caches.pop(seq_id, None)

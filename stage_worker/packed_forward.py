@@ -23,40 +23,60 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's rows in a packed batch and the caches of this stage's layers."""
+    """One sequence's prompt chunk: its rows in the packed batch and its standalone caches."""
 
     caches: Sequence[KVCache]
     num_tokens: int
+    row_start: int = 0
 
 
-def packed_layers(layers: Sequence[nn.Module], hidden: mx.array, segments: Sequence[Segment]) -> mx.array:
-    """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); ``segments`` cover the rows in order."""
+@dataclass(frozen=True)
+class DecodeRows:
+    """One token each for a group of sequences: their rows, and per-layer ``BatchKVCache``."""
+
+    rows: Sequence[int]
+    caches: Sequence[BatchKVCache]
+
+
+def packed_layers(
+    layers: Sequence[nn.Module], hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None
+) -> mx.array:
+    """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); segments and decode rows cover the rows."""
+    order = ([*decode.rows] if decode else []) + [r for s in segments for r in range(s.row_start,
+                                                                                     s.row_start + s.num_tokens)]
+    restore = None if order == list(range(len(order))) else mx.array(_inverse(order))
     h = hidden
     for index, layer in enumerate(layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), segments, index)
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), segments, decode, index, restore)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h
 
 
-def _attention(attn: nn.Module, x: mx.array, segments: Sequence[Segment], layer_index: int) -> mx.array:
+def _inverse(order: Sequence[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return inverse
+
+
+def _attention(attn: nn.Module, x: mx.array, segments: Sequence[Segment], decode: DecodeRows | None,
+               layer_index: int, restore: mx.array | None) -> mx.array:
     rows = x.shape[0]
     queries = attn.q_proj(x).reshape(rows, attn.n_heads, -1)
     keys = attn.k_proj(x).reshape(rows, attn.n_kv_heads, -1)
     values = attn.v_proj(x).reshape(rows, attn.n_kv_heads, -1)
     if hasattr(attn, "q_norm"):  # qwen3 normalizes per head before RoPE
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-    if all(s.num_tokens == 1 for s in segments) and len(segments) > 1:
-        out = _decode_attention(attn, queries, keys, values, [s.caches[layer_index] for s in segments])
-        return attn.o_proj(out)
     outputs = []
-    start = 0
+    if decode is not None:
+        outputs.append(_decode_attention(attn, queries, keys, values, decode, layer_index))
     for segment in segments:
-        end = start + segment.num_tokens
+        start, end = segment.row_start, segment.row_start + segment.num_tokens
         cache = segment.caches[layer_index]
         # [n, heads, dim] -> [1, heads, n, dim], mlx-lm's attention layout
         q = queries[start:end].transpose(1, 0, 2)[None]
@@ -68,31 +88,24 @@ def _attention(attn: nn.Module, x: mx.array, segments: Sequence[Segment], layer_
         k, v = cache.update_and_fetch(k, v)
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
         outputs.append(out[0].transpose(1, 0, 2).reshape(segment.num_tokens, -1))
-        start = end
-    return attn.o_proj(mx.concatenate(outputs) if len(outputs) > 1 else outputs[0])
+    out = mx.concatenate(outputs) if len(outputs) > 1 else outputs[0]
+    if restore is not None:
+        out = out[restore]
+    return attn.o_proj(out)
 
 
-def _decode_attention(
-    attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array, caches: Sequence[KVCache]
-) -> mx.array:
-    """One new token per sequence: RoPE for all rows in one call (per-row offsets), each
-    sequence's keys/values appended to its own cache, then one attention over the
-    histories right-padded to the longest, with the padding masked out."""
-    offsets = mx.array([c.offset for c in caches])
-    q = attn.rope(queries[:, :, None, :], offset=offsets)  # [B, heads, 1, dim]
-    k = attn.rope(keys[:, :, None, :], offset=offsets)
-    v = values[:, :, None, :]
-    histories = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
-    lengths = [h[0].shape[2] for h in histories]
-    longest = max(lengths)
-
-    def padded(index: int) -> mx.array:
-        parts = [h[index] for h in histories]
-        return mx.concatenate([
-            p if p.shape[2] == longest else mx.pad(p, [(0, 0), (0, 0), (0, longest - p.shape[2]), (0, 0)])
-            for p in parts
-        ])
-
-    mask = (mx.arange(longest)[None, :] < mx.array(lengths)[:, None])[:, None, None, :]
-    out = mx.fast.scaled_dot_product_attention(q, padded(0), padded(1), scale=attn.scale, mask=mask)
+def _decode_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,
+                      decode: DecodeRows, layer_index: int) -> mx.array:
+    """mlx-lm's own attention on ``[B, heads, 1, dim]`` against the group's ``BatchKVCache``:
+    per-row RoPE offsets, one append and one masked attention for the whole group."""
+    cache = decode.caches[layer_index]
+    index = mx.array(decode.rows)
+    q = queries[index][:, :, None, :]
+    k = keys[index][:, :, None, :]
+    v = values[index][:, :, None, :]
+    mask = cache.make_mask(1)
+    q = attn.rope(q, offset=cache.offset)
+    k = attn.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     return out.reshape(out.shape[0], -1)

@@ -28,7 +28,7 @@ from mlx_lm.utils import dequantize_model
 
 from coordinator.layer_split import LayerRange
 from stage_worker.model_spec import ModelFormatError, ModelSpec
-from stage_worker.packed_forward import Segment, packed_layers
+from stage_worker.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.stage_weights import load_stage_weights
 
 COMPUTE_DTYPES: dict[str, mx.Dtype] = {
@@ -211,9 +211,11 @@ class StageModel:
         """``[n, hidden]`` rows of one sequence through this stage's layers (lazy)."""
         return self.run_packed(hidden, [Segment(caches, hidden.shape[0])])
 
-    def run_packed(self, hidden: mx.array, segments: Sequence[Segment]) -> mx.array:
-        """``[T, hidden]`` rows of several sequences (``segments`` in row order), lazy."""
-        return packed_layers(self._module.layers, hidden, segments)
+    def run_packed(
+        self, hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None
+    ) -> mx.array:
+        """``[T, hidden]`` rows of several sequences (prompt chunks and a decode group), lazy."""
+        return packed_layers(self._module.layers, hidden, segments, decode)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and head on ``[k, hidden]`` rows; float32 ``[k, vocab]`` (lazy)."""

@@ -27,7 +27,7 @@ import numpy as np
 from stage_worker import wire
 from stage_worker.kv_store import KVStore
 from stage_worker.links import InboundLink, LinkError, OutboundLink
-from stage_worker.packed_forward import Segment
+from stage_worker.packed_forward import DecodeRows, Segment
 from stage_worker.sampling import sample_rows
 from stage_worker.stage_model import StageModel
 from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
@@ -91,16 +91,30 @@ class StageCompute:
             # Sequences that ended earlier are released before this batch's new ones take their places.
             if record.num_tokens == 0 and record.has(RecordFlag.RELEASE):
                 self.kv.release(record.seq_id)
-        segments = [
-            Segment(self.kv.for_chunk(r.seq_id, r.start_pos, r.has(RecordFlag.NEW_SEQUENCE)), r.num_tokens)
-            for r in records if r.num_tokens > 0
-        ]
-        rows = sum(s.num_tokens for s in segments)
-        if rows != hidden.shape[0]:
-            raise wire.WireMismatchError(f"batch records cover {rows} rows but the payload has {hidden.shape[0]}")
-        if not segments:
+        segments: list[Segment] = []
+        decode_ids: list[int] = []
+        decode_positions: list[int] = []
+        decode_rows: list[int] = []
+        row = 0
+        for r in records:
+            if r.num_tokens == 0:
+                continue
+            if r.num_tokens == 1 and not r.has(RecordFlag.NEW_SEQUENCE):
+                decode_ids.append(r.seq_id)  # one more token: joins the batched decode group
+                decode_positions.append(r.start_pos)
+                decode_rows.append(row)
+            else:
+                caches = self.kv.for_chunk(r.seq_id, r.start_pos, r.has(RecordFlag.NEW_SEQUENCE), r.num_tokens)
+                segments.append(Segment(caches, r.num_tokens, row))
+            row += r.num_tokens
+        if row != hidden.shape[0]:
+            raise wire.WireMismatchError(f"batch records cover {row} rows but the payload has {hidden.shape[0]}")
+        decode = None
+        if decode_ids:
+            decode = DecodeRows(decode_rows, self.kv.for_decode(decode_ids, decode_positions))
+        if not segments and decode is None:
             return hidden
-        out = self.model.run_packed(hidden, segments)
+        out = self.model.run_packed(hidden, segments, decode)
         # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.
         mx.eval(out)
         return out

@@ -1,0 +1,82 @@
+"""KV caches per stage: prompt chunks in standalone caches, decodes in groups that follow the batches."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from stage_worker.kv_store import KVStore
+from stage_worker.wire import WireMismatchError
+
+LAYERS, HEADS, DIM = 2, 3, 4
+
+
+def _store(max_sequences=8):
+    return KVStore(lambda: [KVCache() for _ in range(LAYERS)], max_sequences)
+
+
+def _kv(seq_id, n, start=0):
+    """Deterministic keys/values for positions [start, start + n) of a sequence."""
+    base = mx.arange(start, start + n, dtype=mx.float32)[None, None, :, None] + 100 * seq_id
+    return mx.broadcast_to(base, (1, HEADS, n, DIM)), mx.broadcast_to(-base, (1, HEADS, n, DIM))
+
+
+def _prefill(store, seq_id, n):
+    for cache in store.for_chunk(seq_id, 0, True, n):
+        cache.update_and_fetch(*_kv(seq_id, n))
+
+
+def _decode(store, seq_ids, positions):
+    caches = store.for_decode(seq_ids, positions)
+    for cache in caches:
+        keys = mx.concatenate([_kv(s, 1, p)[0] for s, p in zip(seq_ids, positions)])
+        values = mx.concatenate([_kv(s, 1, p)[1] for s, p in zip(seq_ids, positions)])
+        cache.update_and_fetch(keys, values)
+    return caches
+
+
+def _history(store, seq_id):
+    """The keys a sequence's first layer holds, wherever it lives now (extracts it to standalone)."""
+    caches = store.for_chunk(seq_id, store._positions[seq_id], False, 0)
+    return caches[0].keys[..., : caches[0].offset, :]
+
+
+def test_groups_follow_the_batches_and_keep_every_sequences_history():
+    store = _store()
+    _prefill(store, 1, 3)
+    _prefill(store, 2, 5)
+    first = _decode(store, [1, 2], [3, 5])
+    assert _decode(store, [1, 2], [4, 6]) is first  # same members: same group, no copies
+    _prefill(store, 3, 2)
+    _decode(store, [2, 3], [7, 2])  # 1 leaves (back to standalone), 3 joins
+    _decode(store, [1], [5])
+    for seq_id, length in ((1, 6), (2, 8), (3, 3)):
+        expected = _kv(seq_id, length)[0]
+        assert mx.array_equal(_history(store, seq_id), expected).item(), seq_id
+
+
+def test_release_frees_grouped_and_standalone_sequences():
+    store = _store()
+    _prefill(store, 1, 2)
+    _prefill(store, 2, 2)
+    _decode(store, [1, 2], [2, 2])
+    store.release(1)
+    assert 1 not in store and len(store) == 1
+    _decode(store, [2], [3])
+    store.release(2)
+    assert len(store) == 0
+
+
+def test_a_chunk_that_does_not_continue_its_sequence_is_refused():
+    store = _store()
+    _prefill(store, 1, 4)
+    with pytest.raises(WireMismatchError, match="continues at position 5 but this stage's KV holds 4"):
+        store.for_decode([1], [5])
+    with pytest.raises(WireMismatchError, match="holds no KV"):
+        store.for_decode([9], [0])
+
+
+def test_more_sequences_than_admitted_is_refused():
+    store = _store(max_sequences=1)
+    _prefill(store, 1, 1)
+    with pytest.raises(WireMismatchError, match="admitted more than --max-num-seqs"):
+        store.for_chunk(2, 0, True, 1)
