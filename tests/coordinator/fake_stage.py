@@ -51,6 +51,8 @@ def main() -> int:
     parser.add_argument("--connect-timeout", type=float, default=60)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--stages-on-host", type=int)
+    parser.add_argument("--memory-fraction", type=float)
     parser.add_argument("--fake-load-s", type=float, default=0.3)
     parser.add_argument("--fake-exit-code", type=int)
     parser.add_argument("--fake-fail-rank", type=int)

@@ -66,7 +66,9 @@ def test_pp2_serves_recovers_from_a_killed_stage_and_stops_clean(monkeypatch):
         ]
         node = ray.get_runtime_context().get_node_id()
         assert all(s.node_id == node and s.state == "serving" and s.pid for s in replica.stages)
-        assert all(s.compute_dtype == "float32" and s.quantized for s in replica.stages)
+        # Dense weights exactly when an optimized BLAS is loaded (--dequantize auto on the CPU backend).
+        assert all(s.compute_dtype == "float32" and s.quantized == (s.blas not in ("openblas", "mkl"))
+                   for s in replica.stages)
         reference = _generate(replica.entry.grpc_target)
         assert len(reference) == 4
         pids += [s.pid for s in replica.stages]
