@@ -10,6 +10,7 @@ range ``[ring_base, ring_base + 2 * total_stages)`` covers the data plane.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 MIN_PORT = 1024
@@ -47,3 +48,15 @@ def stage_ports(global_index: int, total_stages: int, ring_base: int, grpc_base:
         lane=ring_base + total_stages + global_index,
         grpc=grpc_base + global_index,
     )
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now. SO_REUSEADDR, as our listeners use, so a socket
+    left in TIME_WAIT by a previous stage does not count as busy; a live listener does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -37,6 +37,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from coordinator.placement import MLX_RESOURCE, ClusterNode, PlacementError, StageSlot
+from stagemesh import envs
 
 log = logging.getLogger("stagemesh.coordinator")
 
@@ -96,7 +97,7 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
         guard = loopback_only() if _is_loopback_address(address) else nullcontext()
         # With STAGEMESH_HOST_IP the driver attaches to this node's own Ray node, not to
         # whichever node Ray's process scan finds first.
-        host_ip = os.environ.get("STAGEMESH_HOST_IP")
+        host_ip = envs.HOST_IP
         node_ip = {"_node_ip_address": host_ip} if host_ip else {}
         try:
             with guard:

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.ports import port_is_free
+
 HOST_IP_ENV = "STAGEMESH_HOST_IP"
 DEFAULT_STAGE_COMMAND = ("-m", "stage_worker")
 ACTOR_NUM_CPUS = 0.01  # Ray bookkeeping only; actors ask for 1 CPU unless told
@@ -214,22 +216,8 @@ class StageHost:
 
 
 def busy_ports(host: str, ports: Sequence[int]) -> list[int]:
-    """Ports of ``ports`` that cannot be bound on ``host`` now.
-
-    Binds with SO_REUSEADDR, as the stage's own listeners do, so sockets left in
-    TIME_WAIT by a previous stage do not count as busy; a live listener does.
-    """
-    busy = []
-    for port in ports:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError:
-            busy.append(port)
-        finally:
-            sock.close()
-    return busy
+    """Ports of ``ports`` that cannot be bound on ``host`` now (see ``ports.port_is_free``)."""
+    return [port for port in ports if not port_is_free(host, port)]
 
 
 def wait_ports_free(host: str, ports: Sequence[int], timeout_s: float, poll_s: float = 0.2) -> list[int]:

@@ -34,7 +34,9 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("STAGEMESH_CACHE_DIR") or Path.home() / ".cache" / "stagemesh")
+    from stagemesh import envs
+
+    return Path(envs.CACHE_DIR or Path.home() / ".cache" / "stagemesh")
 
 
 def _from_package() -> Path | None:

@@ -9,7 +9,6 @@ Results are token ids only; tokenization is the caller's business.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from stage_worker.stage_runtime import Chunk, EntryPipeline
@@ -94,6 +93,3 @@ def run_generation(pipeline: EntryPipeline, job: GenerationJob) -> GenerationRes
         chunks = next_chunks
     return GenerationResult(outputs, prefill_s, time.perf_counter() - started)
 
-
-def flatten_prompts(prompts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(t) for t in p) for p in prompts)

@@ -200,6 +200,11 @@ class StageModel:
         mx.eval(module.parameters())
         return cls(spec, role, dtype, module)
 
+    @property
+    def layers(self) -> list[nn.Module]:
+        """This stage's decoder layers (mlx-lm modules)."""
+        return self._module.layers
+
     def new_caches(self) -> list[KVCache]:
         return [KVCache() for _ in self._module.layers]
 

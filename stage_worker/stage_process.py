@@ -237,7 +237,7 @@ def _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name) -> i
             log.info("joined the ring of %d stages (peak RSS %.0f MB)", plan.size, peak_rss_bytes() / 1e6)
         if is_first:
             pipeline = EntryPipeline(compute, outbound, inbound, is_last, reply_timeout_s=args.ring_timeout,
-                                     on_batch=status.record_batch)
+                                     on_batch=status.record_batch, on_wait=status.record_wait)
             if args.serve:
                 capacity = pipeline.pipeline_kv_capacity(kv_capacity)
                 _serve_entry(args, pipeline, status, servicer, plan.size, capacity)

@@ -165,10 +165,12 @@ class EntryPipeline:
         is_last: bool,
         reply_timeout_s: float = 30.0,
         on_batch: BatchTimer | None = None,
+        on_wait: Callable[[float], None] | None = None,
     ) -> None:
         self._compute = compute
         self._reply_timeout_s = reply_timeout_s
         self._on_batch = on_batch
+        self._on_wait = on_wait
         self._outbound = outbound
         self._inbound = inbound
         self._is_last = is_last
@@ -225,8 +227,8 @@ class EntryPipeline:
             raise wire.WireMismatchError(
                 f"expected TOKENS for batch {batch_id}, got {reply.kind.name} for batch {reply.header.batch_id}"
             )
-        if self._on_batch is not None:
-            self._on_batch(0, 0.0, time.perf_counter() - waited, 0.0)
+        if self._on_wait is not None:
+            self._on_wait(time.perf_counter() - waited)
         tokens = reply.payload if reply.payload is not None else mx.zeros((0,), mx.int32)
         return _sampled(reply.records, tokens)
 

@@ -79,12 +79,15 @@ class StageStatus:
 
     def record_batch(self, tokens: int, compute_s: float, wait_s: float, send_s: float) -> None:
         with self._lock:
-            if tokens or compute_s:  # a pure wait (collecting a reply) is not a batch
-                self.batches += 1
+            self.batches += 1
             self.tokens += tokens
             self.compute_seconds += compute_s
             self.wait_seconds += wait_s
             self.send_seconds += send_s
+
+    def record_wait(self, wait_s: float) -> None:
+        with self._lock:
+            self.wait_seconds += wait_s
 
     def set_load(self, running: int, waiting: int, finished: int) -> None:
         with self._lock:

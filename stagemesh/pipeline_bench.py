@@ -56,7 +56,7 @@ batch, steps, dense = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), resolve_compute_dtype(sys.argv[5]))
 if dense:
     model.dequantize()
-layers = model._module.layers
+layers = model.layers
 caches = [KVCache() for _ in layers]
 prompt = mx.broadcast_to(mx.arange(1, 10, dtype=mx.int32)[None], (batch, 9))
 h = model.embed(prompt)

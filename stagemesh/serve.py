@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
 import sys
 
 from stagemesh import envs
@@ -60,13 +59,11 @@ class ServeConfigError(ValueError):
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise ServeConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
-                                   f"stop what uses it or choose another {flag}") from None
+    from coordinator.ports import port_is_free
+
+    if not port_is_free(host, port):
+        raise ServeConfigError(f"{flag} {port}: cannot listen on {host}:{port} (in use or not this host's "
+                               f"address); stop what uses it or choose another {flag}")
 
 
 def build_mesh_config(args: argparse.Namespace):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from coordinator import ports
 from tests.conftest import free_port_base
 
 
@@ -101,10 +101,4 @@ def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: 
 
 
 def port_is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    return ports.port_is_free("127.0.0.1", port)
