@@ -2,9 +2,9 @@
 
 Only the standard library is imported before the BLAS decision, because
 ``LD_PRELOAD`` must be in place before MLX loads (see ``stage_worker.blas``);
-then it runs ``stage_worker.stage_process``. The BLAS gets the host's cores
-divided by the stages sharing the host (``STAGEMESH_BLAS_THREADS`` overrides),
-so co-located stages do not fight over cores.
+then it runs ``stage_worker.stage_process``. The BLAS pool is sized to the
+cores this process may use (after ``STAGEMESH_PIN_CORES``); the stage shrinks
+it while co-located stages compute at once (``STAGEMESH_BLAS_THREADS`` fixes it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from stage_worker.blas import THREADS_ENV, reexec_with_optimized_blas
+from stage_worker.blas import THREADS_ENV, reexec_with_optimized_blas, usable_cores
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -25,20 +25,27 @@ def _flag(argv: list[str], name: str) -> str | None:
     return None
 
 
-def blas_threads(argv: list[str], env: dict[str, str], cpus: int) -> int:
-    """Threads for this stage's BLAS (pure over its inputs)."""
+def stages_on_host(argv: list[str]) -> int:
+    """Stages of this pipeline on this stage's host (``--stages-on-host``, else from the plan)."""
+    sharing = _flag(argv, "--stages-on-host")
+    if sharing and int(sharing) > 0:
+        return int(sharing)
+    try:
+        plan = json.loads(open(_flag(argv, "--plan") or "").read())
+        me = plan["stages"][int(_flag(argv, "--rank") or 0)]
+        return sum(1 for s in plan["stages"] if s["host"] == me["host"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return 1
+
+
+def blas_threads(env: dict[str, str], cores: int) -> int:
+    """Size of this stage's BLAS thread pool: every core it may use, or ``STAGEMESH_BLAS_THREADS``.
+
+    The stage then resizes the pool with the pipeline's load (``blas.AdaptiveBlasThreads``).
+    """
     if env.get(THREADS_ENV):
         return max(1, int(env[THREADS_ENV]))
-    sharing = _flag(argv, "--stages-on-host")
-    count = int(sharing) if sharing and int(sharing) > 0 else 0
-    if not count:
-        try:
-            plan = json.loads(open(_flag(argv, "--plan") or "").read())
-            me = plan["stages"][int(_flag(argv, "--rank") or 0)]
-            count = sum(1 for s in plan["stages"] if s["host"] == me["host"])
-        except (OSError, ValueError, KeyError, IndexError):
-            count = 1
-    return max(1, cpus // max(1, count))
+    return max(1, cores)
 
 
 PIN_ENV = "STAGEMESH_PIN_CORES"
@@ -65,7 +72,8 @@ if __name__ == "__main__":
     cores = pinned_cores(argv, dict(os.environ), os.cpu_count() or 1)
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)  # inherited across the exec below
-    reexec_with_optimized_blas(["-m", "stage_worker", *argv], blas_threads(argv, dict(os.environ), os.cpu_count() or 1))
+    reexec_with_optimized_blas(["-m", "stage_worker", *argv], blas_threads(dict(os.environ), usable_cores()),
+                               shared_host=stages_on_host(argv) > 1)
     from stage_worker.stage_process import main
 
     sys.exit(main())

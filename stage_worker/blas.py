@@ -11,10 +11,16 @@ overrides: ``none`` keeps the reference BLAS, a path preloads that library.
 ``LD_PRELOAD`` only takes effect when a process starts, so the stage entry
 point (``python -m stage_worker``) re-executes itself once with it set. macOS
 uses Accelerate and Metal; nothing is done there.
+
+Threads adapt to the pipeline's load (``AdaptiveBlasThreads``): while one
+micro-batch is in flight only one stage computes at a time, so it may use every
+core of its host; with several in flight, stages sharing a host compute at once
+and split the cores between them instead of fighting over them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import sys
@@ -48,8 +54,17 @@ def find_optimized_blas(env: Mapping[str, str] = os.environ) -> str | None:
     return mkl[0] if mkl else None
 
 
-def blas_environment(env: Mapping[str, str], library: str | None, threads: int | None) -> dict[str, str]:
-    """``env`` with ``library`` preloaded and its thread count set (pure)."""
+# OpenBLAS worker threads spin (sched_yield) for 2**28 cycles after each call before they
+# sleep; on a host shared with other stages that spinning takes the cores the stage that
+# computes next needs (PP=2 single stream on 2 cores: 0.83x of PP=1 spinning, 0.99x with 2**4).
+_IDLE_SPIN_ENV = "OPENBLAS_THREAD_TIMEOUT"
+_SHORT_IDLE_SPIN = "4"
+
+
+def blas_environment(env: Mapping[str, str], library: str | None, threads: int | None,
+                     shared_host: bool = False) -> dict[str, str]:
+    """``env`` with ``library`` preloaded, its thread count set and, on a host whose cores
+    other stages need, its idle threads told to sleep at once (pure)."""
     out = dict(env)
     if library is None:
         return out
@@ -59,10 +74,12 @@ def blas_environment(env: Mapping[str, str], library: str | None, threads: int |
     if threads:
         for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             out.setdefault(name, str(threads))
+    if shared_host:
+        out.setdefault(_IDLE_SPIN_ENV, _SHORT_IDLE_SPIN)
     return out
 
 
-def reexec_with_optimized_blas(argv: list[str], threads: int | None) -> None:
+def reexec_with_optimized_blas(argv: list[str], threads: int | None, shared_host: bool = False) -> None:
     """Replace this process with one that has the optimized BLAS preloaded (same pid); no-op if
     there is none, it is loaded already, or we re-executed once already."""
     library = find_optimized_blas()
@@ -70,7 +87,7 @@ def reexec_with_optimized_blas(argv: list[str], threads: int | None) -> None:
         return
     if library in os.environ.get("LD_PRELOAD", "").split(":"):
         return
-    env = blas_environment(os.environ, library, threads)
+    env = blas_environment(os.environ, library, threads, shared_host)
     env[_REEXEC_MARK] = "1"
     os.execve(sys.executable, [sys.executable, *argv], env)
 
@@ -89,3 +106,62 @@ def loaded_blas() -> str:
     if "libmkl_rt" in text:
         return "mkl"
     return "reference"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. after pinning), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def threads_for_load(in_flight: int, cores: int, stages_on_host: int) -> int:
+    """BLAS threads for a batch computed while ``in_flight`` batches are in the pipeline (pure).
+
+    One batch in flight: the other stages wait, so all ``cores`` are this stage's. Several: up to
+    ``min(in_flight, stages_on_host)`` stages of this host compute at once and share the cores.
+    ``in_flight`` 0 means unknown (an older peer): assume the host is fully busy.
+    """
+    busy_here = stages_on_host if in_flight <= 0 else min(in_flight, stages_on_host)
+    return max(1, cores // max(1, busy_here))
+
+
+class AdaptiveBlasThreads:
+    """Resizes the loaded BLAS's thread pool with the pipeline's load (see ``threads_for_load``).
+
+    A fixed ``STAGEMESH_BLAS_THREADS`` turns adaptation off; so does a BLAS without a runtime
+    setter (the reference BLAS is single-threaded anyway).
+    """
+
+    def __init__(self, cores: int, stages_on_host: int, fixed: int | None = None) -> None:
+        self.cores, self.stages_on_host, self.fixed = cores, max(1, stages_on_host), fixed
+        self._setter = None if fixed else _thread_setter()
+        self.current: int | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self._setter is not None
+
+    def for_load(self, in_flight: int) -> int:
+        """Set the pool for a batch computed with ``in_flight`` batches in the pipeline; returns threads."""
+        if self._setter is None:
+            return self.fixed or self.current or 0
+        threads = threads_for_load(in_flight, self.cores, self.stages_on_host)
+        if threads != self.current:
+            self._setter(threads)
+            self.current = threads
+        return threads
+
+
+def _thread_setter():
+    """The loaded BLAS's runtime thread-count setter (OpenBLAS or MKL), or None."""
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return None
+    for name in ("openblas_set_num_threads", "MKL_Set_Num_Threads"):
+        function = getattr(process, name, None)
+        if function is not None:
+            function.argtypes, function.restype = [ctypes.c_int], None
+            return function
+    return None

@@ -181,9 +181,10 @@ class OutboundLink:
         payload: mx.array | None = None,
         batch_id: int = 0,
         body: dict | None = None,
+        in_flight: int = 0,
     ) -> None:
         data = wire.encode_body(body) if body is not None else b""
-        self._send_frame(kind, records, body=data, payload=payload, batch_id=batch_id)
+        self._send_frame(kind, records, body=data, payload=payload, batch_id=batch_id, in_flight=in_flight)
         if payload is not None and payload.size > 0:
             assert self._ring is not None, "a payload needs the ring"
             self._ring.send(payload, self._peer_rank)
@@ -196,6 +197,7 @@ class OutboundLink:
         body: bytes = b"",
         payload: mx.array | None = None,
         batch_id: int = 0,
+        in_flight: int = 0,
     ) -> None:
         if payload is None:
             rows, width, dtype = 0, 0, None
@@ -212,6 +214,7 @@ class OutboundLink:
             row_width=width,
             dtype=dtype,
             body_bytes=len(body),
+            in_flight=in_flight,
         )
         self._message_no += 1
         frame = wire.pack_header(header) + wire.pack_records(records) + body

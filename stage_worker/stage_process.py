@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from coordinator.plan import PipelinePlan, StagePlacement
 from stage_worker import wire
-from stage_worker.blas import loaded_blas
+from stage_worker.blas import THREADS_ENV, AdaptiveBlasThreads, loaded_blas, usable_cores
 from stage_worker.engine import EntryEngine, PipelineBroken
 from stage_worker.generation_job import GenerationJob, run_generation
 from stage_worker.grpc_service import StageDescription, start_grpc_server
@@ -218,7 +218,7 @@ def _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name) -> i
              "peak RSS %.0f MB)", model.weight_bytes / 1e6, time.monotonic() - started, wire.dtype_name(dtype),
              model.quantized, status.blas, kv_capacity, peak_rss_bytes() / 1e6)
     recorder = LogitRecorder() if (args.record_logits and is_last) else None
-    compute = StageCompute(model, args.max_num_seqs, recorder)
+    compute = StageCompute(model, args.max_num_seqs, recorder, _blas_threads(args, plan, me))
     inbound = outbound = None
     status.set_state(StageState.CONNECTING)
     try:
@@ -293,6 +293,16 @@ def _prepare_weights_and_kv(args, plan, me, spec, model: StageModel, status: Sta
     kv_heads = int(args_.get("num_key_value_heads") or args_["num_attention_heads"])
     per_token = kv_bytes_per_token(len(me.layers), kv_heads, head_dim, model.dtype.size)
     return kv_token_capacity(budget, model.weight_bytes, per_token, args.max_model_len, stage_name)
+
+
+def _blas_threads(args, plan: PipelinePlan, me: StagePlacement) -> AdaptiveBlasThreads:
+    fixed = os.environ.get(THREADS_ENV)
+    threads = AdaptiveBlasThreads(usable_cores(), args.stages_on_host or _stages_on_my_host(plan, me),
+                                  int(fixed) if fixed else None)
+    idle = threads.for_load(0)
+    log.info("BLAS threads: %s", f"{idle} to {threads.cores} as the pipeline's load varies" if threads.adaptive
+             else f"fixed at {fixed}" if fixed else "not adjustable")
+    return threads
 
 
 def _stages_on_my_host(plan: PipelinePlan, me: StagePlacement) -> int:

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from stage_worker import wire
+from stage_worker.blas import AdaptiveBlasThreads
 from stage_worker.kv_store import KVStore
 from stage_worker.links import InboundLink, LinkError, OutboundLink
 from stage_worker.packed_forward import DecodeRows, Segment
@@ -80,13 +81,21 @@ class LogitRecorder:
 class StageCompute:
     """One stage's computation on a batch, against its own KV caches."""
 
-    def __init__(self, model: StageModel, max_sequences: int, recorder: LogitRecorder | None = None):
+    def __init__(self, model: StageModel, max_sequences: int, recorder: LogitRecorder | None = None,
+                 threads: AdaptiveBlasThreads | None = None):
         self.model = model
         self.kv = KVStore(model.new_caches, max_sequences)
         self._recorder = recorder
+        self._threads = threads
 
-    def forward(self, records: Sequence[SequenceRecord], hidden: mx.array) -> mx.array:
-        """Run every record's rows through this stage's layers; ``[T, hidden]`` out, evaluated."""
+    def forward(self, records: Sequence[SequenceRecord], hidden: mx.array, in_flight: int = 0) -> mx.array:
+        """Run every record's rows through this stage's layers; ``[T, hidden]`` out, evaluated.
+
+        ``in_flight`` is how many batches the pipeline holds (this one included; 0: unknown);
+        the BLAS pool is sized for it, and the last stage's sampling runs with the same pool.
+        """
+        if self._threads is not None:
+            self._threads.for_load(in_flight)
         for record in records:
             # Sequences that ended earlier are released before this batch's new ones take their places.
             if record.num_tokens == 0 and record.has(RecordFlag.RELEASE):
@@ -195,11 +204,12 @@ class EntryPipeline:
                 raise ValueError(f"sequence {chunk.record.seq_id}: record says "
                                  f"{chunk.record.num_tokens} tokens, chunk has {len(chunk.token_ids)}")
         self._batch_id += 1
+        in_flight = len(self._in_flight) + 1
         model = self._compute.model
         started = time.perf_counter()
         hidden = model.embed(mx.array(token_ids, dtype=mx.int32)) if token_ids else \
             mx.zeros((0, model.hidden_size), dtype=model.dtype)
-        hidden = self._compute.forward(records, hidden)
+        hidden = self._compute.forward(records, hidden, in_flight)
         if self._is_last:
             out_records, tokens = self._compute.sample(records, hidden)
             self._local_results.append(_sampled(out_records, tokens))
@@ -207,7 +217,7 @@ class EntryPipeline:
         else:
             assert self._outbound is not None
             computed = time.perf_counter()
-            self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id)
+            self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id, in_flight=in_flight)
             sent = time.perf_counter()
         self._compute.release_finished(records)
         self._in_flight.append((self._batch_id, sent))
@@ -295,7 +305,7 @@ def relay_loop(
         hidden = message.payload
         if hidden is None:  # a batch of zero-token records (releases only)
             hidden = mx.zeros((0, model.hidden_size), dtype=model.dtype)
-        hidden = compute.forward(message.records, hidden)
+        hidden = compute.forward(message.records, hidden, message.header.in_flight)
         if is_last:
             out_records, tokens = compute.sample(message.records, hidden)
             computed = time.perf_counter()
@@ -307,7 +317,8 @@ def relay_loop(
             )
         else:
             computed = time.perf_counter()
-            outbound.send(FrameKind.FORWARD, message.records, hidden, batch_id=message.header.batch_id)
+            outbound.send(FrameKind.FORWARD, message.records, hidden, batch_id=message.header.batch_id,
+                          in_flight=message.header.in_flight)
         compute.release_finished(message.records)
         if on_batch is not None:
             on_batch(hidden.shape[0], computed - started, started - waited, time.perf_counter() - computed)

@@ -88,7 +88,7 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 # magic, version, kind, message_no, batch_id, num_records, num_rows, row_width,
-# dtype code, body_bytes, reserved
+# dtype code, body_bytes, in_flight (was reserved: 0 from older senders means unknown)
 _HEADER = struct.Struct("<4sHHQQIIIIII")
 # seq_id, start_pos, num_tokens, flags, temperature, top_p, top_k, seed, reserved
 _RECORD = struct.Struct("<QIIIffiqI")
@@ -136,6 +136,7 @@ class FrameHeader:
     row_width: int  # hidden size for FORWARD, 1 for TOKENS
     dtype: mx.Dtype | None
     body_bytes: int = 0  # JSON body on the lane (HELLO / HELLO_REPLY)
+    in_flight: int = 0  # FORWARD: batches in the pipeline when the entry sent this one (0: unknown)
 
     @property
     def payload_shape(self) -> tuple[int, ...]:
@@ -160,13 +161,13 @@ def pack_header(header: FrameHeader) -> bytes:
         header.row_width,
         0 if header.dtype is None else dtype_code(header.dtype),
         header.body_bytes,
-        0,
+        header.in_flight,
     )
 
 
 def unpack_header(data: bytes) -> FrameHeader:
     (magic, version, kind, message_no, batch_id, num_records, num_rows, width,
-     code, body_bytes, _reserved) = _HEADER.unpack(data)
+     code, body_bytes, in_flight) = _HEADER.unpack(data)
     if magic != MAGIC:
         raise WireMismatchError(
             f"control lane frame starts with {magic!r}, not {MAGIC!r}: the peer is "
@@ -190,6 +191,7 @@ def unpack_header(data: bytes) -> FrameHeader:
         row_width=width,
         dtype=None if code == 0 else code_dtype(code),
         body_bytes=body_bytes,
+        in_flight=in_flight,
     )
 
 

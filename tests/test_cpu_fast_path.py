@@ -3,8 +3,8 @@ weights, and the memory budget's verdicts."""
 
 import pytest
 
-from stage_worker.__main__ import blas_threads
-from stage_worker.blas import blas_environment, find_optimized_blas
+from stage_worker.__main__ import blas_threads, stages_on_host
+from stage_worker.blas import AdaptiveBlasThreads, blas_environment, find_optimized_blas, threads_for_load
 from stage_worker.memory import MemoryBudget, MemoryBudgetError, kv_bytes_per_token, kv_token_capacity
 from stage_worker.stage_model import choose_dense_weights
 
@@ -17,6 +17,22 @@ def test_preload_is_prepended_once_and_threads_are_set():
     assert env["OPENBLAS_NUM_THREADS"] == "2" and env["MKL_NUM_THREADS"] == "2"
     assert blas_environment(env, "/blas.so", 2)["LD_PRELOAD"] == "/blas.so:/x.so"
     assert blas_environment({}, None, 2) == {}
+    assert "OPENBLAS_THREAD_TIMEOUT" not in env
+
+
+def test_stages_sharing_a_host_keep_idle_blas_threads_from_spinning():
+    assert blas_environment({}, "/blas.so", 2, shared_host=True)["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert blas_environment({"OPENBLAS_THREAD_TIMEOUT": "10"}, "/blas.so", 2,
+                            shared_host=True)["OPENBLAS_THREAD_TIMEOUT"] == "10"
+
+
+def test_stages_on_host_come_from_the_flag_or_the_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"stages": [{"host": "10.0.0.1"}, {"host": "10.0.0.1"}, {"host": "10.0.0.2"}]}')
+    assert stages_on_host(["--plan", str(plan), "--rank", "0"]) == 2
+    assert stages_on_host(["--plan", str(plan), "--rank", "2"]) == 1
+    assert stages_on_host(["--plan", str(plan), "--rank", "2", "--stages-on-host", "4"]) == 4
+    assert stages_on_host(["--plan", str(tmp_path / "missing.json")]) == 1
 
 
 def test_blas_choice_can_be_forced_or_disabled():
@@ -25,14 +41,34 @@ def test_blas_choice_can_be_forced_or_disabled():
         find_optimized_blas({"STAGEMESH_BLAS": "/nope.so"})
 
 
-def test_blas_threads_share_the_cores_among_the_stages_on_a_host(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text('{"stages": [{"host": "10.0.0.1"}, {"host": "10.0.0.1"}, {"host": "10.0.0.2"}]}')
-    assert blas_threads(["--plan", str(plan), "--rank", "0"], {}, 8) == 4
-    assert blas_threads(["--plan", str(plan), "--rank", "2"], {}, 8) == 8
-    assert blas_threads(["--plan", str(plan), "--rank", "2", "--stages-on-host", "4"], {}, 8) == 2
-    assert blas_threads([], {"STAGEMESH_BLAS_THREADS": "3"}, 8) == 3
-    assert blas_threads(["--plan", str(plan), "--rank", "0"], {}, 1) == 1
+def test_the_blas_pool_starts_with_every_usable_core_unless_fixed():
+    assert blas_threads({}, 8) == 8
+    assert blas_threads({"STAGEMESH_BLAS_THREADS": "3"}, 8) == 3
+    assert blas_threads({}, 0) == 1
+
+
+def test_blas_threads_follow_the_pipelines_load():
+    # one batch in flight: only one stage computes, it may use the whole host
+    assert threads_for_load(1, cores=8, stages_on_host=2) == 8
+    # two in flight on a host with two stages: they compute at once and split the cores
+    assert threads_for_load(2, cores=8, stages_on_host=2) == 4
+    assert threads_for_load(3, cores=8, stages_on_host=2) == 4
+    assert threads_for_load(2, cores=8, stages_on_host=4) == 4
+    # a stage alone on its host keeps every core whatever the load
+    assert threads_for_load(4, cores=2, stages_on_host=1) == 2
+    # unknown load (older peer, idle): assume every co-located stage is busy
+    assert threads_for_load(0, cores=8, stages_on_host=4) == 2
+    assert threads_for_load(3, cores=2, stages_on_host=3) == 1
+
+
+def test_adaptive_threads_set_the_pool_only_when_the_count_changes():
+    calls = []
+    threads = AdaptiveBlasThreads(cores=4, stages_on_host=2)
+    threads._setter = calls.append
+    assert [threads.for_load(n) for n in (0, 1, 1, 2, 2, 1)] == [2, 4, 4, 2, 2, 4]
+    assert calls == [2, 4, 2, 4]
+    fixed = AdaptiveBlasThreads(cores=4, stages_on_host=2, fixed=3)
+    assert not fixed.adaptive and fixed.for_load(1) == 3
 
 
 @pytest.mark.parametrize(

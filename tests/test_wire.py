@@ -11,7 +11,7 @@ from stage_worker.wire import FrameHeader, FrameKind, RecordFlag, SamplingParams
 
 def test_header_round_trip():
     header = FrameHeader(FrameKind.FORWARD, message_no=7, batch_id=3, num_records=2, num_rows=5,
-                         row_width=576, dtype=mx.bfloat16)
+                         row_width=576, dtype=mx.bfloat16, in_flight=2)
     data = wire.pack_header(header)
     assert len(data) == wire.HEADER_BYTES
     assert wire.unpack_header(data) == header
