@@ -30,9 +30,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 COMPARISONS = ("stock", "matched", "pp", "two-hosts")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A server under test."""
+
+    url: str
+    label: str
+    model: str
+    pid: int
+    stagemesh: bool
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port-base", type=int, default=28000, help="ports for the servers under test")
     parser.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
+    parser.add_argument("--profile-concurrency", type=int, default=16,
+                        help="after each comparison, load every stagemesh server alone at this concurrency and "
+                             "report where each stage's time went (0: skip)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,10 +85,12 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.ExitStack() as stack:
                 endpoints = _start_comparison(name, stack, model, q4_dir, tmp, blas, ports)
                 failures += _bench(args, name, endpoints, out, q4_dir)
+                if args.profile_concurrency > 0:
+                    _profile(args, name, endpoints, out, q4_dir)
     return 1 if failures else 0
 
 
-def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[tuple[str, str, str]]:
+def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[Endpoint]:
     ncpu = os.cpu_count() or 1
     if name == "stock":
         return [
@@ -109,7 +126,7 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[tupl
 @contextlib.contextmanager
 def _stagemesh(
     model: str, port: int, flags: list[str], label: str, pin: str | None = None
-) -> Iterator[tuple[str, str, str]]:
+) -> Iterator[Endpoint]:
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
     if pin == "per-stage":
@@ -121,12 +138,12 @@ def _stagemesh(
                "--grpc-base-port", str(port + 1), "--ring-base-port", str(port + 5), *flags]
     if pin is not None:
         command = ["taskset", "-c", "0", *command]  # the gateway, coordinator and Ray live on host A's core
-    with _server(command, env, f"http://127.0.0.1:{port}", label, "stagemesh-bench") as endpoint:
+    with _server(command, env, f"http://127.0.0.1:{port}", label, "stagemesh-bench", stagemesh=True) as endpoint:
         yield endpoint
 
 
 @contextlib.contextmanager
-def _mlx_lm_server(model_dir: str, port: int, extra_env: dict, label: str) -> Iterator[tuple[str, str, str]]:
+def _mlx_lm_server(model_dir: str, port: int, extra_env: dict, label: str) -> Iterator[Endpoint]:
     env = {**os.environ, **extra_env}
     command = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--port", str(port)]
     # mlx_lm.server lists only Hugging Face cache entries; it serves its --model under that path.
@@ -135,7 +152,8 @@ def _mlx_lm_server(model_dir: str, port: int, extra_env: dict, label: str) -> It
 
 
 @contextlib.contextmanager
-def _server(command: list[str], env: dict, url: str, label: str, model: str) -> Iterator[tuple[str, str, str]]:
+def _server(command: list[str], env: dict, url: str, label: str, model: str,
+            stagemesh: bool = False) -> Iterator[Endpoint]:
     import httpx
 
     log = tempfile.NamedTemporaryFile("w", prefix=f"bench-{label}-", suffix=".log", delete=False)
@@ -152,7 +170,7 @@ def _server(command: list[str], env: dict, url: str, label: str, model: str) -> 
                 raise SystemExit(f"{label} did not come up in 300 s; see {log.name}")
             time.sleep(1)
         print(f"{label} up at {url} (log {log.name})", file=sys.stderr)
-        yield url, label, model
+        yield Endpoint(url, label, model, process.pid, stagemesh)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -163,16 +181,28 @@ def _server(command: list[str], env: dict, url: str, label: str, model: str) -> 
                 process.wait()
 
 
-def _bench(args, name: str, endpoints: list[tuple[str, str, str]], out: Path, tokenizer_dir: str) -> int:
+def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> int:
     command = [sys.executable, "-m", "stagemesh.cli", "bench", "--concurrency", args.concurrency,
                "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--warmup", "2",
                "--tokenizer", tokenizer_dir, "--output", str(out / f"{name}.json"), "--plot", str(out / f"{name}.png")]
-    for url, label, model in endpoints:
-        command += ["--base-url", url, "--label", label, "--model", model]
-    print(f"== {name}: {' vs '.join(label for _, label, _ in endpoints)}", file=sys.stderr)
+    for endpoint in endpoints:
+        command += ["--base-url", endpoint.url, "--label", endpoint.label, "--model", endpoint.model]
+    print(f"== {name}: {' vs '.join(e.label for e in endpoints)}", file=sys.stderr)
     result = subprocess.run(command)
     summary = out / f"{name}.json"
     if summary.exists():
         print(json.dumps(json.loads(summary.read_text()).get("ratios", {}), indent=1)[:2000])
     return 0 if result.returncode == 0 else 1
+
+
+def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> None:
+    """Each stagemesh server alone at one level: per-stage compute / ring wait / send / other."""
+    from stagemesh.bench_profile import profile_endpoint
+
+    profiles = [profile_endpoint(e.url, e.label, e.model, e.pid, concurrency=args.profile_concurrency,
+                                 num_prompts=args.num_prompts, input_len=args.input_len,
+                                 output_len=args.output_len, tokenizer_dir=tokenizer_dir)
+                for e in endpoints if e.stagemesh]
+    if profiles:
+        (out / f"{name}-profile.json").write_text(json.dumps(profiles, indent=1))
