@@ -53,39 +53,58 @@ from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtyp
 from mlx_lm.models.cache import KVCache
 spec = read_model_spec(sys.argv[1])
 batch, steps, dense = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+input_len, output_len = int(sys.argv[6]), int(sys.argv[7])
 model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), resolve_compute_dtype(sys.argv[5]))
 if dense:
     model.dequantize()
 layers = model.layers
-caches = [KVCache() for _ in layers]
-prompt = mx.broadcast_to(mx.arange(1, 10, dtype=mx.int32)[None], (batch, 9))
-h = model.embed(prompt)
-for layer, cache in zip(layers, caches):
-    h = layer(h, "causal", cache=cache)
-token = mx.argmax(model.logits(h[:, -1]), axis=-1).astype(mx.int32)
-mx.eval(token)
-started = time.perf_counter()
-for _ in range(steps):
-    h = model.embed(token[:, None])
+
+def prefill(prompt_len):
+    caches = [KVCache() for _ in layers]
+    prompt = mx.broadcast_to(mx.arange(1, prompt_len + 1, dtype=mx.int32)[None], (batch, prompt_len))
+    h = model.embed(prompt)
     for layer, cache in zip(layers, caches):
-        h = layer(h, None, cache=cache)
+        h = layer(h, "causal", cache=cache)
     token = mx.argmax(model.logits(h[:, -1]), axis=-1).astype(mx.int32)
     mx.eval(token)
-print(json.dumps({"decode_tokens_per_s": batch * steps / (time.perf_counter() - started),
-                  "blas": loaded_blas(), "dense": dense}))
+    return caches, token
+
+def decode(caches, token, count):
+    for _ in range(count):
+        h = model.embed(token[:, None])
+        for layer, cache in zip(layers, caches):
+            h = layer(h, None, cache=cache)
+        token = mx.argmax(model.logits(h[:, -1]), axis=-1).astype(mx.int32)
+        mx.eval(token)
+
+caches, token = prefill(9)
+started = time.perf_counter()
+decode(caches, token, steps)
+decode_tps = batch * steps / (time.perf_counter() - started)
+# The serving benchmark's workload with nothing else: every prompt prefilled in one batch, then
+# output_len - 1 batched decode steps (the first token comes from the prefill).
+started = time.perf_counter()
+caches, token = prefill(input_len)
+decode(caches, token, output_len - 1)
+workload_tps = batch * output_len / (time.perf_counter() - started)
+print(json.dumps({"decode_tokens_per_s": decode_tps, "workload_tokens_per_s": workload_tps,
+                  "input_len": input_len, "output_len": output_len, "blas": loaded_blas(), "dense": dense}))
 """
 
 
-def bare_forward(model_path: str, batch: int, steps: int, dtype: str = "auto") -> dict:
+def bare_forward(model_path: str, batch: int, steps: int, dtype: str = "auto", input_len: int = 32,
+                 output_len: int = 48) -> dict:
     """The backend's limit: mlx-lm's own layers on a same-length batch, no server, no scheduler,
-    with the same BLAS and weight choice a stage would make."""
+    with the same BLAS and weight choice a stage would make. Two figures: decode steps alone, and
+    the serving benchmark's whole workload (``input_len`` prompts prefilled together, ``output_len``
+    tokens each)."""
     from stage_worker.blas import blas_environment, find_optimized_blas
 
     library = find_optimized_blas()
     env = blas_environment(os.environ, library, os.cpu_count())
     dense = "1" if library else "0"
-    out = subprocess.run([sys.executable, "-c", _BARE_ARM, model_path, str(batch), str(steps), dense, dtype],
-                         capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run([sys.executable, "-c", _BARE_ARM, model_path, str(batch), str(steps), dense, dtype,
+                          str(input_len), str(output_len)], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -101,6 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bare", default="",
                         help="also measure the bare batched forward of our weights at these batch sizes, "
                              "e.g. 1,16 (the backend's limit for serving comparisons)")
+    parser.add_argument("--bare-input-len", type=int, default=32, help="prompt tokens of the bare workload")
+    parser.add_argument("--bare-output-len", type=int, default=48, help="output tokens of the bare workload")
 
 
 def _run_pipeline_arm(model_path: str, num_layers: int, pp: int, dtype: str, prompt: list[int],
@@ -153,11 +174,13 @@ def run(args: argparse.Namespace) -> int:
                       f"{sample['decode_tokens_per_s']:.2f} tok/s", file=sys.stderr)
     bare = {}
     for size in [int(b) for b in args.bare.split(",") if b.strip()]:
-        bare[f"batch{size}"] = bare_forward(model_path, size, 32, args.dtype)
-        print(f"bare batched forward, batch {size}: {bare[f'batch{size}']['decode_tokens_per_s']:.1f} tok/s "
-              f"({bare[f'batch{size}']['blas']} BLAS)", file=sys.stderr)
+        result = bare[f"batch{size}"] = bare_forward(model_path, size, 32, args.dtype, args.bare_input_len,
+                                                     args.bare_output_len)
+        print(f"bare batched forward, batch {size}: decode {result['decode_tokens_per_s']:.1f} tok/s, "
+              f"whole workload ({args.bare_input_len} in, {args.bare_output_len} out) "
+              f"{result['workload_tokens_per_s']:.1f} tok/s ({result['blas']} BLAS)", file=sys.stderr)
     summary = summarize(samples)
-    report = {"bare_forward": bare,"model": model_path, "dtype": args.dtype, "max_tokens": args.max_tokens,
+    report = {"bare_forward": bare, "model": model_path, "dtype": args.dtype, "max_tokens": args.max_tokens,
               "prompt_tokens": len(prompt), "repeats": args.repeats, "machine": _machine(),
               "summary": summary, "samples": samples}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
