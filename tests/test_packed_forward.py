@@ -1,0 +1,55 @@
+"""A packed batch (fresh prompts grouped by length, a continuing chunk, a decode group) computes
+the same hidden states as each sequence alone, on the real model's first layers."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from coordinator.layer_split import LayerRange
+from stage_worker.default_model import default_model_path
+from stage_worker.model_spec import read_model_spec
+from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.stage_runtime import StageCompute
+from stage_worker.wire import RecordFlag, SequenceRecord
+
+NEW = RecordFlag.NEW_SEQUENCE
+
+
+@pytest.fixture(scope="module")
+def model():
+    spec = read_model_spec(str(default_model_path()))
+    return StageModel.load(spec, StageRole(LayerRange(0, 3), True, False), mx.float32)
+
+
+def _tokens(seq_id, start, n):
+    return [(seq_id * 97 + 13 * p) % 5000 + 1 for p in range(start, start + n)]
+
+
+def _run(compute, model, batch):
+    """batch: (seq_id, start, n, flags) per record; returns each record's output rows."""
+    records = [SequenceRecord(s, start, n, flags) for s, start, n, flags in batch]
+    ids = [t for s, start, n, _ in batch for t in _tokens(s, start, n)]
+    out = np.array(compute.forward(records, model.embed(mx.array(ids, dtype=mx.int32))))
+    rows, at = {}, 0
+    for s, _, n, _ in batch:
+        rows[s], at = out[at : at + n], at + n
+    return rows
+
+
+def test_packed_batches_equal_each_sequence_alone(model):
+    steps = [
+        # 0 and 1 are fresh prompts of equal length (one grouped attention), 2 is fresh but shorter,
+        # 3 starts a long prompt that continues in the next batch
+        [(0, 0, 6, NEW), (1, 0, 6, NEW), (2, 0, 4, NEW), (3, 0, 5, NEW)],
+        # 0-2 decode together; 3 continues its prompt; 4 and 5 arrive as fresh equal-length prompts
+        [(0, 6, 1, 0), (1, 6, 1, 0), (2, 4, 1, 0), (3, 5, 3, 0), (4, 0, 2, NEW), (5, 0, 2, NEW)],
+        [(0, 7, 1, 0), (1, 7, 1, 0), (2, 5, 1, 0), (3, 8, 1, 0), (4, 2, 1, 0), (5, 2, 1, 0)],
+    ]
+    packed = StageCompute(model, 16)
+    alone = StageCompute(model, 16)
+    for batch in steps:
+        together = _run(packed, model, batch)
+        for record in batch:
+            reference = _run(alone, model, [record])[record[0]]
+            np.testing.assert_allclose(together[record[0]], reference, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"sequence {record[0]} in batch {batch}")
