@@ -91,8 +91,12 @@ def stage_profiles(before: Mapping[StageKey, StageCounters], after: Mapping[Stag
     rows = []
     for key in sorted(after):
         a, b = after[key], before.get(key, StageCounters())
-        rows.append(StageProfile(key[0], key[1], wall_s, a.compute_s - b.compute_s, a.wait_s - b.wait_s,
-                                 a.send_s - b.send_s, int(a.batches - b.batches), int(a.tokens - b.tokens)))
+        compute, send = a.compute_s - b.compute_s, a.send_s - b.send_s
+        # A relay counts its wait when a message arrives, so the level's first message also brings
+        # the idle time before the level; within the span it cannot exceed what is left of the wall.
+        wait = min(a.wait_s - b.wait_s, max(0.0, wall_s - compute - send))
+        rows.append(StageProfile(key[0], key[1], wall_s, compute, wait, send, int(a.batches - b.batches),
+                                 int(a.tokens - b.tokens)))
     return rows
 
 

@@ -36,5 +36,9 @@ def test_profile_is_the_difference_over_the_span_and_other_is_what_is_left():
     assert (entry.compute_s, entry.wait_s, entry.send_s, entry.batches, entry.tokens) == (10.0, 2.0, 0.0, 80, 800)
     assert entry.other_s == 8.0 and entry.rows_per_batch == 10.0
     assert last.compute_s == 15.0 and last.other_s == 0.0  # a stage first seen after the span counts from zero
+    assert last.wait_s == 4.5
+    # idle time before the span, counted when the first message arrived, is not the span's wait
+    (late,) = stage_profiles({}, {(0, 1): StageCounters(8.0, 30.0, 0.5, 10, 10)}, wall_s=10.0)
+    assert late.wait_s == 1.5 and late.other_s == 0.0
     table = "\n".join(format_profile("pp2", rows, gateway_cpu_s=5.0))
     assert "r0/s0" in table and "50%" in table and "25% of one core" in table
