@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from stage_worker.blas import THREADS_ENV, reexec_with_optimized_blas, usable_cores
+from stage_worker.blas import fixed_threads, reexec_with_optimized_blas, usable_cores
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -43,9 +43,7 @@ def blas_threads(env: dict[str, str], cores: int) -> int:
 
     The stage then resizes the pool with the pipeline's load (``blas.AdaptiveBlasThreads``).
     """
-    if env.get(THREADS_ENV):
-        return max(1, int(env[THREADS_ENV]))
-    return max(1, cores)
+    return fixed_threads(env) or max(1, cores)
 
 
 PIN_ENV = "STAGEMESH_PIN_CORES"
@@ -64,16 +62,24 @@ def pinned_cores(argv: list[str], env: dict[str, str], cpus: int) -> set[int] | 
         except (OSError, ValueError, KeyError, IndexError):
             return None
         return {index % cpus}
-    return {int(c) for c in setting.split(",") if c.strip()}
+    try:
+        return {int(c) for c in setting.split(",") if c.strip()}
+    except ValueError:
+        raise ValueError(f"{PIN_ENV}={setting!r} must be a comma-separated core list (e.g. 0,1) "
+                         f"or per-stage") from None
 
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    cores = pinned_cores(argv, dict(os.environ), os.cpu_count() or 1)
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)  # inherited across the exec below
-    reexec_with_optimized_blas(["-m", "stage_worker", *argv], blas_threads(dict(os.environ), usable_cores()),
-                               shared_host=stages_on_host(argv) > 1)
+    try:
+        cores = pinned_cores(argv, dict(os.environ), os.cpu_count() or 1)
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)  # inherited across the exec below
+        threads = blas_threads(dict(os.environ), usable_cores())
+    except (ValueError, OSError) as exc:
+        print(f"stage_worker: {exc}", file=sys.stderr)
+        sys.exit(2)  # EXIT_CONFIG: a setting to change, not a crash to restart
+    reexec_with_optimized_blas(["-m", "stage_worker", *argv], threads, shared_host=stages_on_host(argv) > 1)
     from stage_worker.stage_process import main
 
     sys.exit(main())

@@ -108,6 +108,17 @@ def loaded_blas() -> str:
     return "reference"
 
 
+def fixed_threads(env: Mapping[str, str]) -> int | None:
+    """``STAGEMESH_BLAS_THREADS`` as a positive count, or None when unset (threads follow the load)."""
+    value = env.get(THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_ENV}={value!r} must be a positive integer; unset it to let BLAS threads "
+                         f"follow the pipeline's load")
+    return int(value)
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask, e.g. after pinning), not the machine's."""
     if hasattr(os, "sched_getaffinity"):

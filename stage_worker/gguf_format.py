@@ -375,7 +375,9 @@ def read_gguf_spec(path: str) -> ModelSpec:
     theta = _f32(_meta(md, arch, "rope.freq_base", 1_000_000.0 if arch.startswith("qwen") else 10_000.0))
     args: dict[str, Any] = {
         "model_type": arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+        ],
         "hidden_size": hidden,
         "num_hidden_layers": num_layers,
         "intermediate_size": int(_meta(md, arch, "feed_forward_length")),

@@ -92,7 +92,9 @@ def _mlx_quantization(config: Mapping[str, Any], path: str) -> dict[str, Any] | 
     for module, value in quant.items():
         if isinstance(value, Mapping):
             if value.get("mode", "affine") != "affine":
-                raise ModelFormatError(f"{path}: module {module} uses quantization mode {value['mode']!r}; only affine is served.")
+                raise ModelFormatError(
+                    f"{path}: module {module} uses quantization mode {value['mode']!r}; only affine is served."
+                )
             check_affine(int(value["group_size"]), int(value["bits"]), f"{path}: module {module}")
     return quant
 

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from coordinator.plan import PipelinePlan, StagePlacement
 from stage_worker import wire
-from stage_worker.blas import THREADS_ENV, AdaptiveBlasThreads, loaded_blas, usable_cores
+from stage_worker.blas import AdaptiveBlasThreads, fixed_threads, loaded_blas, usable_cores
 from stage_worker.engine import EntryEngine, PipelineBroken
 from stage_worker.generation_job import GenerationJob, run_generation
 from stage_worker.grpc_service import StageDescription, start_grpc_server
@@ -296,9 +296,8 @@ def _prepare_weights_and_kv(args, plan, me, spec, model: StageModel, status: Sta
 
 
 def _blas_threads(args, plan: PipelinePlan, me: StagePlacement) -> AdaptiveBlasThreads:
-    fixed = os.environ.get(THREADS_ENV)
-    threads = AdaptiveBlasThreads(usable_cores(), args.stages_on_host or _stages_on_my_host(plan, me),
-                                  int(fixed) if fixed else None)
+    fixed = fixed_threads(os.environ)  # validated by the entry point already
+    threads = AdaptiveBlasThreads(usable_cores(), args.stages_on_host or _stages_on_my_host(plan, me), fixed)
     idle = threads.for_load(0)
     log.info("BLAS threads: %s", f"{idle} to {threads.cores} as the pipeline's load varies" if threads.adaptive
              else f"fixed at {fixed}" if fixed else "not adjustable")

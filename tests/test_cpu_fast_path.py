@@ -45,6 +45,9 @@ def test_the_blas_pool_starts_with_every_usable_core_unless_fixed():
     assert blas_threads({}, 8) == 8
     assert blas_threads({"STAGEMESH_BLAS_THREADS": "3"}, 8) == 3
     assert blas_threads({}, 0) == 1
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match=f"STAGEMESH_BLAS_THREADS='{bad}' must be a positive integer"):
+            blas_threads({"STAGEMESH_BLAS_THREADS": bad}, 8)
 
 
 def test_blas_threads_follow_the_pipelines_load():
@@ -124,3 +127,5 @@ def test_pinning_per_stage_puts_global_stage_g_on_core_g(tmp_path):
     assert pinned_cores(argv, {"STAGEMESH_PIN_CORES": "per-stage"}, 2) == {1}
     assert pinned_cores(argv, {"STAGEMESH_PIN_CORES": "0,1"}, 2) == {0, 1}
     assert pinned_cores(argv, {}, 2) is None
+    with pytest.raises(ValueError, match="STAGEMESH_PIN_CORES='0,x' must be a comma-separated core list"):
+        pinned_cores(argv, {"STAGEMESH_PIN_CORES": "0,x"}, 2)
