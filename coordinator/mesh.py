@@ -55,6 +55,7 @@ from coordinator.placement import (
     check_port_ranges,
     pipeline_plan,
     place_stages,
+    without_lost_nodes,
 )
 from coordinator.plan import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, PipelinePlan, StagePlacement
 from coordinator.ray_cluster import (
@@ -73,6 +74,7 @@ log = logging.getLogger("stagemesh.coordinator")
 _ACTOR_CALL_S = 10.0  # a StageHost answers at once unless its node is in trouble
 _ACTOR_START_S = 60.0  # creating an actor starts a Python worker on its node
 _PORTS_FREE_S = 30.0
+_LOST_NODE_S = 120.0  # how long a node whose StageHost vanished is avoided when placing again
 _STARTUP_POLL_S = 0.25
 
 
@@ -211,6 +213,7 @@ class MeshCoordinator:
         self._stopped = False
         self._session: RaySession | None = None
         self._replicas: list[_Replica] = []
+        self._lost_nodes: dict[str, float] = {}  # node id -> when a StageHost on it stopped answering
         self._nodes: list[ClusterNode] = []
         self._snapshot = MeshSnapshot(config.served_model_name, ())
         self._policy = config.restart_policy()
@@ -347,6 +350,9 @@ class MeshCoordinator:
                     held[stage.slot.node_id] = held.get(stage.slot.node_id, 0) + 1
         nodes = [replace(n, mlx_units=n.mlx_units - held.get(n.node_id, 0))
                  for n in cluster_nodes(self._session.driver_node_id if self._session else None)]
+        now = self._clock()
+        lost = {node for node, when in self._lost_nodes.items() if now - when < _LOST_NODE_S}
+        nodes = without_lost_nodes(nodes, lost, cfg.pipeline_parallel_size)
         local = bool(self._session and self._session.local)
         placement = place_stages(nodes, cfg.pipeline_parallel_size, 1, local=local, head_address=head_address(nodes))
         slots = [replace(s, replica=replica.index) for s in placement.replicas[0]]
@@ -573,7 +579,20 @@ class MeshCoordinator:
         except Exception as exc:
             log.warning("replica %d: a StageHost is unreachable (%s); placing the replica again",
                         replica.index, type(exc).__name__)
+            self._remember_lost_nodes(replica)
             return False
+
+    def _remember_lost_nodes(self, replica: _Replica) -> None:
+        """Note the nodes whose StageHost no longer answers, so placing again avoids them."""
+        import ray
+
+        for stage in replica.stages:
+            try:
+                ray.get(stage.actor.describe.remote(), timeout=_ACTOR_CALL_S)
+            except Exception:
+                self._lost_nodes[stage.slot.node_id] = self._clock()
+                log.warning("replica %d stage %d: node %s lost its StageHost; placing elsewhere while "
+                            "others have room", replica.index, stage.rank, stage.slot.node_id[:8])
 
     # -- stopping -------------------------------------------------------------
 

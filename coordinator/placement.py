@@ -18,7 +18,7 @@ with made-up clusters:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.layer_split import plan_layer_split
@@ -103,6 +103,17 @@ def _not_enough_units(
         f"(with STAGEMESH_HOST_IP set to the address its peers should use), or lower "
         f"-pp/-dp so that pp x dp <= {have}."
     )
+
+
+def without_lost_nodes(nodes: Sequence[ClusterNode], lost: Collection[str], needed: int) -> list[ClusterNode]:
+    """``nodes`` minus those a replica just lost, when the rest still hold ``needed`` units.
+
+    Ray keeps listing a node that left as alive until its health checks fail (tens of seconds),
+    and a placement group reserved there never becomes usable; so a replica placed again
+    prefers other nodes, and falls back to every listed node rather than not placing at all.
+    """
+    kept = [n for n in nodes if n.node_id not in lost]
+    return kept if sum(max(0, n.mlx_units) for n in kept) >= needed else list(nodes)
 
 
 def place_stages(

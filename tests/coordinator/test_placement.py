@@ -11,6 +11,7 @@ from coordinator.placement import (
     pipeline_plan,
     pipeline_plans,
     place_stages,
+    without_lost_nodes,
 )
 
 
@@ -117,3 +118,12 @@ def test_overlapping_port_ranges_are_refused():
 def test_port_range_outside_usable_ports_is_refused():
     with pytest.raises(PlacementError, match=r"--grpc-base-port 65535"):
         check_port_ranges(2, 40000, 65535)
+
+
+def test_a_replica_placed_again_avoids_the_node_it_lost_while_others_have_room():
+    cluster = _nodes(("head", 1, True), ("gone", 1, False), ("new", 1, False))
+    assert [n.node_id for n in without_lost_nodes(cluster, {"gone"}, 2)] == ["head", "new"]
+    # without the lost node there would not be room: keep it rather than not place at all
+    assert [n.node_id for n in without_lost_nodes(cluster, {"gone"}, 3)] == ["head", "gone", "new"]
+    placement = place_stages(without_lost_nodes(cluster, {"gone"}, 2), 2, 1)
+    assert "gone" not in {slot.node_id for slot in placement.replicas[0]}

@@ -8,6 +8,7 @@ fake stage (no model), so the whole module takes well under a minute.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -172,6 +173,11 @@ def test_a_replica_whose_node_leaves_is_placed_again_on_a_new_node(cluster):
         node = next(n for n in cluster.worker_nodes if n.node_id == lost)
         with loopback_only():
             cluster.remove_node(node)
+            # A node that leaves takes its processes with it. Ray's simulated node only stops its
+            # raylet; its worker (and so the stage under it) can linger for many seconds while
+            # holding the stage's ports on this one shared host, which no real departure does.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(before.stages[1].pid, signal.SIGKILL)
             replacement = cluster.add_node(node_ip_address="127.0.0.1", resources={"mlx": 1}, num_cpus=1)
         wait_until(lambda: not coordinator.snapshot().replicas[0].healthy, 5, "replica marked unhealthy")
         wait_until(lambda: coordinator.snapshot().replicas[0].healthy, 60, "replica placed again")
