@@ -8,11 +8,12 @@ three shapes, each as few MLX ops as its sequences allow:
 
 * a *decode group* (one token each) attends as one batch over its
   ``BatchKVCache`` (see ``kv_store``);
-* *fresh prompts* (chunks starting a sequence) of equal length attend as one
-  ``[n, heads, L, dim]`` causal batch (they have no history), and only the
-  writes into their own caches are per sequence. Without this, 16 prompts of
-  32 tokens cost ~10 small ops per sequence per layer (~40% more prefill time
-  on the CPU backend);
+* *fresh prompts* (chunks starting a sequence) of similar length attend as one
+  right-padded ``[n, heads, L, dim]`` causal batch (they have no history;
+  causality keeps every real row from seeing the padding after it), and only
+  the writes of their real rows into their own caches are per sequence.
+  Without this, 16 prompts of ~32 tokens cost ~10 small ops per sequence per
+  layer (~40% more prefill time on the CPU backend);
 * any other chunk (continuing a long prompt) applies RoPE at its own offset,
   appends to its own mlx-lm ``KVCache`` and attends over its own history.
 
@@ -56,33 +57,61 @@ class DecodeRows:
     caches: Sequence[BatchKVCache]
 
 
+@dataclass(frozen=True)
+class _FreshGroup:
+    """Fresh prompts attended together, right-padded to ``length`` rows each."""
+
+    segments: Sequence[Segment]
+    length: int
+    gather: mx.array  # [n * length] batch rows; padding repeats a sequence's last row
+    real: mx.array | None  # positions of the real rows in the padded [n * length]; None: no padding
+
+
+# A prompt joins a group whose shortest member is within this many tokens (or a quarter of its
+# length): padding costs compute, a separate attention costs ~10 small ops per layer.
+_PAD_TOKENS = 8
+
+
 def packed_layers(
     layers: Sequence[nn.Module], hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None
 ) -> mx.array:
     """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); segments and decode rows cover the rows."""
-    fresh, others = _fresh_prompt_groups(segments)
+    fresh, others = fresh_prompt_groups(segments)
     # attention outputs come out unit by unit: decode group, fresh prompt groups, other chunks
-    order = ([*decode.rows] if decode else []) + [r for group in fresh for s in group for r in s.rows] + \
+    order = ([*decode.rows] if decode else []) + [r for g in fresh for s in g.segments for r in s.rows] + \
         [r for s in others for r in s.rows]
     restore = None if order == list(range(len(order))) else mx.array(_inverse(order))
-    fresh_rows = [mx.array([r for s in group for r in s.rows]) for group in fresh]
     h = hidden
     for index, layer in enumerate(layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), fresh, fresh_rows, others, decode, index,
-                           restore)
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), fresh, others, decode, index, restore)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h
 
 
-def _fresh_prompt_groups(segments: Sequence[Segment]) -> tuple[list[list[Segment]], list[Segment]]:
-    """Fresh chunks (empty caches) of equal length, grouped (two or more each), and the rest."""
-    by_length: dict[int, list[Segment]] = {}
-    for segment in segments:
-        if segment.caches[0].offset == 0:
-            by_length.setdefault(segment.num_tokens, []).append(segment)
-    groups = [group for group in by_length.values() if len(group) > 1]
-    grouped = {id(s) for group in groups for s in group}
+def fresh_prompt_groups(segments: Sequence[Segment]) -> tuple[list[_FreshGroup], list[Segment]]:
+    """Fresh chunks (empty caches) of similar length, grouped (two or more each), and the rest."""
+    fresh = sorted((s for s in segments if s.caches[0].offset == 0), key=lambda s: s.num_tokens)
+    buckets: list[list[Segment]] = []
+    for segment in fresh:
+        if buckets and segment.num_tokens <= _pad_limit(buckets[-1][0].num_tokens):
+            buckets[-1].append(segment)
+        else:
+            buckets.append([segment])
+    groups = [_fresh_group(bucket) for bucket in buckets if len(bucket) > 1]
+    grouped = {id(s) for g in groups for s in g.segments}
     return groups, [s for s in segments if id(s) not in grouped]
+
+
+def _pad_limit(shortest: int) -> int:
+    return shortest + max(_PAD_TOKENS, shortest // 4)
+
+
+def _fresh_group(segments: Sequence[Segment]) -> _FreshGroup:
+    length = max(s.num_tokens for s in segments)
+    gather = [s.row_start + min(t, s.num_tokens - 1) for s in segments for t in range(length)]
+    padded = any(s.num_tokens < length for s in segments)
+    real = [i * length + t for i, s in enumerate(segments) for t in range(s.num_tokens)] if padded else None
+    return _FreshGroup(tuple(segments), length, mx.array(gather), None if real is None else mx.array(real))
 
 
 def _inverse(order: Sequence[int]) -> list[int]:
@@ -92,9 +121,8 @@ def _inverse(order: Sequence[int]) -> list[int]:
     return inverse
 
 
-def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[Sequence[Segment]], fresh_rows: Sequence[mx.array],
-               others: Sequence[Segment], decode: DecodeRows | None, layer_index: int,
-               restore: mx.array | None) -> mx.array:
+def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], others: Sequence[Segment],
+               decode: DecodeRows | None, layer_index: int, restore: mx.array | None) -> mx.array:
     rows = x.shape[0]
     queries = attn.q_proj(x).reshape(rows, attn.n_heads, -1)
     keys = attn.k_proj(x).reshape(rows, attn.n_kv_heads, -1)
@@ -104,8 +132,8 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[Sequence[Segment]],
     outputs = []
     if decode is not None:
         outputs.append(_decode_attention(attn, queries, keys, values, decode, layer_index))
-    for group, index in zip(fresh, fresh_rows):
-        outputs.append(_fresh_prompts_attention(attn, queries, keys, values, group, index, layer_index))
+    for group in fresh:
+        outputs.append(_fresh_prompts_attention(attn, queries, keys, values, group, layer_index))
     for segment in others:
         start, end = segment.row_start, segment.row_start + segment.num_tokens
         cache = segment.caches[layer_index]
@@ -126,19 +154,21 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[Sequence[Segment]],
 
 
 def _fresh_prompts_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,
-                             group: Sequence[Segment], index: mx.array, layer_index: int) -> mx.array:
-    """``n`` fresh prompts of ``L`` tokens: one causal attention over ``[n, heads, L, dim]``, then each
-    sequence's keys and values written into its own cache."""
-    n, length = len(group), group[0].num_tokens
-    q = queries[index].reshape(n, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
-    k = keys[index].reshape(n, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    v = values[index].reshape(n, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                             group: _FreshGroup, layer_index: int) -> mx.array:
+    """``n`` fresh prompts right-padded to ``L`` rows: one causal attention over ``[n, heads, L, dim]``,
+    then each sequence's real keys and values written into its own cache; the real rows out."""
+    n, length = len(group.segments), group.length
+    q = queries[group.gather].reshape(n, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = keys[group.gather].reshape(n, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = values[group.gather].reshape(n, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     q = attn.rope(q, offset=0)
     k = attn.rope(k, offset=0)
-    for i, segment in enumerate(group):
-        segment.caches[layer_index].update_and_fetch(k[i : i + 1], v[i : i + 1])
+    for i, segment in enumerate(group.segments):
+        size = segment.num_tokens
+        segment.caches[layer_index].update_and_fetch(k[i : i + 1, :, :size], v[i : i + 1, :, :size])
     out = scaled_dot_product_attention(q, k, v, cache=None, scale=attn.scale, mask="causal" if length > 1 else None)
-    return out.transpose(0, 2, 1, 3).reshape(n * length, -1)
+    out = out.transpose(0, 2, 1, 3).reshape(n * length, -1)
+    return out if group.real is None else out[group.real]
 
 
 def _decode_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,

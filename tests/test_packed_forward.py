@@ -36,14 +36,30 @@ def _run(compute, model, batch):
     return rows
 
 
+def test_fresh_prompts_group_by_similar_length():
+    from stage_worker.packed_forward import Segment, fresh_prompt_groups
+
+    class Empty:
+        offset = 0
+
+    def segment(n, row):
+        return Segment([Empty()], n, row)
+
+    segments = [segment(32, 0), segment(30, 32), segment(33, 62), segment(200, 95), segment(7, 295)]
+    groups, alone = fresh_prompt_groups(segments)
+    assert [[s.num_tokens for s in g.segments] for g in groups] == [[30, 32, 33]]
+    assert groups[0].length == 33 and groups[0].real is not None
+    assert sorted(s.num_tokens for s in alone) == [7, 200]
+
+
 def test_packed_batches_equal_each_sequence_alone(model):
     steps = [
-        # 0 and 1 are fresh prompts of equal length (one grouped attention), 2 is fresh but shorter,
-        # 3 starts a long prompt that continues in the next batch
-        [(0, 0, 6, NEW), (1, 0, 6, NEW), (2, 0, 4, NEW), (3, 0, 5, NEW)],
+        # 0-3 are fresh prompts of similar length: one attention, 2 and 3 right-padded to 6 rows;
+        # 6 is fresh but far longer (attends alone); 3 continues its prompt in the next batch
+        [(0, 0, 6, NEW), (1, 0, 6, NEW), (2, 0, 4, NEW), (3, 0, 5, NEW), (6, 0, 30, NEW)],
         # 0-2 decode together; 3 continues its prompt; 4 and 5 arrive as fresh equal-length prompts
-        [(0, 6, 1, 0), (1, 6, 1, 0), (2, 4, 1, 0), (3, 5, 3, 0), (4, 0, 2, NEW), (5, 0, 2, NEW)],
-        [(0, 7, 1, 0), (1, 7, 1, 0), (2, 5, 1, 0), (3, 8, 1, 0), (4, 2, 1, 0), (5, 2, 1, 0)],
+        [(0, 6, 1, 0), (1, 6, 1, 0), (2, 4, 1, 0), (3, 5, 3, 0), (4, 0, 2, NEW), (5, 0, 2, NEW), (6, 30, 1, 0)],
+        [(0, 7, 1, 0), (1, 7, 1, 0), (2, 5, 1, 0), (3, 8, 1, 0), (4, 2, 1, 0), (5, 2, 1, 0), (6, 31, 1, 0)],
     ]
     packed = StageCompute(model, 16)
     alone = StageCompute(model, 16)
