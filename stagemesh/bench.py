@@ -303,6 +303,13 @@ def run(args: argparse.Namespace) -> int:
                 tokenizer = load_tokenizer(args.tokenizer)
             except (ModelFormatError, OSError, ValueError) as exc:
                 raise BenchSetupError(f"cannot load --tokenizer {args.tokenizer}: {exc}") from None
+        from stagemesh.bench_workload import min_input_tokens
+
+        if args.input_len < min_input_tokens(tokenizer):
+            raise BenchSetupError(
+                f"--input-len {args.input_len} is shorter than the counting instruction plus a few distinct "
+                f"words; give at least {min_input_tokens(tokenizer)} (shorter prompts would all be the same "
+                f"text, which a server's prompt cache answers for free)")
         workload = Workload(args.endpoint_type, args.input_len, args.output_len, args.seed, args.ignore_eos,
                             not args.no_usage, args.temperature)
         endpoints, warm_records, records = asyncio.run(run_benchmark(endpoints, levels, workload, args, tokenizer))

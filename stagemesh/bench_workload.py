@@ -9,7 +9,9 @@ Contract:
   ``input_tokens`` long as that tokenizer counts it (special tokens included;
   within a token or two where a word boundary re-merges); without one, words
   approximate tokens. A target below the instruction's own length yields just
-  the instruction. Distinct keys give distinct prompts from the first word, so
+  the instruction. ``min_input_tokens`` is the shortest length that still
+  leaves ``MIN_FILLER_TOKENS`` of filler; ``stagemesh bench`` refuses a shorter
+  ``--input-len``. Distinct keys give distinct prompts from the first word, so
   a server's prefix cache cannot make one request cheaper than another.
 - ``request_body(workload, model, prompt)`` is the JSON body for
   ``/v1/completions`` or ``/v1/chat/completions``, streaming; ``ignore_eos`` and
@@ -40,10 +42,10 @@ place light river stone tree green blue red white black city road field garden w
 letter music story morning evening summer winter spring autumn number open close bright quiet simple
 """.split())
 
-COUNT_INSTRUCTION = (
-    "\n\nIgnore the words above. Count from 1 to 10000 in digits, separated by commas, "
-    "without stopping and without any other text: 1, 2, 3, 4, 5,"
-)
+COUNT_INSTRUCTION = "\n\nIgnore the words above and count: 1, 2, 3,"
+# Filler tokens every prompt keeps before the instruction, so prompts differ from their first token
+# (a shorter --input-len would make every request the same instruction, which prefix caches serve free).
+MIN_FILLER_TOKENS = 4
 
 _APPROX_TOKEN = re.compile(r"\d|[^\W\d]+|[^\w\s]|\n+")  # digits apart, as many tokenizers split numbers
 
@@ -62,6 +64,13 @@ def approx_tokens(text: str) -> int:
 def _words(key: str, n: int) -> str:
     rng = random.Random(key)  # str seeds hash with SHA-512: the same words on every machine and run
     return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def min_input_tokens(tokenizer: Tokenizer | None = None) -> int:
+    """The shortest prompt whose filler still makes it distinct from every other."""
+    instruction = len(tokenizer.encode(COUNT_INSTRUCTION)) if tokenizer is not None \
+        else approx_tokens(COUNT_INSTRUCTION)
+    return instruction + MIN_FILLER_TOKENS
 
 
 def make_prompt(key: str, input_tokens: int, tokenizer: Tokenizer | None = None) -> Prompt:

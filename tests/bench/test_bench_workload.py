@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from stagemesh.bench_types import Workload
-from stagemesh.bench_workload import COUNT_INSTRUCTION, WORDS, approx_tokens, load_tokenizer, make_prompt, request_body
+from stagemesh.bench_workload import (
+    COUNT_INSTRUCTION,
+    WORDS,
+    approx_tokens,
+    load_tokenizer,
+    make_prompt,
+    min_input_tokens,
+    request_body,
+)
 
 
 def test_prompts_are_seeded_and_distinct_per_key():
@@ -26,6 +34,14 @@ def test_prompt_without_tokenizer_approximates_tokens_by_words():
 def test_a_target_shorter_than_the_instruction_yields_the_instruction():
     p = make_prompt("k", 1)
     assert p.text == COUNT_INSTRUCTION.lstrip() and p.tokens > 1
+
+
+def test_32_token_prompts_fit_and_differ(tokenizer):
+    # the serving comparisons use 32-token prompts: they must be distinct, not just the instruction
+    assert min_input_tokens(tokenizer) <= 32
+    a, b = make_prompt("0:1:concurrency=16:0", 32, tokenizer), make_prompt("0:1:concurrency=16:1", 32, tokenizer)
+    assert a.tokens == b.tokens == 32 and a.text != b.text
+    assert tokenizer.encode(a.text)[:3] != tokenizer.encode(b.text)[:3]
 
 
 @pytest.fixture(scope="module")
