@@ -67,6 +67,12 @@ def test_bad_numbers_are_rejected_before_anything_runs():
         bench.check_args(parse("--duration", "-1"))
 
 
+def test_prompts_too_short_to_differ_are_refused(capsys):
+    # shorter than the counting instruction, every request would be the same text
+    assert bench.run(parse("--input-len", "10", "--base-url", "http://127.0.0.1:9")) == 2
+    assert "--input-len 10 is shorter than the counting instruction" in capsys.readouterr().err
+
+
 def _level(endpoint, failed=0, errors=()):
     dist = {"count": 1, "mean": 0.01, "p50": 0.01, "p90": 0.01, "p99": 0.02, "max": 0.02}
     return {"endpoint": endpoint, "level": "concurrency=1", "load": "concurrency", "load_value": 1, "sent": 4,
