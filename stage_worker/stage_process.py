@@ -278,7 +278,7 @@ def _serve_stage(args, plan, me, spec, dtype, status, servicer, stage_name) -> i
 
 def _prepare_weights_and_kv(args, plan, me, spec, model: StageModel, status: StageStatus, stage_name: str) -> int:
     """Choose dense or quantized weights and size this stage's KV capacity (tokens)."""
-    budget = host_memory_budget(args.memory_fraction, args.stages_on_host or _stages_on_my_host(plan, me))
+    budget = host_memory_budget(args.memory_fraction, _stages_on_host(args, plan, me))
     status.blas = loaded_blas()
     dense, why = choose_dense_weights(
         plan.dequantize, on_gpu=mx.default_device() == mx.gpu, blas=status.blas, quantized=model.quantized,
@@ -297,15 +297,16 @@ def _prepare_weights_and_kv(args, plan, me, spec, model: StageModel, status: Sta
 
 def _blas_threads(args, plan: PipelinePlan, me: StagePlacement) -> AdaptiveBlasThreads:
     fixed = fixed_threads(os.environ)  # validated by the entry point already
-    threads = AdaptiveBlasThreads(usable_cores(), args.stages_on_host or _stages_on_my_host(plan, me), fixed)
+    threads = AdaptiveBlasThreads(usable_cores(), _stages_on_host(args, plan, me), fixed)
     idle = threads.for_load(0)
     log.info("BLAS threads: %s", f"{idle} to {threads.cores} as the pipeline's load varies" if threads.adaptive
              else f"fixed at {fixed}" if fixed else "not adjustable")
     return threads
 
 
-def _stages_on_my_host(plan: PipelinePlan, me: StagePlacement) -> int:
-    return sum(1 for s in plan.stages if s.host == me.host)
+def _stages_on_host(args, plan: PipelinePlan, me: StagePlacement) -> int:
+    """Stages sharing this stage's host: ``--stages-on-host`` (the coordinator counts per node), else the plan's."""
+    return args.stages_on_host or sum(1 for s in plan.stages if s.host == me.host)
 
 
 def _serve_entry(args, pipeline: EntryPipeline, status: StageStatus, servicer, pipeline_size: int,

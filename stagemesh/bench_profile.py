@@ -30,24 +30,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from coordinator.mesh_state import StageStatsSnapshot
+
 _COUNTERS = {
-    "stagemesh_stage_compute_seconds_total": "compute_s",
-    "stagemesh_stage_wait_seconds_total": "wait_s",
-    "stagemesh_stage_send_seconds_total": "send_s",
+    "stagemesh_stage_compute_seconds_total": "compute_seconds",
+    "stagemesh_stage_wait_seconds_total": "wait_seconds",
+    "stagemesh_stage_send_seconds_total": "send_seconds",
     "stagemesh_stage_batches_total": "batches",
     "stagemesh_stage_tokens_total": "tokens",
 }
 
 StageKey = tuple[int, int]  # (replica, rank)
-
-
-@dataclass(frozen=True)
-class StageCounters:
-    compute_s: float = 0.0
-    wait_s: float = 0.0
-    send_s: float = 0.0
-    batches: float = 0.0
-    tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +63,7 @@ class StageProfile:
         return self.tokens / self.batches if self.batches else 0.0
 
 
-def parse_stage_counters(metrics_text: str) -> dict[StageKey, StageCounters]:
+def parse_stage_counters(metrics_text: str) -> dict[StageKey, StageStatsSnapshot]:
     """The stage counters in a Prometheus text exposition, by (replica, rank)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -82,19 +75,19 @@ def parse_stage_counters(metrics_text: str) -> dict[StageKey, StageCounters]:
                 continue
             key = (int(sample.labels.get("replica", 0)), int(sample.labels.get("rank", 0)))
             values.setdefault(key, {})[field] = sample.value
-    return {key: StageCounters(**fields) for key, fields in values.items()}
+    return {key: StageStatsSnapshot(**fields) for key, fields in values.items()}
 
 
-def stage_profiles(before: Mapping[StageKey, StageCounters], after: Mapping[StageKey, StageCounters],
+def stage_profiles(before: Mapping[StageKey, StageStatsSnapshot], after: Mapping[StageKey, StageStatsSnapshot],
                    wall_s: float) -> list[StageProfile]:
     """Per-stage time over a span of ``wall_s`` seconds between two counter snapshots (pure)."""
     rows = []
     for key in sorted(after):
-        a, b = after[key], before.get(key, StageCounters())
-        compute, send = a.compute_s - b.compute_s, a.send_s - b.send_s
+        a, b = after[key], before.get(key, StageStatsSnapshot())
+        compute, send = a.compute_seconds - b.compute_seconds, a.send_seconds - b.send_seconds
         # A relay counts its wait when a message arrives, so the level's first message also brings
         # the idle time before the level; within the span it cannot exceed what is left of the wall.
-        wait = min(a.wait_s - b.wait_s, max(0.0, wall_s - compute - send))
+        wait = min(a.wait_seconds - b.wait_seconds, max(0.0, wall_s - compute - send))
         rows.append(StageProfile(key[0], key[1], wall_s, compute, wait, send, int(a.batches - b.batches),
                                  int(a.tokens - b.tokens)))
     return rows
@@ -138,7 +131,7 @@ def profile_endpoint(url: str, label: str, model: str, serve_pid: int, *, concur
     """Load one stagemesh endpoint alone for one level and return the profile (rows and gateway CPU)."""
     import httpx
 
-    def counters() -> dict[StageKey, StageCounters]:
+    def counters() -> dict[StageKey, StageStatsSnapshot]:
         time.sleep(1.5)  # the gateway refreshes stage counters every second
         return parse_stage_counters(httpx.get(f"{url}/metrics", timeout=10).text)
 
