@@ -27,19 +27,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from coordinator.mesh_state import StageStatsSnapshot
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-EXIT_MEANINGS = {
-    0: "it stopped",
-    2: "configuration error",
-    3: "a neighbour failed or refused it",
-    75: "a ring operation outlived --ring-timeout",
-}
-
-STATE_NAMES = {  # stagemesh.v1.StageState -> snapshot state
-    0: "starting", 1: "loading", 2: "connecting", 3: "serving",
-    4: "draining", 5: "failed", 6: "stopped",
-}
+from stagemesh.core.snapshots import StageStats
+from stagemesh.core.states import StageState, UnknownStateError, describe_exit, state_from_proto
+from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
 
 class Verdict(enum.Enum):
@@ -54,14 +47,14 @@ class Verdict(enum.Enum):
 class StageInfoView:
     """The parts of ``stagemesh.v1.StageInfo`` the snapshot keeps."""
 
-    state: str
+    state: StageState
     pid: int
     compute_dtype: str
     quantized: bool
     error: str
     blas: str
     weight_bytes: int
-    stats: StageStatsSnapshot
+    stats: StageStats
 
 
 @dataclass(frozen=True)
@@ -73,24 +66,17 @@ class StageProbe:
     rpc_error: str | None = None
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        return f"killed by signal {-code}"
-    meaning = EXIT_MEANINGS.get(code)
-    return f"exited with code {code}" + (f" ({meaning})" if meaning else "")
-
-
 def judge(probe: StageProbe, *, starting: bool, misses: int, max_misses: int) -> tuple[Verdict, str | None]:
     """(verdict, reason); ``misses`` counts the consecutive non-serving checks before this one."""
     if probe.host_lost is not None:
         return Verdict.FAILED, f"its StageHost is gone ({probe.host_lost})"
     if probe.exit_code is not None:
         return Verdict.FAILED, describe_exit(probe.exit_code)
-    if probe.info is not None and probe.info.state == "failed":
+    if probe.info is not None and probe.info.state is StageState.FAILED:
         return Verdict.FAILED, probe.info.error or "it reported FAILED"
     if probe.health == "SERVING":
         return Verdict.SERVING, None
-    if probe.info is not None and probe.info.state == "draining":
+    if probe.info is not None and probe.info.state is StageState.DRAINING:
         return Verdict.DRAINING, None
     if starting:
         return Verdict.STARTING, None
@@ -127,21 +113,12 @@ class StageChannel:
     ]
 
     def __init__(self, target: str) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2_grpc
-
-        from stagemesh.v1 import stage_pb2_grpc
-
         self.target = target
         self._channel = grpc.insecure_channel(target, options=self._OPTIONS)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._stage = stage_pb2_grpc.StageStub(self._channel)
 
     def start_probe(self, timeout_s: float) -> tuple[Future, Future]:
-        from grpc_health.v1 import health_pb2
-
-        from stagemesh.v1 import stage_pb2
-
         health = self._health.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         info = self._stage.GetStageInfo.future(stage_pb2.GetStageInfoRequest(), timeout=timeout_s)
         return health, info
@@ -149,9 +126,6 @@ class StageChannel:
     @staticmethod
     def finish_probe(futures: tuple[Future, Future]) -> tuple[str | None, StageInfoView | None, str | None]:
         """(health status name, info, first RPC error) from ``start_probe``'s futures."""
-        import grpc
-        from grpc_health.v1 import health_pb2
-
         health_future, info_future = futures
         health = info = error = None
         try:
@@ -162,27 +136,23 @@ class StageChannel:
             info = info_view(info_future.result())
         except grpc.RpcError as exc:
             error = error or f"GetStageInfo: {exc.code().name}"
+        except UnknownStateError as exc:
+            error = error or f"GetStageInfo: {exc}"
         return health, info, error
 
     def close(self) -> None:
         self._channel.close()
 
 
-def info_view(message) -> StageInfoView:
-    """``stagemesh.v1.StageInfo`` -> ``StageInfoView``."""
-    s = message.stats
+def info_view(message: stage_pb2.StageInfo) -> StageInfoView:
+    """``stagemesh.v1.StageInfo`` -> ``StageInfoView``; an unknown state raises ``UnknownStateError``."""
     return StageInfoView(
-        state=STATE_NAMES.get(int(message.state), "starting"),
+        state=state_from_proto(message.state),
         pid=int(message.pid),
         compute_dtype=message.compute_dtype,
         quantized=bool(message.quantized),
         error=message.error,
         blas=message.blas,
         weight_bytes=int(message.weight_bytes),
-        stats=StageStatsSnapshot(
-            batches=s.batches, tokens=s.tokens, compute_seconds=s.compute_seconds,
-            wait_seconds=s.wait_seconds, send_seconds=s.send_seconds,
-            running_sequences=s.running_sequences, waiting_requests=s.waiting_requests,
-            requests_finished=s.requests_finished,
-        ),
+        stats=StageStats.from_proto(message.stats),
     )

@@ -1,10 +1,11 @@
 """Run one pipeline as local processes on this machine, supervised.
 
-Starts every rank of a ``PipelinePlan`` as ``python -m stage_worker``
-at once (the ring needs all ranks to come up together), each logging to its own
-file. If any rank exits with an error, the others are stopped within a second
-and ``PipelineFailed`` names the rank, its exit code and the end of its log, so
-a dead or refused stage never leaves the caller waiting. Used by the parity tool
+Starts every rank of a ``PipelinePlan`` as ``python -m stage_worker.harness``
+(a stage that runs a fixed job instead of serving) at once (the ring needs all
+ranks to come up together), each logging to its own file. If any rank exits
+with an error, the others are stopped within a second and ``PipelineFailed``
+names the rank, its exit code and the end of its log, so a dead or refused
+stage never leaves the caller waiting. Used by the parity tool
 and the tests; ``stagemesh serve`` places stages with Ray instead.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.plan import PipelinePlan
+from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions
 
 _POLL_S = 0.05
 
@@ -106,30 +107,33 @@ def start_local_pipeline(
     job: dict | None = None,
     record_logits: bool = False,
     stats: bool = False,
-    extra_args: Sequence[Sequence[str]] | None = None,
+    options: StageOptions | Sequence[StageOptions] | None = None,
     env: dict[str, str] | None = None,
     workdir: str | None = None,
 ) -> LocalPipeline:
-    """Start every rank of ``plan``; ``extra_args[r]`` adds flags to rank r only."""
+    """Start every rank of ``plan`` with ``options`` (one for all, or one per rank)."""
+    if options is None or isinstance(options, StageOptions):
+        per_rank = [options or StageOptions()] * plan.size
+    else:
+        per_rank = list(options)
+    if len(per_rank) != plan.size:
+        raise ValueError(f"{len(per_rank)} stage options for a pipeline of {plan.size} stages")
     root = Path(workdir or tempfile.mkdtemp(prefix="stagemesh-pipeline-"))
     root.mkdir(parents=True, exist_ok=True)
-    plan_path = root / "plan.json"
-    plan_path.write_text(plan.to_json())
     if job is not None:
         (root / "job.json").write_text(json.dumps(job))
     pipeline = LocalPipeline(plan, root)
     child_env = {**os.environ, **(env or {})}
     for stage in plan.stages:
-        args = [sys.executable, "-m", "stage_worker", "--plan", str(plan_path),
-                "--rank", str(stage.rank)]
+        launch_path = root / f"launch-{stage.rank}.json"
+        launch_path.write_text(StageLaunch(plan, stage.rank, per_rank[stage.rank]).to_json())
+        args = [sys.executable, "-m", "stage_worker.harness", "--launch", str(launch_path)]
         if stage.rank == 0 and job is not None:
             args += ["--job", str(root / "job.json"), "--job-result", str(root / "result.json")]
         if record_logits and stage.rank == plan.size - 1:
             args += ["--record-logits", str(root / "logits.npz")]
         if stats:
             args += ["--stats", str(root / f"stats-{stage.rank}.json")]
-        if extra_args is not None:
-            args += list(extra_args[stage.rank])
         log_path = root / f"stage-{stage.rank}.log"
         with open(log_path, "w") as log_file:
             process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)

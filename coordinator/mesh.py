@@ -46,8 +46,6 @@ from coordinator.health import (
     Verdict,
     judge,
 )
-from coordinator.layer_split import plan_layer_split
-from coordinator.mesh_state import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStatsSnapshot
 from coordinator.placement import (
     ClusterNode,
     PlacementError,
@@ -57,7 +55,6 @@ from coordinator.placement import (
     place_stages,
     without_lost_nodes,
 )
-from coordinator.plan import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, PipelinePlan, StagePlacement
 from coordinator.ray_cluster import (
     RaySession,
     cluster_nodes,
@@ -68,6 +65,11 @@ from coordinator.ray_cluster import (
     reserve_bundles,
 )
 from coordinator.stage_host import DEFAULT_STAGE_COMMAND, HostInfo, stage_host_actor
+from stagemesh.core.layer_split import plan_layer_split
+from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
+from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
+from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
+from stagemesh.core.states import StageState, caused_by_neighbour
 
 log = logging.getLogger("stagemesh.coordinator")
 
@@ -110,8 +112,7 @@ class MeshConfig:
     restart_window_s: float = 600.0
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
-    stage_command: tuple[str, ...] = DEFAULT_STAGE_COMMAND  # after `python`
-    extra_stage_args: tuple[str, ...] = ()
+    stage_command: tuple[str, ...] = DEFAULT_STAGE_COMMAND  # after `python`; `--launch FILE` follows
 
     @property
     def total_stages(self) -> int:
@@ -135,18 +136,14 @@ def validate_config(config: MeshConfig) -> None:
         raise ValueError("health_interval_s must be positive and unhealthy_after_misses at least 1")
 
 
-def stage_args(config: MeshConfig, node_id: str, stages_on_node: int = 1) -> list[str]:
-    """Flags after ``--plan/--rank`` for a serving stage; ``stages_on_node`` share its memory and cores."""
-    args = ["--serve", "--node-id", node_id, "--connect-timeout", f"{config.connect_timeout_s:g}"]
-    if stages_on_node > 1:
-        args += ["--stages-on-host", str(stages_on_node)]
-    if config.memory_fraction is not None:
-        args += ["--memory-fraction", f"{config.memory_fraction:g}"]
-    if config.max_num_seqs is not None:
-        args += ["--max-num-seqs", str(config.max_num_seqs)]
-    if config.max_model_len is not None:
-        args += ["--max-model-len", str(config.max_model_len)]
-    return args + list(config.extra_stage_args)
+def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1) -> StageOptions:
+    """A serving stage's options; ``stages_on_node`` stages share its node's memory and cores.
+    What the user left unset keeps the stage's default."""
+    given: dict[str, Any] = {"memory_fraction": config.memory_fraction, "max_num_seqs": config.max_num_seqs,
+                             "max_model_len": config.max_model_len}
+    return StageOptions(node_id=node_id, connect_timeout_s=config.connect_timeout_s,
+                        stages_on_host=stages_on_node if stages_on_node > 1 else 0,
+                        **{name: value for name, value in given.items() if value is not None})
 
 
 @dataclass
@@ -160,13 +157,14 @@ class _Stage:
     channel: StageChannel | None = None
     host: HostInfo | None = None
     pid: int | None = None
-    state: str = "starting"
+    state: StageState = StageState.STARTING
+    exit_code: int | None = None  # the process's, once it exited
     healthy: bool = False
     error: str | None = None
     compute_dtype: str = ""
     quantized: bool = False
     blas: str = ""
-    stats: StageStatsSnapshot = field(default_factory=StageStatsSnapshot)
+    stats: StageStats = field(default_factory=StageStats)
     misses: int = 0
     started_at: float = 0.0
 
@@ -191,6 +189,14 @@ class _Replica:
     restarts: int = 0
     restart_times: list[float] = field(default_factory=list)
     thread: threading.Thread | None = None
+
+    def host_addresses(self) -> list[str]:
+        """The address each stage advertises; ``MeshCoordinator._describe_hosts`` has filled them in."""
+        hosts = []
+        for s in self.stages:
+            assert s.host is not None, f"{s.name}: host not described yet"
+            hosts.append(s.host.host)
+        return hosts
 
 
 class _ReplicaFailed(RuntimeError):
@@ -238,8 +244,8 @@ class MeshCoordinator:
                 self._nodes, cfg.pipeline_parallel_size, cfg.data_parallel_size,
                 local=self._session.local, head_address=head_address(self._nodes),
             )
-            for replica, slots in enumerate(placement.replicas):
-                self._replicas.append(self._reserve(replica, slots))
+            for index, slots in enumerate(placement.replicas):
+                self._replicas.append(self._reserve(index, slots))
             for replica in self._replicas:
                 self._describe_hosts(replica)
                 self._plan(replica)
@@ -281,7 +287,7 @@ class MeshCoordinator:
                 for replica in self._replicas:
                     replica.phase = "stopped"
                     for stage in replica.stages:
-                        stage.state, stage.healthy, stage.pid = "stopped", False, None
+                        stage.state, stage.healthy, stage.pid = StageState.STOPPED, False, None
                 self._publish()
             self._stopped = True
             atexit.unregister(self.stop)
@@ -315,7 +321,7 @@ class MeshCoordinator:
     def _plan(self, replica: _Replica) -> None:
         cfg = self.config
         plan = pipeline_plan(
-            replica.index, [s.host.host for s in replica.stages],
+            replica.index, replica.host_addresses(),
             data_parallel_size=cfg.data_parallel_size, model_path=cfg.model_path,
             num_layers=cfg.num_layers, compute_dtype=cfg.compute_dtype, layer_split=cfg.layer_split,
             ring_base_port=cfg.ring_base_port, grpc_base_port=cfg.grpc_base_port, dequantize=cfg.dequantize,
@@ -363,7 +369,7 @@ class MeshCoordinator:
                     old.channel.close()
             replica.group, replica.stages = fresh.group, fresh.stages
         self._describe_hosts(replica)
-        log.info("replica %d placed again on %s", replica.index, ", ".join(s.host.host for s in replica.stages))
+        log.info("replica %d placed again on %s", replica.index, ", ".join(replica.host_addresses()))
 
     # -- starting -------------------------------------------------------------
 
@@ -390,21 +396,22 @@ class MeshCoordinator:
                 s.actor.busy_ports.remote(p.host, [p.ring_port, p.lane_port, p.grpc_port])
                 for s, p in zip(replica.stages, plan.stages)
             ], timeout=_ACTOR_CALL_S)
-        plan_json = plan.to_json()
         for stage, p in zip(replica.stages, plan.stages):
             log.info("replica %d stage %d: loading layers %s on %s grpc :%d ring :%d (node %s)",
                      replica.index, stage.rank, p.layers, p.host, p.grpc_port, p.ring_port, stage.slot.node_id[:8])
         pids = ray.get([
-            s.actor.start.remote(plan_json, s.rank, stage_args(self.config, s.slot.node_id,
-                                                               self._stages_on_node(s.slot.node_id)),
-                                 self.config.stage_command)
+            s.actor.start.remote(
+                StageLaunch(plan, s.rank, stage_options(self.config, s.slot.node_id,
+                                                        self._stages_on_node(s.slot.node_id))).to_json(),
+                self.config.stage_command)
             for s in replica.stages
         ], timeout=_ACTOR_CALL_S)
         now = self._clock()
         with self._lock:
             replica.phase = "starting"
             for stage, pid in zip(replica.stages, pids):
-                stage.pid, stage.state, stage.healthy, stage.error = pid, "starting", False, None
+                stage.pid, stage.state, stage.healthy, stage.error = pid, StageState.STARTING, False, None
+                stage.exit_code = None
                 stage.misses, stage.started_at = 0, now
             self._publish()
 
@@ -430,7 +437,7 @@ class MeshCoordinator:
                 late = [s for r in replicas for s in r.stages if not s.healthy]
                 stage = late[0] if late else replicas[0].stages[0]
                 raise _ReplicaFailed(
-                    stage, f"not serving after {timeout_s:.0f} s (state {stage.state}); raise the startup "
+                    stage, f"not serving after {timeout_s:.0f} s (state {stage.state.value}); raise the startup "
                     f"timeout for big models", self._log_tail(stage))
             if self._stopping.wait(_STARTUP_POLL_S):
                 raise _Stopping()
@@ -482,24 +489,25 @@ class MeshCoordinator:
             stage.blas = info.blas or stage.blas
             stage.stats = info.stats
             stage.pid = info.pid or stage.pid
+        stage.exit_code = probe.exit_code if probe.exit_code is not None else stage.exit_code
         stage.healthy = verdict is Verdict.SERVING
         stage.misses = 0 if verdict in (Verdict.SERVING, Verdict.STARTING, Verdict.DRAINING) else stage.misses + 1
         stage.error = reason if verdict in (Verdict.FAILED, Verdict.SUSPECT) else None
         if verdict is Verdict.FAILED:
-            stage.state = "failed"
+            stage.state = StageState.FAILED
         elif info is not None:
             stage.state = info.state
         elif verdict is Verdict.SERVING:
-            stage.state = "serving"
+            stage.state = StageState.SERVING
         if stage.state != previous:
-            if stage.state == "serving":
+            if stage.state is StageState.SERVING:
                 log.info("%s: serving (pid %s, node %s, %s, quantized=%s, blas=%s, %.1f s)", stage.name,
                          stage.pid, stage.slot.node_id[:8], stage.compute_dtype, stage.quantized, stage.blas,
                          self._clock() - stage.started_at)
-            elif stage.state == "failed":
+            elif stage.state is StageState.FAILED:
                 log.warning("%s: failed: %s", stage.name, reason)
             else:
-                log.info("%s: %s", stage.name, stage.state)
+                log.info("%s: %s", stage.name, stage.state.value)
         elif verdict is Verdict.SUSPECT:
             log.warning("%s: not serving (%s), check %d of %d", stage.name, reason, stage.misses,
                         self.config.unhealthy_after_misses)
@@ -519,7 +527,7 @@ class MeshCoordinator:
             failed = [(s, reason) for s, (v, reason) in zip(replica.stages, verdicts) if v is Verdict.FAILED]
             if failed:
                 # Name the cause, not the neighbours that exited because of it.
-                failed.sort(key=lambda f: "a neighbour failed" in (f[1] or ""))
+                failed.sort(key=lambda f: caused_by_neighbour(f[0].exit_code))
                 try:
                     self._restart(replica, *failed[0])
                 except _Stopping:
@@ -541,7 +549,7 @@ class MeshCoordinator:
                 with self._lock:
                     replica.phase = "failed"
                     for s in replica.stages:
-                        s.state, s.healthy = "failed", False
+                        s.state, s.healthy = StageState.FAILED, False
                         s.error = s.error or f"gave up after {len(replica.restart_times)} restarts"
                     self._publish()
                 log.error("replica %d: giving up after %d restarts within %.0f s; fix the cause "
@@ -610,8 +618,8 @@ class MeshCoordinator:
                 log.warning("%s: could not stop it through its StageHost (%s)", stage.name, type(exc).__name__)
         with self._lock:
             for stage in replica.stages:
-                if stage.state != "failed":
-                    stage.state = "stopped"
+                if stage.state is not StageState.FAILED:
+                    stage.state = StageState.STOPPED
                 stage.healthy, stage.pid = False, None
             self._publish()
 

@@ -12,7 +12,7 @@ with made-up clusters:
   how many there are and how to add some.
 - ``pipeline_plan(replica, hosts, ...)`` builds one replica's ``PipelinePlan``:
   global stage index ``g = replica * P + rank`` fixes its ports
-  (``coordinator.ports``), ``hosts[rank]`` is the address that stage's node
+  (``stagemesh.core.ports``), ``hosts[rank]`` is the address that stage's node
   advertises.
 """
 
@@ -21,11 +21,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.layer_split import plan_layer_split
-from coordinator.plan import PipelinePlan, StagePlacement
-from coordinator.ports import PortRangeError, stage_ports
-
-MLX_RESOURCE = "mlx"
+from stagemesh.core.layer_split import plan_layer_split
+from stagemesh.core.plan import PipelinePlan, StagePlacement
+from stagemesh.core.ports import PortRangeError, stage_ports
+from stagemesh.core.settings import MLX_RESOURCE
 
 
 class PlacementError(RuntimeError):

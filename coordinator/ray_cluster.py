@@ -36,8 +36,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-from coordinator.placement import MLX_RESOURCE, ClusterNode, PlacementError, StageSlot
-from stagemesh import envs
+from coordinator.placement import ClusterNode, PlacementError, StageSlot
+from stagemesh.core import settings
+from stagemesh.core.settings import MLX_RESOURCE
 
 log = logging.getLogger("stagemesh.coordinator")
 
@@ -97,7 +98,7 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
         guard = loopback_only() if _is_loopback_address(address) else nullcontext()
         # With STAGEMESH_HOST_IP the driver attaches to this node's own Ray node, not to
         # whichever node Ray's process scan finds first.
-        host_ip = envs.HOST_IP
+        host_ip = settings.HOST_IP
         node_ip = {"_node_ip_address": host_ip} if host_ip else {}
         try:
             with guard:

@@ -40,9 +40,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.ports import port_is_free
+from stagemesh.core import settings
+from stagemesh.core.ports import port_is_free
+from stagemesh.core.settings import MLX_RESOURCE
+from stagemesh.core.states import ExitCode
 
-HOST_IP_ENV = "STAGEMESH_HOST_IP"
+HOST_IP_ENV = settings.env_name("HOST_IP")
 DEFAULT_STAGE_COMMAND = ("-m", "stage_worker")
 ACTOR_NUM_CPUS = 0.01  # Ray bookkeeping only; actors ask for 1 CPU unless told
 
@@ -52,7 +55,7 @@ ACTOR_NUM_CPUS = 0.01  # Ray bookkeeping only; actors ask for 1 CPU unless told
 _PDEATHSIG_SHIM = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(70)\n"
+    f"if os.getppid() != int(sys.argv[1]): sys.exit({int(ExitCode.ORPHANED)})\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
 )
 
@@ -140,18 +143,17 @@ class StageHost:
 
     # -- the stage process ----------------------------------------------------
 
-    def start(self, plan_json: str, rank: int, args: Sequence[str] = (),
-              command: Sequence[str] = DEFAULT_STAGE_COMMAND) -> int:
-        """Start ``python <command> --plan PLAN --rank RANK <args>``; returns its pid."""
+    def start(self, launch_json: str, command: Sequence[str] = DEFAULT_STAGE_COMMAND) -> int:
+        """Start ``python <command> --launch FILE`` (``launch_json``, a ``StageLaunch``); returns its pid."""
         if self._process is not None and self._process.poll() is None:
             raise StageHostError(
                 f"{self._label}: stage pid {self._process.pid} is still running; stop it first"
             )
         self._starts += 1
-        plan_path = self._workdir / "plan.json"
-        plan_path.write_text(plan_json)
+        launch_path = self._workdir / "launch.json"
+        launch_path.write_text(launch_json)
         self._log_path = self._workdir / f"stage-{self._starts}.log"
-        argv = [*command, "--plan", str(plan_path), "--rank", str(rank), *args]
+        argv = [*command, "--launch", str(launch_path)]
         if sys.platform.startswith("linux"):
             argv = ["-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
         with open(self._log_path, "wb") as log:
@@ -235,7 +237,6 @@ def stage_host_actor(placement_group, bundle_index: int, label: str, name: str |
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from coordinator.placement import MLX_RESOURCE
 
     actor_class = ray.remote(StageHost)
     return actor_class.options(

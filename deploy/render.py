@@ -58,12 +58,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:
+    import stagemesh.core  # noqa: F401  (installed in the venv this script is run with)
+except ModuleNotFoundError:
+    # Run from a checkout with a Python that lacks the package: the core is standard library
+    # only, so the checkout's own copy serves.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stagemesh.core.settings import DEFAULT_GATEWAY_PORT, DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, MLX_RESOURCE
+
 LABEL_PREFIX = "com.stagemesh"
 DEFAULT_RAY_PORT = 6379
-DEFAULT_RING_BASE_PORT = 32323
-DEFAULT_GRPC_BASE_PORT = 50051
-DEFAULT_GATEWAY_PORT = 8000
-MLX_RESOURCE = "mlx"
 
 # Variables a service sets itself; the caller's values never leak into --exec.
 _SCRUBBED = ("RAY_ADDRESS", "STAGEMESH_HOST_IP", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
@@ -175,7 +179,7 @@ class Settings:
         host, _, port = head.rpartition(":") if head.count(":") == 1 else (head, "", "")
         return f"{host}:{port}" if port else f"{head}:{self.ray_port}"
 
-    def values(self) -> dict[str, str]:
+    def values(self) -> dict[str, str | None]:
         return {
             "ip": self.ip, "venv": self.venv, "ray_port": str(self.ray_port),
             "resources": json.dumps({MLX_RESOURCE: self.mlx_units}),
@@ -190,8 +194,9 @@ class Settings:
         values = self.values()
         argv = [part.format(**values) for part in self.spec.program]
         for flag, name in self.spec.optional:
-            if values.get(name) is not None:
-                argv += [flag, values[name]]
+            value = values.get(name)
+            if value is not None:
+                argv += [flag, value]
         if self.role == "serve":
             extra = list(self.serve_args)
             if not _has_flag(extra, "--host"):

@@ -19,19 +19,20 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from coordinator.mesh_state import MeshView
+from stagemesh.core.settings import stagemesh_version
+from stagemesh.core.snapshots import MeshView
 
 from . import errors
 from .auth import ApiKeyMiddleware
 from .cancellation import until_disconnect
 from .config import GatewayConfig
 from .metrics import GatewayMetrics, RequestMetricsMiddleware
-from .replica_client import ReplicaClient
+from .replica_client import ReplicaClient, ReplicaKey
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
 
@@ -47,7 +48,8 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
 
     def outstanding_by_replica() -> dict[int, int]:
         out: dict[int, int] = {}
-        for (replica, _target), count in client.balancer.snapshot().items():  # type: ignore[misc]
+        for key, count in client.balancer.snapshot().items():
+            replica, _target = cast(ReplicaKey, key)  # the client keys its balancer by (replica, entry target)
             out[replica] = out.get(replica, 0) + count
         return out
 
@@ -60,7 +62,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
         yield
         await client.close()
 
-    app = FastAPI(title="stagemesh gateway", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="stagemesh gateway", version=stagemesh_version(), lifespan=lifespan)
     app.state.config = config
     app.state.metrics = metrics
     app.state.replica_client = client

@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stagemesh.v1 import stage_pb2
+from stagemesh.core.v1 import stage_pb2
 
 from . import errors
 from .detokenizer import IncrementalDetokenizer
@@ -59,7 +59,7 @@ class TokenObserver(Protocol):
 
 
 class Generator(Protocol):
-    def generate(self, request: stage_pb2.GenerateRequest) -> AsyncIterator[stage_pb2.GenerateResponse]: ...
+    def generate(self, request: stage_pb2.GenerateRequest) -> AsyncGenerator[stage_pb2.GenerateResponse, None]: ...
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class RunContext:
     arrived: float | None = None  # time.monotonic() when the HTTP request arrived (TTFT starts there)
 
 
-async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncIterator[ChoiceEvent]:
+async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGenerator[ChoiceEvent, None]:
     request = stage_pb2.GenerateRequest(
         request_id=f"{ctx.request_id}-{job.index}", prompt_token_ids=job.prompt_ids, max_tokens=job.max_tokens,
         sampling=job.sampling, stop_token_ids=sorted(ctx.eos_token_ids), ignore_eos=ctx.ignore_eos,
@@ -123,7 +123,7 @@ class _Done:
     pass
 
 
-async def run_choices(jobs: Sequence[ChoiceJob], ctx: RunContext) -> AsyncIterator[ChoiceEvent]:
+async def run_choices(jobs: Sequence[ChoiceJob], ctx: RunContext) -> AsyncGenerator[ChoiceEvent, None]:
     started = ctx.arrived if ctx.arrived is not None else time.monotonic()
     queue: asyncio.Queue[ChoiceEvent | BaseException | _Done] = asyncio.Queue()
 

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.mesh_state import MeshView
+from stagemesh.core.snapshots import MeshView
 
 # vLLM's buckets, so dashboards built for it read ours alike.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -75,8 +75,8 @@ class StageCollector(Collector):
                 values = [str(replica.replica), str(stage.rank), stage.host]
                 for name, family in counters.items():
                     family.add_metric(values, float(getattr(stage.stats, name)))
-                for name, family in gauges.items():
-                    family.add_metric(values, float(getattr(stage.stats, name)))
+                for name, gauge in gauges.items():
+                    gauge.add_metric(values, float(getattr(stage.stats, name)))
                 healthy.add_metric(values, 1.0 if stage.healthy else 0.0)
         outstanding = GaugeMetricFamily("stagemesh_gateway_replica_outstanding_requests",
                                         "Generate calls in flight from this gateway, per replica", labels=["replica"])

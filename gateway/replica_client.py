@@ -19,14 +19,14 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
 
-from coordinator.mesh_state import MeshView, ReplicaSnapshot
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.core.snapshots import MeshView, ReplicaSnapshot
+from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
 from . import errors
 from .balancer import LeastOutstandingBalancer
@@ -88,7 +88,7 @@ class ReplicaClient:
     def _another_replica(self, tried: set[ReplicaKey]) -> bool:
         return bool(self.balancer.eligible(self._healthy_keys(), exclude=tried, cap=self._cap))
 
-    async def generate(self, request: stage_pb2.GenerateRequest) -> AsyncIterator[stage_pb2.GenerateResponse]:
+    async def generate(self, request: stage_pb2.GenerateRequest) -> AsyncGenerator[stage_pb2.GenerateResponse, None]:
         tried: set[ReplicaKey] = set()
         attempt = 0
         while True:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stagemesh.v1 import stage_pb2
+from stagemesh.core.v1 import stage_pb2
 
 from .errors import APIError, bad_request, unsupported
 from .schemas import ChatCompletionRequest, CompletionRequest

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -100,7 +100,7 @@ class OpenAIServing:
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def _collect(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
-                       events: AsyncIterator[ChoiceEvent]) -> JSONResponse:
+                       events: AsyncGenerator[ChoiceEvent, None]) -> JSONResponse:
         texts: list[list[str]] = [[] for _ in jobs]
         finish: list[str | None] = [None] * len(jobs)
         completion = [0] * len(jobs)
@@ -115,7 +115,7 @@ class OpenAIServing:
         return JSONResponse(header.full(["".join(t) for t in texts], finish, use))
 
     async def _stream(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
-                      first: ChoiceEvent, events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[str]:
+                      first: ChoiceEvent, events: AsyncGenerator[ChoiceEvent, None]) -> AsyncIterator[str]:
         inc = settings.include_usage
         completion = [0] * len(jobs)
         try:

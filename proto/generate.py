@@ -1,8 +1,10 @@
 """Regenerate the Python gRPC code from proto/ (one command: ``python proto/generate.py``).
 
-Writes ``stagemesh/v1/*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` next to
-the package so generated imports (``from stagemesh.v1 import stage_pb2``)
-resolve inside the installed ``stagemesh`` package. ``--check`` regenerates
+Writes ``stagemesh/core/v1/*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` next to
+the package so generated imports (``from stagemesh.core.v1 import stage_pb2``)
+resolve inside the core package (``stagemesh.core``). The proto package stays
+``stagemesh.v1`` (the gRPC contract); only the file's place in the tree
+says where its Python code lives. ``--check`` regenerates
 into a temporary directory and exits 1 if the checked-in files differ (CI runs
 it through tests/test_proto_generated.py).
 """
@@ -28,7 +30,10 @@ def generate(out_dir: Path) -> list[Path]:
             f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *map(str, PROTOS)]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    generated = sorted(p.relative_to(out_dir) for p in out_dir.rglob("*_pb2*.py*"))
+    # Exactly the files protoc writes for our protos: globbing ``out_dir`` would also match
+    # generated code of installed packages when ``out_dir`` holds a virtualenv.
+    generated = sorted(proto.with_name(proto.stem + suffix) for proto in PROTOS
+                       for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
     for package in {p.parent for p in generated}:
         init = out_dir / package / "__init__.py"
         init.write_text('"""Generated from proto/ by proto/generate.py; do not edit."""\n')

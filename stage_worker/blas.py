@@ -26,8 +26,9 @@ import os
 import sys
 from collections.abc import Mapping
 
-BLAS_ENV = "STAGEMESH_BLAS"
-THREADS_ENV = "STAGEMESH_BLAS_THREADS"
+from stagemesh.core import settings
+from stagemesh.core.errors import UserError
+
 _REEXEC_MARK = "STAGEMESH_BLAS_REEXEC"
 
 _DEBIAN_OPENBLAS = (
@@ -40,12 +41,13 @@ _DEBIAN_OPENBLAS = (
 
 def find_optimized_blas(env: Mapping[str, str] = os.environ) -> str | None:
     """Path of the BLAS to preload, or None (reference BLAS, or not Linux)."""
-    choice = env.get(BLAS_ENV, "auto")
+    choice = settings.read("BLAS", env)
     if not sys.platform.startswith("linux") or choice == "none":
         return None
     if choice != "auto":
         if not os.path.exists(choice):
-            raise ValueError(f"{BLAS_ENV}={choice!r} does not exist; give a BLAS library path, auto or none")
+            raise UserError(f"{settings.env_name('BLAS')}={choice!r} does not exist; give a BLAS library path, "
+                            f"auto or none")
         return choice
     for path in _DEBIAN_OPENBLAS:
         if os.path.exists(path):
@@ -106,17 +108,6 @@ def loaded_blas() -> str:
     if "libmkl_rt" in text:
         return "mkl"
     return "reference"
-
-
-def fixed_threads(env: Mapping[str, str]) -> int | None:
-    """``STAGEMESH_BLAS_THREADS`` as a positive count, or None when unset (threads follow the load)."""
-    value = env.get(THREADS_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{THREADS_ENV}={value!r} must be a positive integer; unset it to let BLAS threads "
-                         f"follow the pipeline's load")
-    return int(value)
 
 
 def usable_cores() -> int:

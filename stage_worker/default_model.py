@@ -34,9 +34,9 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def cache_dir() -> Path:
-    from stagemesh import envs
+    from stagemesh.core import settings
 
-    return Path(envs.CACHE_DIR or Path.home() / ".cache" / "stagemesh")
+    return Path(settings.CACHE_DIR or Path.home() / ".cache" / "stagemesh")
 
 
 def _from_package() -> Path | None:

@@ -28,7 +28,8 @@ from stage_worker.scheduler import (
     Scheduler,
 )
 from stage_worker.stage_runtime import EntryPipeline
-from stage_worker.stage_status import StageState, StageStatus
+from stage_worker.stage_status import StageStatus
+from stagemesh.core.states import StageState
 
 log = logging.getLogger(__name__)
 

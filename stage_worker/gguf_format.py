@@ -419,7 +419,8 @@ def _read_bytes(path: str, infos: Iterable[GGUFTensorInfo]) -> dict[str, np.ndar
         for info in sorted(infos, key=lambda i: i.offset):
             buf = np.empty(info.nbytes, dtype=np.uint8)
             f.seek(info.offset)
-            if f.readinto(memoryview(buf)) != info.nbytes:
+            # numpy's stubs give ndarray ``__buffer__`` only for Python 3.12+, but it is a buffer on 3.11 too.
+            if f.readinto(memoryview(buf)) != info.nbytes:  # type: ignore[arg-type]
                 raise ModelFormatError(f"{path} is truncated inside tensor {info.name}.")
             out[info.name] = buf
     return out

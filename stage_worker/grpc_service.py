@@ -22,9 +22,10 @@ from grpc_reflection.v1alpha import reflection
 from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed
 from stage_worker.memory import peak_rss_bytes
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError
-from stage_worker.stage_status import StageState, StageStatus
+from stage_worker.stage_status import StageStatus
 from stage_worker.wire import NO_SEED, SamplingParams
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.core.states import StageState, state_to_proto
+from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,6 @@ _FINISH = {
     Finish.STOP: stage_pb2.FINISH_REASON_STOP,
     Finish.LENGTH: stage_pb2.FINISH_REASON_LENGTH,
     Finish.ABORT: stage_pb2.FINISH_REASON_ABORT,
-}
-_STATE = {
-    StageState.LOADING: stage_pb2.STAGE_STATE_LOADING,
-    StageState.CONNECTING: stage_pb2.STAGE_STATE_CONNECTING,
-    StageState.SERVING: stage_pb2.STAGE_STATE_SERVING,
-    StageState.DRAINING: stage_pb2.STAGE_STATE_DRAINING,
-    StageState.FAILED: stage_pb2.STAGE_STATE_FAILED,
-    StageState.STOPPED: stage_pb2.STAGE_STATE_STOPPED,
 }
 
 
@@ -79,10 +72,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             layer_end=d.layers[1], num_layers=d.num_layers, host=d.host, grpc_port=d.grpc_port,
             ring_port=d.ring_port, lane_port=d.lane_port, pid=os.getpid(), node_id=d.node_id,
             model=d.model, compute_dtype=d.compute_dtype, quantized=self._status.quantized,
-            state=_STATE[self._status.state], error=self._status.error,
+            state=state_to_proto(self._status.state), error=self._status.error,
             weight_bytes=self._status.weight_bytes, peak_rss_bytes=peak_rss_bytes(),
             max_num_seqs=d.max_num_seqs, max_model_len=d.max_model_len, version=d.version,
-            stats=stage_pb2.StageStats(**stats.__dict__), blas=self._status.blas,
+            stats=stats.to_proto(), blas=self._status.blas,
         )
 
     def Generate(self, request, context):
@@ -138,6 +131,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if self.engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"the entry stage is {self._status.state.value}, not serving yet")
+        assert self.engine is not None  # context.abort raises: it never returns
         return self.engine
 
 

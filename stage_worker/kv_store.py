@@ -100,7 +100,10 @@ class KVStore:
                     cache.filter(indices)
                 group.members = kept
         newcomers = wanted[len(kept):]
-        newcomer_caches = [self._standalone.pop(m, None) or self._ungroup_pop(m) for m in newcomers]
+        newcomer_caches = []
+        for m in newcomers:
+            standalone = self._standalone.pop(m, None)
+            newcomer_caches.append(standalone or self._ungroup_pop(m))
         if newcomers:
             merged = [BatchKVCache.merge([c[layer] for c in newcomer_caches])
                       for layer in range(len(newcomer_caches[0]))]

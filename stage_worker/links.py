@@ -33,10 +33,9 @@ from collections.abc import Callable, Iterator, Sequence
 import mlx.core as mx
 
 from stage_worker import wire
+from stagemesh.core.states import ExitCode
 
 log = logging.getLogger(__name__)
-
-RING_TIMEOUT_EXIT_CODE = 75
 
 
 class LinkError(RuntimeError):
@@ -79,7 +78,7 @@ class RingWatchdog:
                     file=sys.stderr,
                     flush=True,
                 )
-                os._exit(RING_TIMEOUT_EXIT_CODE)
+                os._exit(ExitCode.RING_TIMEOUT)
 
 
 class Ring:

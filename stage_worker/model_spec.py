@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from stagemesh.core.errors import UserError
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 # Hugging Face model_type -> the mlx_lm.models module that implements it.
 HF_MODEL_TYPES: Mapping[str, str] = {
@@ -36,7 +38,7 @@ SUPPORTED_AFFINE_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 
 
-class ModelFormatError(ValueError):
+class ModelFormatError(UserError):
     """A model we cannot serve; the message says what to change."""
 
 

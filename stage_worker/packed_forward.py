@@ -53,7 +53,7 @@ class Segment:
 class DecodeRows:
     """One token each for a group of sequences: their rows, and per-layer ``BatchKVCache``."""
 
-    rows: Sequence[int]
+    rows: list[int]  # mx.array takes a list, not any Sequence
     caches: Sequence[BatchKVCache]
 
 
@@ -166,7 +166,9 @@ def _fresh_prompts_attention(attn: nn.Module, queries: mx.array, keys: mx.array,
     for i, segment in enumerate(group.segments):
         size = segment.num_tokens
         segment.caches[layer_index].update_and_fetch(k[i : i + 1, :, :size], v[i : i + 1, :, :size])
-    out = scaled_dot_product_attention(q, k, v, cache=None, scale=attn.scale, mask="causal" if length > 1 else None)
+    # mlx-lm annotates ``mask`` as an array only, but passes "causal" through to mx.fast, as mlx-lm itself does.
+    out = scaled_dot_product_attention(q, k, v, cache=None, scale=attn.scale,
+                                       mask="causal" if length > 1 else None)  # type: ignore[arg-type]
     out = out.transpose(0, 2, 1, 3).reshape(n * length, -1)
     return out if group.real is None else out[group.real]
 

@@ -185,7 +185,9 @@ def load_safetensors_weights(
         if not os.path.isfile(full):
             raise ModelFormatError(f"shard {full} holding {keys[0]} is missing; download the model's shards again.")
         try:
-            arrays = mx.load(full)  # lazy: only the arrays we evaluate are read
+            # lazy: only the arrays we evaluate are read. mlx annotates mx.load's result as any of
+            # its formats' results; a .safetensors file without return_metadata gives the dict.
+            arrays: dict[str, mx.array] = mx.load(full)  # type: ignore[assignment]
         except (RuntimeError, ValueError) as e:
             raise ModelFormatError(f"cannot read {full}: {e}") from e
         for key in keys:

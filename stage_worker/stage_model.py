@@ -26,10 +26,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model
 
-from coordinator.layer_split import LayerRange
 from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stage_worker.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.stage_weights import load_stage_weights
+from stagemesh.core.layer_split import LayerRange
 
 COMPUTE_DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -121,7 +121,7 @@ class StageModel:
         module = self._module
         self.quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
                              for _, m in module.named_modules())
-        params = tree_flatten(module.parameters())
+        params = _flat_parameters(module)
         self.weight_bytes = sum(v.nbytes for _, v in params)
         self.layer_bytes = sum(v.nbytes for name, v in params if name.startswith("layers."))
 
@@ -135,7 +135,7 @@ class StageModel:
                 if "bias" in m:
                     total += m.bias.nbytes
             elif not list(m.children()):
-                total += sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+                total += sum(v.nbytes for _, v in _flat_parameters(m))
         return total
 
     def dequantize(self) -> None:
@@ -230,6 +230,12 @@ class StageModel:
         else:
             out = self._module.embed_tokens.as_linear(h)
         return out.astype(mx.float32)
+
+
+def _flat_parameters(module: nn.Module) -> list[tuple[str, mx.array]]:
+    """``(dotted name, array)`` for each of the module's parameters."""
+    # mlx annotates tree_flatten as returning a list or a dict; without ``destination`` it is the list.
+    return tree_flatten(module.parameters())  # type: ignore[return-value]
 
 
 def _local_name(name: str, layers: LayerRange) -> str:

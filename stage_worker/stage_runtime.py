@@ -295,10 +295,10 @@ def relay_loop(
             outbound.send(FrameKind.SHUTDOWN)
             return
         if message.kind == FrameKind.CAPACITY and message.body is not None:
-            tokens = int(message.body["kv_tokens"])
+            kv_tokens = int(message.body["kv_tokens"])
             if kv_token_capacity is not None:
-                tokens = min(tokens, kv_token_capacity)
-            outbound.send(FrameKind.CAPACITY, body={"kv_tokens": tokens})
+                kv_tokens = min(kv_tokens, kv_token_capacity)
+            outbound.send(FrameKind.CAPACITY, body={"kv_tokens": kv_tokens})
             continue
         if message.kind != FrameKind.FORWARD:
             raise wire.WireMismatchError(f"{inbound.peer_name} sent unexpected {message.kind.name}")

@@ -7,31 +7,11 @@ standard gRPC health status.
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
-
-class StageState(enum.Enum):
-    LOADING = "loading"
-    CONNECTING = "connecting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class StatsSnapshot:
-    batches: int
-    tokens: int
-    compute_seconds: float
-    wait_seconds: float
-    send_seconds: float
-    running_sequences: int
-    waiting_requests: int
-    requests_finished: int
+from stagemesh.core.snapshots import StageStats
+from stagemesh.core.states import StageState
 
 
 class StageStatus:
@@ -93,8 +73,8 @@ class StageStatus:
         with self._lock:
             self.running_sequences, self.waiting_requests, self.requests_finished = running, waiting, finished
 
-    def stats(self) -> StatsSnapshot:
+    def stats(self) -> StageStats:
         with self._lock:
-            return StatsSnapshot(self.batches, self.tokens, self.compute_seconds, self.wait_seconds,
+            return StageStats(self.batches, self.tokens, self.compute_seconds, self.wait_seconds,
                                  self.send_seconds, self.running_sequences, self.waiting_requests,
                                  self.requests_finished)

@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Iterator
 
-from stagemesh import envs
+from stagemesh.core import settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def stream_reply(client, url: str, body: dict) -> Iterator[str]:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    key = args.api_key or envs.API_KEY
+    key = args.api_key or settings.API_KEY
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     base = args.url.rstrip("/")
     with httpx.Client(headers=headers, timeout=httpx.Timeout(600.0, connect=5.0)) as client:

@@ -15,12 +15,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("stagemesh.serve", "serve a model over the OpenAI API from a mesh of pipeline stages"),
     "status": ("stagemesh.status", "show the mesh (replicas, stages, hosts, layers, ports, health)"),
     "chat": ("stagemesh.chat", "chat interactively with a running gateway"),
-    "bench": ("stagemesh.bench", "load-test OpenAI-compatible endpoints: TTFT, inter-token latency, throughput"),
-    "doctor": ("stagemesh.doctor", "check this node or the cluster for known pitfalls and say how to fix each"),
+    "bench": ("stagemesh.bench.command",
+              "load-test OpenAI-compatible endpoints: TTFT, inter-token latency, throughput"),
+    "doctor": ("stagemesh.doctor.command", "check this node or the cluster for known pitfalls and say how to fix each"),
     "parity": ("stagemesh.parity", "check that PP=N computes bit-identical logits and tokens to PP=1"),
-    "bench-pipeline": ("stagemesh.pipeline_bench",
+    "bench-pipeline": ("stagemesh.bench.pipeline",
                        "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
-    "bench-serving": ("stagemesh.bench_serving",
+    "bench-serving": ("stagemesh.bench.serving",
                       "run the serving comparisons (vs mlx_lm.server, PP=2 vs PP=1, two hosts) side by side"),
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
 }
@@ -56,11 +57,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    from stagemesh.errors import USER_ERRORS
+    from stagemesh.core.errors import UserError
 
     try:
         return args._run(args)
-    except USER_ERRORS as exc:
+    except UserError as exc:
         print(f"stagemesh {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

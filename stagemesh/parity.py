@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.local_launcher import PipelineFailed, start_local_pipeline
-from coordinator.plan import DEFAULT_RING_BASE_PORT, PipelinePlan, make_local_plan
 from stage_worker.default_model import resolve_model_path
 from stage_worker.generation_job import GenerationJob
 from stage_worker.model_spec import read_model_spec
 from stage_worker.tokenizer import load_tokenizer
-from stagemesh import envs
+from stagemesh.core import settings
+from stagemesh.core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan, make_local_plan
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = tuple(args.prompts or DEFAULT_PROMPTS)
     token_prompts = tuple(tuple(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
     job = GenerationJob(prompts=token_prompts, max_tokens=args.max_tokens)
-    base = args.ring_base_port or envs.RING_BASE_PORT
+    base = args.ring_base_port or settings.RING_BASE_PORT
     ref_plan = make_local_plan(model_path, spec.num_layers, 1, args.dtype, ring_base_port=base)
     pp_plan = make_local_plan(model_path, spec.num_layers, args.pipeline_parallel_size, args.dtype,
                               layer_split=args.pp_layer_split, ring_base_port=base)

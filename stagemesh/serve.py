@@ -15,7 +15,8 @@ import logging
 import signal
 import sys
 
-from stagemesh import envs
+from stagemesh.core import settings
+from stagemesh.core.errors import UserError
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -25,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GGUF file, MLX/Hugging Face model directory, or cached HF repo id "
                              "(default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="gateway port (default %(default)s)")
+    parser.add_argument("--port", type=int, default=settings.DEFAULT_GATEWAY_PORT,
+                        help="gateway port (default %(default)s)")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                         help="stages per replica, each holding a contiguous slice of the layers")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="replicas of the pipeline")
@@ -47,19 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require this key on /v1 (default $STAGEMESH_API_KEY)")
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help="global stage g binds base+g for the MLX ring (default $STAGEMESH_RING_BASE_PORT "
-                             "or 32323)")
+                             f"or {settings.DEFAULT_RING_BASE_PORT})")
     parser.add_argument("--grpc-base-port", type=int, default=None,
-                        help="global stage g binds base+g for gRPC (default $STAGEMESH_GRPC_BASE_PORT or 50051)")
+                        help="global stage g binds base+g for gRPC (default $STAGEMESH_GRPC_BASE_PORT or "
+                             f"{settings.DEFAULT_GRPC_BASE_PORT})")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds allowed for every stage to load and join its ring")
 
 
-class ServeConfigError(ValueError):
+class ServeConfigError(UserError):
     """A flag that cannot work; the message names it."""
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
-    from coordinator.ports import port_is_free
+    from stagemesh.core.ports import port_is_free
 
     if not port_is_free(host, port):
         raise ServeConfigError(f"{flag} {port}: cannot listen on {host}:{port} (in use or not this host's "
@@ -68,12 +71,12 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 
 def build_mesh_config(args: argparse.Namespace):
     """Validate every flag against the model and return the coordinator's config (no side effects)."""
-    from coordinator.layer_split import plan_layer_split
     from coordinator.mesh import MeshConfig
-    from coordinator.ports import check_port_base
     from stage_worker.default_model import resolve_model_path
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
+    from stagemesh.core.layer_split import plan_layer_split
+    from stagemesh.core.ports import check_port_base
 
     for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs)):
@@ -91,8 +94,8 @@ def build_mesh_config(args: argparse.Namespace):
         raise ServeConfigError(f"--max-model-len {max_model_len} must be between 2 and the model's context "
                                f"length {context}")
     total = args.pipeline_parallel_size * args.data_parallel_size
-    ring_base = args.ring_base_port if args.ring_base_port is not None else envs.RING_BASE_PORT
-    grpc_base = args.grpc_base_port if args.grpc_base_port is not None else envs.GRPC_BASE_PORT
+    ring_base = args.ring_base_port if args.ring_base_port is not None else settings.RING_BASE_PORT
+    grpc_base = args.grpc_base_port if args.grpc_base_port is not None else settings.GRPC_BASE_PORT
     check_port_base("--ring-base-port", ring_base, 2 * total)
     check_port_base("--grpc-base-port", grpc_base, total)
     return spec, MeshConfig(
@@ -130,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(spec)
-    api_key = args.api_key or envs.API_KEY
+    api_key = args.api_key or settings.API_KEY
     coordinator = MeshCoordinator(config)
     try:
         coordinator.start()

@@ -3,10 +3,12 @@ weights, and the memory budget's verdicts."""
 
 import pytest
 
-from stage_worker.__main__ import blas_threads, stages_on_host
 from stage_worker.blas import AdaptiveBlasThreads, blas_environment, find_optimized_blas, threads_for_load
 from stage_worker.memory import MemoryBudget, MemoryBudgetError, kv_bytes_per_token, kv_token_capacity
+from stage_worker.process_setup import blas_threads, pinned_cores
 from stage_worker.stage_model import choose_dense_weights
+from stagemesh.core.layer_split import LayerRange
+from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
 
 GB = 1_000_000_000
 
@@ -26,13 +28,29 @@ def test_stages_sharing_a_host_keep_idle_blas_threads_from_spinning():
                             shared_host=True)["OPENBLAS_THREAD_TIMEOUT"] == "10"
 
 
-def test_stages_on_host_come_from_the_flag_or_the_plan(tmp_path):
-    plan = tmp_path / "plan.json"
-    plan.write_text('{"stages": [{"host": "10.0.0.1"}, {"host": "10.0.0.1"}, {"host": "10.0.0.2"}]}')
-    assert stages_on_host(["--plan", str(plan), "--rank", "0"]) == 2
-    assert stages_on_host(["--plan", str(plan), "--rank", "2"]) == 1
-    assert stages_on_host(["--plan", str(plan), "--rank", "2", "--stages-on-host", "4"]) == 4
-    assert stages_on_host(["--plan", str(tmp_path / "missing.json")]) == 1
+def _plan(*hosts: str, first_global_index: int = 0) -> PipelinePlan:
+    stages = tuple(StagePlacement(rank=r, global_index=first_global_index + r, layers=LayerRange(r, r + 1),
+                                  host=host, ring_port=30000 + r, lane_port=30100 + r, grpc_port=30200 + r)
+                   for r, host in enumerate(hosts))
+    return PipelinePlan(replica=0, model_path="/m", num_layers=len(hosts), compute_dtype="auto", stages=stages)
+
+
+def test_stages_on_host_come_from_the_options_or_the_plan():
+    plan = _plan("10.0.0.1", "10.0.0.1", "10.0.0.2")
+    assert StageLaunch(plan, 0).stages_sharing_host() == 2
+    assert StageLaunch(plan, 2).stages_sharing_host() == 1
+    assert StageLaunch(plan, 2, StageOptions(stages_on_host=4)).stages_sharing_host() == 4
+
+
+def test_a_launch_survives_its_json_and_refuses_a_rank_outside_the_plan():
+    from stagemesh.core.errors import UserError
+
+    launch = StageLaunch(_plan("a", "b"), 1, StageOptions(node_id="n", max_model_len=256, ring_timeout_s=3))
+    assert StageLaunch.from_json(launch.to_json()) == launch
+    with pytest.raises(UserError, match="rank 2 outside the plan's 0..1"):
+        StageLaunch(_plan("a", "b"), 2)
+    with pytest.raises(UserError, match="memory_fraction must be in"):
+        StageOptions(memory_fraction=1.5)
 
 
 def test_blas_choice_can_be_forced_or_disabled():
@@ -118,14 +136,10 @@ def test_a_host_without_free_memory_is_refused():
         kv_token_capacity(budget, weight_bytes=90_000_000, per_token=10_000, max_model_len=4096, stage="stage 0")
 
 
-def test_pinning_per_stage_puts_global_stage_g_on_core_g(tmp_path):
-    from stage_worker.__main__ import pinned_cores
-
-    plan = tmp_path / "plan.json"
-    plan.write_text('{"stages": [{"host": "a", "global_index": 2}, {"host": "a", "global_index": 3}]}')
-    argv = ["--plan", str(plan), "--rank", "1"]
-    assert pinned_cores(argv, {"STAGEMESH_PIN_CORES": "per-stage"}, 2) == {1}
-    assert pinned_cores(argv, {"STAGEMESH_PIN_CORES": "0,1"}, 2) == {0, 1}
-    assert pinned_cores(argv, {}, 2) is None
+def test_pinning_per_stage_puts_global_stage_g_on_core_g():
+    launch = StageLaunch(_plan("a", "a", first_global_index=2), 1)
+    assert pinned_cores(launch, {"STAGEMESH_PIN_CORES": "per-stage"}, 2) == {1}
+    assert pinned_cores(launch, {"STAGEMESH_PIN_CORES": "0,1"}, 2) == {0, 1}
+    assert pinned_cores(launch, {}, 2) is None
     with pytest.raises(ValueError, match="STAGEMESH_PIN_CORES='0,x' must be a comma-separated core list"):
-        pinned_cores(argv, {"STAGEMESH_PIN_CORES": "0,x"}, 2)
+        pinned_cores(launch, {"STAGEMESH_PIN_CORES": "0,x"}, 2)

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from stage_worker import wire
+from stage_worker.handshake import StageIdentity, check_predecessor
 from stage_worker.links import InboundLink, LinkError, OutboundLink
-from stage_worker.stage_process import StageIdentity, check_predecessor
 from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
 
 

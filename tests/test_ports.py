@@ -2,8 +2,8 @@
 
 import pytest
 
-from coordinator.plan import PipelinePlan, make_local_plan
-from coordinator.ports import PortRangeError, stage_ports
+from stagemesh.core.plan import PipelinePlan, make_local_plan
+from stagemesh.core.ports import PortRangeError, stage_ports
 
 
 def test_global_stage_g_binds_base_plus_g():
@@ -27,9 +27,15 @@ def test_local_plan_round_trips_through_json_and_writes_the_ring_hostfile():
 
 
 def test_the_default_model_is_found_in_each_stages_own_installation():
+    import pytest
+
     from stage_worker.default_model import default_model_path
+    from stage_worker.model_spec import ModelFormatError
+    from stage_worker.stage_process import resolve
+    from stagemesh.core.plan import StageLaunch
 
     plan = make_local_plan("/Users/someone-else/venv/SmolLM2.gguf", 30, 2, "auto")
-    assert plan.local_model_path() == "/Users/someone-else/venv/SmolLM2.gguf"
+    with pytest.raises(ModelFormatError, match="/Users/someone-else/venv/SmolLM2.gguf"):
+        resolve(StageLaunch(plan, 1))
     default = PipelinePlan.from_json(plan.to_json().replace('"model_is_default": false', '"model_is_default": true'))
-    assert default.local_model_path() == default_model_path()
+    assert resolve(StageLaunch(default, 1)).spec.path == default_model_path()

@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from stagemesh import bench
-from stagemesh.bench import BenchSetupError
-from stagemesh.bench_report import format_report
-from stagemesh.bench_types import Level
+from stagemesh.bench import command as bench
+from stagemesh.bench.command import BenchSetupError
+from stagemesh.bench.report import format_report
+from stagemesh.bench.types import Level
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """The per-stage profile's arithmetic over real /metrics text."""
 
-from coordinator.mesh_state import StageStatsSnapshot
-from stagemesh.bench_profile import format_profile, parse_stage_counters, stage_profiles
+from stagemesh.bench.profile import format_profile, parse_stage_counters, stage_profiles
+from stagemesh.core.snapshots import StageStats
 
 METRICS = """# HELP stagemesh_stage_compute_seconds_total Seconds computing
 # TYPE stagemesh_stage_compute_seconds_total counter
@@ -27,12 +27,12 @@ stagemesh_stage_healthy{host="127.0.0.1",rank="0",replica="0"} 1
 def test_counters_are_read_per_replica_and_rank():
     counters = parse_stage_counters(METRICS)
     assert set(counters) == {(0, 0), (0, 1)}
-    assert counters[(0, 1)] == StageStatsSnapshot(compute_seconds=15.0, wait_seconds=4.5, send_seconds=0.5,
+    assert counters[(0, 1)] == StageStats(compute_seconds=15.0, wait_seconds=4.5, send_seconds=0.5,
                                                   batches=100, tokens=900)
 
 
 def test_profile_is_the_difference_over_the_span_and_other_is_what_is_left():
-    before = {(0, 0): StageStatsSnapshot(compute_seconds=2.5, wait_seconds=1.0, send_seconds=0.5, batches=20,
+    before = {(0, 0): StageStats(compute_seconds=2.5, wait_seconds=1.0, send_seconds=0.5, batches=20,
                                           tokens=100)}
     rows = stage_profiles(before, parse_stage_counters(METRICS), wall_s=20.0)
     entry, last = rows
@@ -41,7 +41,7 @@ def test_profile_is_the_difference_over_the_span_and_other_is_what_is_left():
     assert last.compute_s == 15.0 and last.other_s == 0.0  # a stage first seen after the span counts from zero
     assert last.wait_s == 4.5
     # idle time before the span, counted when the first message arrived, is not the span's wait
-    (late,) = stage_profiles({}, {(0, 1): StageStatsSnapshot(compute_seconds=8.0, wait_seconds=30.0, send_seconds=0.5,
+    (late,) = stage_profiles({}, {(0, 1): StageStats(compute_seconds=8.0, wait_seconds=30.0, send_seconds=0.5,
                                                                  batches=10, tokens=10)}, wall_s=10.0)
     assert late.wait_s == 1.5 and late.other_s == 0.0
     table = "\n".join(format_profile("pp2", rows, gateway_cpu_s=5.0))

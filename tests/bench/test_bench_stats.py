@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stagemesh.bench_stats import (
+from stagemesh.bench.stats import (
     distribution,
     error_samples,
     inter_token_latencies,
@@ -15,7 +15,7 @@ from stagemesh.bench_stats import (
     run_window,
     tpot,
 )
-from stagemesh.bench_types import RequestRecord
+from stagemesh.bench.types import RequestRecord
 
 
 def rec(start=0.0, latency=1.0, chunks=(0.1, 0.2, 0.3), tokens=None, ok=True, status=200, error=None,

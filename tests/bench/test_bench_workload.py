@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stagemesh.bench_types import Workload
-from stagemesh.bench_workload import (
+from stagemesh.bench.types import Workload
+from stagemesh.bench.workload import (
     COUNT_INSTRUCTION,
     WORDS,
     approx_tokens,

@@ -1,9 +1,10 @@
-"""A stand-in for ``stage_worker.stage_process --serve`` that loads no model.
+"""A stand-in for ``python -m stage_worker`` (a serving stage) that loads no model.
 
-It takes the real flags, holds its plan's ring, lane and gRPC ports on its
+It reads the real ``--launch`` file (plan, rank, options), holds its plan's ring, lane and gRPC ports on its
 plan's host, serves ``grpc.health.v1.Health`` (NOT_SERVING while "loading",
 then SERVING) and ``stagemesh.v1.Stage/GetStageInfo``, and exits 0 on SIGTERM.
-Test-only flags make it misbehave: ``--fake-exit-code`` (exit with that code
+Test-only flags, given before ``--launch`` in the coordinator's stage command,
+make it misbehave: ``--fake-exit-code`` (exit with that code
 after loading), ``--fake-fail-rank`` (only that rank misbehaves),
 ``--fake-load-s``. Lets coordinator tests run in seconds without MLX.
 """
@@ -22,8 +23,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator.plan import PipelinePlan
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.core.plan import PipelinePlan, StageLaunch
+from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
 
 class _Stage(stage_pb2_grpc.StageServicer):
@@ -44,21 +45,13 @@ class _Stage(stage_pb2_grpc.StageServicer):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--serve", action="store_true")
-    parser.add_argument("--node-id", default="")
-    parser.add_argument("--connect-timeout", type=float, default=60)
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--stages-on-host", type=int)
-    parser.add_argument("--memory-fraction", type=float)
+    parser.add_argument("--launch", required=True)
     parser.add_argument("--fake-load-s", type=float, default=0.3)
     parser.add_argument("--fake-exit-code", type=int)
     parser.add_argument("--fake-fail-rank", type=int)
     args = parser.parse_args()
-    plan = PipelinePlan.from_json(open(args.plan).read())
-    me = plan.stages[args.rank]
+    launch = StageLaunch.from_json(open(args.launch).read())
+    plan, me, args.rank = launch.plan, launch.me, launch.rank
     print(f"fake stage {args.rank}/{plan.size} pid {os.getpid()} layers {me.layers} on {me.host} "
           f"grpc :{me.grpc_port} ring :{me.ring_port} lane :{me.lane_port} args {sys.argv[1:]}", flush=True)
 
@@ -72,7 +65,7 @@ def main() -> int:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    stage = _Stage(plan, args.rank, args.node_id)
+    stage = _Stage(plan, args.rank, launch.options.node_id)
     stage_pb2_grpc.add_StageServicer_to_server(stage, server)
     server.add_insecure_port(f"{me.host}:{me.grpc_port}")
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
-from coordinator.mesh_state import MeshSnapshot
 from coordinator.stage_host import busy_ports
+from stagemesh.core.snapshots import MeshSnapshot
 
 
 def running(pid: int | None) -> bool:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.health import RestartPolicy, StageInfoView, StageProbe, Verdict, describe_exit, judge
-from coordinator.layer_split import LayerSplitError
-from coordinator.mesh import MeshConfig, stage_args, validate_config
-from coordinator.mesh_state import StageStatsSnapshot
+from coordinator.health import RestartPolicy, StageInfoView, StageProbe, Verdict, info_view, judge
+from coordinator.mesh import MeshConfig, stage_options, validate_config
 from coordinator.placement import PlacementError
+from stagemesh.core.layer_split import LayerSplitError
+from stagemesh.core.plan import StageOptions
+from stagemesh.core.snapshots import StageStats
+from stagemesh.core.states import StageState, UnknownStateError, describe_exit, state_to_proto
+from stagemesh.core.v1 import stage_pb2
 
 
 def _info(state: str, error: str = "") -> StageInfoView:
-    return StageInfoView(state, 123, "float32", True, error, "openblas", 0, StageStatsSnapshot())
+    return StageInfoView(StageState(state), 123, "float32", True, error, "openblas", 0, StageStats())
 
 
 SERVING = StageProbe(health="SERVING", info=_info("serving"))
@@ -82,7 +85,18 @@ def test_validate_config_rejects_before_ray():
         validate_config(_config(data_parallel_size=0))
 
 
-def test_stage_args():
-    assert stage_args(_config(), "abc") == ["--serve", "--node-id", "abc", "--connect-timeout", "60"]
-    assert stage_args(_config(max_num_seqs=8, max_model_len=512, extra_stage_args=("--x",)), "n")[-5:] == [
-        "--max-num-seqs", "8", "--max-model-len", "512", "--x"]
+def test_stage_options_keep_the_stage_defaults_for_what_the_user_left_unset():
+    assert stage_options(_config(), "abc") == StageOptions(node_id="abc", connect_timeout_s=60)
+    options = stage_options(_config(max_num_seqs=8, max_model_len=512, memory_fraction=0.5), "n", stages_on_node=2)
+    assert (options.max_num_seqs, options.max_model_len, options.memory_fraction, options.stages_on_host) == (
+        8, 512, 0.5, 2)
+    assert options.max_waiting == StageOptions().max_waiting
+
+
+def test_stage_info_reads_every_state_and_refuses_an_unknown_one():
+    for state in StageState:
+        message = stage_pb2.StageInfo(state=state_to_proto(state), stats=stage_pb2.StageStats(batches=3, tokens=5))
+        view = info_view(message)
+        assert view.state is state and view.stats == StageStats(batches=3, tokens=5)
+    with pytest.raises(UnknownStateError, match="does not know"):
+        info_view(stage_pb2.StageInfo(state=42))

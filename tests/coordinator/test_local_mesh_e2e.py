@@ -123,7 +123,7 @@ def test_dp2_pp2_start_restart_one_replica_and_stop():
 def test_a_stage_failing_at_startup_raises_with_its_log_and_cleans_up():
     import ray
 
-    config = _config(2, 1, extra_stage_args=("--fake-exit-code", "2", "--fake-fail-rank", "1"))
+    config = _config(2, 1, stage_command=(*FAKE_STAGE, "--fake-exit-code", "2", "--fake-fail-rank", "1"))
     coordinator = MeshCoordinator(config)
     started = time.monotonic()
     with pytest.raises(MeshStartError) as info:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,15 +20,12 @@ from tests.coordinator.helpers import assert_all_released, stage_ports, wait_unt
 
 pytestmark = pytest.mark.e2e
 
-_STAGE_PROCESS = Path(__file__).parents[2] / "stage_worker" / "stage_process.py"
-requires_serve = pytest.mark.skipif(
-    '"--serve"' not in _STAGE_PROCESS.read_text(), reason="awaits stage_process --serve")
 
 
 def _generate(target: str, max_tokens: int = 4) -> list[int]:
     import grpc
 
-    from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+    from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
     with grpc.insecure_channel(target) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
@@ -42,7 +38,6 @@ def _generate(target: str, max_tokens: int = 4) -> list[int]:
         return tokens
 
 
-@requires_serve
 def test_pp2_serves_recovers_from_a_killed_stage_and_stops_clean(monkeypatch):
     import ray
 

@@ -46,19 +46,19 @@ def _wait_for(predicate, timeout=10.0):
 def test_start_poll_log_and_stop():
     host = StageHost("t")
     assert host.poll() is None and host.stop() is None and host.log_tail() == ""
-    pid = host.start('{"plan": 1}', 1, ["--serve"], command=SLEEPER)
+    pid = host.start('{"plan": 1}', command=SLEEPER)
     _wait_for(lambda: "args" in host.log_tail())
-    assert "'--plan'" in host.log_tail() and "'--rank', '1', '--serve'" in host.log_tail()
+    assert "'--launch'" in host.log_tail() and "launch.json" in host.log_tail()
     assert host.poll() is None and host.pid() == pid
     with pytest.raises(StageHostError, match="still running"):
-        host.start("{}", 1, command=SLEEPER)
+        host.start("{}", command=SLEEPER)
     assert host.stop(grace_s=2) == -15
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_stop_escalates_to_sigkill():
     host = StageHost("t")
-    host.start("{}", 0, command=STUBBORN)
+    host.start("{}", command=STUBBORN)
     _wait_for(lambda: "up" in host.log_tail())
     started = time.monotonic()
     assert host.stop(grace_s=0.5) == -9
@@ -67,7 +67,7 @@ def test_stop_escalates_to_sigkill():
 
 def test_terminate_and_wait():
     host = StageHost("t")
-    host.start("{}", 0, command=SLEEPER)
+    host.start("{}", command=SLEEPER)
     assert host.wait(0.1) is None
     host.terminate()
     assert host.wait(5) == -15
@@ -79,7 +79,7 @@ def test_stage_dies_with_its_host_process(tmp_path):
 
     script = (
         "from coordinator.stage_host import StageHost; import sys, time\n"
-        f"h = StageHost('t'); print(h.start('{{}}', 0, command={SLEEPER!r}), flush=True); time.sleep(60)\n"
+        f"h = StageHost('t'); print(h.start('{{}}', command={SLEEPER!r}), flush=True); time.sleep(60)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     stage_pid = int(parent.stdout.readline())

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from stagemesh.doctor_checks import (
+from stagemesh.doctor.checks import (
     ERROR,
     INFO,
     OK,

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from stagemesh.doctor_checks import MeshPlan
-from stagemesh.doctor_facts import NodeProbe, connect, gather_node_facts, probe_ports
+from stagemesh.doctor.checks import MeshPlan
+from stagemesh.doctor.facts import NodeProbe, connect, gather_node_facts, probe_ports
 from tests.conftest import free_port_base
 
 

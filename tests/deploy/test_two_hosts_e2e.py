@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.plan import PipelinePlan
+from stagemesh.core.plan import PipelinePlan
 from tests.deploy.conftest import MESH_SH
 from tests.deploy.netns import ADDRESS_A, ADDRESS_B, NamespacesUnavailable, TwoHosts, make_two_hosts
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from coordinator import ports
+from stagemesh.core import ports
 from tests.conftest import free_port_base
 
 

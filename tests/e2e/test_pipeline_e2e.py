@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.local_launcher import PipelineFailed, start_local_pipeline
-from coordinator.plan import make_local_plan
+from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, make_local_plan
 from tests.conftest import free_port_base
 
 pytestmark = pytest.mark.e2e
@@ -77,13 +77,12 @@ def test_default_model_completes_the_capital_of_france_with_paris_over_two_stage
     assert tokenizer.decode(outputs[0]).strip().startswith("Paris")
 
 
-def _start_rank(plan_path: Path, rank: int, log: Path, *extra: str) -> subprocess.Popen:
+def _start_rank(plan: PipelinePlan, rank: int, log: Path, options: StageOptions | None = None) -> subprocess.Popen:
+    launch = log.with_suffix(".launch.json")
+    launch.write_text(StageLaunch(plan, rank, options or StageOptions()).to_json())
     with open(log, "w") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "stage_worker.stage_process", "--plan", str(plan_path), "--rank", str(rank),
-             *extra],
-            stdout=f, stderr=subprocess.STDOUT,
-        )
+        return subprocess.Popen([sys.executable, "-m", "stage_worker.harness", "--launch", str(launch)],
+                                stdout=f, stderr=subprocess.STDOUT)
 
 
 def _wait_exit(process: subprocess.Popen, timeout: float) -> int:
@@ -99,11 +98,9 @@ def test_neighbour_with_another_compute_dtype_is_refused_within_seconds(default_
     base = free_port_base(4)
     good = make_local_plan(default_model_path, 30, 2, "float32", ring_base_port=base)
     odd = make_local_plan(default_model_path, 30, 2, "float16", ring_base_port=base)
-    (tmp_path / "good.json").write_text(good.to_json())
-    (tmp_path / "odd.json").write_text(odd.to_json())
     started = time.monotonic()
-    rank0 = _start_rank(tmp_path / "good.json", 0, tmp_path / "r0.log")
-    rank1 = _start_rank(tmp_path / "odd.json", 1, tmp_path / "r1.log")
+    rank0 = _start_rank(good, 0, tmp_path / "r0.log")
+    rank1 = _start_rank(odd, 1, tmp_path / "r1.log")
     codes = (_wait_exit(rank0, 60), _wait_exit(rank1, 60))
     assert time.monotonic() - started < 30
     assert codes == (3, 3)
@@ -111,13 +108,13 @@ def test_neighbour_with_another_compute_dtype_is_refused_within_seconds(default_
     assert "float16" in logs and "float32" in logs and "same --dtype" in logs
 
 
-def _long_running_pipeline(path, tmp_path, *extra_rank_args):
+def _long_running_pipeline(path, tmp_path, options: StageOptions | None = None):
     tokenizer = _tokenizer(path)
     prompt = tokenizer.encode(FRANCE, add_special_tokens=False)
     plan = make_local_plan(path, 30, 2, "auto", ring_base_port=free_port_base(4))
     pipeline = start_local_pipeline(
         plan, job={"prompts": [prompt], "max_tokens": 100000}, workdir=str(tmp_path),
-        extra_args=[list(extra_rank_args), list(extra_rank_args)],
+        options=options,
     )
     deadline = time.monotonic() + 120
     while "joined the ring" not in (tmp_path / "stage-0.log").read_text():
@@ -140,7 +137,7 @@ def test_killed_neighbour_fails_the_entry_stage_within_seconds(default_model_pat
 
 
 def test_frozen_neighbour_fails_the_entry_stage_after_the_ring_timeout(default_model_path, tmp_path):
-    pipeline = _long_running_pipeline(default_model_path, tmp_path, "--ring-timeout", "3")
+    pipeline = _long_running_pipeline(default_model_path, tmp_path, StageOptions(ring_timeout_s=3))
     frozen = pipeline.stages[1].process
     os.kill(frozen.pid, signal.SIGSTOP)
     stopped = time.monotonic()
@@ -165,9 +162,8 @@ def test_launcher_reports_the_failed_stage_and_stops_the_rest(default_model_path
 
 def test_absent_neighbour_at_start_is_reported_not_waited_for(default_model_path, tmp_path):
     plan = make_local_plan(default_model_path, 30, 2, "auto", ring_base_port=free_port_base(4))
-    (tmp_path / "plan.json").write_text(plan.to_json())
     started = time.monotonic()
-    rank0 = _start_rank(tmp_path / "plan.json", 0, tmp_path / "r0.log", "--connect-timeout", "3")
+    rank0 = _start_rank(plan, 0, tmp_path / "r0.log", StageOptions(connect_timeout_s=3))
     assert _wait_exit(rank0, 60) == 3
     assert time.monotonic() - started < 30
     log = (tmp_path / "r0.log").read_text()

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.plan import make_local_plan
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.core.plan import StageLaunch, StageOptions, make_local_plan
+from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 
 pytestmark = pytest.mark.e2e
@@ -30,10 +30,10 @@ def pipeline(default_model_path, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("pp2-serving")
     plan = make_local_plan(default_model_path, 30, 2, "auto", ring_base_port=free_port_base(4),
                            grpc_base_port=free_port_base(2))
-    (workdir / "plan.json").write_text(plan.to_json())
-    procs = [subprocess.Popen([sys.executable, "-m", "stage_worker", "--plan", str(workdir / "plan.json"),
-                               "--rank", str(r), "--serve", "--max-num-seqs", "8", "--max-waiting", "2",
-                               "--max-model-len", "512"],
+    options = StageOptions(max_num_seqs=8, max_waiting=2, max_model_len=512)
+    for r in range(2):
+        (workdir / f"launch-{r}.json").write_text(StageLaunch(plan, r, options).to_json())
+    procs = [subprocess.Popen([sys.executable, "-m", "stage_worker", "--launch", str(workdir / f"launch-{r}.json")],
                               stdout=open(workdir / f"stage-{r}.log", "w"), stderr=subprocess.STDOUT)
              for r in range(2)]
     channel = grpc.insecure_channel(f"127.0.0.1:{plan.stages[0].grpc_port}")

@@ -19,8 +19,9 @@ import grpc
 import grpc.aio
 import uvicorn
 
-from coordinator.mesh_state import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStatsSnapshot
-from stagemesh.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
+from stagemesh.core.states import StageState
+from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
 
 def free_port() -> int:
@@ -140,8 +141,8 @@ class FakeMesh:
             stage = StageSnapshot(
                 rank=0, layers=(0, 30), host="127.0.0.1", grpc_port=port, ring_port=0, pid=1000 + r,
                 node_id=f"node-{r}", compute_dtype="float32", quantized=False, healthy=ok,
-                state="serving" if ok else "failed",
-                stats=StageStatsSnapshot(batches=10 + r, tokens=99, compute_seconds=1.5, wait_seconds=0.25,
+                state=StageState.SERVING if ok else StageState.FAILED,
+                stats=StageStats(batches=10 + r, tokens=99, compute_seconds=1.5, wait_seconds=0.25,
                                          send_seconds=0.125, running_sequences=r, waiting_requests=0),
             )
             replicas.append(ReplicaSnapshot(replica=r, stages=(stage,)))

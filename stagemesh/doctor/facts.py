@@ -23,11 +23,11 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from stagemesh.doctor_checks import HOST_IP, SERVE_OWNER, STAGE_OWNER, MeshPlan, NodeFacts
+from stagemesh.doctor.checks import HOST_IP, SERVE_OWNER, STAGE_OWNER, MeshPlan, NodeFacts
 
 ENV_VARIABLES = (
     HOST_IP, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL", "RAY_AUTH_MODE",
@@ -56,9 +56,9 @@ def _run(argv: Sequence[str], timeout: float = 5.0) -> str | None:
 
 
 def environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    env = os.environ if env is None else env
-    found = {name: env[name] for name in ENV_VARIABLES if name in env}
-    found.update({name: "<set>" for name in SECRET_VARIABLES if env.get(name)})
+    source: Mapping[str, str] = os.environ if env is None else env
+    found = {name: source[name] for name in ENV_VARIABLES if name in source}
+    found.update({name: "<set>" for name in SECRET_VARIABLES if source.get(name)})
     return found
 
 
@@ -94,7 +94,7 @@ def resolve(names: Sequence[str], timeout_s: float = _RESOLVE_TIMEOUT_S) -> dict
     def lookup(name: str) -> None:
         try:
             infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
-            results[name] = sorted({info[4][0] for info in infos})
+            results[name] = sorted({str(info[4][0]) for info in infos})  # AF_INET: (address, port)
         except OSError:
             results[name] = []
 
@@ -259,7 +259,7 @@ def gather_node_facts(
         port_host=port_host, ports=ports, port_error=port_error,
         firewall=firewall, firewall_python=firewall_python,
         auth_token_present=token_present, auth_token_path=token_path,
-        model_path=model_path, model_present=bool(model_path) and os.path.exists(model_path),
+        model_path=model_path, model_present=bool(model_path and os.path.exists(model_path)),
         node_id=node_id, ray_address=ray_address, mlx_units=mlx_units, is_head=is_head,
     )
 

@@ -3,7 +3,7 @@
 Global stage g (stages numbered across all replicas, replica-major) binds
 ``ring_base + g`` for the MLX ring (the contract in the brief) and
 ``grpc_base + g`` for its gRPC control server. Each stage also accepts its
-predecessor's control lane (see ``stage_worker.links``) on
+predecessor's control lane (the stage's TCP link carrying batch headers) on
 ``ring_base + total_stages + g``: just past the ring ports, so one firewall
 range ``[ring_base, ring_base + 2 * total_stages)`` covers the data plane.
 """
@@ -13,11 +13,13 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from stagemesh.core.errors import UserError
+
 MIN_PORT = 1024
 MAX_PORT = 65535
 
 
-class PortRangeError(ValueError):
+class PortRangeError(UserError):
     """A base port puts some stage outside the usable range."""
 
 

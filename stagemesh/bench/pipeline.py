@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stagemesh import envs
+from stagemesh.core import settings
 
 _MLX_LM_ARM = """
 import json, sys, time
@@ -46,7 +46,7 @@ print(json.dumps({"decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamp
 _BARE_ARM = """
 import json, sys, time
 import mlx.core as mx
-from coordinator.layer_split import LayerRange
+from stagemesh.core.layer_split import LayerRange
 from stage_worker.blas import loaded_blas
 from stage_worker.model_spec import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
@@ -127,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_pipeline_arm(model_path: str, num_layers: int, pp: int, dtype: str, prompt: list[int],
                       max_tokens: int, ring_base: int) -> dict:
     from coordinator.local_launcher import start_local_pipeline
-    from coordinator.plan import make_local_plan
+    from stagemesh.core.plan import make_local_plan
 
     plan = make_local_plan(model_path, num_layers, pp, dtype, ring_base_port=ring_base)
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as workdir:
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         print("bench-pipeline converts a GGUF model for the mlx_lm reference; pass a GGUF file", file=sys.stderr)
         return 2
     prompt = load_tokenizer(spec).encode(args.prompt, add_special_tokens=False)
-    base = args.ring_base_port or envs.RING_BASE_PORT
+    base = args.ring_base_port or settings.RING_BASE_PORT
     arms = ["mlx_lm"] + [f"pp{n}" for n in range(1, args.max_pp + 1)]
     samples: dict[str, list[dict]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="stagemesh-mlx-") as mlx_dir:
@@ -234,5 +234,6 @@ def _machine() -> dict:
 
     import mlx.core as mx
 
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "mlx": mx.__version__,
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "mlx": mx.__version__,  # type: ignore[attr-defined]  # mlx's stubs omit it; the module has it
             "device": str(mx.default_device())}

@@ -31,8 +31,9 @@ import socket
 import sys
 from dataclasses import asdict, dataclass, field
 
-from stagemesh import envs
-from stagemesh.doctor_checks import (
+from stagemesh.core import settings
+from stagemesh.core.settings import MLX_RESOURCE
+from stagemesh.doctor.checks import (
     ERROR,
     INFO,
     OK,
@@ -59,10 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the -pp you will serve with (default: 1 locally, every 'mlx' unit in a cluster)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="the -dp you will serve with")
     parser.add_argument("--ring-base-port", type=int, default=None,
-                        help="default $STAGEMESH_RING_BASE_PORT or 32323")
+                        help=f"default $STAGEMESH_RING_BASE_PORT or {settings.DEFAULT_RING_BASE_PORT}")
     parser.add_argument("--grpc-base-port", type=int, default=None,
-                        help="default $STAGEMESH_GRPC_BASE_PORT or 50051")
-    parser.add_argument("--port", type=int, default=8000, help="the gateway's port (default %(default)s)")
+                        help=f"default $STAGEMESH_GRPC_BASE_PORT or {settings.DEFAULT_GRPC_BASE_PORT}")
+    parser.add_argument("--port", type=int, default=settings.DEFAULT_GATEWAY_PORT,
+                        help="the gateway's port (default %(default)s)")
     parser.add_argument("--model", default=None,
                         help="the MODEL you will serve (default: the embedded default model as found here); in a "
                              "cluster every node must have it at the same absolute path")
@@ -106,15 +108,15 @@ def _plan(args: argparse.Namespace, units: int | None = None) -> MeshPlan:
         pp = units  # check the ports of the largest mesh the cluster can hold
     return MeshPlan(
         pipeline_parallel_size=pp, data_parallel_size=dp,
-        ring_base_port=args.ring_base_port if args.ring_base_port is not None else envs.RING_BASE_PORT,
-        grpc_base_port=args.grpc_base_port if args.grpc_base_port is not None else envs.GRPC_BASE_PORT,
+        ring_base_port=args.ring_base_port if args.ring_base_port is not None else settings.RING_BASE_PORT,
+        grpc_base_port=args.grpc_base_port if args.grpc_base_port is not None else settings.GRPC_BASE_PORT,
         gateway_port=args.port, explicit_size=explicit, model_path=_model_path(args.model),
     )
 
 
 def _model_path(model: str | None) -> str | None:
     """MODEL as ``stagemesh serve`` would pass it to the stages (an absolute path); never downloads."""
-    from stagemesh.doctor_facts import default_model_path
+    from stagemesh.doctor.facts import default_model_path
 
     if model is None:
         return default_model_path()
@@ -130,10 +132,10 @@ def _model_path(model: str | None) -> str | None:
 
 
 def check_local(args: argparse.Namespace) -> Report:
-    from stagemesh.doctor_facts import gather_node_facts
+    from stagemesh.doctor.facts import gather_node_facts
 
     plan = _plan(args)
-    meant_for_cluster = bool(envs.HOST_IP) or bool(args.address or envs.RAY_ADDRESS)
+    meant_for_cluster = bool(settings.HOST_IP) or bool(args.address or settings.RAY_ADDRESS)
     facts = gather_node_facts(plan, cluster=meant_for_cluster, gateway=True, resolve_names=not args.no_resolve)
     findings = check_node(facts, plan, cluster=meant_for_cluster, gateway=True)
     return Report("local", None, plan, [facts], [], findings)
@@ -158,7 +160,7 @@ def check_cluster_at(address: str, args: argparse.Namespace) -> Report:
     import ray
 
     from coordinator.ray_cluster import RayStartError, connect_ray, disconnect
-    from stagemesh.doctor_facts import auth_token
+    from stagemesh.doctor.facts import auth_token
 
     try:
         session = connect_ray(0, address=address)
@@ -177,11 +179,11 @@ def check_cluster_at(address: str, args: argparse.Namespace) -> Report:
 def _probe_cluster(ray, address: str, args: argparse.Namespace) -> Report:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from stagemesh.doctor_facts import NodeProbe
+    from stagemesh.doctor.facts import NodeProbe
 
     alive = [n for n in ray.nodes() if n.get("Alive", n.get("alive"))]
     head_id = next((n["NodeID"] for n in alive if "node:__internal_head__" in n.get("Resources", {})), None)
-    units = {n["NodeID"]: int(n.get("Resources", {}).get("mlx", 0)) for n in alive}
+    units = {n["NodeID"]: int(n.get("Resources", {}).get(MLX_RESOURCE, 0)) for n in alive}
     plan = _plan(args, sum(units.values()))
     probe_class = ray.remote(num_cpus=0, max_restarts=0)(NodeProbe)
     actors = {
@@ -270,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"stagemesh doctor: error: {flag} must be at least 1", file=sys.stderr)
             return 2
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    address = None if args.local else (args.address or envs.RAY_ADDRESS)
+    address = None if args.local else (args.address or settings.RAY_ADDRESS)
     report = check_cluster_at(address, args) if address else check_local(args)
     if args.json:
         print(json.dumps(report.to_json(args.strict), indent=2))

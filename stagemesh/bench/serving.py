@@ -198,7 +198,7 @@ def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir:
 
 def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> None:
     """Each stagemesh server alone at one level: per-stage compute / ring wait / send / other."""
-    from stagemesh.bench_profile import profile_endpoint
+    from stagemesh.bench.profile import profile_endpoint
 
     profiles = [profile_endpoint(e.url, e.label, e.model, e.pid, concurrency=args.profile_concurrency,
                                  num_prompts=args.num_prompts, input_len=args.input_len,

@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from coordinator.mesh_state import StageStatsSnapshot
+from stagemesh.core.snapshots import StageStats
 
 _COUNTERS = {
     "stagemesh_stage_compute_seconds_total": "compute_seconds",
@@ -63,7 +63,7 @@ class StageProfile:
         return self.tokens / self.batches if self.batches else 0.0
 
 
-def parse_stage_counters(metrics_text: str) -> dict[StageKey, StageStatsSnapshot]:
+def parse_stage_counters(metrics_text: str) -> dict[StageKey, StageStats]:
     """The stage counters in a Prometheus text exposition, by (replica, rank)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -75,15 +75,24 @@ def parse_stage_counters(metrics_text: str) -> dict[StageKey, StageStatsSnapshot
                 continue
             key = (int(sample.labels.get("replica", 0)), int(sample.labels.get("rank", 0)))
             values.setdefault(key, {})[field] = sample.value
-    return {key: StageStatsSnapshot(**fields) for key, fields in values.items()}
+    return {key: _stage_stats(fields) for key, fields in values.items()}
 
 
-def stage_profiles(before: Mapping[StageKey, StageStatsSnapshot], after: Mapping[StageKey, StageStatsSnapshot],
+def _stage_stats(fields: Mapping[str, float]) -> StageStats:
+    """The counters read for one stage; Prometheus gives every sample as a float, the counts are whole."""
+    return StageStats(
+        compute_seconds=fields.get("compute_seconds", 0.0), wait_seconds=fields.get("wait_seconds", 0.0),
+        send_seconds=fields.get("send_seconds", 0.0), batches=int(fields.get("batches", 0)),
+        tokens=int(fields.get("tokens", 0)),
+    )
+
+
+def stage_profiles(before: Mapping[StageKey, StageStats], after: Mapping[StageKey, StageStats],
                    wall_s: float) -> list[StageProfile]:
     """Per-stage time over a span of ``wall_s`` seconds between two counter snapshots (pure)."""
     rows = []
     for key in sorted(after):
-        a, b = after[key], before.get(key, StageStatsSnapshot())
+        a, b = after[key], before.get(key, StageStats())
         compute, send = a.compute_seconds - b.compute_seconds, a.send_seconds - b.send_seconds
         # A relay counts its wait when a message arrives, so the level's first message also brings
         # the idle time before the level; within the span it cannot exceed what is left of the wall.
@@ -117,13 +126,15 @@ def _share(seconds: float, wall: float) -> str:
 
 
 def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of one process (its threads, not its children); None off Linux."""
+    """User + system CPU seconds of one process (its threads, not its children), on Linux and macOS;
+    None when it is gone or not ours to read."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return times.user + times.system
 
 
 def profile_endpoint(url: str, label: str, model: str, serve_pid: int, *, concurrency: int, num_prompts: int,
@@ -131,7 +142,7 @@ def profile_endpoint(url: str, label: str, model: str, serve_pid: int, *, concur
     """Load one stagemesh endpoint alone for one level and return the profile (rows and gateway CPU)."""
     import httpx
 
-    def counters() -> dict[StageKey, StageStatsSnapshot]:
+    def counters() -> dict[StageKey, StageStats]:
         time.sleep(1.5)  # the gateway refreshes stage counters every second
         return parse_stage_counters(httpx.get(f"{url}/metrics", timeout=10).text)
 

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from stagemesh.bench_types import RequestRecord
+from stagemesh.bench.types import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 ERROR_SAMPLES = 5  # distinct errors kept per level; each with its count
@@ -183,13 +183,13 @@ def ratios(pooled: Sequence[LevelMetrics], per_round: Sequence[LevelMetrics], la
         if base is None:
             continue
         for label in labels[1:]:
-            m = pooled_at.get((label, level))
-            if m is None:
+            other = pooled_at.get((label, level))
+            if other is None:
                 continue
             by_round = tuple(
                 _ratio(a.output_tokens_per_s, b.output_tokens_per_s)
                 for a, b in zip(round_at.get((label, level), []), round_at.get((baseline, level), []))
             )
-            out.append(Ratio(level, label, baseline, _ratio(m.output_tokens_per_s, base.output_tokens_per_s),
-                             _ratio(m.ttft.p50, base.ttft.p50), _ratio(m.itl.p50, base.itl.p50), by_round))
+            out.append(Ratio(level, label, baseline, _ratio(other.output_tokens_per_s, base.output_tokens_per_s),
+                             _ratio(other.ttft.p50, base.ttft.p50), _ratio(other.itl.p50, base.itl.p50), by_round))
     return out

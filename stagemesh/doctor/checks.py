@@ -21,12 +21,14 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from stagemesh.core import settings
+from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, MLX_RESOURCE
+
 OK, INFO, WARNING, ERROR = "ok", "info", "warning", "error"
 SEVERITIES = (OK, INFO, WARNING, ERROR)
-MLX_RESOURCE = "mlx"
 CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 MATCH_LEVEL = "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL"
-HOST_IP = "STAGEMESH_HOST_IP"
+HOST_IP = settings.env_name("HOST_IP")
 # Interfaces that carry a VPN (macOS utun/ipsec/ppp, WireGuard, Tailscale, ZeroTier, OpenVPN, Cisco, GlobalProtect).
 TUNNEL_INTERFACE = re.compile(r"^(utun|tun|tap|wg|ppp|ipsec|gif|stf|tailscale|zt|nordlynx|cscotun|gpd)", re.I)
 TAILSCALE_RANGE = ipaddress.ip_network("100.64.0.0/10")
@@ -52,8 +54,8 @@ class MeshPlan:
 
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    ring_base_port: int = 32323
-    grpc_base_port: int = 50051
+    ring_base_port: int = DEFAULT_RING_BASE_PORT
+    grpc_base_port: int = DEFAULT_GRPC_BASE_PORT
     gateway_port: int = 8000
     explicit_size: bool = False  # -pp/-dp given: check the cluster can hold them
     model_path: str | None = None  # as the head resolves it; every stage opens this very path

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from stagemesh.bench_stats import LevelMetrics, Ratio
-from stagemesh.bench_types import Endpoint, Level, RequestRecord
+from stagemesh.bench.stats import LevelMetrics, Ratio
+from stagemesh.bench.types import Endpoint, Level, RequestRecord
 
 SCHEMA = "stagemesh-bench/1"
 
@@ -34,7 +34,7 @@ SCHEMA = "stagemesh-bench/1"
 def machine_info() -> dict[str, Any]:
     import psutil
 
-    from stagemesh.version import stagemesh_version
+    from stagemesh.core.settings import stagemesh_version
 
     return {
         "hostname": socket.gethostname(),
@@ -94,7 +94,7 @@ def _x(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
-def _table(rows: list[tuple[str, ...]], right_from: int = 1) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], right_from: int = 1) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) if i < right_from else cell.rjust(w)
                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
@@ -144,7 +144,8 @@ def format_ratios(doc: dict[str, Any]) -> list[str]:
     header = ("level", "endpoint", "out tok/s", "TTFT p50", "ITL p50") + (("tok/s by round",) if rounds > 1 else ())
     rows = [header]
     for r in doc["ratios"]:
-        row = (r["level"], r["endpoint"], _x(r["output_tokens_per_s"]), _x(r["ttft_p50"]), _x(r["itl_p50"]))
+        row: tuple[str, ...] = (r["level"], r["endpoint"], _x(r["output_tokens_per_s"]), _x(r["ttft_p50"]),
+                                _x(r["itl_p50"]))
         if rounds > 1:
             row += (" ".join(_x(x) for x in r["output_tokens_per_s_by_round"]),)
         rows.append(row)

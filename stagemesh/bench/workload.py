@@ -26,7 +26,7 @@ import random
 import re
 from typing import Any, Protocol
 
-from stagemesh.bench_types import Prompt, Workload
+from stagemesh.bench.types import Prompt, Workload
 
 # Common English words: almost all are one token (with their leading space) in
 # every BPE vocabulary we serve, so without a tokenizer one word ~ one token.

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagemesh.core.errors import UserError
 
-class LayerSplitError(ValueError):
+
+class LayerSplitError(UserError):
     """A requested split cannot serve the model; the message says what to change."""
 
 

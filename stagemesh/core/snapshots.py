@@ -1,4 +1,9 @@
-"""The mesh as the coordinator sees it: frozen snapshots the gateway and CLI read.
+"""The mesh as the coordinator sees it, and a stage's counters: frozen snapshots everyone reads.
+
+``StageStats`` is the one shape of a stage's counters: the stage fills it, it
+travels as ``stagemesh.v1.StageStats`` (``to_proto`` / ``from_proto``), the
+coordinator keeps it in the snapshot and the benchmark's profile reads it back
+from ``/metrics``.
 
 The coordinator produces a new ``MeshSnapshot`` whenever something changes
 (placement, health, stats); readers never mutate it. ``to_json`` is the
@@ -10,20 +15,35 @@ contract of ``GET /mesh`` and ``stagemesh status --json``:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+from stagemesh.core.states import StageState
+from stagemesh.core.v1 import stage_pb2
 
 
 @dataclass(frozen=True)
-class StageStatsSnapshot:
-    batches: int = 0
-    tokens: int = 0
-    compute_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    send_seconds: float = 0.0
-    running_sequences: int = 0
-    waiting_requests: int = 0
-    requests_finished: int = 0
+class StageStats:
+    """A stage's counters since it started (``stagemesh.v1.StageStats``)."""
+
+    batches: int = 0  # batches this stage computed
+    tokens: int = 0  # token rows it computed
+    compute_seconds: float = 0.0  # in its own layers (and head, sampling)
+    wait_seconds: float = 0.0  # waiting for input from its predecessor
+    send_seconds: float = 0.0  # handing results to its successor
+    running_sequences: int = 0  # sequences holding KV on this stage
+    waiting_requests: int = 0  # entry stage: queued, not yet running
+    requests_finished: int = 0  # entry stage
+
+    def to_proto(self) -> stage_pb2.StageStats:
+        return stage_pb2.StageStats(**asdict(self))
+
+    @classmethod
+    def from_proto(cls, message: stage_pb2.StageStats) -> StageStats:
+        return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -38,16 +58,16 @@ class StageSnapshot:
     compute_dtype: str
     quantized: bool
     healthy: bool
-    state: str = "starting"  # loading, connecting, serving, draining, failed, stopped, starting
+    state: StageState = StageState.STARTING
     error: str | None = None
-    stats: StageStatsSnapshot = field(default_factory=StageStatsSnapshot)
+    stats: StageStats = field(default_factory=StageStats)
     blas: str = ""  # the BLAS the stage's MLX uses: openblas, mkl, reference, accelerate
 
     @property
     def grpc_target(self) -> str:
         return f"{self.host}:{self.grpc_port}"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
             "layers": list(self.layers),
@@ -60,9 +80,9 @@ class StageSnapshot:
             "quantized": self.quantized,
             "blas": self.blas,
             "healthy": self.healthy,
-            "state": self.state,
+            "state": self.state.value,
             "error": self.error,
-            "stats": self.stats.__dict__,
+            "stats": self.stats.to_json(),
         }
 
 
@@ -80,7 +100,7 @@ class ReplicaSnapshot:
     def entry(self) -> StageSnapshot:
         return self.stages[0]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "replica": self.replica,
             "healthy": self.healthy,
@@ -98,7 +118,7 @@ class MeshSnapshot:
     def healthy_replicas(self) -> tuple[ReplicaSnapshot, ...]:
         return tuple(r for r in self.replicas if r.healthy)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "replicas": [r.to_json() for r in self.replicas]}
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -108,7 +109,7 @@ def normalize_base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def _per_endpoint(values: list[str] | None, n: int, flag: str, *, allow_one: bool = True) -> list[str | None]:
+def _per_endpoint(values: list[str] | None, n: int, flag: str, *, allow_one: bool = True) -> Sequence[str | None]:
     if not values:
         return [None] * n
     if len(values) == n:
@@ -120,15 +121,15 @@ def _per_endpoint(values: list[str] | None, n: int, flag: str, *, allow_one: boo
 
 
 def endpoints_from_args(args: argparse.Namespace) -> list:
-    from stagemesh import envs
-    from stagemesh.bench_types import Endpoint
+    from stagemesh.bench.types import Endpoint
+    from stagemesh.core import settings
 
     urls = [normalize_base_url(u) for u in (args.base_url or [DEFAULT_BASE_URL])]
     n = len(urls)
     labels = _per_endpoint(args.label, n, "--label", allow_one=n == 1)
     models = _per_endpoint(args.model, n, "--model")
     keys = _per_endpoint(args.api_key, n, "--api-key")
-    default_key = envs.API_KEY
+    default_key = settings.API_KEY
     # An explicit empty --api-key means "no key" for that endpoint, not the environment's.
     eps = [Endpoint(label or urlsplit(url).netloc, url, model, default_key if key is None else key or None)
            for url, label, model, key in zip(urls, labels, models, keys)]
@@ -138,7 +139,7 @@ def endpoints_from_args(args: argparse.Namespace) -> list:
 
 
 def levels_from_args(args: argparse.Namespace) -> list:
-    from stagemesh.bench_types import Level
+    from stagemesh.bench.types import Level
 
     conc = parse_list(args.concurrency, int, "--concurrency")
     rates = parse_list(args.request_rate, float, "--request-rate")
@@ -176,7 +177,7 @@ async def resolve_model(client, endpoint):
     """The endpoint with its model set: as given, else the first id its GET /v1/models lists."""
     import httpx
 
-    from stagemesh.bench_load import _error_message, headers_for
+    from stagemesh.bench.load import _error_message, headers_for
 
     if endpoint.model:
         return endpoint
@@ -203,8 +204,8 @@ async def _run_one(client, endpoint, workload, level, round_: int, plan, tokeniz
     import random
     import time
 
-    from stagemesh.bench_load import Progress, closed_loop, open_loop, send
-    from stagemesh.bench_workload import make_prompt
+    from stagemesh.bench.load import Progress, closed_loop, open_loop, send
+    from stagemesh.bench.workload import make_prompt
 
     prompts: dict[int, Any] = {}
 
@@ -242,7 +243,7 @@ async def run_benchmark(endpoints, levels, workload, args, tokenizer) -> tuple[l
     """Resolve models, warm up, run every level; returns (endpoints, warmup records, measured records)."""
     import httpx
 
-    from stagemesh.bench_types import Level, RunPlan
+    from stagemesh.bench.types import Level, RunPlan
 
     # No connection cap here: the runner decides what is in flight.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -287,9 +288,9 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from stagemesh.bench_report import build_document, format_report, machine_info
-    from stagemesh.bench_stats import level_metrics, ratios
-    from stagemesh.bench_types import Workload
+    from stagemesh.bench.report import build_document, format_report, machine_info
+    from stagemesh.bench.stats import level_metrics, ratios
+    from stagemesh.bench.types import Workload
 
     try:
         check_args(args)
@@ -298,12 +299,12 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = None
         if args.tokenizer:
             from stage_worker.model_spec import ModelFormatError
-            from stagemesh.bench_workload import load_tokenizer
+            from stagemesh.bench.workload import load_tokenizer
             try:
                 tokenizer = load_tokenizer(args.tokenizer)
             except (ModelFormatError, OSError, ValueError) as exc:
                 raise BenchSetupError(f"cannot load --tokenizer {args.tokenizer}: {exc}") from None
-        from stagemesh.bench_workload import min_input_tokens
+        from stagemesh.bench.workload import min_input_tokens
 
         if args.input_len < min_input_tokens(tokenizer):
             raise BenchSetupError(
@@ -352,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(doc, f, indent=1)
         print(f"bench: wrote {args.output}", file=sys.stderr)
     if args.plot:
-        from stagemesh.bench_plot import plot
+        from stagemesh.bench.plot import plot
 
         plot(doc, args.plot)
         print(f"bench: wrote {args.plot}", file=sys.stderr)

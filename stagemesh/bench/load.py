@@ -32,8 +32,8 @@ from typing import Any, TextIO
 
 import httpx
 
-from stagemesh.bench_types import Endpoint, Prompt, RequestRecord, RunPlan, Workload
-from stagemesh.bench_workload import request_body
+from stagemesh.bench.types import Endpoint, Prompt, RequestRecord, RunPlan, Workload
+from stagemesh.bench.workload import request_body
 
 MAX_ERROR_CHARS = 300
 

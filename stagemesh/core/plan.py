@@ -1,0 +1,190 @@
+"""Pipeline plans and stage launches: frozen descriptions of who runs which slice where, and how.
+
+A ``PipelinePlan`` is everything a stage process needs to know about its
+replica: the model, the compute dtype every stage agrees on, and for each rank
+its layer range, host and ports. Plans are made by pure functions
+(``make_local_plan`` here; ``coordinator.placement.pipeline_plan`` for Ray),
+and never mutated.
+
+A ``StageLaunch`` is one stage process's whole input: the plan, its rank and
+its ``StageOptions`` (queue sizes, memory share, timeouts). The coordinator
+(or the local launcher) writes it as JSON; the stage reads it with
+``StageLaunch.from_json``. One value, not a hand-built argv that two modules
+must keep in step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stagemesh.core.errors import UserError
+from stagemesh.core.layer_split import LayerRange, plan_layer_split
+from stagemesh.core.ports import stage_ports
+from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, LOOPBACK
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    rank: int  # rank inside the pipeline's ring
+    global_index: int  # stage index across all replicas; fixes the ports
+    layers: LayerRange
+    host: str
+    ring_port: int
+    lane_port: int
+    grpc_port: int
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.rank} ({self.host})"
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    replica: int
+    model_path: str
+    num_layers: int
+    compute_dtype: str
+    stages: tuple[StagePlacement, ...]
+    dequantize: str = "auto"  # auto / on / off: run quantized checkpoints with dense weights
+    # The embedded default model: each stage finds it in its own installation, because the
+    # head's absolute path need not exist on the other Macs (``model_path`` is only the head's).
+    model_is_default: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.stages)
+
+    def ring_hostfile(self) -> list[list[str]]:
+        """MLX_HOSTFILE content: one ``["ip:port"]`` list per rank."""
+        return [[f"{s.host}:{s.ring_port}"] for s in self.stages]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelinePlan:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PipelinePlan:
+        raw = dict(raw)
+        stages = tuple(
+            StagePlacement(**{**s, "layers": LayerRange(**s["layers"])})
+            for s in raw.pop("stages")
+        )
+        return cls(**raw, stages=stages)
+
+
+def make_local_plan(
+    model_path: str,
+    num_layers: int,
+    pipeline_size: int,
+    compute_dtype: str,
+    *,
+    layer_split: str | None = None,
+    ring_base_port: int = DEFAULT_RING_BASE_PORT,
+    grpc_base_port: int = DEFAULT_GRPC_BASE_PORT,
+    host: str = LOOPBACK,
+    replica: int = 0,
+    first_global_index: int = 0,
+    total_stages: int | None = None,
+    dequantize: str = "auto",
+) -> PipelinePlan:
+    """Plan one pipeline with every stage on ``host`` (loopback by default)."""
+    ranges = plan_layer_split(num_layers, pipeline_size, layer_split)
+    total = total_stages if total_stages is not None else first_global_index + pipeline_size
+    stages = []
+    for rank, layers in enumerate(ranges):
+        g = first_global_index + rank
+        ports = stage_ports(g, total, ring_base_port, grpc_base_port)
+        stages.append(
+            StagePlacement(
+                rank=rank,
+                global_index=g,
+                layers=layers,
+                host=host,
+                ring_port=ports.ring,
+                lane_port=ports.lane,
+                grpc_port=ports.grpc,
+            )
+        )
+    return PipelinePlan(
+        replica=replica,
+        model_path=model_path,
+        num_layers=num_layers,
+        compute_dtype=compute_dtype,
+        stages=tuple(stages),
+        dequantize=dequantize,
+    )
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """How one stage runs, beyond what the plan says; the defaults are a lone stage's."""
+
+    node_id: str = ""  # the Ray node id, reported by GetStageInfo
+    max_num_seqs: int = 64  # sequences running at once
+    max_waiting: int = 256  # requests queued beyond the running ones
+    max_model_len: int | None = None  # None: the model's context length
+    memory_fraction: float = 0.8  # share of the host's memory its stages may use (weights + KV)
+    stages_on_host: int = 0  # stages sharing the host's memory and cores; 0: this pipeline's on it
+    micro_batches: int = 0  # batches in flight at once; 0: one per stage
+    max_batch_tokens: int = 512  # token rows per batch (long prompts are prefilled in chunks)
+    connect_timeout_s: float = 60.0  # neighbours' lanes must be up by then
+    ring_timeout_s: float | None = None  # None: STAGEMESH_RING_TIMEOUT where the stage runs
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_waiting", "stages_on_host", "micro_batches"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise UserError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if not 0 < self.memory_fraction <= 1:
+            raise UserError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        for name in ("connect_timeout_s", "ring_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise UserError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class StageLaunch:
+    """Everything one stage process is started with."""
+
+    plan: PipelinePlan
+    rank: int
+    options: StageOptions = field(default_factory=StageOptions)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.plan.size:
+            raise UserError(f"rank {self.rank} outside the plan's 0..{self.plan.size - 1}")
+
+    @property
+    def me(self) -> StagePlacement:
+        return self.plan.stages[self.rank]
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.plan.size - 1
+
+    def stages_sharing_host(self) -> int:
+        """Stages sharing this stage's host: the coordinator's count per node, else this plan's."""
+        return self.options.stages_on_host or sum(1 for s in self.plan.stages if s.host == self.me.host)
+
+    def to_json(self) -> str:
+        return json.dumps({"plan": asdict(self.plan), "rank": self.rank, "options": asdict(self.options)},
+                          indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> StageLaunch:
+        raw = json.loads(text)
+        return cls(PipelinePlan.from_dict(raw["plan"]), int(raw["rank"]), StageOptions(**raw["options"]))

@@ -1,0 +1,129 @@
+"""Every setting stagemesh reads from its environment, with its default, in one place.
+
+Also the constants every service shares: the default ports, the loopback
+address, the name of the Ray resource that marks a stage slot, and the
+installed version.
+
+Environment variables are read lazily (``settings.RING_BASE_PORT`` looks the
+variable up at access time), so tests and launchers can set them after
+import; ``settings.read(NAME, env)`` reads one from another mapping (a child's
+environment, a test's). Flags always win over these. A malformed value raises
+``UserError`` naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from stagemesh.core.errors import UserError
+
+DEFAULT_RING_BASE_PORT = 32323
+DEFAULT_GRPC_BASE_PORT = 50051
+DEFAULT_GATEWAY_PORT = 8000
+LOOPBACK = "127.0.0.1"
+# The Ray resource a node advertises once per stage it can host (`ray start --resources='{"mlx": 1}'`).
+MLX_RESOURCE = "mlx"
+
+
+def stagemesh_version() -> str:
+    """The installed stagemesh version (stages compare it across nodes)."""
+    try:
+        return metadata.version("stagemesh")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+Reader = Callable[[Mapping[str, str]], Any]
+
+
+def _int(name: str, default: int) -> Reader:
+    def read(env: Mapping[str, str]) -> int:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise UserError(f"environment variable {name}={raw!r} must be an integer") from None
+
+    return read
+
+
+def _positive_int(name: str, unset_means: str) -> Reader:
+    def read(env: Mapping[str, str]) -> int | None:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return None
+        if not raw.isdigit() or int(raw) < 1:
+            raise UserError(f"{name}={raw!r} must be a positive integer; unset it {unset_means}")
+        return int(raw)
+
+    return read
+
+
+def _float(name: str, default: float) -> Reader:
+    def read(env: Mapping[str, str]) -> float:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise UserError(f"environment variable {name}={raw!r} must be a number") from None
+
+    return read
+
+
+def _str(name: str, default: str | None) -> Reader:
+    return lambda env: env.get(name) or default
+
+
+@dataclass(frozen=True)
+class Variable:
+    env_name: str  # what the user sets
+    read: Reader
+    meaning: str
+
+
+VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v in (
+    Variable("STAGEMESH_API_KEY", _str("STAGEMESH_API_KEY", None),
+             "API key the gateway requires on /v1 (same as --api-key)"),
+    Variable("STAGEMESH_RING_BASE_PORT", _int("STAGEMESH_RING_BASE_PORT", DEFAULT_RING_BASE_PORT),
+             "first MLX ring port; global stage g binds base+g (same as --ring-base-port)"),
+    Variable("STAGEMESH_GRPC_BASE_PORT", _int("STAGEMESH_GRPC_BASE_PORT", DEFAULT_GRPC_BASE_PORT),
+             "first gRPC port; global stage g binds base+g (same as --grpc-base-port)"),
+    Variable("STAGEMESH_HOST_IP", _str("STAGEMESH_HOST_IP", None),
+             "address this node advertises for its stages' ring and gRPC ports"),
+    Variable("STAGEMESH_RING_TIMEOUT", _float("STAGEMESH_RING_TIMEOUT", 30.0),
+             "seconds a ring transfer or an owed reply may take before the stage gives up"),
+    Variable("STAGEMESH_CACHE_DIR", _str("STAGEMESH_CACHE_DIR", None),
+             "where the default model is cached when not installed"),
+    Variable("STAGEMESH_BLAS", _str("STAGEMESH_BLAS", "auto"),
+             "BLAS a Linux stage preloads: auto (OpenBLAS, else MKL), none, or a library path"),
+    Variable("STAGEMESH_BLAS_THREADS",
+             _positive_int("STAGEMESH_BLAS_THREADS", "to let BLAS threads follow the pipeline's load"),
+             "fixed BLAS thread count per stage (default: follow the pipeline's load)"),
+    Variable("STAGEMESH_PIN_CORES", _str("STAGEMESH_PIN_CORES", ""),
+             "pin stages to cores: a core list (0,1) or per-stage (stage g on core g mod cores)"),
+    Variable("RAY_ADDRESS", _str("RAY_ADDRESS", None), "join this Ray cluster instead of starting a local one"),
+)}
+
+
+def read(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The setting ``name`` (``"RING_BASE_PORT"``) from ``env`` (default: this process's)."""
+    return VARIABLES[name].read(os.environ if env is None else env)
+
+
+def env_name(name: str) -> str:
+    """The environment variable behind setting ``name`` (``"HOST_IP"`` -> ``STAGEMESH_HOST_IP``)."""
+    return VARIABLES[name].env_name
+
+
+def __getattr__(name: str) -> Any:
+    if name not in VARIABLES:
+        raise AttributeError(name)
+    return read(name)
