@@ -96,7 +96,7 @@ def test_a_killed_actor_takes_its_stage_process_along(cluster):
     group = reserve_bundles(placement.slots, timeout_s=20)
     actor = stage_host_actor(group, 0, "doomed")
     try:
-        pid = ray.get(actor.start.remote("{}", 0, [], SLEEPER), timeout=60)
+        pid = ray.get(actor.start.remote("{}", SLEEPER), timeout=60)
         assert running(pid)
         ray.kill(actor)
         wait_until(lambda: not running(pid), 10, "stage process dies with its StageHost")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh.core.plan import PipelinePlan
+from stagemesh.core.plan import PipelinePlan, StageLaunch
 from tests.deploy.conftest import MESH_SH
 from tests.deploy.netns import ADDRESS_A, ADDRESS_B, NamespacesUnavailable, TwoHosts, make_two_hosts
 
@@ -126,10 +126,10 @@ def test_doctor_checks_both_nodes_across_the_cable(cluster):
 
 
 def _stage_plan(pid: int) -> PipelinePlan:
-    """The plan a running stage was started with (its --plan file)."""
+    """The plan a running stage was started with (inside its --launch file)."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    path = argv[argv.index(b"--plan") + 1].decode()
-    return PipelinePlan.from_json(Path(path).read_text())
+    path = argv[argv.index(b"--launch") + 1].decode()
+    return StageLaunch.from_json(Path(path).read_text()).plan
 
 
 def test_pp2_puts_stage_1_on_the_other_host(cluster):
