@@ -55,6 +55,8 @@ class StageInfoView:
     blas: str
     weight_bytes: int
     stats: StageStats
+    backend: str = ""  # MLX's backend: cpu, metal, cuda ("" from a stage that does not say)
+    device: str = ""  # the device's name
 
 
 @dataclass(frozen=True)
@@ -155,4 +157,6 @@ def info_view(message: stage_pb2.StageInfo) -> StageInfoView:
         blas=message.blas,
         weight_bytes=int(message.weight_bytes),
         stats=StageStats.from_proto(message.stats),
+        backend=message.backend,
+        device=message.device,
     )

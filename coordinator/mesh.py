@@ -50,6 +50,7 @@ from coordinator.placement import (
     ClusterNode,
     PlacementError,
     StageSlot,
+    assign_gpus,
     check_port_ranges,
     pipeline_plan,
     place_stages,
@@ -93,6 +94,8 @@ class MeshConfig:
     data_parallel_size: int = 1
     compute_dtype: str = "auto"
     dequantize: str = "auto"  # --dequantize
+    load_format: str = "auto"  # --load-format: dummy gives every stage random weights for its slice
+    hop_transport: str = "lane"  # --hop-transport: how hidden states travel between stages (lane or ring)
     memory_fraction: float | None = None  # --memory-fraction (None: the stage's default)
     model_is_default: bool = False  # no MODEL given: every node uses its own embedded default
     layer_split: str | None = None  # --pp-layer-split
@@ -136,13 +139,16 @@ def validate_config(config: MeshConfig) -> None:
         raise ValueError("health_interval_s must be positive and unhealthy_after_misses at least 1")
 
 
-def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1) -> StageOptions:
-    """A serving stage's options; ``stages_on_node`` stages share its node's memory and cores.
-    What the user left unset keeps the stage's default."""
+def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1, gpu_index: int | None = None,
+                  stages_on_gpu: int = 0) -> StageOptions:
+    """A serving stage's options; ``stages_on_node`` stages share its node's memory and cores, and
+    ``stages_on_gpu`` the GPU ``gpu_index`` of its node (``placement.assign_gpus``; None: no GPU to
+    assign). What the user left unset keeps the stage's default."""
     given: dict[str, Any] = {"memory_fraction": config.memory_fraction, "max_num_seqs": config.max_num_seqs,
                              "max_model_len": config.max_model_len}
     return StageOptions(node_id=node_id, connect_timeout_s=config.connect_timeout_s,
-                        stages_on_host=stages_on_node if stages_on_node > 1 else 0,
+                        stages_on_host=stages_on_node if stages_on_node > 1 else 0, gpu_index=gpu_index,
+                        stages_on_gpu=stages_on_gpu if gpu_index is not None else 0,
                         **{name: value for name, value in given.items() if value is not None})
 
 
@@ -164,6 +170,9 @@ class _Stage:
     compute_dtype: str = ""
     quantized: bool = False
     blas: str = ""
+    backend: str = ""  # MLX's backend the stage reports: cpu, metal, cuda
+    device: str = ""  # the device's name it reports
+    gpu_index: int | None = None  # the GPU of its node it was given (placement.assign_gpus)
     stats: StageStats = field(default_factory=StageStats)
     misses: int = 0
     started_at: float = 0.0
@@ -325,7 +334,8 @@ class MeshCoordinator:
             data_parallel_size=cfg.data_parallel_size, model_path=cfg.model_path,
             num_layers=cfg.num_layers, compute_dtype=cfg.compute_dtype, layer_split=cfg.layer_split,
             ring_base_port=cfg.ring_base_port, grpc_base_port=cfg.grpc_base_port, dequantize=cfg.dequantize,
-            model_is_default=cfg.model_is_default,
+            model_is_default=cfg.model_is_default, load_format=cfg.load_format,
+            hop_transport=cfg.hop_transport,
         )
         with self._lock:
             replica.plan = plan
@@ -337,6 +347,17 @@ class MeshCoordinator:
                     stage.channel = StageChannel(target)
                 stage.placement = placement
                 stage.compute_dtype = stage.compute_dtype or cfg.compute_dtype
+            self._assign_gpus(replica)
+
+    def _assign_gpus(self, replica: _Replica) -> None:
+        """Give each stage of ``replica`` one GPU of its node; the other replicas keep theirs. Caller holds
+        the lock. Every replica is planned before any launches, so each stage's launch counts its GPU's
+        sharers (``_stages_on_gpu``) among all of them."""
+        held = [(s.slot.node_id, s.gpu_index) for r in self._replicas if r is not replica for s in r.stages
+                if s.gpu_index is not None]
+        counts = {s.slot.node_id: s.host.gpu_count if s.host else 0 for s in replica.stages}
+        for stage, gpu in zip(replica.stages, assign_gpus([s.slot.node_id for s in replica.stages], counts, held)):
+            stage.gpu_index = gpu
 
     def _replace_hosts(self, replica: _Replica) -> None:
         """Place ``replica`` again on live nodes (its old host actors are gone)."""
@@ -397,12 +418,15 @@ class MeshCoordinator:
                 for s, p in zip(replica.stages, plan.stages)
             ], timeout=_ACTOR_CALL_S)
         for stage, p in zip(replica.stages, plan.stages):
-            log.info("replica %d stage %d: loading layers %s on %s grpc :%d ring :%d (node %s)",
-                     replica.index, stage.rank, p.layers, p.host, p.grpc_port, p.ring_port, stage.slot.node_id[:8])
+            gpu = f", GPU {stage.gpu_index}" if stage.gpu_index is not None else ""
+            log.info("replica %d stage %d: loading layers %s on %s grpc :%d ring :%d (node %s%s)",
+                     replica.index, stage.rank, p.layers, p.host, p.grpc_port, p.ring_port, stage.slot.node_id[:8],
+                     gpu)
         pids = ray.get([
             s.actor.start.remote(
-                StageLaunch(plan, s.rank, stage_options(self.config, s.slot.node_id,
-                                                        self._stages_on_node(s.slot.node_id))).to_json(),
+                StageLaunch(plan, s.rank, stage_options(
+                    self.config, s.slot.node_id, self._stages_on_node(s.slot.node_id), s.gpu_index,
+                    self._stages_on_gpu(s.slot.node_id, s.gpu_index))).to_json(),
                 self.config.stage_command)
             for s in replica.stages
         ], timeout=_ACTOR_CALL_S)
@@ -487,6 +511,8 @@ class MeshCoordinator:
             stage.compute_dtype = info.compute_dtype or stage.compute_dtype
             stage.quantized = info.quantized
             stage.blas = info.blas or stage.blas
+            stage.backend = info.backend or stage.backend
+            stage.device = info.device or stage.device
             stage.stats = info.stats
             stage.pid = info.pid or stage.pid
         stage.exit_code = probe.exit_code if probe.exit_code is not None else stage.exit_code
@@ -501,9 +527,9 @@ class MeshCoordinator:
             stage.state = StageState.SERVING
         if stage.state != previous:
             if stage.state is StageState.SERVING:
-                log.info("%s: serving (pid %s, node %s, %s, quantized=%s, blas=%s, %.1f s)", stage.name,
-                         stage.pid, stage.slot.node_id[:8], stage.compute_dtype, stage.quantized, stage.blas,
-                         self._clock() - stage.started_at)
+                log.info("%s: serving (pid %s, node %s, %s, backend=%s device=%r, quantized=%s, blas=%s, %.1f s)",
+                         stage.name, stage.pid, stage.slot.node_id[:8], stage.compute_dtype, stage.backend,
+                         stage.device, stage.quantized, stage.blas, self._clock() - stage.started_at)
             elif stage.state is StageState.FAILED:
                 log.warning("%s: failed: %s", stage.name, reason)
             else:
@@ -579,6 +605,12 @@ class MeshCoordinator:
 
     def _stages_on_node(self, node_id: str) -> int:
         return sum(1 for r in self._replicas for s in r.stages if s.slot.node_id == node_id) or 1
+
+    def _stages_on_gpu(self, node_id: str, gpu_index: int | None) -> int:
+        if gpu_index is None:
+            return 0
+        return sum(1 for r in self._replicas for s in r.stages
+                   if s.slot.node_id == node_id and s.gpu_index == gpu_index) or 1
 
     def _hosts_alive(self, replica: _Replica) -> bool:
         try:
@@ -690,7 +722,7 @@ class MeshCoordinator:
                     ring_port=p.ring_port if p else 0,
                     pid=s.pid, node_id=s.slot.node_id, compute_dtype=s.compute_dtype or self.config.compute_dtype,
                     quantized=s.quantized, healthy=s.healthy, state=s.state, error=s.error, stats=s.stats,
-                    blas=s.blas,
+                    blas=s.blas, backend=s.backend, device=s.device,
                 ))
             replicas.append(ReplicaSnapshot(replica.index, tuple(stages), replica.restarts))
         self._snapshot = MeshSnapshot(self.config.served_model_name, tuple(replicas))

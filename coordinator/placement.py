@@ -10,6 +10,9 @@ with made-up clusters:
   for models too big for one Mac, so two ranks of one replica on one node is
   the fallback, not the goal). Too few units raise ``PlacementError`` saying
   how many there are and how to add some.
+- ``assign_gpus(nodes, gpu_counts, held)`` gives each stage one GPU of its
+  node (a node with several NVIDIA GPUs): round robin, so a stage's GPU is its
+  ordinal among the stages on its node modulo the node's GPU count.
 - ``pipeline_plan(replica, hosts, ...)`` builds one replica's ``PipelinePlan``:
   global stage index ``g = replica * P + rank`` fixes its ports
   (``stagemesh.core.ports``), ``hosts[rank]`` is the address that stage's node
@@ -18,7 +21,7 @@ with made-up clusters:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stagemesh.core.layer_split import plan_layer_split
@@ -196,6 +199,8 @@ def pipeline_plan(
     grpc_base_port: int,
     dequantize: str = "auto",
     model_is_default: bool = False,
+    load_format: str = "auto",
+    hop_transport: str = "lane",
 ) -> PipelinePlan:
     """One replica's plan: rank r on ``hosts[r]``, ports from global index ``replica * P + r``."""
     pp = len(hosts)
@@ -216,7 +221,7 @@ def pipeline_plan(
     return PipelinePlan(
         replica=replica, model_path=model_path, num_layers=num_layers,
         compute_dtype=compute_dtype, stages=tuple(stages), dequantize=dequantize,
-        model_is_default=model_is_default,
+        model_is_default=model_is_default, load_format=load_format, hop_transport=hop_transport,
     )
 
 
@@ -241,3 +246,31 @@ def pipeline_plans(
         )
         for replica, slots in enumerate(placement.replicas)
     )
+
+
+def assign_gpus(nodes: Sequence[str], gpu_counts: Mapping[str, int],
+                held: Iterable[tuple[str, int]] = ()) -> list[int | None]:
+    """The GPU each stage takes on its node: ``nodes[i]`` is stage i's node, in global stage order.
+
+    Each stage takes its node's least used GPU (the lowest index on a tie), so from scratch the
+    stages of a node take its GPUs round robin: a stage's GPU is its ordinal among the stages on
+    its node modulo the node's GPU count. ``held`` are ``(node, GPU)`` of stages that keep running
+    (the other replicas, when one replica starts again): their GPUs count as used, so the restarted
+    replica does not pile onto a busy GPU. None for a node without GPUs to assign (Metal, CPU).
+    """
+    uses: dict[str, list[int]] = {}
+    for node, gpu in held:
+        count = gpu_counts.get(node, 0)
+        if count > 0:
+            uses.setdefault(node, [0] * count)[gpu % count] += 1
+    chosen: list[int | None] = []
+    for node in nodes:
+        count = gpu_counts.get(node, 0)
+        if count <= 0:
+            chosen.append(None)
+            continue
+        node_uses = uses.setdefault(node, [0] * count)
+        gpu = min(range(count), key=lambda g: (node_uses[g], g))
+        node_uses[gpu] += 1
+        chosen.append(gpu)
+    return chosen

@@ -13,7 +13,10 @@ Contract (every method returns quickly; nothing here blocks on the stage):
   advertise (``STAGEMESH_HOST_IP`` from this node's environment, else the
   address the node registered with Ray: its ``NodeManagerAddress``; never
   ``ray.util.get_node_ip_address()``, which names the outward interface even
-  for a node started on 127.0.0.1), and Python / MLX / stagemesh versions.
+  for a node started on 127.0.0.1), Python / MLX / stagemesh versions, and how
+  many NVIDIA GPUs its stages may be spread over (``stagemesh.core.gpus``: the
+  entries of ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``'s GPUs; 0 on a
+  Mac or a CPU node).
 - ``start(plan_json, rank, args)`` writes the plan to a temp file on this
   node, starts the stage with its output in a log file there, returns its pid.
 - ``poll()`` -> exit code or None; ``terminate()`` sends SIGTERM and returns;
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagemesh.core import settings
+from stagemesh.core.gpus import CUDA_VISIBLE_DEVICES, node_gpu_count
 from stagemesh.core.ports import port_is_free
 from stagemesh.core.settings import MLX_RESOURCE
 from stagemesh.core.states import ExitCode
@@ -75,6 +79,7 @@ class HostInfo:
     mlx: str | None
     stagemesh: str | None
     platform: str
+    gpu_count: int = 0  # NVIDIA GPUs the node's stages are spread over; 0: none to assign (Metal, CPU)
 
 
 def advertised_host(node_id: str, env: Mapping[str, str], nodes: Sequence[Mapping]) -> tuple[str, str]:
@@ -104,6 +109,18 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def nvidia_smi_list(env: Mapping[str, str]) -> str | None:
+    """``nvidia-smi -L``'s output, or None where there is no NVIDIA driver; not run when
+    ``CUDA_VISIBLE_DEVICES`` already says which GPUs the node's stages may use."""
+    if CUDA_VISIBLE_DEVICES in env:
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
 def stage_env(base: Mapping[str, str]) -> dict[str, str]:
     """The stage's environment: the node's, minus what Ray forced on its worker."""
     env = dict(base)
@@ -124,6 +141,7 @@ class StageHost:
         self._process: subprocess.Popen | None = None
         self._log_path: Path | None = None
         self._starts = 0
+        self._gpu_count: int | None = None  # counted once: a node's GPUs do not change under it
 
     # -- identity -------------------------------------------------------------
 
@@ -135,10 +153,13 @@ class StageHost:
 
     def describe_local(self, node_id: str, nodes: Sequence[Mapping]) -> HostInfo:
         host, source = advertised_host(node_id, os.environ, nodes)
+        if self._gpu_count is None:
+            self._gpu_count = node_gpu_count(os.environ, nvidia_smi_list(os.environ))
         return HostInfo(
             node_id=node_id, host=host, host_source=source, hostname=socket.gethostname(),
             pid=os.getpid(), python=platform.python_version(), mlx=_version("mlx"),
             stagemesh=_version("stagemesh"), platform=f"{sys.platform}-{platform.machine()}",
+            gpu_count=self._gpu_count,
         )
 
     # -- the stage process ----------------------------------------------------

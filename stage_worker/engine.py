@@ -115,8 +115,16 @@ class EntryEngine:
         Keeps up to ``micro_batches`` batches in flight: while there is room and
         work, it submits (stage 0 computes its part and hands it on); otherwise
         it collects the oldest batch's tokens.
+
+        A single-stage pipeline instead keeps the device busy across steps: with
+        one batch in flight it submits that batch's continuation (the next decode
+        step of its sequences, fed the tokens still on the device, plus any new
+        work), and only then reads the older batch's tokens, so building a
+        step's graph, reading tokens back and delivering them overlap the
+        device's compute, as ``mlx_lm.generate_step`` does for one sequence.
         """
         in_flight: deque[Batch] = deque()
+        continuous = self._pipeline.single_stage
         try:
             while True:
                 with self._cond:
@@ -125,13 +133,21 @@ class EntryEngine:
                     if self._stopping:
                         break
                     batch = None
-                    if len(in_flight) < self._micro_batches and self._scheduler.has_work():
+                    collect_after = False
+                    if continuous and len(in_flight) == 1:
+                        batch = self._scheduler.continuation(in_flight[0])
+                        if self._scheduler.has_work():
+                            batch = Batch(batch.chunks + self._scheduler.next_batch(1).chunks)
+                        self._publish_load()
+                        collect_after = True
+                    elif len(in_flight) < self._micro_batches and self._scheduler.has_work():
                         batch = self._scheduler.next_batch(self._micro_batches)
                         self._publish_load()
                 if batch is not None and batch.chunks:
                     self._pipeline.submit(batch.chunks)
                     in_flight.append(batch)
-                    continue
+                    if not collect_after:
+                        continue
                 if not in_flight:
                     continue
                 sampled = self._pipeline.collect()

@@ -57,6 +57,8 @@ class StageDescription:
     max_num_seqs: int
     max_model_len: int
     version: str
+    backend: str = ""  # MLX's backend: cpu, metal or cuda (stage_worker.device)
+    device: str = ""  # the device's name: "NVIDIA H200", "Apple M2 Max (applegpu_g14s)", the CPU's model
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -75,7 +77,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             state=state_to_proto(self._status.state), error=self._status.error,
             weight_bytes=self._status.weight_bytes, peak_rss_bytes=peak_rss_bytes(),
             max_num_seqs=d.max_num_seqs, max_model_len=d.max_model_len, version=d.version,
-            stats=stats.to_proto(), blas=self._status.blas,
+            stats=stats.to_proto(), blas=self._status.blas, backend=d.backend, device=d.device,
         )
 
     def Generate(self, request, context):

@@ -36,6 +36,7 @@ class StageIdentity:
     hidden_size: int
     wire_dtype: str
     fingerprint: str
+    hop_transport: str = "lane"
 
     def to_body(self) -> dict[str, Any]:
         return {"protocol": wire.PROTOCOL_VERSION, **self.__dict__, "layers": list(self.layers)}
@@ -56,6 +57,9 @@ def check_predecessor(me: StageIdentity, body: dict[str, Any]) -> str | None:
     if body.get("hidden_size") != me.hidden_size or body.get("wire_dtype") != me.wire_dtype:
         return (f"peer sends hidden size {body.get('hidden_size')} in {body.get('wire_dtype')}, "
                 f"this stage takes {me.hidden_size} in {me.wire_dtype}; give every stage the same --dtype")
+    if body.get("hop_transport", "ring") != me.hop_transport:
+        return (f"peer sends hidden states over the {body.get('hop_transport', 'ring')}, this stage expects "
+                f"the {me.hop_transport}; start every stage from the same plan (--hop-transport)")
     peer_end = body.get("layers", [None, None])[1]
     my_start = me.layers[0] if me.rank != 0 else me.num_layers
     if peer_end != my_start:

@@ -1,9 +1,11 @@
-"""Links between neighbouring stages: a TCP control lane beside the MLX ring.
+"""Links between neighbouring stages: a TCP control lane, and the payload after it or on the MLX ring.
 
 Stage r owns one ``InboundLink`` (from stage r-1, or from the last stage on the
 first) and one ``OutboundLink`` (to stage r+1, or to the first stage on the
-last). A message is its header and records on the lane, then its payload on the
-ring (layout in ``wire``). This split exists because of three facts of the ring:
+last). A message is its header and records on the lane, then its payload: by
+default its raw bytes on the same lane (``hop_transport`` "lane"), or on MLX's
+ring ("ring"; layout and measurements in ``wire``). With the ring, the split
+between lane and ring exists because of three facts of the ring:
 
 * a posted ring receive spins a CPU core until data arrives, so a stage waits
   for work in a blocking socket read on the lane and posts the ring receive only
@@ -14,9 +16,10 @@ ring (layout in ``wire``). This split exists because of three facts of the ring:
 * a dead peer is invisible to an idle ring (sends then silently lose data), but
   the kernel closes its lane socket, so the survivor learns at once.
 
-A ring operation that does not finish within ``ring_timeout`` (a frozen peer)
-cannot be interrupted from Python; ``RingWatchdog`` then ends the process so
-whatever supervises it restarts the pipeline.
+A payload transfer (ring operation, or a lane send blocked on a full socket
+buffer) that does not finish within ``ring_timeout`` (a frozen peer) cannot be
+interrupted from Python; ``RingWatchdog`` then ends the process so whatever
+supervises it restarts the pipeline.
 """
 
 from __future__ import annotations
@@ -120,6 +123,29 @@ def _recv_exact(sock: socket.socket, count: int, peer: str) -> bytes:
     return bytes(chunks)
 
 
+def _recv_into(sock: socket.socket, buffer: bytearray, peer: str) -> None:
+    view, got = memoryview(buffer), 0
+    while got < len(buffer):
+        try:
+            count = sock.recv_into(view[got:])
+        except OSError as exc:
+            raise LinkError(f"control lane from {peer} failed: {exc}") from exc
+        if not count:
+            raise LinkError(f"{peer} closed its control lane (the stage exited or crashed)")
+        got += count
+
+
+def _send_all(sock: socket.socket, head: bytes, tail: memoryview) -> None:
+    """``head`` then ``tail`` without joining them (a prefill payload is megabytes)."""
+    sent = sock.sendmsg([head, tail])
+    total = len(head) + tail.nbytes
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent < total:
+        sock.sendall(tail[sent - len(head):])
+
+
 class OutboundLink:
     """Sends messages to the next stage; connects with retries until a deadline."""
 
@@ -129,10 +155,16 @@ class OutboundLink:
         self.peer_name = peer_name
         self._sock: socket.socket | None = None
         self._message_no = 0
+        self._lane_watchdog: RingWatchdog | None = None  # set: payloads travel on the lane
 
     def attach_ring(self, ring: Ring) -> None:
         """The ring forms after the handshake, so links learn of it late."""
         self._ring = ring
+
+    def attach_lane_payloads(self, watchdog: RingWatchdog) -> None:
+        """Payloads follow their header on this lane (no ring); ``watchdog`` bounds a blocked send."""
+        self._ring = None
+        self._lane_watchdog = watchdog
 
     def connect(self, host: str, port: int, deadline_s: float) -> None:
         end = time.monotonic() + deadline_s
@@ -183,9 +215,15 @@ class OutboundLink:
         in_flight: int = 0,
     ) -> None:
         data = wire.encode_body(body) if body is not None else b""
+        if payload is not None and payload.size > 0 and self._lane_watchdog is not None:
+            raw = wire.payload_bytes(payload)  # the device sync; then only host bytes move
+            with self._lane_watchdog.guard(f"send {raw.nbytes} payload bytes to {self.peer_name}"):
+                self._send_frame(kind, records, body=data, payload=payload, batch_id=batch_id,
+                                 in_flight=in_flight, tail=raw)
+            return
         self._send_frame(kind, records, body=data, payload=payload, batch_id=batch_id, in_flight=in_flight)
         if payload is not None and payload.size > 0:
-            assert self._ring is not None, "a payload needs the ring"
+            assert self._ring is not None, "a payload needs the ring or the lane"
             self._ring.send(payload, self._peer_rank)
 
     def _send_frame(
@@ -197,6 +235,7 @@ class OutboundLink:
         payload: mx.array | None = None,
         batch_id: int = 0,
         in_flight: int = 0,
+        tail: memoryview | None = None,
     ) -> None:
         if payload is None:
             rows, width, dtype = 0, 0, None
@@ -218,7 +257,10 @@ class OutboundLink:
         self._message_no += 1
         frame = wire.pack_header(header) + wire.pack_records(records) + body
         try:
-            self._require_sock().sendall(frame)
+            if tail is None:
+                self._require_sock().sendall(frame)
+            else:
+                _send_all(self._require_sock(), frame, tail)
         except OSError as exc:
             raise LinkError(
                 f"{self.peer_name} control lane broke ({exc}): the stage exited or crashed"
@@ -246,9 +288,15 @@ class InboundLink:
         self._listener: socket.socket | None = None
         self._sock: socket.socket | None = None
         self._expected_no = 0
+        self._lane_payloads = False
 
     def attach_ring(self, ring: Ring) -> None:
         self._ring = ring
+
+    def attach_lane_payloads(self) -> None:
+        """Payloads follow their header on this lane (no ring)."""
+        self._ring = None
+        self._lane_payloads = True
 
     def listen(self, host: str, port: int) -> None:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -341,7 +389,12 @@ class InboundLink:
         if check is not None:
             check(header)
         payload = None
-        if header.has_payload:
+        if header.has_payload and self._lane_payloads:
+            assert header.dtype is not None
+            buffer = bytearray(wire.payload_nbytes(header))
+            _recv_into(sock, buffer, self.peer_name)
+            payload = wire.payload_from_bytes(buffer, header)
+        elif header.has_payload:
             if self._ring is None:
                 raise wire.WireMismatchError(f"{self.peer_name} sent a ring payload on a ring-less link")
             assert header.dtype is not None

@@ -6,6 +6,9 @@ Contract:
   It reads headers and config files only, never tensor data (the one exception:
   a Llama 3 GGUF's 32-float ``rope_freqs`` tensor, from which the rope scaling
   is recovered).
+- ``read_model_spec(path, load_format="dummy")`` (``--load-format dummy``): the
+  weights will be random (``dummy_weights``), so a directory needs only its
+  ``config.json``; a GGUF lends its architecture, shapes and quantization.
 - ``ModelSpec.args`` is a plain dict that ``mlx_lm.models.<model_type>.ModelArgs
   .from_dict`` accepts; ``ModelSpec.quantization`` is in mlx-lm's config style
   (top-level ``group_size``/``bits``, per-module overrides, ``False`` for a
@@ -20,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from stagemesh.core.errors import UserError
@@ -36,6 +39,8 @@ HF_MODEL_TYPES: Mapping[str, str] = {
 # Bits that mx.quantize's affine mode accepts.
 SUPPORTED_AFFINE_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+# --load-format: auto reads the weights from the model's files; dummy generates random ones of the same shapes.
+LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 
 
 class ModelFormatError(UserError):
@@ -58,6 +63,8 @@ class ModelSpec:
     default_served_name: str
     # Extra facts the format layer found useful (e.g. GGUF tensor types); not a contract.
     details: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # "dummy": the weights are generated, not read (``format`` still says where the shapes came from).
+    load_format: str = "auto"
 
     def quantization_for(self, module_path: str) -> tuple[int, int] | None:
         """(group_size, bits) for a quantizable module (Linear/Embedding), or None.
@@ -70,6 +77,10 @@ class ModelSpec:
     @property
     def quantized(self) -> bool:
         return bool(self.quantization)
+
+    @property
+    def random_weights(self) -> bool:
+        return self.load_format == "dummy"
 
 
 def quantization_for(
@@ -115,11 +126,21 @@ def served_name_from_path(path: str) -> str:
     return base
 
 
-def read_model_spec(path: str) -> ModelSpec:
-    """Read a model's spec from a .gguf file or a directory with config.json."""
+def read_model_spec(path: str, load_format: str = "auto") -> ModelSpec:
+    """Read a model's spec from a .gguf file or a directory with config.json.
+
+    With ``load_format="dummy"`` the weights need not exist: only the config (or the GGUF's header) is read.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ModelFormatError(f"--load-format {load_format!r} is not supported; use {' or '.join(LOAD_FORMATS)}.")
     path = os.fspath(path)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
+            if load_format == "dummy":
+                raise ModelFormatError(
+                    f"{path} is a directory without config.json; --load-format dummy needs a Hugging Face "
+                    "config.json (the weights are random, so nothing else is read) or a .gguf file."
+                )
             raise ModelFormatError(
                 f"{path} is a directory without config.json; stagemesh reads a .gguf file "
                 "or an MLX / Hugging Face model directory (config.json, *.safetensors, "
@@ -127,12 +148,13 @@ def read_model_spec(path: str) -> ModelSpec:
             )
         from .safetensors_format import read_safetensors_spec
 
-        return read_safetensors_spec(path)
+        return read_safetensors_spec(path, load_format=load_format)
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):
             from .gguf_format import read_gguf_spec
 
-            return read_gguf_spec(path)
+            # The header alone gives architecture, shapes and quantization; dummy weights copy them.
+            return replace(read_gguf_spec(path), load_format=load_format)
         raise ModelFormatError(
             f"{path} is neither a .gguf file nor a model directory; stagemesh reads "
             "GGUF files (llama, qwen2, qwen3) and MLX / Hugging Face model directories."

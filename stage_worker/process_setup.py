@@ -1,8 +1,11 @@
-"""What a stage process does before MLX loads: read its launch, pin its cores, preload a fast BLAS.
+"""What a stage process does before MLX loads: read its launch, pin its cores, take its GPU, preload a fast BLAS.
 
 Only the standard library and the core are imported here, because
-``LD_PRELOAD`` must be in place before MLX loads (see ``stage_worker.blas``):
-``prepare`` re-executes the process (same pid) with the BLAS preloaded, sized
+``LD_PRELOAD`` and ``CUDA_VISIBLE_DEVICES`` must be in place before MLX loads
+(see ``stage_worker.blas`` and ``stagemesh.core.gpus``). A stage the
+coordinator gave one GPU of a multi-GPU node sees only that one (unless
+``STAGEMESH_GPU_PER_STAGE=off``); ``prepare`` then re-executes the process
+(same pid) with the BLAS preloaded, sized
 to the cores this process may use (after ``STAGEMESH_PIN_CORES``); the stage
 later shrinks the pool while co-located stages compute at once
 (``STAGEMESH_BLAS_THREADS`` fixes it). A bad setting exits
@@ -19,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from stage_worker.blas import reexec_with_optimized_blas, usable_cores
 from stagemesh.core import settings
 from stagemesh.core.errors import UserError
+from stagemesh.core.gpus import stage_gpu_environment
 from stagemesh.core.plan import StageLaunch
 from stagemesh.core.states import ExitCode
 
@@ -43,6 +47,11 @@ def pinned_cores(launch: StageLaunch, env: Mapping[str, str], cpus: int) -> set[
                         f"(e.g. 0,1) or per-stage") from None
 
 
+def gpu_environment(launch: StageLaunch, env: Mapping[str, str]) -> dict[str, str]:
+    """Variables that narrow this stage to its GPU (``StageOptions.gpu_index``); empty when it keeps the node's."""
+    return stage_gpu_environment(launch.options.gpu_index, settings.read("GPU_PER_STAGE", env), env)
+
+
 def launch_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--launch", required=True, help="the stage's launch JSON (plan, rank, options)")
@@ -55,7 +64,8 @@ def read_launch(path: str) -> StageLaunch:
 
 
 def prepare(module: str, argv: Sequence[str], launch_path: str) -> StageLaunch:
-    """Read the launch, pin cores, and re-execute ``python -m module argv`` with a fast BLAS if there is one.
+    """Read the launch, pin cores, take the stage's GPU, and re-execute ``python -m module argv`` with a fast
+    BLAS if there is one.
 
     Returns the launch once this process is the one that should run (after the re-exec, or when
     there is nothing to preload); exits ``ExitCode.CONFIG`` on a bad setting or launch file.
@@ -66,6 +76,7 @@ def prepare(module: str, argv: Sequence[str], launch_path: str) -> StageLaunch:
         if cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)  # inherited across the exec below
         threads = blas_threads(os.environ, usable_cores())
+        os.environ.update(gpu_environment(launch, os.environ))  # inherited across the exec below
     except (ValueError, OSError, KeyError, TypeError) as exc:
         print(f"{module}: {exc}", file=sys.stderr)
         sys.exit(ExitCode.CONFIG)  # a setting to change, not a crash to restart

@@ -9,6 +9,9 @@ Contract:
   bits, per-module overrides). Other quantizers (AWQ, GPTQ, fp8, mxfp4, ...)
   raise ``ModelFormatError``. The spec's quantization map is made explicit:
   a quantizable module stored without ``.scales`` gets ``False``.
+  ``read_safetensors_spec(path, load_format="dummy")`` needs config.json only
+  (the weights will be random); tensor names are still read when there are
+  weight files, so a stored head or unquantized module is honoured.
 - ``load_safetensors_weights(spec, layers, with_embedding, with_head)`` opens
   only the shard files that hold the slice's tensors (``mx.load`` is lazy, so
   only the kept arrays are read) and applies what mlx-lm's ``Model.sanitize``
@@ -117,7 +120,11 @@ def _explicit_quantization(quant: dict[str, Any] | None, names: Iterable[str]) -
     return quant
 
 
-def read_safetensors_spec(path: str) -> ModelSpec:
+def _has_weight_files(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, INDEX_FILE)) or bool(glob.glob(os.path.join(path, "model*.safetensors")))
+
+
+def read_safetensors_spec(path: str, *, load_format: str = "auto") -> ModelSpec:
     path = os.path.abspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
@@ -128,7 +135,8 @@ def read_safetensors_spec(path: str) -> ModelSpec:
             f"{path} is a {hf_type!r} model; stagemesh serves llama (SmolLM2, Llama 3.x, "
             "Mistral), qwen2 and qwen3 models. Use a model of one of these architectures."
         )
-    names = weight_map(path)
+    # Random weights need config.json alone; a directory without weights has no names to consult.
+    names = weight_map(path) if load_format != "dummy" or _has_weight_files(path) else {}
     tie_default = config.get("tie_word_embeddings")
     args = {k: v for k, v in config.items() if k not in _QUANT_KEYS}
     if tie_default is None and "lm_head.weight" in names:
@@ -152,6 +160,7 @@ def read_safetensors_spec(path: str) -> ModelSpec:
         quantization=quant,
         default_served_name=served_name_from_path(path),
         details={"weight_map": names},
+        load_format=load_format,
     )
 
 

@@ -12,6 +12,13 @@ stages gets a zero-token RELEASE record in the next batch.
 
 The caller (``engine``) runs ``next_batch`` -> pipeline -> ``on_sampled`` and
 delivers the returned events to the waiting RPCs.
+
+A single-stage pipeline also asks for ``continuation(batch)`` right after
+submitting ``batch``: the next decode step of every sequence that batch samples
+and that may still continue, fed on the device with the token being sampled
+(``Chunk.carried``), so the device computes step N+1 while the host reads step
+N's tokens. A sequence that finishes at step N (a stop token) has its
+continued step's token discarded by ``on_sampled``; nothing else changes.
 """
 
 from __future__ import annotations
@@ -67,8 +74,12 @@ class _Sequence:
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     holds_kv: bool = False
-    in_flight: bool = False
+    in_flight_steps: int = 0  # batches holding this sequence now (2 with a continuation)
     aborted: bool = False
+
+    @property
+    def in_flight(self) -> bool:
+        return self.in_flight_steps > 0
 
     @property
     def position(self) -> int:
@@ -201,7 +212,7 @@ class Scheduler:
             token = seq.generated[-1]
             record = SequenceRecord(seq.seq_id, seq.position, 1, RecordFlag.SAMPLE, seq.request.sampling)
             chunks.append(Chunk(record, (token,)))
-            seq.in_flight = True
+            seq.in_flight_steps += 1
             budget -= 1
             seats -= 1
         for seq in self._running.values():
@@ -215,9 +226,31 @@ class Scheduler:
             chunks.append(Chunk(SequenceRecord(seq.seq_id, seq.prefilled, size, flags, seq.request.sampling), tokens))
             seq.prefilled += size
             seq.holds_kv = True
-            seq.in_flight = True
+            seq.in_flight_steps += 1
             budget -= size
             seats -= 1
+        return Batch(tuple(chunks))
+
+    def continuation(self, batch: Batch) -> Batch:
+        """The next decode step of ``batch``'s sampling sequences, submitted before its tokens are read.
+
+        A sequence continues only if its step in ``batch`` cannot be its last by length; whether that
+        step's token is a stop token is known only later (``on_sampled`` then drops the extra token).
+        """
+        chunks = []
+        for chunk in batch.chunks:
+            record = chunk.record
+            seq = self._running.get(record.seq_id)
+            if seq is None or seq.aborted or record.num_tokens == 0 or not record.has(RecordFlag.SAMPLE):
+                continue
+            generated_after = len(seq.generated) + seq.in_flight_steps  # tokens once ``batch`` returns
+            if generated_after >= seq.request.max_tokens or \
+                    len(seq.request.prompt) + generated_after >= self.max_model_len:
+                continue
+            position = record.start_pos + record.num_tokens
+            chunks.append(Chunk(SequenceRecord(seq.seq_id, position, 1, RecordFlag.SAMPLE, seq.request.sampling),
+                                (), carried=True))
+            seq.in_flight_steps += 1
         return Batch(tuple(chunks))
 
     def on_sampled(self, batch: Batch, sampled: Sequence[SampledToken]) -> list[RequestEvent]:
@@ -227,8 +260,8 @@ class Scheduler:
         for chunk in batch.chunks:
             seq = self._running.get(chunk.record.seq_id)
             if seq is None or chunk.record.num_tokens == 0:
-                continue
-            seq.in_flight = False
+                continue  # retired meanwhile (a continued step after the stop token lands here)
+            seq.in_flight_steps -= 1
             if seq.aborted:
                 self._retire(seq)
                 continue

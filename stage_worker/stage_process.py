@@ -7,8 +7,10 @@ reads a ``StageLaunch`` (plan, rank, options) and runs ``serve``:
    bad value exits ``ExitCode.CONFIG`` before anything loads.
 2. The gRPC server (Stage, health, reflection) starts first, so health and
    ``GetStageInfo`` show progress from the first second.
-3. ``load``: this rank's slice of the weights, dense or quantized, and its KV
-   capacity within the host's memory budget.
+3. ``load``: this rank's slice of the weights, dense or quantized, its KV
+   capacity within its memory budget (the host's memory on the CPU, the GPU's
+   on Metal and CUDA: ``stage_worker.device``), then a warm-up of its kernels
+   (``stage_worker.warmup``).
 4. ``connect``: lanes and handshake with both neighbours, then MLX's ring
    (``stage_worker.handshake``); a single-stage pipeline has no links.
 5. ``run_entry`` (rank 0: the scheduler and engine behind ``Generate``) or
@@ -34,6 +36,7 @@ import mlx.core as mx
 
 from stage_worker import wire
 from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
+from stage_worker.device import StageDevice, apply_wired_limit, probe
 from stage_worker.engine import EntryEngine, PipelineBroken
 from stage_worker.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.handshake import StageIdentity, connect_neighbours, init_ring
@@ -44,6 +47,7 @@ from stage_worker.memory import (
     kv_bytes_per_token,
     kv_token_capacity,
     peak_rss_bytes,
+    stages_sharing_memory,
 )
 from stage_worker.model_spec import ModelFormatError, ModelSpec, read_model_spec
 from stage_worker.scheduler import Scheduler
@@ -56,7 +60,9 @@ from stage_worker.stage_model import (
 )
 from stage_worker.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
 from stage_worker.stage_status import StageStatus
+from stage_worker.warmup import warm_up, warmup_plan
 from stagemesh.core import settings
+from stagemesh.core.gpus import stage_has_own_gpu
 from stagemesh.core.plan import StageLaunch
 from stagemesh.core.settings import stagemesh_version
 from stagemesh.core.states import ExitCode, StageState
@@ -75,6 +81,7 @@ class StageContext:
     dtype: mx.Dtype
     max_model_len: int
     ring_timeout_s: float
+    device: StageDevice  # the backend and device this stage computes on (stage_worker.device)
 
     @property
     def name(self) -> str:
@@ -123,13 +130,15 @@ def resolve(launch: StageLaunch) -> StageContext:
         # Each node finds the embedded default in its own installation.
         from stage_worker.default_model import default_model_path
 
-        spec = read_model_spec(default_model_path())
+        spec = read_model_spec(default_model_path(), plan.load_format)
     else:
-        spec = read_model_spec(plan.model_path)
-    dtype = resolve_compute_dtype(plan.compute_dtype)
+        spec = read_model_spec(plan.model_path, plan.load_format)
+    # Before any weights load: on CUDA the device's free memory is then the room this stage may fill.
+    device = probe()
+    dtype = resolve_compute_dtype(plan.compute_dtype, device.backend)
     max_model_len = launch.options.max_model_len or int(spec.args.get("max_position_embeddings") or 4096)
     ring_timeout = launch.options.ring_timeout_s or float(settings.RING_TIMEOUT)
-    return StageContext(launch, spec, dtype, max_model_len, ring_timeout)
+    return StageContext(launch, spec, dtype, max_model_len, ring_timeout, device)
 
 
 def configure_logging(context_name: str) -> None:
@@ -138,17 +147,26 @@ def configure_logging(context_name: str) -> None:
 
 
 def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
-    """Load this rank's slice, choose dense or quantized weights, size the KV cache."""
+    """Load this rank's slice, choose dense or quantized weights, size the KV cache, warm the kernels."""
     launch, me, spec = ctx.launch, ctx.launch.me, ctx.spec
     log.info("loading layers %s of %s (%s) host=%s grpc_port=%d ring_port=%d lane_port=%d",
              me.layers, spec.model_type, launch.plan.model_path, me.host, me.grpc_port, me.ring_port, me.lane_port)
+    if spec.random_weights:
+        log.info("dummy (random) weights: --load-format dummy, generated for this slice from the model's shapes")
+    device, options = ctx.device, launch.options
+    wired = apply_wired_limit(device)
+    if wired is not None:
+        log.info("Metal wired limit %.1f GB (the GPU's recommended working set)", wired / 1e9)
     started = time.monotonic()
     model = StageModel.load(spec, StageRole(me.layers, launch.is_first, launch.is_last), ctx.dtype)
     sharing = launch.stages_sharing_host()
-    budget = host_memory_budget(launch.options.memory_fraction, sharing)
+    own_gpu = stage_has_own_gpu(options.gpu_index, settings.GPU_PER_STAGE)
+    budget = host_memory_budget(options.memory_fraction,
+                                stages_sharing_memory(device.backend, sharing, options.stages_on_gpu, own_gpu),
+                                device.backend, device.memory_bytes, device.free_bytes)
     status.blas = loaded_blas()
     dense, why = choose_dense_weights(
-        launch.plan.dequantize, on_gpu=mx.default_device() == mx.gpu, blas=status.blas,
+        launch.plan.dequantize, backend=device.backend, blas=status.blas,
         quantized=model.quantized, dense_bytes=model.dense_bytes(), memory_budget=budget.budget_bytes,
     )
     if dense:
@@ -160,9 +178,17 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     per_token = kv_bytes_per_token(len(me.layers), kv_heads, head_dim, model.dtype.size)
     kv_capacity = kv_token_capacity(budget, model.weight_bytes, per_token, ctx.max_model_len, ctx.name)
     threads = _blas_threads(sharing)
-    log.info("loaded %.1f MB of weights in %.2f s (dtype=%s quantized=%s blas=%s, KV capacity %d tokens, "
-             "peak RSS %.0f MB)", model.weight_bytes / 1e6, time.monotonic() - started, wire.dtype_name(ctx.dtype),
-             model.quantized, status.blas, kv_capacity, peak_rss_bytes() / 1e6)
+    log.info("loaded %.1f MB of weights in %.2f s (backend=%s device=%r dtype=%s quantized=%s blas=%s, KV "
+             "capacity %d tokens in a %.0f MB %s budget, peak RSS %.0f MB)", model.weight_bytes / 1e6,
+             time.monotonic() - started, device.backend, device.name, wire.dtype_name(ctx.dtype), model.quantized,
+             status.blas, kv_capacity, budget.budget_bytes / 1e6, budget.memory, peak_rss_bytes() / 1e6)
+    # Before SERVING: the first requests must not pay for compiling the GPU kernels.
+    warmup = warmup_plan(device.backend, max_num_seqs=options.max_num_seqs,
+                         micro_batches=options.micro_batches or launch.plan.size,
+                         max_batch_tokens=options.max_batch_tokens, max_model_len=ctx.max_model_len)
+    warmed = time.monotonic()
+    warm_up(model, warmup)
+    log.info("warmed up in %.2f s (%s)", time.monotonic() - warmed, warmup.summary())
     return LoadedStage(model, kv_capacity, threads)
 
 
@@ -176,7 +202,7 @@ def _blas_threads(stages_on_host: int) -> AdaptiveBlasThreads:
 
 
 def connect(ctx: StageContext, loaded: LoadedStage) -> StageLinks:
-    """Handshake with both neighbours, then join the ring; nothing to do for a lone stage."""
+    """Handshake with both neighbours, then (``hop_transport`` "ring") join the ring; nothing to do alone."""
     launch = ctx.launch
     plan, me = launch.plan, launch.me
     if plan.size == 1:
@@ -184,19 +210,24 @@ def connect(ctx: StageContext, loaded: LoadedStage) -> StageLinks:
     identity = StageIdentity(
         rank=me.rank, world=plan.size, replica=plan.replica, layers=(me.layers.start, me.layers.end),
         num_layers=plan.num_layers, hidden_size=ctx.spec.hidden_size, wire_dtype=wire.dtype_name(ctx.dtype),
-        fingerprint=model_fingerprint(ctx.spec),
+        fingerprint=model_fingerprint(ctx.spec), hop_transport=plan.hop_transport,
     )
     inbound, outbound = connect_neighbours(plan, me, identity, launch.options.connect_timeout_s)
     links = StageLinks(inbound, outbound)
-    try:
-        watchdog = RingWatchdog(ctx.ring_timeout_s, ctx.name)
-        ring = Ring(init_ring(plan, me.rank, watchdog), watchdog)
-    except BaseException:
-        links.close()
-        raise
-    inbound.attach_ring(ring)
-    outbound.attach_ring(ring)
-    log.info("joined the ring of %d stages (peak RSS %.0f MB)", plan.size, peak_rss_bytes() / 1e6)
+    watchdog = RingWatchdog(ctx.ring_timeout_s, ctx.name)
+    if plan.hop_transport == "lane":
+        inbound.attach_lane_payloads()
+        outbound.attach_lane_payloads(watchdog)
+    else:
+        try:
+            ring = Ring(init_ring(plan, me.rank, watchdog), watchdog)
+        except BaseException:
+            links.close()
+            raise
+        inbound.attach_ring(ring)
+        outbound.attach_ring(ring)
+    log.info("pipeline formed: %d stages, hidden states over the %s (peak RSS %.0f MB)", plan.size,
+             plan.hop_transport, peak_rss_bytes() / 1e6)
     return links
 
 
@@ -283,6 +314,7 @@ def describe(ctx: StageContext) -> StageDescription:
         grpc_port=me.grpc_port, ring_port=me.ring_port, lane_port=me.lane_port, node_id=launch.options.node_id,
         model=launch.plan.model_path, compute_dtype=wire.dtype_name(ctx.dtype),
         max_num_seqs=launch.options.max_num_seqs, max_model_len=ctx.max_model_len, version=stagemesh_version(),
+        backend=ctx.device.backend, device=ctx.device.name,
     )
 
 

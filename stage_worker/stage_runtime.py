@@ -41,10 +41,15 @@ BatchTimer = Callable[[int, float, float, float], None]
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens of one sequence entering the pipeline in one batch."""
+    """Tokens of one sequence entering the pipeline in one batch.
+
+    ``carried``: a decode step whose one input token is the one sampled for the same sequence in
+    the batch submitted just before, still on the device (``token_ids`` is empty).
+    """
 
     record: SequenceRecord
     token_ids: tuple[int, ...]
+    carried: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,11 +93,14 @@ class StageCompute:
         self._recorder = recorder
         self._threads = threads
 
-    def forward(self, records: Sequence[SequenceRecord], hidden: mx.array, in_flight: int = 0) -> mx.array:
-        """Run every record's rows through this stage's layers; ``[T, hidden]`` out, evaluated.
+    def forward(self, records: Sequence[SequenceRecord], hidden: mx.array, in_flight: int = 0,
+                evaluate: bool = True) -> mx.array:
+        """Run every record's rows through this stage's layers; ``[T, hidden]`` out.
 
         ``in_flight`` is how many batches the pipeline holds (this one included; 0: unknown);
         the BLAS pool is sized for it, and the last stage's sampling runs with the same pool.
+        ``evaluate=False`` leaves the output lazy for a caller that evaluates it with more work
+        (the last stage: with the sampled tokens, in one device sync instead of two).
         """
         if self._threads is not None:
             self._threads.for_load(in_flight)
@@ -124,12 +132,19 @@ class StageCompute:
         if not segments and decode is None:
             return hidden
         out = self.model.run_packed(hidden, segments, decode)
-        # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.
-        mx.eval(out)
+        if evaluate:
+            # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.
+            mx.eval(out)
         return out
 
-    def sample(self, records: Sequence[SequenceRecord], hidden: mx.array) -> tuple[list[SequenceRecord], mx.array]:
-        """Norm, head and sampling for the records flagged SAMPLE; returns TOKENS records and ids."""
+    def sample(self, records: Sequence[SequenceRecord], hidden: mx.array,
+               wait: bool = True) -> tuple[list[SequenceRecord], mx.array]:
+        """Norm, head and sampling for the records flagged SAMPLE; returns TOKENS records and ids.
+
+        Evaluates ``hidden`` (and so the batch's KV writes) together with the tokens: one sync.
+        ``wait=False`` only starts that evaluation (``mx.async_eval``): the tokens are read later,
+        while the device already runs what was queued after them.
+        """
         picks, chosen = [], []
         row = 0
         for record in records:
@@ -137,12 +152,14 @@ class StageCompute:
             if record.has(RecordFlag.SAMPLE) and record.num_tokens > 0:
                 picks.append(row - 1)
                 chosen.append(record)
+        evaluate = mx.eval if wait or self._recorder is not None else mx.async_eval
         if not chosen:
+            evaluate(hidden)
             return [], mx.zeros((0,), dtype=mx.int32)
         logits = self.model.logits(hidden[mx.array(picks)])
         positions = [r.start_pos + r.num_tokens for r in chosen]
         tokens = sample_rows(logits, [r.sampling for r in chosen], positions)
-        mx.eval(tokens, logits)
+        evaluate(tokens, logits, hidden)
         if self._recorder is not None:
             self._recorder.add(chosen, logits)
         out_records = [
@@ -185,8 +202,14 @@ class EntryPipeline:
         self._is_last = is_last
         self._batch_id = 0
         self._in_flight: deque[tuple[int, float]] = deque()  # (batch id, when submitted)
-        self._local_results: deque[list[SampledToken]] = deque()  # single-stage pipelines
+        # Single-stage pipelines: each batch's sampled records and its tokens, still on the device
+        # until ``collect`` reads them; the newest also feeds ``Chunk.carried`` decode steps.
+        self._local_results: deque[tuple[list[SequenceRecord], mx.array]] = deque()
 
+    @property
+    def single_stage(self) -> bool:
+        """This stage is also the last: tokens are sampled here (and can feed the next step on the device)."""
+        return self._is_last
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
@@ -198,21 +221,21 @@ class EntryPipeline:
 
     def submit(self, chunks: Sequence[Chunk]) -> int:
         records = [_with_seed(c.record) for c in chunks]
-        token_ids = [t for c in chunks for t in c.token_ids]
         for chunk in chunks:
-            if len(chunk.token_ids) != chunk.record.num_tokens:
+            expected = 0 if chunk.carried else chunk.record.num_tokens
+            if len(chunk.token_ids) != expected or (chunk.carried and chunk.record.num_tokens != 1):
                 raise ValueError(f"sequence {chunk.record.seq_id}: record says "
                                  f"{chunk.record.num_tokens} tokens, chunk has {len(chunk.token_ids)}")
         self._batch_id += 1
         in_flight = len(self._in_flight) + 1
         model = self._compute.model
         started = time.perf_counter()
-        hidden = model.embed(mx.array(token_ids, dtype=mx.int32)) if token_ids else \
-            mx.zeros((0, model.hidden_size), dtype=model.dtype)
-        hidden = self._compute.forward(records, hidden, in_flight)
+        ids = self._input_ids(chunks)
+        hidden = model.embed(ids) if ids.size else mx.zeros((0, model.hidden_size), dtype=model.dtype)
+        hidden = self._compute.forward(records, hidden, in_flight, evaluate=not self._is_last)
         if self._is_last:
-            out_records, tokens = self._compute.sample(records, hidden)
-            self._local_results.append(_sampled(out_records, tokens))
+            out_records, tokens = self._compute.sample(records, hidden, wait=False)
+            self._local_results.append((out_records, tokens))
             computed = sent = time.perf_counter()
         else:
             assert self._outbound is not None
@@ -222,14 +245,34 @@ class EntryPipeline:
         self._compute.release_finished(records)
         self._in_flight.append((self._batch_id, sent))
         if self._on_batch is not None:
-            self._on_batch(len(token_ids), computed - started, 0.0, sent - computed)
+            self._on_batch(int(ids.size), computed - started, 0.0, sent - computed)
         return self._batch_id
+
+    def _input_ids(self, chunks: Sequence[Chunk]) -> mx.array:
+        """The batch's token ids in row order; a carried chunk's comes from the newest batch's tokens,
+        gathered on the device without reading them back."""
+        if not any(c.carried for c in chunks):
+            return mx.array([t for c in chunks for t in c.token_ids], dtype=mx.int32)
+        if not self._local_results:
+            raise ValueError("a carried decode step needs a batch in flight before it on this stage")
+        previous_records, previous_tokens = self._local_results[-1]
+        index = {r.seq_id: i for i, r in enumerate(previous_records)}
+        parts = []
+        for chunk in chunks:
+            if chunk.carried:
+                if chunk.record.seq_id not in index:
+                    raise ValueError(f"sequence {chunk.record.seq_id} sampled nothing in the batch before")
+                parts.append(previous_tokens[index[chunk.record.seq_id]: index[chunk.record.seq_id] + 1])
+            elif chunk.token_ids:
+                parts.append(mx.array(chunk.token_ids, dtype=mx.int32))
+        return mx.concatenate(parts).astype(mx.int32) if parts else mx.zeros((0,), mx.int32)
 
     def collect(self) -> list[SampledToken]:
         """Tokens of the oldest batch in flight (waits for them on the lane, not spinning)."""
         batch_id, _ = self._in_flight.popleft()
         if self._is_last:
-            return self._local_results.popleft()
+            records, tokens = self._local_results.popleft()
+            return _sampled(records, tokens)  # reads the tokens back: waits for this batch only
         assert self._inbound is not None
         waited = time.perf_counter()
         reply = self._inbound.recv(timeout_s=self._reply_timeout_s)
@@ -305,7 +348,7 @@ def relay_loop(
         hidden = message.payload
         if hidden is None:  # a batch of zero-token records (releases only)
             hidden = mx.zeros((0, model.hidden_size), dtype=model.dtype)
-        hidden = compute.forward(message.records, hidden, message.header.in_flight)
+        hidden = compute.forward(message.records, hidden, message.header.in_flight, evaluate=not is_last)
         if is_last:
             out_records, tokens = compute.sample(message.records, hidden)
             computed = time.perf_counter()

@@ -9,6 +9,10 @@ layer indices (``model.layers.12...``), holding only:
   embeddings are tied (the head multiplies by the embedding matrix);
 - ``model.norm.weight`` and (untied) ``lm_head.*`` if ``with_head``.
 A bad layer range raises ``ModelFormatError``.
+
+A spec read with ``--load-format dummy`` gets random weights of the same names
+and shapes instead (``dummy_weights``), made directly in ``dtype``; weights read
+from files keep their stored dtype (``StageModel.load`` casts them).
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ def check_layer_range(spec: ModelSpec, layers: range) -> None:
 
 
 def load_stage_weights(
-    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, *, dtype: mx.Dtype = mx.float32
 ) -> dict[str, mx.array]:
-    """Load and evaluate only the tensors of one stage."""
+    """Load and evaluate only the tensors of one stage (generate them, for dummy weights)."""
     check_layer_range(spec, layers)
-    if spec.format == "gguf":
+    if spec.random_weights:
+        from .dummy_weights import dummy_stage_weights
+
+        weights = dummy_stage_weights(spec, layers, with_embedding, with_head, dtype)
+    elif spec.format == "gguf":
         from .gguf_format import load_gguf_weights
 
         weights = load_gguf_weights(spec, layers, with_embedding, with_head)

@@ -7,7 +7,9 @@ Contract:
   bos/eos/unk/pad ids, pre-tokenizer kind) and ``tokenizer.chat_template``; for a
   directory it is read from the tokenizer files with ``local_files_only=True``.
   It never contacts a hub and changes no global state. A model without a chat
-  template gets a plain ChatML one.
+  template gets a plain ChatML one. A ``--load-format dummy`` directory without
+  tokenizer files gets the embedded default model's tokenizer (logged): random
+  weights give tokens no meaning, and ids it does not know decode to nothing.
 - ``eos_token_ids(spec, tokenizer)`` is the set of ids that end a generation:
   the tokenizer's EOS, any eos/eot ids the model files list
   (generation_config.json, GGUF eot/eom ids) and the end-of-turn marker the
@@ -17,11 +19,14 @@ Contract:
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from .model_spec import ModelFormatError, ModelSpec
+
+log = logging.getLogger("stagemesh.tokenizer")
 
 # Markers a chat template writes at the end of every turn; generation stops there.
 END_OF_TURN_MARKERS: tuple[str, ...] = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -53,7 +58,12 @@ _DIGIT_SPLIT_PRE = frozenset({"smollm", "starcoder", "refact"})
 
 def load_tokenizer(spec: ModelSpec) -> Any:
     """A fast tokenizer with its chat template, built without network access."""
-    tok = _gguf_tokenizer(spec) if spec.format == "gguf" else _dir_tokenizer(spec.path)
+    if spec.format == "gguf":
+        tok = _gguf_tokenizer(spec)
+    elif spec.random_weights and not _has_tokenizer_files(spec.path):
+        return _default_model_tokenizer(spec.path)
+    else:
+        tok = _dir_tokenizer(spec.path)
     if not tok.chat_template:
         tok.chat_template = CHATML_TEMPLATE
     return tok
@@ -111,10 +121,24 @@ def _gguf_tokenizer(spec: ModelSpec) -> Any:
     return PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})
 
 
+def _has_tokenizer_files(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def _default_model_tokenizer(path: str) -> Any:
+    """A dummy model's stand-in tokenizer: the embedded default model's (its weights are never loaded)."""
+    from .default_model import DEFAULT_SERVED_NAME, default_model_path
+    from .model_spec import read_model_spec
+
+    log.warning("%s has no tokenizer files; --load-format dummy uses the embedded default model's tokenizer (%s)",
+                path, DEFAULT_SERVED_NAME)
+    return load_tokenizer(read_model_spec(default_model_path()))
+
+
 def _dir_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not _has_tokenizer_files(path):
         raise ModelFormatError(
             f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); copy the "
             "model's tokenizer files into the directory."

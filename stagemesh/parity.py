@@ -6,6 +6,9 @@ and ``--max-tokens - 1`` decode steps (EOS ignored, so every run has the same
 length). The last stage of each run records the float32 logits of every
 sampled row; the tool compares them bit for bit, and the greedy tokens, prints
 ``max_abs_diff=`` and the first divergence, and exits 1 on any difference.
+``--load-format dummy`` checks a model's shapes with random weights (every
+layout must make the same ones); prompt ids the model's vocabulary lacks are
+folded into it, since random weights give tokens no meaning.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.local_launcher import PipelineFailed, start_local_pipeline
-from stage_worker.default_model import resolve_model_path
 from stage_worker.generation_job import GenerationJob
 from stage_worker.model_spec import read_model_spec
 from stage_worker.tokenizer import load_tokenizer
 from stagemesh.core import settings
 from stagemesh.core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan, make_local_plan
+from stagemesh.serve import add_load_format_argument, resolve_model_argument
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -108,23 +111,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help=f"default $STAGEMESH_RING_BASE_PORT or {DEFAULT_RING_BASE_PORT}")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
+    parser.add_argument("--hop-transport", default="lane", choices=("lane", "ring"),
+                        help="how the PP=N run passes hidden states between stages")
+    add_load_format_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    model_path = resolve_model_path(args.model)
-    spec = read_model_spec(model_path)
+    model_path = resolve_model_argument(args.model, args.load_format)
+    spec = read_model_spec(model_path, args.load_format)
     tokenizer = load_tokenizer(spec)
     prompts = tuple(args.prompts or DEFAULT_PROMPTS)
     token_prompts = tuple(tuple(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+    if spec.random_weights:
+        # A borrowed tokenizer may know more tokens than a small random model has embeddings for.
+        token_prompts = tuple(tuple(t % spec.vocab_size for t in p) for p in token_prompts)
     job = GenerationJob(prompts=token_prompts, max_tokens=args.max_tokens)
     base = args.ring_base_port or settings.RING_BASE_PORT
-    ref_plan = make_local_plan(model_path, spec.num_layers, 1, args.dtype, ring_base_port=base)
+    ref_plan = make_local_plan(model_path, spec.num_layers, 1, args.dtype, ring_base_port=base,
+                               load_format=args.load_format)
     pp_plan = make_local_plan(model_path, spec.num_layers, args.pipeline_parallel_size, args.dtype,
-                              layer_split=args.pp_layer_split, ring_base_port=base)
+                              layer_split=args.pp_layer_split, ring_base_port=base, load_format=args.load_format,
+                              hop_transport=args.hop_transport)
     split = " ".join(str(s.layers) for s in pp_plan.stages)
-    print(f"model: {model_path} ({spec.model_type}, {spec.num_layers} layers)")
+    weights = ", dummy (random) weights" if spec.random_weights else ""
+    print(f"model: {model_path} ({spec.model_type}, {spec.num_layers} layers{weights})")
     print(f"PP=1 vs PP={pp_plan.size} (layers {split}), {len(prompts)} prompts x "
-          f"{args.max_tokens} tokens (prefill + {args.max_tokens - 1} decode steps), dtype={args.dtype}")
+          f"{args.max_tokens} tokens (prefill + {args.max_tokens - 1} decode steps), dtype={args.dtype}, "
+          f"hidden states over the {args.hop_transport}")
     try:
         reference = run_pipeline(ref_plan, job, args.timeout)
         candidate = run_pipeline(pp_plan, job, args.timeout)

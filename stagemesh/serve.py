@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from stagemesh.core import settings
 from stagemesh.core.errors import UserError
 
+if TYPE_CHECKING:
+    from stage_worker.model_spec import ModelSpec
+
 log = logging.getLogger("stagemesh.serve")
+
+# Model shapes shipped with the benchmarks (a Hugging Face config.json each): names for --load-format dummy.
+DUMMY_SHAPES_DIR = Path(__file__).resolve().parent / "bench" / "model_configs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,14 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + completion in tokens (default: the model's context length)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences a replica runs at once")
     parser.add_argument("--dtype", default="auto",
-                        help="compute dtype: auto (float32 on the CPU backend, float16 on Metal), float32, float16, "
-                             "bfloat16")
+                        help="compute dtype: auto (float32 on the CPU backend, float16 on Metal, bfloat16 on "
+                             "CUDA), float32, float16, bfloat16")
+    parser.add_argument("--hop-transport", default="lane", choices=("lane", "ring"),
+                        help="how hidden states travel between stages: after each message's header on the "
+                             "stages' TCP lane (default; lowest latency) or over MLX's distributed ring")
     parser.add_argument("--dequantize", default="auto", choices=("auto", "on", "off"),
-                        help="run a quantized checkpoint with dense weights: auto does so on the CPU backend when "
-                             "an optimized BLAS is loaded and the dense weights fit half the memory budget")
+                        help="run a quantized checkpoint with dense weights: auto does so when the dense weights "
+                             "fit half the memory budget, on CUDA (its quantized matmul does not batch) and on the "
+                             "CPU backend with an optimized BLAS; never on Metal")
     parser.add_argument("--memory-fraction", type=float, default=0.8,
-                        help="share of each host's memory its stages may use for weights and KV cache "
-                             "(like vLLM's --gpu-memory-utilization)")
+                        help="share of each host's memory (on Metal and CUDA: of its GPU's) its stages may use for "
+                             "weights and KV cache (like vLLM's --gpu-memory-utilization)")
+    add_load_format_argument(parser)
     parser.add_argument("--api-key", default=None, help="require this key on /v1 (default $STAGEMESH_API_KEY)")
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help="global stage g binds base+g for the MLX ring (default $STAGEMESH_RING_BASE_PORT "
@@ -55,6 +69,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{settings.DEFAULT_GRPC_BASE_PORT})")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds allowed for every stage to load and join its ring")
+
+
+def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="auto reads the model's weights; dummy gives every stage random weights for its slice, "
+                             "to benchmark a model's size without its weights: MODEL is then a directory with a "
+                             "config.json, a .gguf file, or one of the shapes " + ", ".join(dummy_shape_names()))
+
+
+def dummy_shape_names() -> list[str]:
+    """The shapes shipped with the benchmarks, by name (``llama-3.1-8b``, ...)."""
+    if not DUMMY_SHAPES_DIR.is_dir():
+        return []
+    return sorted(d.name for d in DUMMY_SHAPES_DIR.iterdir() if (d / "config.json").is_file())
+
+
+def resolve_model_argument(model: str | None, load_format: str) -> str:
+    """MODEL as a local path, as ``stage_worker.default_model.resolve_model_path`` finds it; with
+    ``--load-format dummy`` also the name of a shipped shape (a local path of that name wins)."""
+    from stage_worker.default_model import resolve_model_path
+    from stage_worker.model_spec import ModelFormatError
+
+    if load_format != "dummy" or model is None:
+        return resolve_model_path(model)
+    names = dummy_shape_names()
+    if model in names and not os.path.exists(os.path.expanduser(model)):
+        return str(DUMMY_SHAPES_DIR / model)
+    try:
+        return resolve_model_path(model)
+    except ModelFormatError as exc:
+        raise ServeConfigError(
+            f"--load-format dummy: model {model!r} is neither a directory with a config.json, a .gguf file, nor a "
+            f"known shape (known shapes: {', '.join(names) or 'none installed'})"
+        ) from exc
+
+
+def check_dummy_vocabulary(spec: ModelSpec, tokenizer: Any) -> None:
+    """Random weights may come with a borrowed tokenizer; refuse one that encodes ids past the model's
+    vocabulary, which would index beyond the embedding."""
+    if spec.random_weights and len(tokenizer) > spec.vocab_size:
+        raise ServeConfigError(
+            f"--load-format dummy: the tokenizer knows {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{spec.vocab_size}; raise vocab_size in {spec.path} to at least {len(tokenizer)} or add the model's "
+            "own tokenizer files"
+        )
 
 
 class ServeConfigError(UserError):
@@ -72,7 +131,6 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 def build_mesh_config(args: argparse.Namespace):
     """Validate every flag against the model and return the coordinator's config (no side effects)."""
     from coordinator.mesh import MeshConfig
-    from stage_worker.default_model import resolve_model_path
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
     from stagemesh.core.layer_split import plan_layer_split
@@ -82,8 +140,8 @@ def build_mesh_config(args: argparse.Namespace):
                         ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs)):
         if value < 1:
             raise ServeConfigError(f"{flag} must be at least 1, got {value}")
-    model_path = resolve_model_path(args.model)
-    spec = read_model_spec(model_path)
+    model_path = resolve_model_argument(args.model, args.load_format)
+    spec = read_model_spec(model_path, args.load_format)
     plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
     resolve_compute_dtype(args.dtype)
     if not 0 < args.memory_fraction <= 1:
@@ -107,6 +165,8 @@ def build_mesh_config(args: argparse.Namespace):
         data_parallel_size=args.data_parallel_size,
         compute_dtype=args.dtype,
         dequantize=args.dequantize,
+        hop_transport=args.hop_transport,
+        load_format=args.load_format,
         memory_fraction=args.memory_fraction,
         layer_split=args.pp_layer_split,
         ring_base_port=ring_base,
@@ -133,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(spec)
+    check_dummy_vocabulary(spec, tokenizer)
     api_key = args.api_key or settings.API_KEY
     coordinator = MeshCoordinator(config)
     try:

@@ -1,7 +1,7 @@
 """``stagemesh status``: the mesh as the coordinator sees it, from a running gateway's ``/mesh``.
 
 Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
-pid, health, state) or, with ``--json``, the ``/mesh`` document unchanged.
+pid, dtype, quantized, MLX backend and device, state, health) or, with ``--json``, the ``/mesh`` document unchanged.
 Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
 gateway cannot be reached.
 """
@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_mesh(mesh: dict) -> str:
     """The /mesh document as a table (pure)."""
-    header = ("replica", "rank", "layers", "host", "grpc", "ring", "pid", "dtype", "quant", "state", "healthy")
+    header = ("replica", "rank", "layers", "host", "grpc", "ring", "pid", "dtype", "quant", "backend", "device",
+              "state", "healthy")
     rows = [header]
     for replica in mesh.get("replicas", []):
         for stage in replica.get("stages", []):
@@ -30,6 +31,7 @@ def format_mesh(mesh: dict) -> str:
                 str(replica.get("replica")), str(stage.get("rank")), f"[{start}, {end})", str(stage.get("host")),
                 str(stage.get("grpc_port")), str(stage.get("ring_port")), str(stage.get("pid") or "-"),
                 str(stage.get("compute_dtype")), "yes" if stage.get("quantized") else "no",
+                str(stage.get("backend") or "-"), str(stage.get("device") or "-"),
                 str(stage.get("state", "")), "yes" if stage.get("healthy") else "NO",
             ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

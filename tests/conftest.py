@@ -1,10 +1,12 @@
-"""Shared test helpers: free port ranges on loopback, the default model's path."""
+"""Shared test helpers: free port ranges on loopback, the default model's path, a tiny config-only model."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +44,18 @@ def default_model_path() -> str:
     from stage_worker.default_model import resolve_model_path
 
     return resolve_model_path(None)
+
+
+# A llama small enough for CPU tests; with ``--load-format dummy`` its config.json is the whole model.
+TINY_CONFIG = {
+    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
+    "max_position_embeddings": 256, "tie_word_embeddings": True,
+}
+
+
+def tiny_config(path: Path, **overrides) -> str:
+    """A directory holding only a Hugging Face config.json (``TINY_CONFIG`` with ``overrides``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**TINY_CONFIG, **overrides}))
+    return str(path)

@@ -93,26 +93,32 @@ def test_adaptive_threads_set_the_pool_only_when_the_count_changes():
 
 
 @pytest.mark.parametrize(
-    "setting,gpu,blas,quantized,dense,budget,expected,why",
+    "setting,backend,blas,quantized,dense,budget,expected,why",
     [
-        ("auto", False, "openblas", True, 300, 1000, True, "openblas BLAS"),
-        ("auto", False, "reference", True, 300, 1000, False, "install libopenblas0-pthread"),
-        ("auto", True, "accelerate", True, 300, 1000, False, "Metal"),
-        ("auto", False, "mkl", True, 600, 1000, False, "half this stage's memory budget"),
-        ("on", False, "reference", True, 300, 1000, True, "--dequantize on"),
-        ("off", False, "openblas", True, 300, 1000, False, "--dequantize off"),
-        ("auto", False, "openblas", False, 300, 1000, False, "not quantized"),
+        ("auto", "cpu", "openblas", True, 300, 1000, True, "openblas BLAS"),
+        ("auto", "cpu", "reference", True, 300, 1000, False, "install libopenblas0-pthread"),
+        ("auto", "metal", "accelerate", True, 300, 1000, False, "Metal"),
+        ("auto", "cpu", "mkl", True, 600, 1000, False, "half this stage's memory budget"),
+        ("on", "cpu", "reference", True, 300, 1000, True, "--dequantize on"),
+        ("off", "cpu", "openblas", True, 300, 1000, False, "--dequantize off"),
+        ("auto", "cpu", "openblas", False, 300, 1000, False, "not quantized"),
+        # CUDA: the quantized matmul does not batch, so dense whenever they fit (the BLAS is irrelevant)
+        ("auto", "cuda", "reference", True, 500, 1000, True, "CUDA's quantized matmul does not batch"),
+        ("auto", "cuda", "reference", True, 501, 1000, False, "half this stage's GPU memory budget"),
+        ("off", "cuda", "reference", True, 300, 1000, False, "--dequantize off"),
+        ("auto", "cuda", "reference", False, 300, 1000, False, "not quantized"),
+        ("on", "metal", "accelerate", True, 300, 1000, True, "--dequantize on"),
     ],
 )
-def test_dense_weights_weigh_speed_against_memory(setting, gpu, blas, quantized, dense, budget, expected, why):
-    choice, reason = choose_dense_weights(setting, on_gpu=gpu, blas=blas, quantized=quantized,
+def test_dense_weights_weigh_speed_against_memory(setting, backend, blas, quantized, dense, budget, expected, why):
+    choice, reason = choose_dense_weights(setting, backend=backend, blas=blas, quantized=quantized,
                                           dense_bytes=dense, memory_budget=budget)
     assert choice is expected and why in reason
 
 
 def test_unknown_dequantize_setting_names_the_flag():
     with pytest.raises(ValueError, match="--dequantize 'maybe'"):
-        choose_dense_weights("maybe", on_gpu=False, blas="openblas", quantized=True, dense_bytes=1, memory_budget=2)
+        choose_dense_weights("maybe", backend="cpu", blas="openblas", quantized=True, dense_bytes=1, memory_budget=2)
 
 
 def test_kv_capacity_is_what_the_budget_leaves_after_weights_and_runtime():

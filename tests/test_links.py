@@ -82,6 +82,45 @@ def test_messages_arrive_in_order_with_their_records():
     outbound.close()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_lane_payloads_arrive_bit_exact_after_their_header(dtype):
+    import mlx.core as mx
+
+    from stage_worker.links import RingWatchdog
+
+    inbound, outbound, thread, result = _pair()
+    outbound.handshake({"hello": 1}, 5)
+    thread.join()
+    inbound.attach_lane_payloads()
+    outbound.attach_lane_payloads(RingWatchdog(5, "test"))
+    # a prefill-sized payload (megabytes: more than one socket buffer) and a decode-sized one
+    big = (mx.random.normal((700, 1024)) * 3).astype(getattr(mx, dtype))
+    small = mx.array([[1.5, -2.25, 3.0]], dtype=getattr(mx, dtype))
+    records = [SequenceRecord(1, 0, 700, RecordFlag.NEW_SEQUENCE)]
+    received = []
+    def read() -> None:  # MLX evaluates an array on the thread that made it: compare there too
+        for expected in (big, None, small):
+            message = inbound.recv()
+            received.append((message, None if expected is None else mx.array_equal(message.payload, expected).item()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    outbound.send(FrameKind.FORWARD, records, big, batch_id=1)
+    outbound.send(FrameKind.TOKENS, [SequenceRecord(1, 700, 1)], mx.array([42], dtype=mx.int32), batch_id=1)
+    outbound.send(FrameKind.FORWARD, [SequenceRecord(1, 700, 1)], small, batch_id=2)
+    reader.join(10)
+    (forward, big_equal), (tokens, _), (decode, small_equal) = received
+    assert forward.records == tuple(records) and forward.payload.dtype == big.dtype and big_equal
+    assert tokens.header.num_rows == 1 and decode.header.batch_id == 2 and small_equal
+    inbound.close()
+    outbound.close()
+
+
+def test_a_transport_mismatch_is_refused_in_the_handshake():
+    me = _identity(1, layers=(10, 20), hop_transport="lane")
+    assert "--hop-transport" in check_predecessor(me, _identity(0, hop_transport="ring").to_body())
+
+
 def test_refusal_reaches_both_sides():
     inbound, outbound, thread, result = _pair(lambda body: "peer loaded a different model")
     with pytest.raises(LinkError, match="refused this stage: peer loaded a different model"):

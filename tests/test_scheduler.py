@@ -149,3 +149,46 @@ def test_micro_batches_split_the_running_sequences():
     s.on_sampled(first, _sample(first))
     third = s.next_batch(micro_batches=2)
     assert [(c.record.seq_id, c.record.num_tokens) for c in third.chunks] == [(1, 1), (2, 1)]
+
+
+def test_continuations_run_one_step_ahead_and_stop_at_the_length_limit():
+    s = _scheduler()
+    s.add(_request("a", prompt_len=3, max_tokens=3))
+    first = s.next_batch()
+    second = s.continuation(first)  # submitted before the first step's token is read
+    (chunk,) = second.chunks
+    assert chunk.carried and chunk.token_ids == () and chunk.record.start_pos == 3
+    assert chunk.record.num_tokens == 1 and chunk.record.has(RecordFlag.SAMPLE)
+    assert not s.has_work()  # both steps in flight: nothing more to schedule for "a"
+    assert [e.token_ids for e in s.on_sampled(first, _sample(first, 7))] == [(7,)]
+    third = s.continuation(second)
+    assert [c.record.start_pos for c in third.chunks] == [4]
+    assert [e.finish for e in s.on_sampled(second, _sample(second, 8))] == [None]
+    # after "third" the request has its 3 tokens: no fourth step is continued
+    assert s.continuation(third).chunks == ()
+    events = s.on_sampled(third, _sample(third, 9))
+    assert [(e.token_ids, e.finish, e.completion_tokens) for e in events] == [((9,), Finish.LENGTH, 3)]
+    assert s.num_running == 0
+
+
+def test_a_stop_token_drops_the_step_already_continued_and_releases_the_kv():
+    s = _scheduler()
+    s.add(_request("a", prompt_len=3, max_tokens=10, stop=frozenset({2})))
+    first = s.next_batch()
+    second = s.continuation(first)
+    events = s.on_sampled(first, _sample(first, 2))  # the stop token
+    assert [(e.token_ids, e.finish) for e in events] == [((2,), Finish.STOP)]
+    assert s.on_sampled(second, _sample(second, 5)) == []  # the continued step's token is discarded
+    releases = s.next_batch().chunks
+    assert [(c.record.seq_id, c.record.has(RecordFlag.RELEASE)) for c in releases] == [(1, True)]
+
+
+def test_new_requests_join_a_batch_beside_continuations():
+    s = _scheduler()
+    s.add(_request("a", prompt_len=3, max_tokens=10))
+    first = s.next_batch()
+    s.add(_request("b", prompt_len=2, max_tokens=10))
+    continued = s.continuation(first)
+    joined = s.next_batch(1)
+    assert [c.carried for c in continued.chunks] == [True]
+    assert [(c.record.seq_id, c.token_ids) for c in joined.chunks] == [(2, (10, 11))]

@@ -69,13 +69,24 @@ def prefill(prompt_len):
     mx.eval(token)
     return caches, token
 
+def step(token, caches):
+    h = model.embed(token[:, None])
+    for layer, cache in zip(layers, caches):
+        h = layer(h, None, cache=cache)
+    return mx.argmax(model.logits(h[:, -1]), axis=-1).astype(mx.int32)
+
 def decode(caches, token, count):
-    for _ in range(count):
-        h = model.embed(token[:, None])
-        for layer, cache in zip(layers, caches):
-            h = layer(h, None, cache=cache)
-        token = mx.argmax(model.logits(h[:, -1]), axis=-1).astype(mx.int32)
-        mx.eval(token)
+    # As mlx_lm.generate_step does: the next step is queued before this one's tokens are read back.
+    if count <= 0:
+        return
+    pending = step(token, caches)
+    mx.async_eval(pending)
+    for _ in range(count - 1):
+        following = step(pending, caches)
+        mx.async_eval(following)
+        pending.tolist()
+        pending = following
+    pending.tolist()
 
 caches, token = prefill(9)
 started = time.perf_counter()

@@ -11,7 +11,15 @@ writes one JSON + PNG per comparison under ``--out``:
   weights with the same optimized BLAS preloaded as our stages;
 * ``pp``: stagemesh PP=2 vs PP=1 on this host;
 * ``two-hosts``: PP=2 over two "hosts" (each stage pinned to its own core)
-  vs PP=1 pinned to one core: the throughput a second host adds.
+  vs PP=1 pinned to one core: the throughput a second host adds;
+* ``mlx-lm``: stagemesh serve (defaults) vs ``mlx_lm.server`` on the same
+  checkpoint, nothing preloaded: the GPU comparison.
+
+``--shape NAME`` serves a model of a real size with random weights instead of
+the embedded one (``random_checkpoint``: Llama 3.2 1B, Llama 3.1 8B, Qwen3 8B),
+written once and read by every server; ``--bare`` adds the bare batched
+forward of the same weights at each concurrency (``bench-pipeline``'s
+reference, the device's limit) to the results.
 
 Pinning uses ``taskset`` (Linux); the bare batched forward of our own weights,
 the backend's limit, comes from ``stagemesh bench-pipeline --bare``.
@@ -33,7 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-COMPARISONS = ("stock", "matched", "pp", "two-hosts")
+COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm")
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port-base", type=int, default=28000, help="ports for the servers under test")
     parser.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
+    parser.add_argument("--shape", default=None,
+                        help="serve a real-sized model with random weights: llama-3.2-1b, llama-3.1-8b, qwen3-8b")
+    parser.add_argument("--shape-dtype", default="bfloat16", help="dtype of the --shape checkpoint")
+    parser.add_argument("--serve-args", default="", help="extra flags for every stagemesh serve, space-separated")
+    parser.add_argument("--bare", action="store_true",
+                        help="also measure the bare batched forward of the same weights at each concurrency")
     parser.add_argument("--profile-concurrency", type=int, default=16,
                         help="after each comparison, load every stagemesh server alone at this concurrency and "
                              "report where each stage's time went (0: skip)")
@@ -78,20 +92,50 @@ def run(args: argparse.Namespace) -> int:
         print(f"--comparisons: unknown {sorted(unknown)}; choose from {', '.join(COMPARISONS)}", file=sys.stderr)
         return 2
     failures = 0
+    serve_args = args.serve_args.split()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-serving-") as tmp:
-        q4_dir = convert_gguf_to_mlx_dir(model, str(Path(tmp) / "q4"))
+        if args.shape:
+            from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
+
+            started = time.monotonic()
+            model = str(write_random_checkpoint(shape_config(args.shape), Path(tmp) / args.shape, args.shape_dtype))
+            print(f"{args.shape}: random {args.shape_dtype} checkpoint in {time.monotonic() - started:.0f} s",
+                  file=sys.stderr)
+            tokenizer_dir = model
+        else:
+            tokenizer_dir = convert_gguf_to_mlx_dir(model, str(Path(tmp) / "q4"))
         ports = iter(range(args.port_base, args.port_base + 1000, 10))
         for name in chosen:
             with contextlib.ExitStack() as stack:
-                endpoints = _start_comparison(name, stack, model, q4_dir, tmp, blas, ports)
-                failures += _bench(args, name, endpoints, out, q4_dir)
+                endpoints = _start_comparison(name, stack, model, tokenizer_dir, tmp, blas, ports, serve_args)
+                failures += _bench(args, name, endpoints, out, tokenizer_dir)
                 if args.profile_concurrency > 0:
-                    _profile(args, name, endpoints, out, q4_dir)
+                    _profile(args, name, endpoints, out, tokenizer_dir)
+        if args.bare:
+            _bare(args, model, out)
     return 1 if failures else 0
 
 
-def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[Endpoint]:
+def _bare(args: argparse.Namespace, model: str, out: Path) -> None:
+    """The bare batched forward of the same weights at every concurrency level (the device's limit)."""
+    from stagemesh.bench.pipeline import bare_forward
+
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    bare = {f"batch{n}": bare_forward(model, n, 32, "auto", args.input_len, args.output_len) for n in levels}
+    (out / "bare.json").write_text(json.dumps(bare, indent=1))
+    for key, value in bare.items():
+        print(f"bare {key}: decode {value['decode_tokens_per_s']:.1f} tok/s, whole workload "
+              f"{value['workload_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+
+
+def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=()) -> list[Endpoint]:
     ncpu = os.cpu_count() or 1
+    serve_args = list(serve_args)
+    if name == "mlx-lm":
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), serve_args, "stagemesh")),
+            stack.enter_context(_mlx_lm_server(model, next(ports), {}, "mlx_lm")),
+        ]
     if name == "stock":
         return [
             stack.enter_context(_stagemesh(model, next(ports), [], "stagemesh")),
@@ -109,8 +153,8 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports) -> list[Endp
         ]
     if name == "pp":
         return [
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1"], "pp1")),
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2"], "pp2")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
         ]
     if name == "two-hosts":
         if not shutil.which("taskset") or ncpu < 2:

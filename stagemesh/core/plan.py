@@ -7,7 +7,7 @@ its layer range, host and ports. Plans are made by pure functions
 and never mutated.
 
 A ``StageLaunch`` is one stage process's whole input: the plan, its rank and
-its ``StageOptions`` (queue sizes, memory share, timeouts). The coordinator
+its ``StageOptions`` (queue sizes, memory share, its GPU, timeouts). The coordinator
 (or the local launcher) writes it as JSON; the stage reads it with
 ``StageLaunch.from_json``. One value, not a hand-built argv that two modules
 must keep in step.
@@ -51,6 +51,12 @@ class PipelinePlan:
     # The embedded default model: each stage finds it in its own installation, because the
     # head's absolute path need not exist on the other Macs (``model_path`` is only the head's).
     model_is_default: bool = False
+    # auto: read the weights from model_path; dummy: each stage makes random ones for its slice
+    # (model_path then needs only the config), to benchmark a model's size without its weights.
+    load_format: str = "auto"
+    # How hidden states travel between stages: "lane" (their bytes after the header on the stage's
+    # TCP lane) or "ring" (MLX's ring). Every stage of a pipeline must use the same.
+    hop_transport: str = "lane"
 
     @property
     def size(self) -> int:
@@ -91,6 +97,8 @@ def make_local_plan(
     first_global_index: int = 0,
     total_stages: int | None = None,
     dequantize: str = "auto",
+    load_format: str = "auto",
+    hop_transport: str = "lane",
 ) -> PipelinePlan:
     """Plan one pipeline with every stage on ``host`` (loopback by default)."""
     ranges = plan_layer_split(num_layers, pipeline_size, layer_split)
@@ -117,6 +125,8 @@ def make_local_plan(
         compute_dtype=compute_dtype,
         stages=tuple(stages),
         dequantize=dequantize,
+        load_format=load_format,
+        hop_transport=hop_transport,
     )
 
 
@@ -134,12 +144,17 @@ class StageOptions:
     max_batch_tokens: int = 512  # token rows per batch (long prompts are prefilled in chunks)
     connect_timeout_s: float = 60.0  # neighbours' lanes must be up by then
     ring_timeout_s: float | None = None  # None: STAGEMESH_RING_TIMEOUT where the stage runs
+    # The node's visible GPU this stage computes on (stagemesh.core.gpus); None: the node's default.
+    gpu_index: int | None = None
+    stages_on_gpu: int = 0  # stages sharing that GPU's memory; 0: unknown (the host's count applies)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_waiting", "stages_on_host", "micro_batches"):
+        if self.gpu_index is not None and self.gpu_index < 0:
+            raise UserError(f"gpu_index must not be negative, got {self.gpu_index}")
+        for name in ("max_waiting", "stages_on_host", "micro_batches", "stages_on_gpu"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -163,6 +178,8 @@ class StageLaunch:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.plan.size:
             raise UserError(f"rank {self.rank} outside the plan's 0..{self.plan.size - 1}")
+        if self.plan.hop_transport not in ("lane", "ring"):
+            raise UserError(f"hop transport {self.plan.hop_transport!r}: choose lane or ring")
 
     @property
     def me(self) -> StagePlacement:

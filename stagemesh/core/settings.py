@@ -20,6 +20,7 @@ from importlib import metadata
 from typing import Any
 
 from stagemesh.core.errors import UserError
+from stagemesh.core.gpus import GPU_PER_STAGE_CHOICES
 
 DEFAULT_RING_BASE_PORT = 32323
 DEFAULT_GRPC_BASE_PORT = 50051
@@ -82,6 +83,18 @@ def _str(name: str, default: str | None) -> Reader:
     return lambda env: env.get(name) or default
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> Reader:
+    def read(env: Mapping[str, str]) -> str:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return default
+        if raw not in choices:
+            raise UserError(f"{name}={raw!r} must be one of {', '.join(choices)}")
+        return raw
+
+    return read
+
+
 @dataclass(frozen=True)
 class Variable:
     env_name: str  # what the user sets
@@ -109,6 +122,9 @@ VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v
              "fixed BLAS thread count per stage (default: follow the pipeline's load)"),
     Variable("STAGEMESH_PIN_CORES", _str("STAGEMESH_PIN_CORES", ""),
              "pin stages to cores: a core list (0,1) or per-stage (stage g on core g mod cores)"),
+    Variable("STAGEMESH_GPU_PER_STAGE", _choice("STAGEMESH_GPU_PER_STAGE", "auto", GPU_PER_STAGE_CHOICES),
+             "auto: on a node with several NVIDIA GPUs each stage takes its own (CUDA_VISIBLE_DEVICES); "
+             "off: stages keep the node's CUDA_VISIBLE_DEVICES"),
     Variable("RAY_ADDRESS", _str("RAY_ADDRESS", None), "join this Ray cluster instead of starting a local one"),
 )}
 

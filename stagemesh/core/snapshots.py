@@ -10,7 +10,7 @@ The coordinator produces a new ``MeshSnapshot`` whenever something changes
 contract of ``GET /mesh`` and ``stagemesh status --json``:
 ``{"model", "replicas": [{"replica", "healthy", "stages": [{"rank", "layers":
 [start, end], "host", "grpc_port", "ring_port", "pid", "node_id",
-"compute_dtype", "quantized", "healthy", ...}]}]}``.
+"compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...}]}]}``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class StageSnapshot:
     error: str | None = None
     stats: StageStats = field(default_factory=StageStats)
     blas: str = ""  # the BLAS the stage's MLX uses: openblas, mkl, reference, accelerate
+    backend: str = ""  # MLX's backend: cpu, metal, cuda ("" until the stage says)
+    device: str = ""  # the device's name: "NVIDIA H200", "Apple M2 Max (applegpu_g14s)", the CPU's model
 
     @property
     def grpc_target(self) -> str:
@@ -79,6 +81,8 @@ class StageSnapshot:
             "compute_dtype": self.compute_dtype,
             "quantized": self.quantized,
             "blas": self.blas,
+            "backend": self.backend,
+            "device": self.device,
             "healthy": self.healthy,
             "state": self.state.value,
             "error": self.error,

@@ -11,7 +11,9 @@ tunnel, not on this node, or differing from Ray's node address; ``*.local``
 resolving to loopback; ring / gRPC / gateway ports busy here or unreachable
 from a peer; Python / MLX / stagemesh / Ray versions differing across nodes;
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` missing on macOS; Ray's token
-authentication half set up; the Metal backend missing (Rosetta, the CPU wheel).
+authentication half set up; the Metal backend missing (Rosetta, the CPU wheel);
+MLX's CPU wheel on a node with NVIDIA GPUs. Each node's MLX backend, device
+and GPU count are reported too (``device``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ class NodeFacts:
     metal_available: bool | None = None
     ring_available: bool | None = None
     mlx_error: str | None = None
+    mlx_backend: str | None = None  # cpu, metal, cuda (stage_worker.device)
+    device_name: str | None = None  # "NVIDIA H200", "Apple M2 Max (applegpu_g14s)", the CPU's model
+    device_memory_bytes: int | None = None  # the GPU memory a stage's budget comes from; None on the CPU
+    gpu_count: int | None = None  # NVIDIA GPUs the node's stages are spread over (stagemesh.core.gpus)
     env: dict[str, str] = field(default_factory=dict)  # the variables doctor cares about, as set
     interfaces: dict[str, list[str]] = field(default_factory=dict)  # name -> IPv4 addresses
     interfaces_down: list[str] = field(default_factory=list)
@@ -229,6 +235,14 @@ def check_mlx_backend(facts: NodeFacts) -> list[Finding]:
                                     f"{facts.mlx_device}", "unset whatever sets MLX's default device to the CPU"))
         else:
             findings.append(Finding("mlx-backend", OK, node, f"MLX {mlx} on Metal (GPU)"))
+    elif facts.mlx_backend == "cuda":
+        findings.append(Finding("mlx-backend", OK, node, f"MLX {mlx} on CUDA (GPU)"))
+    elif facts.gpu_count:
+        findings.append(Finding(
+            "mlx-backend", WARNING, node,
+            f"this node has {facts.gpu_count} NVIDIA GPU(s) but MLX runs on its CPU backend (the CPU wheel)",
+            f"pip install 'mlx[cuda13]=={mlx}' (CUDA 13; mlx[cuda12] for CUDA 12) into the virtualenv "
+            f"stagemesh runs from"))
     else:
         findings.append(Finding("mlx-backend", OK, node,
                                 f"MLX {mlx} on its CPU backend ({facts.platform}; Metal exists only on macOS)"))
@@ -236,6 +250,26 @@ def check_mlx_backend(facts: NodeFacts) -> list[Finding]:
         findings.append(Finding("mlx-backend", ERROR, node, "MLX's distributed 'ring' backend is not available",
                                 f"pip install --force-reinstall 'mlx=={mlx}'"))
     return findings
+
+
+def check_device(facts: NodeFacts) -> list[Finding]:
+    """What the node's stages will compute on (informational): MLX's backend, the device, its GPU count."""
+    if facts.mlx_error or not facts.mlx_backend:
+        return []
+    memory = f", {facts.device_memory_bytes / 1e9:.1f} GB" if facts.device_memory_bytes else ""
+    gpus = facts.gpu_count or 0
+    per_stage = facts.env.get(settings.env_name("GPU_PER_STAGE"), "auto")
+    if gpus > 1:
+        spread = ("each stage on this node takes one of them in turn (STAGEMESH_GPU_PER_STAGE=auto)"
+                  if per_stage != "off"
+                  else "stages keep the node's CUDA_VISIBLE_DEVICES (STAGEMESH_GPU_PER_STAGE=off)")
+        gpu_text = f"; {gpus} NVIDIA GPUs: {spread}"
+    elif gpus == 1:
+        gpu_text = "; 1 NVIDIA GPU: this node's stages share it"
+    else:
+        gpu_text = "; no NVIDIA GPU to assign" if facts.mlx_backend != "metal" else ""
+    return [Finding("device", INFO, facts.label,
+                    f"MLX backend {facts.mlx_backend}: {facts.device_name or 'unknown device'}{memory}{gpu_text}")]
 
 
 def _wanted_mlx(facts: NodeFacts) -> str:
@@ -451,6 +485,7 @@ def check_node(facts: NodeFacts, plan: MeshPlan, *, cluster: bool, cluster_size:
     if facts.error:
         return check_gathered(facts)
     findings = check_mlx_backend(facts)
+    findings += check_device(facts)
     findings += check_model(facts, cluster=cluster)
     findings += check_host_address(facts, cluster=cluster, cluster_size=cluster_size)
     findings += check_name_resolution(facts, cluster=cluster)

@@ -6,6 +6,9 @@ bound and who holds the others, MLX's backend, the macOS firewall. In cluster
 mode ``NodeProbe`` runs as a small Ray actor pinned to each node, so every node
 reports its own facts, and the probes listen on each node's ports while the
 others connect to them (reachability between nodes, firewall included).
+MLX's backend and device come from ``stage_worker.device`` (what a stage
+reports), the node's GPU count from ``stagemesh.core.gpus`` (what its
+StageHost reports), so doctor says what the stages will see.
 
 Only the addresses doctor is told about are ever contacted: the advertised
 addresses of the cluster's nodes.
@@ -32,6 +35,7 @@ from stagemesh.doctor.checks import HOST_IP, SERVE_OWNER, STAGE_OWNER, MeshPlan,
 ENV_VARIABLES = (
     HOST_IP, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL", "RAY_AUTH_MODE",
     "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "STAGEMESH_RING_BASE_PORT", "STAGEMESH_GRPC_BASE_PORT",
+    "STAGEMESH_GPU_PER_STAGE", "CUDA_VISIBLE_DEVICES",
 )
 SECRET_VARIABLES = ("RAY_AUTH_TOKEN",)
 PACKAGES = ("stagemesh", "ray", "mlx", "mlx-lm")
@@ -170,18 +174,32 @@ def probe_ports(host: str, ports: Sequence[int]) -> tuple[dict[int, str | None],
 
 
 def mlx_facts() -> dict:
-    facts: dict = {"mlx_device": None, "metal_available": None, "ring_available": None, "mlx_error": None}
+    facts: dict = {"mlx_device": None, "metal_available": None, "ring_available": None, "mlx_error": None,
+                   "mlx_backend": None, "device_name": None, "device_memory_bytes": None}
     try:
         import mlx.core as mx
+
+        from stage_worker.device import probe
 
         device = str(mx.default_device())
         match = re.search(r"(gpu|cpu)", device)
         facts["mlx_device"] = match.group(1) if match else device
         facts["metal_available"] = bool(mx.metal.is_available())
         facts["ring_available"] = bool(mx.distributed.is_available(backend="ring"))
+        stage_device = probe()
+        facts["mlx_backend"], facts["device_name"] = stage_device.backend, stage_device.name
+        facts["device_memory_bytes"] = stage_device.memory_bytes
     except Exception as exc:  # ImportError, a broken wheel, a missing Metal library
         facts["mlx_error"] = f"{type(exc).__name__}: {exc}"
     return facts
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs this node's stages are spread over, counted as its StageHost counts them."""
+    from coordinator.stage_host import nvidia_smi_list
+    from stagemesh.core.gpus import node_gpu_count
+
+    return node_gpu_count(os.environ, nvidia_smi_list(os.environ))
 
 
 def firewall_facts() -> tuple[str | None, str | None]:
@@ -254,6 +272,7 @@ def gather_node_facts(
     return NodeFacts(
         hostname=socket.gethostname(), platform=sys.platform, machine=platform.machine(), translated=translated(),
         python=platform.python_version(), versions={p: _version(p) for p in PACKAGES}, **mlx_facts(),
+        gpu_count=gpu_count(),
         env=env, interfaces=addresses, interfaces_down=down,
         resolved=resolve(host_names()) if resolve_names else {},
         port_host=port_host, ports=ports, port_error=port_error,

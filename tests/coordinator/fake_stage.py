@@ -39,7 +39,8 @@ class _Stage(stage_pb2_grpc.StageServicer):
             layer_start=me.layers.start, layer_end=me.layers.end, num_layers=self.plan.num_layers,
             host=me.host, grpc_port=me.grpc_port, ring_port=me.ring_port, lane_port=me.lane_port,
             pid=os.getpid(), node_id=self.node_id, model=self.plan.model_path, compute_dtype="float32",
-            quantized=True, state=self.state, stats=stage_pb2.StageStats(batches=7, tokens=11),
+            quantized=True, state=self.state, stats=stage_pb2.StageStats(batches=7, tokens=11), backend="cpu",
+            device="fake CPU",
         )
 
 

@@ -100,3 +100,10 @@ def test_stage_info_reads_every_state_and_refuses_an_unknown_one():
         assert view.state is state and view.stats == StageStats(batches=3, tokens=5)
     with pytest.raises(UnknownStateError, match="does not know"):
         info_view(stage_pb2.StageInfo(state=42))
+
+
+def test_stage_info_carries_the_backend_and_device():
+    view = info_view(stage_pb2.StageInfo(state=state_to_proto(StageState.SERVING), backend="cuda",
+                                         device="NVIDIA H200"))
+    assert (view.backend, view.device) == ("cuda", "NVIDIA H200")
+    assert info_view(stage_pb2.StageInfo(state=state_to_proto(StageState.LOADING))).backend == ""

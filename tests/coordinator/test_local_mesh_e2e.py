@@ -99,6 +99,7 @@ def test_dp2_pp2_start_restart_one_replica_and_stop():
         ]
         stage = snapshot.replicas[1].stages[1]
         assert (stage.compute_dtype, stage.quantized, stage.stats.batches) == ("float32", True, 7)
+        assert (stage.backend, stage.device) == ("cpu", "fake CPU")
         assert stage.to_json()["node_id"] == ray.get_runtime_context().get_node_id()
 
         os.kill(stage.pid, signal.SIGKILL)

@@ -36,6 +36,16 @@ def test_stage_env_drops_rays_forced_thread_limit():
     assert stage_env({})["PYTHONUNBUFFERED"] == "1"
 
 
+def test_a_host_reports_the_gpus_its_stages_may_take(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
+    assert StageHost("gpus").describe_local("bbb", NODES).gpu_count == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert StageHost("none").describe_local("bbb", NODES).gpu_count == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr("coordinator.stage_host.nvidia_smi_list", lambda env: "GPU 0: A\nGPU 1: B\n")
+    assert StageHost("smi").describe_local("bbb", NODES).gpu_count == 2
+
+
 def _wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not predicate():

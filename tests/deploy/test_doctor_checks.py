@@ -15,6 +15,7 @@ from stagemesh.doctor.checks import (
     NodeFacts,
     Reach,
     check_cluster,
+    check_device,
     check_firewall,
     check_host_address,
     check_join,
@@ -284,6 +285,32 @@ def test_linux_cpu_backend_is_expected():
     facts = NodeFacts(hostname="box", platform="linux", machine="x86_64", versions=dict(VERSIONS), mlx_device="cpu",
                       metal_available=False, ring_available=True)
     assert [f.severity for f in check_mlx_backend(facts)] == [OK]
+
+
+def test_each_node_says_what_its_stages_compute_on():
+    gpu_box = NodeFacts(hostname="h200", platform="linux", machine="x86_64", versions=dict(VERSIONS),
+                        mlx_device="gpu", metal_available=False, ring_available=True, mlx_backend="cuda",
+                        device_name="NVIDIA H200", device_memory_bytes=150_000_000_000, gpu_count=8)
+    assert [f.problem for f in check_mlx_backend(gpu_box)] == ["MLX 0.32.4 on CUDA (GPU)"]
+    (info,) = check_device(gpu_box)
+    assert info.severity == INFO and info.check == "device"
+    assert "MLX backend cuda: NVIDIA H200, 150.0 GB; 8 NVIDIA GPUs: each stage" in info.problem
+    pinned = replace(gpu_box, env={"STAGEMESH_GPU_PER_STAGE": "off"})
+    assert "stages keep the node's CUDA_VISIBLE_DEVICES" in check_device(pinned)[0].problem
+    assert "1 NVIDIA GPU: this node's stages share it" in check_device(replace(gpu_box, gpu_count=1))[0].problem
+    metal = check_device(mac(mlx_backend="metal", device_name="Apple M2 Max (applegpu_g14s)",
+                             device_memory_bytes=48_000_000_000, gpu_count=0))
+    assert metal[0].problem == "MLX backend metal: Apple M2 Max (applegpu_g14s), 48.0 GB"
+    assert check_device(mac()) == []  # nothing gathered, nothing said
+
+
+def test_the_cpu_wheel_on_a_node_with_nvidia_gpus():
+    facts = NodeFacts(hostname="box", platform="linux", machine="x86_64", versions=dict(VERSIONS), mlx_device="cpu",
+                      metal_available=False, ring_available=True, mlx_backend="cpu", device_name="AMD EPYC",
+                      gpu_count=2)
+    (warning,) = only(check_mlx_backend(facts), "mlx-backend", WARNING)
+    assert "2 NVIDIA GPU(s)" in warning.problem and "mlx[cuda13]==0.32.4" in warning.fix
+    assert check_device(facts)[0].problem.startswith("MLX backend cpu: AMD EPYC; 2 NVIDIA GPUs")
 
 
 def test_firewall_on_without_python_allowed():

@@ -100,6 +100,7 @@ def test_facts_on_loopback():
     plan = MeshPlan(ring_base_port=ring, grpc_base_port=free_port_base(1), gateway_port=free_port_base(1))
     facts = gather_node_facts(plan, cluster=False, resolve_names=False)
     assert facts.port_host == "127.0.0.1" and all(v is None for v in facts.ports.values())
+    assert facts.mlx_backend in ("cpu", "metal", "cuda") and facts.device_name and facts.gpu_count is not None
     assert "127.0.0.1" in [a for addrs in facts.interfaces.values() for a in addrs]
     ports, error = probe_ports("10.255.77.77", [ring])
     assert ports == {} and "not on this node" in error

@@ -34,14 +34,15 @@ def _tokenizer(path):
     return load_tokenizer(read_model_spec(path))
 
 
-@pytest.mark.parametrize("pp", [2, 3])
-def test_parity_tool_finds_pp_bit_identical_to_pp1(pp):
+@pytest.mark.parametrize(("pp", "transport"), [(2, "lane"), (3, "lane"), (2, "ring")])
+def test_parity_tool_finds_pp_bit_identical_to_pp1(pp, transport):
     result = subprocess.run(
         [sys.executable, "-m", "stagemesh.cli", "parity", "--pipeline-parallel-size", str(pp),
-         "--ring-base-port", str(free_port_base(2 * pp))],
+         "--ring-base-port", str(free_port_base(2 * pp)), "--hop-transport", transport],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert f"hidden states over the {transport}" in result.stdout
     assert "prefill + 32 decode steps" in result.stdout
     assert "max_abs_diff=0.000e+00" in result.stdout
     assert "logits bit-identical: True; greedy tokens identical: True" in result.stdout
@@ -117,7 +118,7 @@ def _long_running_pipeline(path, tmp_path, options: StageOptions | None = None):
         options=options,
     )
     deadline = time.monotonic() + 120
-    while "joined the ring" not in (tmp_path / "stage-0.log").read_text():
+    while "pipeline formed" not in (tmp_path / "stage-0.log").read_text():
         assert time.monotonic() < deadline, "pipeline never formed"
         assert all(s.process.poll() is None for s in pipeline.stages), "a stage died while starting"
         time.sleep(0.1)

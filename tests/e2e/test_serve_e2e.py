@@ -88,6 +88,7 @@ def test_mesh_reports_each_stage_and_grpcurl_finds_them_serving(serve_pp2):
     for stage in stages:
         assert stage["host"] == "127.0.0.1" and stage["compute_dtype"] == "float32"
         assert stage["quantized"] is (stage["blas"] not in ("openblas", "mkl"))  # --dequantize auto
+        assert stage["backend"] in ("cpu", "metal", "cuda") and stage["device"]
         target = f"{stage['host']}:{stage['grpc_port']}"
         listed = subprocess.run([*grpcurl, "-plaintext", target, "list"], capture_output=True, text=True, timeout=30)
         assert listed.returncode == 0, listed.stderr
@@ -98,7 +99,7 @@ def test_mesh_reports_each_stage_and_grpcurl_finds_them_serving(serve_pp2):
         assert json.loads(health.stdout)["status"] == "SERVING"
     table = subprocess.run([sys.executable, "-m", "stagemesh.cli", "status", "--url", serve_pp2.url],
                            capture_output=True, text=True, timeout=30).stdout
-    assert "[15, 30)" in table and "1/1 replicas healthy" in table
+    assert "[15, 30)" in table and "1/1 replicas healthy" in table and stages[0]["backend"] in table
 
 
 def test_unknown_model_is_404_and_malformed_body_is_400(serve_pp1):

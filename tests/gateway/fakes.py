@@ -140,7 +140,8 @@ class FakeMesh:
             ok = self.healthy.get(r, True)
             stage = StageSnapshot(
                 rank=0, layers=(0, 30), host="127.0.0.1", grpc_port=port, ring_port=0, pid=1000 + r,
-                node_id=f"node-{r}", compute_dtype="float32", quantized=False, healthy=ok,
+                node_id=f"node-{r}", compute_dtype="float32", quantized=False, healthy=ok, backend="cpu",
+                device="fake CPU",
                 state=StageState.SERVING if ok else StageState.FAILED,
                 stats=StageStats(batches=10 + r, tokens=99, compute_seconds=1.5, wait_seconds=0.25,
                                          send_seconds=0.125, running_sequences=r, waiting_requests=0),

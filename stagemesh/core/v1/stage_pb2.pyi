@@ -124,7 +124,7 @@ class StageStats(_message.Message):
     def __init__(self, batches: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., running_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ...) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("replica", "rank", "world_size", "layer_start", "layer_end", "num_layers", "host", "grpc_port", "ring_port", "lane_port", "pid", "node_id", "model", "compute_dtype", "quantized", "state", "error", "weight_bytes", "peak_rss_bytes", "max_num_seqs", "max_model_len", "version", "stats", "blas")
+    __slots__ = ("replica", "rank", "world_size", "layer_start", "layer_end", "num_layers", "host", "grpc_port", "ring_port", "lane_port", "pid", "node_id", "model", "compute_dtype", "quantized", "state", "error", "weight_bytes", "peak_rss_bytes", "max_num_seqs", "max_model_len", "version", "stats", "blas", "backend", "device")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,8 @@ class StageInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     BLAS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     replica: int
     rank: int
     world_size: int
@@ -173,4 +175,6 @@ class StageInfo(_message.Message):
     version: str
     stats: StageStats
     blas: str
-    def __init__(self, replica: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., host: _Optional[str] = ..., grpc_port: _Optional[int] = ..., ring_port: _Optional[int] = ..., lane_port: _Optional[int] = ..., pid: _Optional[int] = ..., node_id: _Optional[str] = ..., model: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., quantized: _Optional[bool] = ..., state: _Optional[_Union[StageState, str]] = ..., error: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., blas: _Optional[str] = ...) -> None: ...
+    backend: str
+    device: str
+    def __init__(self, replica: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., host: _Optional[str] = ..., grpc_port: _Optional[int] = ..., ring_port: _Optional[int] = ..., lane_port: _Optional[int] = ..., pid: _Optional[int] = ..., node_id: _Optional[str] = ..., model: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., quantized: _Optional[bool] = ..., state: _Optional[_Union[StageState, str]] = ..., error: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., blas: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,188 @@
+"""``stagemesh bench-hop``: where the time of one pipeline hop goes, on whatever device MLX runs.
+
+Starts two processes on loopback (MLX ring ranks 0 and 1, plus a plain TCP
+socket between them, as a stage's control lane is) and, for each payload
+shape, times round trips of a ``[rows, hidden]`` array computed on the
+default device (GPU where there is one):
+
+* ``ring``: ``mx.distributed.send`` / ``recv`` as stages pass hidden states today
+  (evaluate the array, hand it to MLX's ring, receive, evaluate);
+* ``lane``: the same bytes over the TCP socket instead (evaluate, copy to host,
+  ``sendall``; ``recv_into`` a buffer, ``mx.array`` on the device);
+
+and, on rank 0 alone, the parts: the ``[rows, hidden] @ [hidden, hidden]``
+product each side computes (``compute``; a round trip holds two), evaluating a
+small op on the device (``sync``), copying the array to host memory
+(``to_host``) and creating it on the device from host bytes (``from_host``).
+Each figure is the median of ``--iters`` after ``--warmup``. Prints one JSON document (and writes it with ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size (2048: Llama 3.2 1B; 4096: 8B)")
+    parser.add_argument("--rows", default="1,16,64", help="rows per payload (tokens in a batch), comma-separated")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--port-base", type=int, default=29310, help="two ring ports and one lane port from here")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    if not rows or min(rows) < 1 or args.hidden < 1 or args.iters < 1:
+        print("bench-hop: --rows, --hidden and --iters must be positive", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="stagemesh-hop-") as tmp:
+        hostfile = Path(tmp) / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{args.port_base}"], [f"127.0.0.1:{args.port_base + 1}"]]))
+        config = {"hidden": args.hidden, "rows": rows, "dtype": args.dtype, "iters": args.iters,
+                  "warmup": args.warmup, "lane_port": args.port_base + 2, "result": str(Path(tmp) / "result.json")}
+        procs = []
+        for rank in (0, 1):
+            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+            procs.append(subprocess.Popen([sys.executable, "-m", "stagemesh.bench.hop", json.dumps(config)],
+                                          env=env))
+        codes = [p.wait(600) for p in procs]
+        if any(codes):
+            print(f"bench-hop: ranks exited with {codes}", file=sys.stderr)
+            return 1
+        result = json.loads(Path(config["result"]).read_text())
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e3, 4)
+
+
+def _rank_main(config: dict[str, Any]) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    group = mx.distributed.init(backend="ring", strict=True)
+    rank = group.rank()
+    dtype = getattr(mx, config["dtype"])
+    np_dtype = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}[config["dtype"]]
+    lane = _lane(rank, config["lane_port"])
+    hidden, iters, warmup = config["hidden"], config["iters"], config["warmup"]
+    results: dict[str, Any] = {"device": str(mx.default_device()), "dtype": config["dtype"], "hidden": hidden,
+                               "mlx": getattr(mx, "__version__", "unknown"), "shapes": []}
+    weight = mx.random.normal((hidden, hidden)).astype(dtype) * 0.01
+    for rows in config["rows"]:
+        x = mx.random.normal((rows, hidden)).astype(dtype)
+        mx.eval(x, weight)
+        nbytes = rows * hidden * x.itemsize
+        buffer = bytearray(nbytes)
+        timings: dict[str, list[float]] = {"ring": [], "lane": [], "compute": [], "sync": [], "to_host": [],
+                                           "from_host": []}
+        for i in range(warmup + iters):
+            record = i >= warmup
+            # ring: rank 0 computes, sends; rank 1 receives, computes, sends back.
+            started = time.perf_counter()
+            if rank == 0:
+                y = x @ weight
+                mx.eval(mx.distributed.send(y, 1, group=group))
+                back = mx.distributed.recv((rows, hidden), dtype, 1, group=group)
+                mx.eval(back)
+            else:
+                got = mx.distributed.recv((rows, hidden), dtype, 0, group=group)
+                mx.eval(mx.distributed.send(got @ weight, 0, group=group))
+            if record and rank == 0:
+                timings["ring"].append(time.perf_counter() - started)
+            # lane: the same through the TCP socket, bytes copied through host memory.
+            started = time.perf_counter()
+            if rank == 0:
+                y = x @ weight
+                mx.eval(y)
+                lane.sendall(np.array(y.view(mx.uint16) if config["dtype"] == "bfloat16" else y).tobytes())
+                _recv_into(lane, buffer)
+                back = mx.array(np.frombuffer(buffer, dtype=np_dtype).reshape(rows, hidden))
+                if config["dtype"] == "bfloat16":
+                    back = back.view(mx.bfloat16)
+                mx.eval(back)
+            else:
+                _recv_into(lane, buffer)
+                got = mx.array(np.frombuffer(buffer, dtype=np_dtype).reshape(rows, hidden))
+                if config["dtype"] == "bfloat16":
+                    got = got.view(mx.bfloat16)
+                y = got @ weight
+                mx.eval(y)
+                lane.sendall(np.array(y.view(mx.uint16) if config["dtype"] == "bfloat16" else y).tobytes())
+            if record and rank == 0:
+                timings["lane"].append(time.perf_counter() - started)
+            if rank == 0:
+                started = time.perf_counter()
+                mx.eval(x @ weight)
+                if record:
+                    timings["compute"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                mx.eval(x + 1)
+                sync_done = time.perf_counter()
+                host = np.array(y.view(mx.uint16) if config["dtype"] == "bfloat16" else y)
+                copied = time.perf_counter()
+                mx.eval(mx.array(host))
+                if record:
+                    timings["sync"].append(sync_done - started)
+                    timings["to_host"].append(copied - sync_done)
+                    timings["from_host"].append(time.perf_counter() - copied)
+        if rank == 0:
+            results["shapes"].append({"rows": rows, "bytes": nbytes,
+                                      **{f"{k}_ms_p50": _median_ms(v) for k, v in timings.items()}})
+    if rank == 0:
+        Path(config["result"]).write_text(json.dumps(results))
+    lane.close()
+
+
+def _lane(rank: int, port: int) -> socket.socket:
+    if rank == 1:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(1)
+        sock, _ = listener.accept()
+        listener.close()
+    else:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                sock = socket.create_connection(("127.0.0.1", port))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _recv_into(sock: socket.socket, buffer: bytearray) -> None:
+    view, got = memoryview(buffer), 0
+    while got < len(buffer):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("peer closed the lane")
+        got += n
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(sys.argv[1]))

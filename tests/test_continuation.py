@@ -1,0 +1,84 @@
+"""A single-stage pipeline runs each decode step one ahead, fed the token still on the device: the
+entry engine's tokens equal plain step-by-step generation on the real model, stop tokens included."""
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from stage_worker.default_model import default_model_path
+from stage_worker.engine import EntryEngine, RequestFailed
+from stage_worker.generation_job import GenerationJob, run_generation
+from stage_worker.model_spec import read_model_spec
+from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
+from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.stage_runtime import EntryPipeline, StageCompute
+from stage_worker.stage_status import StageStatus
+from stagemesh.core.layer_split import LayerRange
+
+PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1018, 28, 2270, 253]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    spec = read_model_spec(str(default_model_path()))
+    return StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
+
+
+def _reference(model, max_tokens):
+    pipeline = EntryPipeline(StageCompute(model, 8), None, None, is_last=True)
+    return run_generation(pipeline, GenerationJob(tuple(tuple(p) for p in PROMPTS), max_tokens)).outputs
+
+
+class _CountingPipeline(EntryPipeline):
+    """The real pipeline, counting the decode steps that were fed a token still on the device."""
+
+    carried = 0
+
+    def submit(self, chunks):
+        self.carried += sum(c.carried for c in chunks)
+        return super().submit(chunks)
+
+
+def _engine(model, max_tokens, stop=frozenset()):
+    pipeline = _CountingPipeline(StageCompute(model, 8), None, None, is_last=True)
+    scheduler = Scheduler(max_num_seqs=8, max_model_len=256, max_waiting=8)
+    engine = EntryEngine(pipeline, scheduler, StageStatus())
+    runner = threading.Thread(target=engine.run)
+    runner.start()
+    try:
+        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(p), max_tokens, stop_token_ids=stop))
+                   for i, p in enumerate(PROMPTS)]
+        outputs, finishes = [], []
+        for handle in handles:
+            tokens: list[int] = []
+            while True:
+                event = handle.events.get(timeout=120)
+                assert not isinstance(event, RequestFailed), event
+                tokens += event.token_ids
+                if event.finish is not None:
+                    outputs.append(tokens)
+                    finishes.append(event.finish)
+                    break
+        assert pipeline.carried > 0  # the steps really ran ahead
+        return outputs, finishes
+    finally:
+        engine.stop()
+        runner.join(60)
+
+
+def test_the_engine_steps_ahead_and_still_matches_step_by_step_generation(model):
+    reference = _reference(model, 12)
+    outputs, finishes = _engine(model, 12)
+    assert outputs == reference
+    assert finishes == [Finish.LENGTH] * len(PROMPTS)
+
+
+def test_a_stop_token_ends_the_request_where_step_by_step_generation_would(model):
+    reference = _reference(model, 12)
+    stop = reference[0][4]  # the fifth token of the first prompt's answer
+    outputs, finishes = _engine(model, 12, stop=frozenset({stop}))
+    for out, ref, finish in zip(outputs, reference, finishes):
+        cut = ref.index(stop) + 1 if stop in ref else len(ref)
+        assert out == ref[:cut]
+        assert finish == (Finish.STOP if stop in ref else Finish.LENGTH)
