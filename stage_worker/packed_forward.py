@@ -81,9 +81,11 @@ def packed_layers(
     order = ([*decode.rows] if decode else []) + [r for g in fresh for s in g.segments for r in s.rows] + \
         [r for s in others for r in s.rows]
     restore = None if order == list(range(len(order))) else mx.array(_inverse(order))
+    # The group's rows and causal mask are the same in every layer (its caches move in step): made once.
+    shared = _DecodeShared.of(decode) if decode is not None else None
     h = hidden
     for index, layer in enumerate(layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), fresh, others, decode, index, restore)
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), fresh, others, decode, index, restore, shared)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h
 
@@ -121,8 +123,24 @@ def _inverse(order: Sequence[int]) -> list[int]:
     return inverse
 
 
+@dataclass(frozen=True)
+class _DecodeShared:
+    """What every layer's decode attention shares within one step."""
+
+    rows: mx.array | slice  # the group's rows of the batch: a slice when they are contiguous (no gather)
+    mask: mx.array | None  # BatchKVCache.make_mask gives an array (or None with nothing to mask)
+
+    @classmethod
+    def of(cls, decode: DecodeRows) -> _DecodeShared:
+        first, count = decode.rows[0], len(decode.rows)
+        contiguous = decode.rows == list(range(first, first + count))
+        rows: mx.array | slice = slice(first, first + count) if contiguous else mx.array(decode.rows)
+        return cls(rows, decode.caches[0].make_mask(1))
+
+
 def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], others: Sequence[Segment],
-               decode: DecodeRows | None, layer_index: int, restore: mx.array | None) -> mx.array:
+               decode: DecodeRows | None, layer_index: int, restore: mx.array | None,
+               shared: _DecodeShared | None = None) -> mx.array:
     rows = x.shape[0]
     queries = attn.q_proj(x).reshape(rows, attn.n_heads, -1)
     keys = attn.k_proj(x).reshape(rows, attn.n_kv_heads, -1)
@@ -131,7 +149,8 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], other
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
     outputs = []
     if decode is not None:
-        outputs.append(_decode_attention(attn, queries, keys, values, decode, layer_index))
+        outputs.append(_decode_attention(attn, queries, keys, values, decode, layer_index,
+                                         shared or _DecodeShared.of(decode)))
     for group in fresh:
         outputs.append(_fresh_prompts_attention(attn, queries, keys, values, group, layer_index))
     for segment in others:
@@ -174,15 +193,14 @@ def _fresh_prompts_attention(attn: nn.Module, queries: mx.array, keys: mx.array,
 
 
 def _decode_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,
-                      decode: DecodeRows, layer_index: int) -> mx.array:
+                      decode: DecodeRows, layer_index: int, shared: _DecodeShared) -> mx.array:
     """mlx-lm's own attention on ``[B, heads, 1, dim]`` against the group's ``BatchKVCache``:
     per-row RoPE offsets, one append and one masked attention for the whole group."""
     cache = decode.caches[layer_index]
-    index = mx.array(decode.rows)
-    q = queries[index][:, :, None, :]
-    k = keys[index][:, :, None, :]
-    v = values[index][:, :, None, :]
-    mask = cache.make_mask(1)
+    q = queries[shared.rows][:, :, None, :]
+    k = keys[shared.rows][:, :, None, :]
+    v = values[shared.rows][:, :, None, :]
+    mask = shared.mask
     q = attn.rope(q, offset=cache.offset)
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)

@@ -127,7 +127,12 @@ class StageCompute:
         if row != hidden.shape[0]:
             raise wire.WireMismatchError(f"batch records cover {row} rows but the payload has {hidden.shape[0]}")
         decode = None
-        if decode_ids:
+        if len(decode_ids) == 1:
+            # A lone decode runs as a one-token chunk on plain caches: mlx-lm's own single-sequence path,
+            # without the group's mask and gathers (measured on an H200, the step is launch-bound).
+            caches = self.kv.for_chunk(decode_ids[0], decode_positions[0], False, 1)
+            segments.append(Segment(caches, 1, decode_rows[0]))
+        elif decode_ids:
             decode = DecodeRows(decode_rows, self.kv.for_decode(decode_ids, decode_positions))
         if not segments and decode is None:
             return hidden

@@ -32,8 +32,12 @@ def shape_config(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """Write ``config`` with random weights (``dtype``) and an extended default tokenizer to ``out_dir``."""
+def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0,
+                            tokenizer_dir: str | None = None) -> Path:
+    """Write ``config`` with random weights (``dtype``) and an extended tokenizer to ``out_dir``.
+
+    The tokenizer is ``tokenizer_dir``'s (a Hugging Face tokenizer directory), else the embedded
+    default model's."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -50,17 +54,22 @@ def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfl
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     del weights, model
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    _write_tokenizer(out, int(config["vocab_size"]))
+    _write_tokenizer(out, int(config["vocab_size"]), tokenizer_dir)
     return out
 
 
-def _write_tokenizer(out: Path, vocab_size: int) -> None:
-    from stage_worker.default_model import default_model_path
-    from stage_worker.model_spec import read_model_spec
-    from stage_worker.tokenizer import load_tokenizer
+def _write_tokenizer(out: Path, vocab_size: int, tokenizer_dir: str | None) -> None:
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
 
-    tokenizer = load_tokenizer(read_model_spec(default_model_path()))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        from stage_worker.default_model import default_model_path
+        from stage_worker.model_spec import read_model_spec
+        from stage_worker.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(read_model_spec(default_model_path()))
     missing = vocab_size - len(tokenizer)
     if missing > 0:
-        tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(missing)], special_tokens=True)
+        tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(missing)])
     tokenizer.save_pretrained(str(out))

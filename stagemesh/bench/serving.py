@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=None,
                         help="serve a real-sized model with random weights: llama-3.2-1b, llama-3.1-8b, qwen3-8b")
     parser.add_argument("--shape-dtype", default="bfloat16", help="dtype of the --shape checkpoint")
+    parser.add_argument("--shape-tokenizer", default=None,
+                        help="Hugging Face tokenizer directory for the --shape checkpoint (default: the embedded "
+                             "model's)")
     parser.add_argument("--serve-args", default="", help="extra flags for every stagemesh serve, space-separated")
     parser.add_argument("--bare", action="store_true",
                         help="also measure the bare batched forward of the same weights at each concurrency")
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.convert import convert_gguf_to_mlx_dir
     from stage_worker.default_model import resolve_model_path
 
-    model = resolve_model_path(args.model)
+    model = args.model if args.shape else resolve_model_path(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     blas = find_optimized_blas()
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
 
             started = time.monotonic()
-            model = str(write_random_checkpoint(shape_config(args.shape), Path(tmp) / args.shape, args.shape_dtype))
+            model = str(write_random_checkpoint(shape_config(args.shape), Path(tmp) / args.shape, args.shape_dtype,
+                                                tokenizer_dir=args.shape_tokenizer))
             print(f"{args.shape}: random {args.shape_dtype} checkpoint in {time.monotonic() - started:.0f} s",
                   file=sys.stderr)
             tokenizer_dir = model
