@@ -104,10 +104,8 @@ class StageCompute:
         """
         if self._threads is not None:
             self._threads.for_load(in_flight)
-        for record in records:
-            # Sequences that ended earlier are released before this batch's new ones take their places.
-            if record.num_tokens == 0 and record.has(RecordFlag.RELEASE):
-                self.kv.release(record.seq_id)
+        # Sequences that ended earlier are released before this batch's new ones take their places.
+        self.kv.release_many([r.seq_id for r in records if r.num_tokens == 0 and r.has(RecordFlag.RELEASE)])
         segments: list[Segment] = []
         decode_ids: list[int] = []
         decode_positions: list[int] = []
@@ -174,9 +172,7 @@ class StageCompute:
         return out_records, tokens
 
     def release_finished(self, records: Sequence[SequenceRecord]) -> None:
-        for record in records:
-            if record.has(RecordFlag.RELEASE):
-                self.kv.release(record.seq_id)
+        self.kv.release_many([r.seq_id for r in records if r.has(RecordFlag.RELEASE)])
 
 
 class EntryPipeline:

@@ -80,3 +80,36 @@ def test_more_sequences_than_admitted_is_refused():
     _prefill(store, 1, 1)
     with pytest.raises(WireMismatchError, match="admitted more than --max-num-seqs"):
         store.for_chunk(2, 0, True, 1)
+
+
+def test_groups_shrink_without_reading_the_device_and_keep_every_sequences_history(monkeypatch):
+    """Sequences of different lengths decode together, then leave one at a time and several at once:
+    the survivors' keys are exactly their own, and no BatchKVCache.filter/extract (which read the
+    left padding back from the device) runs."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a device read while reshaping a group")
+
+    monkeypatch.setattr(BatchKVCache, "filter", forbidden)
+    monkeypatch.setattr(BatchKVCache, "extract", forbidden)
+    store = _store()
+    lengths = {1: 5, 2: 2, 3: 7, 4: 3}
+    for seq_id, n in lengths.items():
+        _prefill(store, seq_id, n)
+    positions = dict(lengths)
+    members = [1, 2, 3, 4]
+    for step in range(3):
+        _decode(store, members, [positions[m] for m in members])
+        for m in members:
+            positions[m] += 1
+        if step == 0:
+            store.release(3)  # the longest leaves: the others' left padding is trimmed
+            members = [1, 2, 4]
+        elif step == 1:
+            store.release_many([1, 4])
+            members = [2]
+    for seq_id in (2,):
+        expected = mx.arange(0, positions[seq_id], dtype=mx.float32) + 100 * seq_id
+        assert mx.array_equal(_history(store, seq_id)[0, 0, :, 0], expected).item()
+    assert len(store) == 1

@@ -4,11 +4,12 @@
 ``mlx_lm.server`` on a model of a real size without downloading one: the
 shape's ``config.json`` (``stagemesh/bench/model_configs/``), weights drawn
 by mlx-lm's own model class in the shape's dtype, and the embedded default
-model's tokenizer extended with reserved tokens up to the shape's vocabulary
-(so every id either server samples decodes; the extra ones to nothing
-readable). Both servers then read the same files, so neither gets a lighter
-model than the other. ``stagemesh serve --load-format dummy`` draws random
-weights inside each stage instead, without files.
+model's tokenizer (or ``tokenizer_dir``'s) extended with reserved tokens up to
+the shape's vocabulary, so every id either server samples decodes (the extra
+ones as ``<|reserved_N|>`` text, which a benchmark counting streamed text
+sees). Both servers then read the same files, so neither gets a lighter model
+than the other. ``stagemesh serve --load-format dummy`` draws random weights
+inside each stage instead, without files.
 """
 
 from __future__ import annotations

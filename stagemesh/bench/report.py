@@ -124,16 +124,17 @@ def format_failures(doc: dict[str, Any]) -> list[str]:
         for m in doc["levels"]:
             if m["failed"]:
                 lines.append(f"  {m['endpoint']} {m['level']}: {m['failed']} of {m['sent']} failed")
-                for e in m["errors"]:
-                    status = f"HTTP {e['status']}" if e["status"] is not None else "no response"
-                    lines.append(f"    {e['count']} x {status}: {e['message']}")
+                lines += _error_lines(m["errors"])
     for m in doc["warmup"]:
         if m["failed"]:
             lines.append(f"WARMUP FAILED: {m['endpoint']}: {m['failed']} of {m['sent']} warmup requests")
-            for e in m["errors"]:
-                status = f"HTTP {e['status']}" if e["status"] is not None else "no response"
-                lines.append(f"    {e['count']} x {status}: {e['message']}")
+            lines += _error_lines(m["errors"])
     return lines
+
+
+def _error_lines(errors: list[dict[str, Any]]) -> list[str]:
+    return [f"    {e['count']} x {'HTTP ' + str(e['status']) if e['status'] is not None else 'no response'}: "
+            f"{e['message']}" for e in errors]
 
 
 def format_ratios(doc: dict[str, Any]) -> list[str]:

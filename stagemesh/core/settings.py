@@ -41,17 +41,25 @@ def stagemesh_version() -> str:
 Reader = Callable[[Mapping[str, str]], Any]
 
 
-def _int(name: str, default: int) -> Reader:
-    def read(env: Mapping[str, str]) -> int:
+def _number(name: str, default: float | int, parse: Callable[[str], Any], kind: str) -> Reader:
+    def read(env: Mapping[str, str]) -> Any:
         raw = env.get(name, "").strip()
         if not raw:
             return default
         try:
-            return int(raw)
+            return parse(raw)
         except ValueError:
-            raise UserError(f"environment variable {name}={raw!r} must be an integer") from None
+            raise UserError(f"environment variable {name}={raw!r} must be {kind}") from None
 
     return read
+
+
+def _int(name: str, default: int) -> Reader:
+    return _number(name, default, int, "an integer")
+
+
+def _float(name: str, default: float) -> Reader:
+    return _number(name, default, float, "a number")
 
 
 def _positive_int(name: str, unset_means: str) -> Reader:
@@ -62,19 +70,6 @@ def _positive_int(name: str, unset_means: str) -> Reader:
         if not raw.isdigit() or int(raw) < 1:
             raise UserError(f"{name}={raw!r} must be a positive integer; unset it {unset_means}")
         return int(raw)
-
-    return read
-
-
-def _float(name: str, default: float) -> Reader:
-    def read(env: Mapping[str, str]) -> float:
-        raw = env.get(name, "").strip()
-        if not raw:
-            return default
-        try:
-            return float(raw)
-        except ValueError:
-            raise UserError(f"environment variable {name}={raw!r} must be a number") from None
 
     return read
 

@@ -241,8 +241,9 @@ def check_mlx_backend(facts: NodeFacts) -> list[Finding]:
         findings.append(Finding(
             "mlx-backend", WARNING, node,
             f"this node has {facts.gpu_count} NVIDIA GPU(s) but MLX runs on its CPU backend (the CPU wheel)",
-            f"pip install 'mlx[cuda13]=={mlx}' (CUDA 13; mlx[cuda12] for CUDA 12) into the virtualenv "
-            f"stagemesh runs from"))
+            f"in the virtualenv stagemesh runs from: pip install 'stagemesh[cuda]' then pip install "
+            f"--force-reinstall --no-deps 'mlx-cuda-13=={mlx}' (mlx-cpu ships the same library file, so the CUDA "
+            f"build must be installed last; mlx-cuda-12 for CUDA 12)"))
     else:
         findings.append(Finding("mlx-backend", OK, node,
                                 f"MLX {mlx} on its CPU backend ({facts.platform}; Metal exists only on macOS)"))

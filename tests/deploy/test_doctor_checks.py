@@ -309,7 +309,7 @@ def test_the_cpu_wheel_on_a_node_with_nvidia_gpus():
                       metal_available=False, ring_available=True, mlx_backend="cpu", device_name="AMD EPYC",
                       gpu_count=2)
     (warning,) = only(check_mlx_backend(facts), "mlx-backend", WARNING)
-    assert "2 NVIDIA GPU(s)" in warning.problem and "mlx[cuda13]==0.32.4" in warning.fix
+    assert "2 NVIDIA GPU(s)" in warning.problem and "mlx-cuda-13==0.32.4" in warning.fix
     assert check_device(facts)[0].problem.startswith("MLX backend cpu: AMD EPYC; 2 NVIDIA GPUs")
 
 

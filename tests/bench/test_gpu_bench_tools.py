@@ -1,0 +1,37 @@
+"""The GPU benchmarks' tools, run small on the CPU: a random-weight checkpoint both servers load,
+and bench-hop timing a real two-process hop (MLX ring and TCP lane)."""
+
+import json
+import subprocess
+import sys
+
+from stagemesh.bench.random_checkpoint import shape_config, shape_names, write_random_checkpoint
+from tests.conftest import free_port_base
+
+
+def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_for_every_id(tmp_path):
+    from mlx_lm import load
+
+    from stage_worker.model_spec import read_model_spec
+
+    assert {"llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"} <= set(shape_names())
+    small = {**shape_config("llama-3.2-1b"), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 50000}
+    out = write_random_checkpoint(small, tmp_path / "ckpt", "float32")
+    model, tokenizer = load(str(out))
+    assert len(tokenizer._tokenizer) == 50000  # the default tokenizer's 49152 ids, then reserved ones
+    assert tokenizer.decode([49999]) == "<|reserved_847|>"
+    spec = read_model_spec(str(out))
+    assert (spec.model_type, spec.num_layers, spec.hidden_size, spec.format) == ("llama", 2, 64, "mlx")
+
+
+def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
+    out = tmp_path / "hop.json"
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-hop", "--hidden", "64", "--rows", "1,4",
+                           "--iters", "5", "--warmup", "1", "--port-base", str(free_port_base(3)),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert [s["rows"] for s in result["shapes"]] == [1, 4]
+    for shape in result["shapes"]:
+        assert shape["ring_ms_p50"] > 0 and shape["lane_ms_p50"] > 0 and shape["compute_ms_p50"] > 0
