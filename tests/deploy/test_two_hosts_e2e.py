@@ -149,10 +149,13 @@ def test_pp2_puts_stage_1_on_the_other_host(cluster):
     for stage in stages:
         plan = _stage_plan(stage["pid"])
         assert plan.ring_hostfile() == [[f"{ADDRESS_A}:{RING_BASE}"], [f"{ADDRESS_B}:{RING_BASE + 1}"]]
-    # Stage 1 lives in host B's namespace, and the ring's connections cross the cable.
+        assert [s.lane_port for s in plan.stages] == [RING_BASE + 2, RING_BASE + 3]
+    # Stage 1 lives in host B's namespace, and the lanes that carry the hidden states (the default hop
+    # transport) cross the cable both ways: A connects to B's lane, B to A's.
     assert stages[1]["pid"] in cluster.hosts.pids("b") and stages[0]["pid"] in cluster.hosts.pids("a")
-    sockets = cluster.hosts.run("a", ["ss", "-tnH", "state", "established"]).stdout
-    assert any(f"{ADDRESS_B}:{RING_BASE + 1}" in line for line in sockets.splitlines()), sockets
+    sockets = cluster.hosts.run("a", ["ss", "-tnH", "state", "established"]).stdout.splitlines()
+    assert any(f"{ADDRESS_B}:{RING_BASE + 3}" in line for line in sockets), sockets
+    assert any(f"{ADDRESS_A}:{RING_BASE + 2}" in line and ADDRESS_B in line for line in sockets), sockets
 
     completions = cluster.client("complete", URL, MODEL, "1", PROMPTS[0])
     assert "Paris" in completions[0]["text"]
