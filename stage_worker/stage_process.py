@@ -37,7 +37,7 @@ import mlx.core as mx
 from stage_worker import wire
 from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
 from stage_worker.device import StageDevice, apply_wired_limit, probe
-from stage_worker.engine import EntryEngine, PipelineBroken
+from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_pays
 from stage_worker.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.handshake import StageIdentity, connect_neighbours, init_ring
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
@@ -267,7 +267,8 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
                           max_waiting=options.max_waiting, max_batch_tokens=options.max_batch_tokens,
                           prefill_chunk_tokens=options.max_batch_tokens, kv_token_capacity=capacity)
     # As many micro-batches in flight as there are stages keeps every stage busy.
-    engine = EntryEngine(pipeline, scheduler, status, micro_batches=options.micro_batches or ctx.launch.plan.size)
+    engine = EntryEngine(pipeline, scheduler, status, micro_batches=options.micro_batches or ctx.launch.plan.size,
+                         step_ahead=step_ahead_pays(ctx.device.backend))
     servicer.engine = engine
     on_stop_signal(engine.stop)
     status.set_state(StageState.SERVING)

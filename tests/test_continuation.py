@@ -43,7 +43,7 @@ class _CountingPipeline(EntryPipeline):
 def _engine(model, max_tokens, stop=frozenset()):
     pipeline = _CountingPipeline(StageCompute(model, 8), None, None, is_last=True)
     scheduler = Scheduler(max_num_seqs=8, max_model_len=256, max_waiting=8)
-    engine = EntryEngine(pipeline, scheduler, StageStatus())
+    engine = EntryEngine(pipeline, scheduler, StageStatus(), step_ahead=True)
     runner = threading.Thread(target=engine.run)
     runner.start()
     try:
@@ -82,3 +82,10 @@ def test_a_stop_token_ends_the_request_where_step_by_step_generation_would(model
         cut = ref.index(stop) + 1 if stop in ref else len(ref)
         assert out == ref[:cut]
         assert finish == (Finish.STOP if stop in ref else Finish.LENGTH)
+
+
+def test_steps_run_ahead_only_where_the_device_is_not_the_hosts_own_cores():
+    from stage_worker.engine import step_ahead_pays
+
+    assert step_ahead_pays("cuda") and step_ahead_pays("metal")
+    assert not step_ahead_pays("cpu")
