@@ -23,6 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                        "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
     "bench-serving": ("stagemesh.bench.serving",
                       "run the serving comparisons (vs mlx_lm.server, PP=2 vs PP=1, two hosts) side by side"),
+    "bench-engine": ("stagemesh.bench.engine",
+                     "time the entry stage alone (engine, scheduler, model): ms per token, streams, profile"),
     "bench-hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
 }

@@ -35,3 +35,16 @@ def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
     assert [s["rows"] for s in result["shapes"]] == [1, 4]
     for shape in result["shapes"]:
         assert shape["ring_ms_p50"] > 0 and shape["lane_ms_p50"] > 0 and shape["compute_ms_p50"] > 0
+
+
+def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
+    out = tmp_path / "engine.json"
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", "4", "--streams", "2",
+                           "--prompt-len", "4", "--profile", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["backend"] == "cpu" and result["step_ahead"] is False
+    assert result["single_stream"]["tokens"] == 4 and result["single_stream"]["ms_per_token_p50"] > 0
+    assert result["streams"]["tokens"] == 8 and result["streams"]["tokens_per_s"] > 0
+    assert "engine thread, one stream" in done.stdout and "tottime" in done.stdout
