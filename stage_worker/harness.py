@@ -32,23 +32,14 @@ def run(launch: StageLaunch, options: HarnessOptions) -> int:
     # MLX loads with these imports: only after ``prepare`` has preloaded the BLAS.
     from stage_worker.generation_job import GenerationJob, run_generation
     from stage_worker.memory import peak_rss_bytes
-    from stage_worker.stage_process import (
-        RunningStage,
-        configure_logging,
-        resolve,
-        run_relay,
-        run_stage,
-    )
+    from stage_worker.stage_process import RunningStage, open_stage, run_relay, run_stage
     from stage_worker.stage_runtime import LogitRecorder
     from stage_worker.stage_status import StageStatus
     from stagemesh.core.states import ExitCode, StageState
 
-    try:
-        ctx = resolve(launch)
-    except ValueError as exc:
-        print(f"stage {launch.rank}: {exc}", file=sys.stderr)
+    ctx = open_stage(launch)
+    if ctx is None:
         return ExitCode.CONFIG
-    configure_logging(ctx.name)
     status = StageStatus()
     recorder = LogitRecorder() if (options.record_logits and launch.is_last) else None
     weight_bytes = 0

@@ -123,7 +123,8 @@ def _recv_exact(sock: socket.socket, count: int, peer: str) -> bytes:
     return bytes(chunks)
 
 
-def _recv_into(sock: socket.socket, buffer: bytearray, peer: str) -> None:
+def recv_exactly_into(sock: socket.socket, buffer: bytearray, peer: str) -> None:
+    """Fill ``buffer`` from ``sock``; ``LinkError`` naming ``peer`` if it closes or fails first."""
     view, got = memoryview(buffer), 0
     while got < len(buffer):
         try:
@@ -392,7 +393,7 @@ class InboundLink:
         if header.has_payload and self._lane_payloads:
             assert header.dtype is not None
             buffer = bytearray(wire.payload_nbytes(header))
-            _recv_into(sock, buffer, self.peer_name)
+            recv_exactly_into(sock, buffer, self.peer_name)
             payload = wire.payload_from_bytes(buffer, header)
         elif header.has_payload:
             if self._ring is None:

@@ -85,7 +85,12 @@ class StageContext:
 
     @property
     def name(self) -> str:
-        return f"replica {self.launch.plan.replica} stage {self.launch.rank}/{self.launch.plan.size}"
+        return stage_name(self.launch)
+
+
+def stage_name(launch: StageLaunch) -> str:
+    """How this stage names itself in logs and errors."""
+    return f"replica {launch.plan.replica} stage {launch.rank}/{launch.plan.size}"
 
 
 @dataclass(frozen=True)
@@ -141,9 +146,15 @@ def resolve(launch: StageLaunch) -> StageContext:
     return StageContext(launch, spec, dtype, max_model_len, ring_timeout, device)
 
 
-def configure_logging(context_name: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {context_name} %(levelname)s %(message)s",
+def open_stage(launch: StageLaunch) -> StageContext | None:
+    """Log as this stage, then resolve the launch; None (the error logged) when it cannot run."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {stage_name(launch)} %(levelname)s %(message)s",
                         stream=sys.stderr)
+    try:
+        return resolve(launch)
+    except ValueError as exc:  # ModelFormatError and a bad --dtype included
+        log.error("%s", exc)
+        return None
 
 
 def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
@@ -321,13 +332,9 @@ def describe(ctx: StageContext) -> StageDescription:
 
 def serve(launch: StageLaunch) -> int:
     """The serving stage: gRPC first, then load, connect and run as entry or relay."""
-    try:
-        ctx = resolve(launch)
-    except ValueError as exc:  # ModelFormatError and a bad --dtype included
-        configure_logging(f"replica {launch.plan.replica} stage {launch.rank}/{launch.plan.size}")
-        log.error("%s", exc)
+    ctx = open_stage(launch)
+    if ctx is None:
         return ExitCode.CONFIG
-    configure_logging(ctx.name)
     status = StageStatus()
     options = launch.options
     try:

@@ -175,6 +175,16 @@ class StageCompute:
         self.kv.release_many([r.seq_id for r in records if r.has(RecordFlag.RELEASE)])
 
 
+@dataclass(frozen=True)
+class _LocalBatch:
+    """A single-stage pipeline's batch in flight: its sampled records and their tokens on the device."""
+
+    records: list[SequenceRecord]
+    tokens: mx.array
+    rows: int  # token rows computed
+    build_s: float  # host time spent building it
+
+
 class EntryPipeline:
     """The first stage: pushes batches into the pipeline and collects their sampled tokens.
 
@@ -203,9 +213,9 @@ class EntryPipeline:
         self._is_last = is_last
         self._batch_id = 0
         self._in_flight: deque[tuple[int, float]] = deque()  # (batch id, when submitted)
-        # Single-stage pipelines: each batch's sampled records and its tokens, still on the device
-        # until ``collect`` reads them; the newest also feeds ``Chunk.carried`` decode steps.
-        self._local_results: deque[tuple[list[SequenceRecord], mx.array]] = deque()
+        # Single-stage pipelines: each batch's sampled tokens, still on the device until ``collect``
+        # reads them; the newest also feeds ``Chunk.carried`` decode steps.
+        self._local_results: deque[_LocalBatch] = deque()
 
     @property
     def single_stage(self) -> bool:
@@ -236,17 +246,18 @@ class EntryPipeline:
         hidden = self._compute.forward(records, hidden, in_flight, evaluate=not self._is_last)
         if self._is_last:
             out_records, tokens = self._compute.sample(records, hidden, wait=False)
-            self._local_results.append((out_records, tokens))
-            computed = sent = time.perf_counter()
+            # Its compute is counted in ``collect``, once the device has finished it.
+            self._local_results.append(_LocalBatch(out_records, tokens, int(ids.size), time.perf_counter() - started))
+            sent = time.perf_counter()
         else:
             assert self._outbound is not None
             computed = time.perf_counter()
             self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id, in_flight=in_flight)
             sent = time.perf_counter()
+            if self._on_batch is not None:
+                self._on_batch(int(ids.size), computed - started, 0.0, sent - computed)
         self._compute.release_finished(records)
         self._in_flight.append((self._batch_id, sent))
-        if self._on_batch is not None:
-            self._on_batch(int(ids.size), computed - started, 0.0, sent - computed)
         return self._batch_id
 
     def _input_ids(self, chunks: Sequence[Chunk]) -> mx.array:
@@ -256,24 +267,38 @@ class EntryPipeline:
             return mx.array([t for c in chunks for t in c.token_ids], dtype=mx.int32)
         if not self._local_results:
             raise ValueError("a carried decode step needs a batch in flight before it on this stage")
-        previous_records, previous_tokens = self._local_results[-1]
-        index = {r.seq_id: i for i, r in enumerate(previous_records)}
-        parts = []
+        previous = self._local_results[-1]
+        previous_tokens = previous.tokens
+        index = {r.seq_id: i for i, r in enumerate(previous.records)}
+        parts: list[mx.array] = []
+        run: list[int] = []  # positions in the previous tokens of consecutive carried chunks: one gather each
         for chunk in chunks:
             if chunk.carried:
                 if chunk.record.seq_id not in index:
                     raise ValueError(f"sequence {chunk.record.seq_id} sampled nothing in the batch before")
-                parts.append(previous_tokens[index[chunk.record.seq_id]: index[chunk.record.seq_id] + 1])
-            elif chunk.token_ids:
+                run.append(index[chunk.record.seq_id])
+                continue
+            if run:
+                parts.append(previous_tokens[mx.array(run)])
+                run = []
+            if chunk.token_ids:
                 parts.append(mx.array(chunk.token_ids, dtype=mx.int32))
-        return mx.concatenate(parts).astype(mx.int32) if parts else mx.zeros((0,), mx.int32)
+        if run:
+            parts.append(previous_tokens[mx.array(run)])
+        ids = parts[0] if len(parts) == 1 else mx.concatenate(parts) if parts else mx.zeros((0,), mx.int32)
+        return ids.astype(mx.int32)
 
     def collect(self) -> list[SampledToken]:
         """Tokens of the oldest batch in flight (waits for them on the lane, not spinning)."""
         batch_id, _ = self._in_flight.popleft()
         if self._is_last:
-            records, tokens = self._local_results.popleft()
-            return _sampled(records, tokens)  # reads the tokens back: waits for this batch only
+            batch = self._local_results.popleft()
+            reading = time.perf_counter()
+            sampled = _sampled(batch.records, batch.tokens)  # reads the tokens back: waits for this batch only
+            if self._on_batch is not None:
+                # Building the batch plus waiting for the device to finish it: this stage's compute.
+                self._on_batch(batch.rows, batch.build_s + time.perf_counter() - reading, 0.0, 0.0)
+            return sampled
         assert self._inbound is not None
         waited = time.perf_counter()
         reply = self._inbound.recv(timeout_s=self._reply_timeout_s)

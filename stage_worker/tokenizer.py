@@ -125,14 +125,21 @@ def _has_tokenizer_files(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def _default_model_tokenizer(path: str) -> Any:
-    """A dummy model's stand-in tokenizer: the embedded default model's (its weights are never loaded)."""
-    from .default_model import DEFAULT_SERVED_NAME, default_model_path
+def default_model_tokenizer() -> Any:
+    """The embedded default model's tokenizer (its weights are never loaded)."""
+    from .default_model import default_model_path
     from .model_spec import read_model_spec
+
+    return load_tokenizer(read_model_spec(default_model_path()))
+
+
+def _default_model_tokenizer(path: str) -> Any:
+    """A dummy model's stand-in tokenizer: the embedded default model's."""
+    from .default_model import DEFAULT_SERVED_NAME
 
     log.warning("%s has no tokenizer files; --load-format dummy uses the embedded default model's tokenizer (%s)",
                 path, DEFAULT_SERVED_NAME)
-    return load_tokenizer(read_model_spec(default_model_path()))
+    return default_model_tokenizer()
 
 
 def _dir_tokenizer(path: str) -> Any:

@@ -8,9 +8,11 @@ its own slice on throwaway data the way serving will: a prompt chunk of the
 largest size the scheduler sends, then for each of a few decode batch sizes
 that many short fresh prompts (batched as fresh prompts are) and one decode
 step of the group; the first stage starts from its embedding and the last ends
-with its norm and head, as in serving. Every cache lives in a throwaway
-``KVStore``: the stage's real one does not exist yet, and nothing here
-touches it.
+with its norm, head and sampling, as in serving. The batches go through
+``StageCompute.forward`` / ``sample`` themselves, so the warm-up takes the
+paths serving takes (a lone decode on plain caches, a group on its batch
+cache), with a throwaway ``StageCompute``: the stage's real one does not
+exist yet, and nothing here touches it.
 
 ``warmup_plan`` (pure) chooses the sizes: on the CPU one tiny prompt and one
 decode step of it (nothing to compile there; tests and CI start many stages), on a
@@ -26,9 +28,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from stage_worker.kv_store import KVStore
-from stage_worker.packed_forward import DecodeRows, Segment
 from stage_worker.stage_model import StageModel
+from stage_worker.stage_runtime import StageCompute
+from stage_worker.wire import RecordFlag, SequenceRecord
 
 _DECODE_PROMPT_TOKENS = 4  # prompt of each sequence in a decode warm-up group
 
@@ -66,37 +68,31 @@ def warmup_plan(backend: str, *, max_num_seqs: int, micro_batches: int, max_batc
 
 def warm_up(model: StageModel, plan: WarmupPlan) -> None:
     """Run ``plan`` through ``model``'s slice against throwaway caches; every result is discarded."""
-    store = KVStore(model.new_caches, max(plan.decode_batches, default=1))
-    seq_ids = itertools.count()
+    compute = StageCompute(model, max(plan.decode_batches, default=1))
+    seq_ids = itertools.count(1)
+    fresh = RecordFlag.NEW_SEQUENCE | RecordFlag.SAMPLE
     for tokens in plan.prefill_tokens:
         seq = next(seq_ids)
-        segment = Segment(store.for_chunk(seq, 0, True, tokens), tokens)
-        _finish(model, model.run_packed(_rows(model, tokens), [segment]), last_rows=[tokens - 1])
-        store.release(seq)
+        _batch(compute, [SequenceRecord(seq, 0, tokens, fresh)])
+        compute.kv.release(seq)
     prompt = plan.prompt_tokens
     for size in plan.decode_batches:
         group = [next(seq_ids) for _ in range(size)]
-        segments = [Segment(store.for_chunk(seq, 0, True, prompt), prompt, i * prompt) for i, seq in enumerate(group)]
-        _finish(model, model.run_packed(_rows(model, size * prompt), segments),
-                last_rows=[(i + 1) * prompt - 1 for i in range(size)])
-        decode = DecodeRows(list(range(size)), store.for_decode(group, [prompt] * size))
-        _finish(model, model.run_packed(_rows(model, size), [], decode), last_rows=list(range(size)))
-        for seq in group:
-            store.release(seq)
+        _batch(compute, [SequenceRecord(seq, 0, prompt, fresh) for seq in group])
+        _batch(compute, [SequenceRecord(seq, prompt, 1, RecordFlag.SAMPLE) for seq in group])
+        compute.kv.release_many(group)
     mx.clear_cache()  # the throwaway buffers go back; serving allocates its own
 
 
-def _rows(model: StageModel, count: int) -> mx.array:
-    """``[count, hidden]`` input rows: token 0's embedding on the first stage, noise on the others."""
+def _batch(compute: StageCompute, records: list[SequenceRecord]) -> None:
+    """One batch as serving runs it: this slice's layers, then (last stage) norm, head and sampling."""
+    model = compute.model
+    rows = sum(r.num_tokens for r in records)
     if model.role.is_first:
-        return model.embed(mx.zeros((count,), dtype=mx.int32))
-    # A fixed key: the warm-up must not move MLX's global random state.
-    return mx.random.normal((count, model.hidden_size), dtype=model.dtype, key=mx.random.key(0))
-
-
-def _finish(model: StageModel, hidden: mx.array, last_rows: list[int]) -> None:
-    """Evaluate the slice's output; the last stage also runs its head on the rows serving would sample."""
-    if model.role.is_last:
-        mx.eval(hidden, mx.argmax(model.logits(hidden[mx.array(last_rows)]), axis=-1))
+        hidden = model.embed(mx.zeros((rows,), dtype=mx.int32))
     else:
-        mx.eval(hidden)
+        # A fixed key: the warm-up must not move MLX's global random state.
+        hidden = mx.random.normal((rows, model.hidden_size), dtype=model.dtype, key=mx.random.key(0))
+    out = compute.forward(records, hidden, evaluate=not model.role.is_last)
+    if model.role.is_last:
+        compute.sample(records, out)

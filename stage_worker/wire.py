@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -109,10 +110,7 @@ _HOST_DTYPES: dict[mx.Dtype, tuple[type, mx.Dtype | None]] = {
 
 def payload_nbytes(header: FrameHeader) -> int:
     assert header.dtype is not None
-    count = 1
-    for n in header.payload_shape:
-        count *= n
-    return count * header.dtype.size
+    return math.prod(header.payload_shape) * header.dtype.size
 
 
 def payload_bytes(array: mx.array) -> memoryview:

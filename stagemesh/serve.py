@@ -15,9 +15,10 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
+from stagemesh.bench.random_checkpoint import SHAPES_DIR, shape_names
 from stagemesh.core import settings
 from stagemesh.core.errors import UserError
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stagemesh.serve")
 
-# Model shapes shipped with the benchmarks (a Hugging Face config.json each): names for --load-format dummy.
-DUMMY_SHAPES_DIR = Path(__file__).resolve().parent / "bench" / "model_configs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,14 +74,7 @@ def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="auto reads the model's weights; dummy gives every stage random weights for its slice, "
                              "to benchmark a model's size without its weights: MODEL is then a directory with a "
-                             "config.json, a .gguf file, or one of the shapes " + ", ".join(dummy_shape_names()))
-
-
-def dummy_shape_names() -> list[str]:
-    """The shapes shipped with the benchmarks, by name (``llama-3.1-8b``, ...)."""
-    if not DUMMY_SHAPES_DIR.is_dir():
-        return []
-    return sorted(d.name for d in DUMMY_SHAPES_DIR.iterdir() if (d / "config.json").is_file())
+                             "config.json, a .gguf file, or one of the shapes " + ", ".join(shape_names()))
 
 
 def resolve_model_argument(model: str | None, load_format: str) -> str:
@@ -93,9 +85,9 @@ def resolve_model_argument(model: str | None, load_format: str) -> str:
 
     if load_format != "dummy" or model is None:
         return resolve_model_path(model)
-    names = dummy_shape_names()
+    names = shape_names()
     if model in names and not os.path.exists(os.path.expanduser(model)):
-        return str(DUMMY_SHAPES_DIR / model)
+        return str(SHAPES_DIR / model)
     try:
         return resolve_model_path(model)
     except ModelFormatError as exc:

@@ -77,12 +77,14 @@ def _median_ms(samples: list[float]) -> float:
 
 def _rank_main(config: dict[str, Any]) -> None:
     import mlx.core as mx
-    import numpy as np
+
+    # The lane arm moves bytes exactly as a stage's OutboundLink / InboundLink do.
+    from stage_worker.links import recv_exactly_into
+    from stage_worker.wire import FrameHeader, FrameKind, payload_bytes, payload_from_bytes
 
     group = mx.distributed.init(backend="ring", strict=True)
     rank = group.rank()
     dtype = getattr(mx, config["dtype"])
-    np_dtype = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}[config["dtype"]]
     lane = _lane(rank, config["lane_port"])
     hidden, iters, warmup = config["hidden"], config["iters"], config["warmup"]
     results: dict[str, Any] = {"device": str(mx.default_device()), "dtype": config["dtype"], "hidden": hidden,
@@ -93,6 +95,7 @@ def _rank_main(config: dict[str, Any]) -> None:
         mx.eval(x, weight)
         nbytes = rows * hidden * x.itemsize
         buffer = bytearray(nbytes)
+        header = FrameHeader(FrameKind.FORWARD, 0, 0, 1, rows, hidden, dtype)
         timings: dict[str, list[float]] = {"ring": [], "lane": [], "compute": [], "sync": [], "to_host": [],
                                            "from_host": []}
         for i in range(warmup + iters):
@@ -112,22 +115,12 @@ def _rank_main(config: dict[str, Any]) -> None:
             # lane: the same through the TCP socket, bytes copied through host memory.
             started = time.perf_counter()
             if rank == 0:
-                y = x @ weight
-                mx.eval(y)
-                lane.sendall(np.array(y.view(mx.uint16) if config["dtype"] == "bfloat16" else y).tobytes())
-                _recv_into(lane, buffer)
-                back = mx.array(np.frombuffer(buffer, dtype=np_dtype).reshape(rows, hidden))
-                if config["dtype"] == "bfloat16":
-                    back = back.view(mx.bfloat16)
-                mx.eval(back)
+                lane.sendall(payload_bytes(x @ weight))
+                recv_exactly_into(lane, buffer, "the other rank")
+                mx.eval(payload_from_bytes(buffer, header))
             else:
-                _recv_into(lane, buffer)
-                got = mx.array(np.frombuffer(buffer, dtype=np_dtype).reshape(rows, hidden))
-                if config["dtype"] == "bfloat16":
-                    got = got.view(mx.bfloat16)
-                y = got @ weight
-                mx.eval(y)
-                lane.sendall(np.array(y.view(mx.uint16) if config["dtype"] == "bfloat16" else y).tobytes())
+                recv_exactly_into(lane, buffer, "the other rank")
+                lane.sendall(payload_bytes(payload_from_bytes(buffer, header) @ weight))
             if record and rank == 0:
                 timings["lane"].append(time.perf_counter() - started)
             if rank == 0:
@@ -138,9 +131,9 @@ def _rank_main(config: dict[str, Any]) -> None:
                 started = time.perf_counter()
                 mx.eval(x + 1)
                 sync_done = time.perf_counter()
-                host = np.array(y.view(mx.uint16) if config["dtype"] == "bfloat16" else y)
+                host = payload_bytes(y)
                 copied = time.perf_counter()
-                mx.eval(mx.array(host))
+                mx.eval(payload_from_bytes(host, header))
                 if record:
                     timings["sync"].append(sync_done - started)
                     timings["to_host"].append(copied - sync_done)
@@ -174,14 +167,6 @@ def _lane(rank: int, port: int) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
-
-def _recv_into(sock: socket.socket, buffer: bytearray) -> None:
-    view, got = memoryview(buffer), 0
-    while got < len(buffer):
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise ConnectionError("peer closed the lane")
-        got += n
 
 
 if __name__ == "__main__":

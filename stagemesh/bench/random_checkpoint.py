@@ -21,6 +21,9 @@ SHAPES_DIR = Path(__file__).resolve().parent / "model_configs"
 
 
 def shape_names() -> list[str]:
+    """The shapes shipped with the benchmarks, by name (``llama-3.1-8b``, ...)."""
+    if not SHAPES_DIR.is_dir():
+        return []
     return sorted(p.name for p in SHAPES_DIR.iterdir() if (p / "config.json").is_file())
 
 
@@ -65,11 +68,9 @@ def _write_tokenizer(out: Path, vocab_size: int, tokenizer_dir: str | None) -> N
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
-        from stage_worker.default_model import default_model_path
-        from stage_worker.model_spec import read_model_spec
-        from stage_worker.tokenizer import load_tokenizer
+        from stage_worker.tokenizer import default_model_tokenizer
 
-        tokenizer = load_tokenizer(read_model_spec(default_model_path()))
+        tokenizer = default_model_tokenizer()
     missing = vocab_size - len(tokenizer)
     if missing > 0:
         tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(missing)])
