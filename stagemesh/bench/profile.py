@@ -102,8 +102,10 @@ def stage_profiles(before: Mapping[StageKey, StageStats], after: Mapping[StageKe
     return rows
 
 
-def format_profile(label: str, rows: Sequence[StageProfile], gateway_cpu_s: float | None) -> list[str]:
-    """A table of the rows as shares of the wall time, and the gateway process's CPU."""
+def format_profile(label: str, rows: Sequence[StageProfile], gateway_cpu_s: float | None,
+                   output_tokens: int = 0) -> list[str]:
+    """A table of the rows as shares of the wall time, and the gateway process's CPU (per output token
+    when ``output_tokens`` is known)."""
     if not rows:
         return [f"{label}: no stage counters on /metrics"]
     wall = rows[0].wall_s
@@ -116,8 +118,9 @@ def format_profile(label: str, rows: Sequence[StageProfile], gateway_cpu_s: floa
                      f"{_share(r.send_s, wall):>6} {_share(r.other_s, wall):>7} {r.batches:>8} "
                      f"{r.rows_per_batch:>11.1f} {per_batch:>9.1f}")
     if gateway_cpu_s is not None:
+        per_token = f", {1000 * gateway_cpu_s / output_tokens:.2f} CPU ms per output token" if output_tokens else ""
         lines.append(f"  gateway process (gateway + coordinator + Ray driver): {gateway_cpu_s:.1f} CPU s "
-                     f"= {100 * gateway_cpu_s / wall:.0f}% of one core")
+                     f"= {100 * gateway_cpu_s / wall:.0f}% of one core{per_token}")
     return lines
 
 
@@ -158,8 +161,11 @@ def profile_endpoint(url: str, label: str, model: str, serve_pid: int, *, concur
         level = json.load(open(result))["levels"][0]
     rows = stage_profiles(before, after, float(level["wall_time"]))
     gateway = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
-    for line in format_profile(f"{label} at concurrency {concurrency}", rows, gateway):
+    output_tokens = round(float(level["output_tokens_per_s"]) * float(level["wall_time"]))
+    for line in format_profile(f"{label} at concurrency {concurrency}", rows, gateway, output_tokens):
         print(line, file=sys.stderr)
     return {"label": label, "concurrency": concurrency, "wall_s": float(level["wall_time"]),
             "output_tokens_per_s": level["output_tokens_per_s"], "gateway_cpu_s": gateway,
+            "output_tokens": output_tokens,
+            "gateway_cpu_ms_per_output_token": 1000 * gateway / output_tokens if gateway and output_tokens else None,
             "stages": [{**asdict(r), "other_s": r.other_s} for r in rows]}

@@ -13,7 +13,9 @@ writes one JSON + PNG per comparison under ``--out``:
 * ``two-hosts``: PP=2 over two "hosts" (each stage pinned to its own core)
   vs PP=1 pinned to one core: the throughput a second host adds;
 * ``mlx-lm``: stagemesh serve (defaults) vs ``mlx_lm.server`` on the same
-  checkpoint, nothing preloaded: the GPU comparison.
+  checkpoint, nothing preloaded: the GPU comparison;
+* ``gpus``: on a host with two GPUs, PP=1 (one GPU) vs PP=2 and DP=2 (each
+  stage on its own GPU): what a second GPU adds as a stage or as a replica.
 
 ``--shape NAME`` serves a model of a real size with random weights instead of
 the embedded one (``random_checkpoint``: Llama 3.2 1B, Llama 3.1 8B, Qwen3 8B),
@@ -41,7 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm")
+COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus")
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-args", default="", help="extra flags for every stagemesh serve, space-separated")
     parser.add_argument("--bare", action="store_true",
                         help="also measure the bare batched forward of the same weights at each concurrency")
-    parser.add_argument("--profile-concurrency", type=int, default=16,
-                        help="after each comparison, load every stagemesh server alone at this concurrency and "
-                             "report where each stage's time went (0: skip)")
+    parser.add_argument("--profile-concurrency", default="16",
+                        help="after each comparison, load every stagemesh server alone at each of these "
+                             "concurrencies (comma-separated) and report where each stage's time went and the "
+                             "gateway's CPU per token (0: skip)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.ExitStack() as stack:
                 endpoints = _start_comparison(name, stack, model, tokenizer_dir, tmp, blas, ports, serve_args)
                 failures += _bench(args, name, endpoints, out, tokenizer_dir)
-                if args.profile_concurrency > 0:
+                if _profile_levels(args):
                     _profile(args, name, endpoints, out, tokenizer_dir)
         if args.bare:
             _bare(args, model, out)
@@ -159,6 +162,12 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
         return [
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
+        ]
+    if name == "gpus":
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-dp", "2", *serve_args], "dp2")),
         ]
     if name == "two-hosts":
         if not shutil.which("taskset") or ncpu < 2:
@@ -244,13 +253,22 @@ def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir:
     return 0 if result.returncode == 0 else 1
 
 
+def _profile_levels(args: argparse.Namespace) -> list[int]:
+    """The ``--profile-concurrency`` levels; none for ``0``."""
+    try:
+        levels = [int(level) for level in str(args.profile_concurrency).split(",") if level.strip()]
+    except ValueError:
+        raise SystemExit(f"--profile-concurrency: comma-separated integers, got {args.profile_concurrency!r}") from None
+    return [level for level in levels if level > 0]
+
+
 def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> None:
     """Each stagemesh server alone at one level: per-stage compute / ring wait / send / other."""
     from stagemesh.bench.profile import profile_endpoint
 
-    profiles = [profile_endpoint(e.url, e.label, e.model, e.pid, concurrency=args.profile_concurrency,
+    profiles = [profile_endpoint(e.url, e.label, e.model, e.pid, concurrency=level,
                                  num_prompts=args.num_prompts, input_len=args.input_len,
                                  output_len=args.output_len, tokenizer_dir=tokenizer_dir)
-                for e in endpoints if e.stagemesh]
+                for level in _profile_levels(args) for e in endpoints if e.stagemesh]
     if profiles:
         (out / f"{name}-profile.json").write_text(json.dumps(profiles, indent=1))
