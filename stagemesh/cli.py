@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                       "run the serving comparisons (vs mlx_lm.server, PP=2 vs PP=1, two hosts) side by side"),
     "bench-engine": ("stagemesh.bench.engine",
                      "time the entry stage alone (engine, scheduler, model): ms per token, streams, profile"),
+    "bench-gateway": ("stagemesh.bench.gateway",
+                      "the gateway alone, fed tokens at a GPU mesh's rate: its CPU per token, where it caps"),
     "bench-hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
 }
