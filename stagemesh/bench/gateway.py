@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-ms", type=float, default=5.0,
                         help="the source's decode step: every stream gets one token per step (0: no pacing)")
     parser.add_argument("--port-base", type=int, default=29300, help="gateway on this port, the source on +1")
+    parser.add_argument("--tokenizer", default=None,
+                        help="Hugging Face tokenizer directory (default: the embedded model's)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     # Internal: the two server processes this command starts.
     parser.add_argument("--serve-source", action="store_true", help=argparse.SUPPRESS)
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_serve_source(args.port_base + 1, args.step_ms))
         return 0
     if args.serve_gateway:
-        _serve_gateway(args.port_base, args.port_base + 1)
+        _serve_gateway(args.port_base, args.port_base + 1, args.tokenizer)
         return 0
     from stagemesh.bench.profile import process_cpu_seconds
 
@@ -64,14 +66,16 @@ def run(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1 or args.step_ms < 0:
         print("bench-gateway: --concurrency takes positive integers, --step-ms >= 0", file=sys.stderr)
         return 2
-    from stage_worker.tokenizer import default_model_tokenizer
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-gateway-") as tmp:
-        tokenizer_dir = str(Path(tmp) / "tokenizer")
-        default_model_tokenizer().save_pretrained(tokenizer_dir)
+        tokenizer_dir = args.tokenizer
+        if tokenizer_dir is None:
+            from stage_worker.tokenizer import default_model_tokenizer
+
+            tokenizer_dir = str(Path(tmp) / "tokenizer")
+            default_model_tokenizer().save_pretrained(tokenizer_dir)
         own = [sys.executable, "-m", "stagemesh.cli", "bench-gateway", "--port-base", str(args.port_base),
-               "--step-ms", str(args.step_ms)]
+               "--step-ms", str(args.step_ms), "--tokenizer", tokenizer_dir]
         with _process([*own, "--serve-source"], "source", None), \
                 _process([*own, "--serve-gateway"], "gateway", f"http://127.0.0.1:{args.port_base}") as gateway:
             url = f"http://127.0.0.1:{args.port_base}"
@@ -206,11 +210,11 @@ class _StepClock:
         await asyncio.shield(self._tick)
 
 
-def _serve_gateway(port: int, source_port: int) -> None:
+def _serve_gateway(port: int, source_port: int, tokenizer_dir: str) -> None:
     import uvicorn
+    from transformers import AutoTokenizer
 
     from gateway.app import GatewayConfig, create_app
-    from stage_worker.tokenizer import default_model_tokenizer
     from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot
     from stagemesh.core.states import StageState
 
@@ -223,7 +227,7 @@ def _serve_gateway(port: int, source_port: int) -> None:
         def snapshot(self) -> MeshSnapshot:
             return snapshot
 
-    tokenizer = default_model_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     app = create_app(GatewayConfig(served_model_name="bench-gateway", max_model_len=8192), mesh=StaticMesh(),
                      tokenizer=tokenizer, eos_token_ids=frozenset({tokenizer.eos_token_id}))
     uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).run()
