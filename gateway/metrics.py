@@ -15,6 +15,9 @@ Contract:
   ``stagemesh_stage_running_sequences``, ``stagemesh_stage_waiting_requests``,
   ``stagemesh_stage_healthy``; plus
   ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer.
+- The same TTFT and inter-token observations also go to ``recent_ttft`` and
+  ``recent_itl`` (``gateway.recent.RecentWindow``): the last minute, for the
+  dashboard's live percentiles.
 - ``RequestMetricsMiddleware`` (pure ASGI, so it never breaks disconnect
   detection or streaming) counts every response by route and status and times
   the generation endpoints end to end, including the stream.
@@ -31,6 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from stagemesh.core.snapshots import MeshView
+
+from .recent import RecentWindow
 
 # vLLM's buckets, so dashboards built for it read ours alike.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -104,14 +109,18 @@ class GatewayMetrics:
         self.generation_tokens = Counter("stagemesh_gateway_generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge("stagemesh_gateway_requests_running", "Generation requests in flight", registry=r)
         r.register(StageCollector(mesh, outstanding))
+        self.recent_ttft = RecentWindow()
+        self.recent_itl = RecentWindow()
 
     # TokenObserver (gateway.generation)
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.recent_ttft.add(seconds)
 
     def inter_token(self, seconds: float, count: int) -> None:
         for _ in range(count):
             self.itl.observe(seconds)
+        self.recent_itl.add(seconds, count)
 
     def usage(self, prompt_tokens: int, generation_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
