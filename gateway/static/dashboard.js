@@ -42,6 +42,11 @@ function ms(seconds) {
 function pct(share) {
   return share === null || share === undefined ? "–" : Math.round(share * 100) + "%";
 }
+function count(n) {
+  if (n >= 1e6) return (n / 1e6).toFixed(1) + "M";
+  if (n >= 1e4) return Math.round(n / 1e3) + "k";
+  return String(n);
+}
 function duration(seconds) {
   if (seconds === null || seconds === undefined) return "–";
   const s = Math.floor(seconds);
@@ -92,9 +97,9 @@ function shareBar(rates) {
 function kvBar(stage) {
   if (stage.kv_use === null || stage.kv_use === undefined) return el("span", { class: "muted" }, "–");
   const s = stage.stats;
-  return el("span", { title: s.kv_tokens + " of " + s.kv_token_capacity + " tokens" },
+  return el("span", { title: s.kv_tokens + " of " + s.kv_token_capacity + " tokens of KV" },
     el("span", { class: "bar" }, el("span", { class: "kv", style: "width:" + Math.min(100, stage.kv_use * 100) + "%" })),
-    " " + pct(stage.kv_use));
+    " " + pct(stage.kv_use) + " (" + count(s.kv_tokens) + " / " + count(s.kv_token_capacity) + " tok)");
 }
 
 function depthBar(replica, depth) {
@@ -223,12 +228,13 @@ function errorText(body, status) {
   }
 }
 
-async function streamChat(prompt, maxTokens, answer) {
+async function streamChat(prompt, maxTokens, temperature, answer) {
   chatHistory.push({ role: "user", content: prompt });
   const response = await fetch("/v1/chat/completions", {
     method: "POST",
     headers: { "Content-Type": "application/json", ...authHeaders() },
-    body: JSON.stringify({ model: modelName || undefined, messages: chatHistory, stream: true, max_tokens: maxTokens }),
+    body: JSON.stringify({ model: modelName || undefined, messages: chatHistory, stream: true, max_tokens: maxTokens,
+      temperature }),
   });
   if (!response.ok) {
     chatHistory.pop();
@@ -271,6 +277,7 @@ document.getElementById("chat-form").addEventListener("submit", async (event) =>
   const prompt = input.value.trim();
   if (!prompt) return;
   const maxTokens = parseInt(document.getElementById("chat-max-tokens").value, 10) || 128;
+  const temperature = parseFloat(document.getElementById("chat-temperature").value);
   const log = document.getElementById("chat-log");
   const answer = el("div", { class: "msg assistant" });
   log.append(el("div", { class: "msg user" }, prompt), answer);
@@ -278,7 +285,7 @@ document.getElementById("chat-form").addEventListener("submit", async (event) =>
   const send = document.getElementById("chat-send");
   send.disabled = true;
   try {
-    await streamChat(prompt, maxTokens, answer);
+    await streamChat(prompt, maxTokens, Number.isNaN(temperature) ? undefined : temperature, answer);
   } catch (err) {
     answer.classList.add("error");
     answer.textContent = "error: " + err.message;
