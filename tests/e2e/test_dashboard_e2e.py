@@ -4,7 +4,8 @@ Headless Chromium (Debian's ``chromium`` and ``chromium-driver``, which
 ``.ci/run`` installs) driven by Selenium loads ``GET /``, is asked for the
 key, shows both stages with their layer ranges, shows a stage killed with
 SIGKILL as unhealthy and then serving again (a new pid, the events listed),
-and streams a chat answer from ``/v1/chat/completions``. Set
+and streams a chat answer from ``/v1/chat/completions``; ``stagemesh status
+--watch`` draws the same figures in a terminal. Set
 ``STAGEMESH_DASHBOARD_SCREENSHOT=PATH`` to keep the screenshot it takes
 (docs/images/dashboard.png is made that way).
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -124,3 +127,17 @@ def test_page_shows_stages_a_killed_stage_coming_back_and_streams_chat(serve, br
     WebDriverWait(browser, 10, poll_frequency=0.2).until(lambda d: "p50" in _texts(d, '[data-card="ttft"] .sub')[0])
     shot = os.environ.get("STAGEMESH_DASHBOARD_SCREENSHOT") or str(tmp_path / "dashboard.png")
     assert browser.save_screenshot(shot)
+
+
+def test_status_watch_draws_the_same_figures_in_a_terminal(serve):
+    command = [sys.executable, "-m", "stagemesh.cli", "status", "--watch", "--count", "2", "--interval", "0.5",
+               "--url", serve.url]
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("STAGEMESH_API_KEY", None)
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode == 2 and "--api-key" in refused.stderr
+    shown = subprocess.run([*command, "--api-key", API_KEY], capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "SmolLM2-135M-Instruct (30 layers)" in shown.stdout
+    assert "[0, 15)" in shown.stdout and "[15, 30)" in shown.stdout
+    assert "mesh_serving" in shown.stdout  # the events, with their times
