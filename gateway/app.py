@@ -55,7 +55,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
             out[replica] = out.get(replica, 0) + count
         return out
 
-    metrics = GatewayMetrics(mesh, outstanding_by_replica)
+    metrics = GatewayMetrics(mesh, outstanding_by_replica, lambda: client.failures)
     serving = OpenAIServing(config, client, tokenizer, eos_token_ids, metrics)
     created = int(time.time())
 

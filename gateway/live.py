@@ -43,6 +43,7 @@ class GatewayCounters:
     client_errors: int  # generation responses with a 4xx status
     server_errors: int  # generation responses with a 5xx status
     running: int  # generation requests in flight
+    replica_failures: Mapping[int, int]  # replica -> Generate calls that failed there
 
     @classmethod
     def read(cls, metrics: GatewayMetrics) -> GatewayCounters:
@@ -56,7 +57,7 @@ class GatewayCounters:
                 client += count if 400 <= status < 500 else 0
                 server += count if status >= 500 else 0
         running = sum(int(s.value) for family in metrics.running.collect() for s in family.samples)
-        return cls(requests, client, server, running)
+        return cls(requests, client, server, running, dict(metrics.replica_failures()))
 
 
 StageKey = tuple[int, int, int | None]  # (replica, rank, pid): a new process starts its counters at zero
@@ -92,6 +93,9 @@ def _stage_json(stage: StageSnapshot, rates: dict[str, float] | None, restarts: 
     return out
 
 
+_NO_LATENCY: Mapping[str, Any] = {"ttft_s": None, "itl_s": None}
+
+
 @dataclass(frozen=True)
 class Sample:
     at: float  # monotonic seconds
@@ -101,7 +105,8 @@ class Sample:
 
 def build_document(snapshot: MeshSnapshot, rate_base: Sample | None, error_base: Sample | None, now: float,
                    gateway: GatewayCounters, latency: Mapping[str, Any], outstanding: Mapping[int, int],
-                   wall_now: float, auth_required: bool) -> dict[str, Any]:
+                   wall_now: float, auth_required: bool,
+                   replica_latency: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The live JSON (pure): ``rate_base`` is a sample a few seconds old, ``error_base`` up to a minute old."""
     replicas = []
     total_output: float | None = None
@@ -115,9 +120,13 @@ def build_document(snapshot: MeshSnapshot, rate_base: Sample | None, error_base:
         output = entry_rates["output_tokens_per_s"] if entry_rates else None
         if output is not None:
             total_output = (total_output or 0.0) + output
+        failures = gateway.replica_failures.get(replica.replica, 0)
+        recent_failures = (failures - error_base.gateway.replica_failures.get(replica.replica, 0)
+                           if error_base is not None else None)
         replicas.append({"replica": replica.replica, "healthy": replica.healthy, "restarts": replica.restarts,
                          "in_flight": outstanding.get(replica.replica, 0), "output_tokens_per_s": output,
-                         "stages": stages})
+                         "failures_total": failures, "recent_failures": recent_failures,
+                         **(replica_latency or {}).get(replica.replica, _NO_LATENCY), "stages": stages})
     depth = max((s.layers[1] for r in snapshot.replicas for s in r.stages), default=0)
     errors_window = None
     if error_base is not None:
@@ -178,5 +187,7 @@ class LiveSampler:
             rate_base = None
         latency = {"ttft_s": self._metrics.recent_ttft.summary(), "itl_s": self._metrics.recent_itl.summary(),
                    "latency_window_s": self._metrics.recent_ttft.window_s}
+        by_replica = {replica: {"ttft_s": ttft.summary(), "itl_s": itl.summary()}
+                      for replica, (ttft, itl) in list(self._metrics.recent_by_replica.items())}
         return build_document(snapshot, rate_base, error_base, now, gateway, latency, outstanding,
-                              time.time() if wall_now is None else wall_now, auth_required)
+                              time.time() if wall_now is None else wall_now, auth_required, by_replica)

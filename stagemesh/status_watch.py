@@ -61,7 +61,9 @@ def _clock(unix: float) -> str:
 def _replica_table(replica: dict[str, Any]) -> Table:
     state = "[green]healthy[/]" if replica["healthy"] else "[bold red]UNHEALTHY[/]"
     title = (f"replica {replica['replica']}  {state}  {_num(replica['output_tokens_per_s'])} tok/s  "
-             f"{replica['in_flight']} in flight  {replica['restarts']} restart(s)")
+             f"{replica['in_flight']} in flight  {replica['restarts']} restart(s)  "
+             f"TTFT {_percentiles(replica.get('ttft_s'))}  ITL {_percentiles(replica.get('itl_s'))}  "
+             f"{replica.get('recent_failures') or 0} failed in the last minute")
     table = Table(title=title, title_justify="left", expand=False)
     for column in ("stage", "host", "layers", "dtype", "state", "health", "pid", "uptime", "run/wait", "batch/s",
                    "compute/wait/send", "KV"):

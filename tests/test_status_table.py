@@ -39,7 +39,7 @@ def test_watch_view_draws_stages_rates_and_events_from_the_live_document():
     console = Console(width=200, record=True)
     console.print(render(doc))
     text = console.export_text()
-    assert "replica 0  UNHEALTHY  12.5 tok/s  4 in flight  2 restart(s)" in text
+    assert "replica 0  UNHEALTHY  12.5 tok/s  4 in flight  2 restart(s)  TTFT -  ITL -  0 failed" in text
     assert "10.0.0.[2]" in text and "[15, 30)" in text and "float32 q" in text  # text, not markup
     assert "50%/25%/0%" in text and "3.0" in text and "2/1" in text
     assert "TTFT p50 100 ms p90 200 ms p99 200 ms" in text and "errors 2 in the last minute (4 since start)" in text

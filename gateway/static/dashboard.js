@@ -149,6 +149,12 @@ function drawReplicas(doc) {
       el("strong", {}, "replica " + replica.replica), health,
       el("span", {}, num(replica.output_tokens_per_s) + " tok/s"),
       el("span", {}, replica.in_flight + " in flight"),
+      el("span", { title: percentiles(replica.ttft_s) }, "TTFT " + (replica.ttft_s && replica.ttft_s.count ?
+        ms(replica.ttft_s.p50) : "–")),
+      el("span", { title: percentiles(replica.itl_s) }, "ITL " + (replica.itl_s && replica.itl_s.count ?
+        ms(replica.itl_s.p50) : "–")),
+      el("span", { title: replica.failures_total + " since start" },
+        (replica.recent_failures ?? 0) + " failed (last minute)"),
       el("span", {}, replica.restarts + " restart" + (replica.restarts === 1 ? "" : "s")),
       el("span", { class: "legend muted" }, "shares of wall time:",
         el("span", { class: "compute" }, "compute"), el("span", { class: "wait" }, "ring wait"),

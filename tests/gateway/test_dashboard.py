@@ -140,3 +140,28 @@ def test_snapshot_events_are_part_of_the_mesh_document():
     snapshot = replace(_snapshot(0, 0), events=journal.recent())
     assert snapshot.to_json()["events"] == [{"seq": 1, "time": 1.5, "kind": "replica_replaced", "replica": 1,
                                             "rank": None, "message": "placed again on 10.0.0.2"}]
+
+
+def test_per_replica_latency_and_failures_follow_the_replica_that_served(client, server, healthy_mesh, stages,
+                                                                         stage):
+    """Replica 0 refuses, the call fails over to replica 1: the failure counts for 0, the latencies for 1."""
+    import grpc
+
+    from .conftest import MODEL
+
+    def live() -> dict:
+        return {r["replica"]: r for r in httpx.get(f"{server.url}/dashboard/live", timeout=10).json()["replicas"]}
+
+    healthy_mesh.ports[:] = [stages[0].port, stages[1].port]
+    before = live()
+    stages[0].servicer.script.fail_before = grpc.StatusCode.UNAVAILABLE
+    for _ in range(2):
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).choices[0].text
+    after = live()
+    assert after[0]["failures_total"] - before[0]["failures_total"] == 2
+    assert after[1]["failures_total"] == before[1]["failures_total"]
+    ttft_before = (before[1]["ttft_s"] or {"count": 0})["count"]
+    assert after[1]["ttft_s"]["count"] - ttft_before == 2
+    assert after[1]["itl_s"]["count"] >= 2  # the tokens after the first
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert f'stagemesh_gateway_replica_failures_total{{replica="0"}} {float(after[0]["failures_total"])}' in metrics
