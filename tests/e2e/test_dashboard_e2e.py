@@ -123,8 +123,12 @@ def test_page_shows_stages_a_killed_stage_coming_back_and_streams_chat(serve, br
     assert answer.get_attribute("data-done") == "true", answer.text
     assert "Paris" in answer.text
 
-    # The request shows in the live figures: a time to first token within the last minute.
+    # The request shows in the live figures: a time to first token within the last minute, and once
+    # it ended, nothing in flight and one request served.
     WebDriverWait(browser, 10, poll_frequency=0.2).until(lambda d: "p50" in _texts(d, '[data-card="ttft"] .sub')[0])
+    WebDriverWait(browser, 10, poll_frequency=0.2).until(
+        lambda d: _texts(d, '[data-card="running"] .value') == ["0"]
+        and _texts(d, '[data-card="running"] .sub') == ["1 served since start"])
     shot = os.environ.get("STAGEMESH_DASHBOARD_SCREENSHOT") or str(tmp_path / "dashboard.png")
     assert browser.save_screenshot(shot)
 
