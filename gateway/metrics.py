@@ -12,7 +12,9 @@ Contract:
   series labelled ``replica``, ``rank``, ``host``:
   ``stagemesh_stage_{compute,wait,send}_seconds_total``,
   ``stagemesh_stage_batches_total``, ``stagemesh_stage_tokens_total``,
+  ``stagemesh_stage_generated_tokens_total``,
   ``stagemesh_stage_running_sequences``, ``stagemesh_stage_waiting_requests``,
+  ``stagemesh_stage_kv_tokens``, ``stagemesh_stage_kv_token_capacity``,
   ``stagemesh_stage_healthy``; plus
   ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer
   and ``stagemesh_gateway_replica_failures_total{replica}`` (Generate calls
@@ -69,6 +71,7 @@ class StageCollector(Collector):
                 ("send_seconds", "Seconds the stage spent handing results to its successor"),
                 ("batches", "Batches the stage computed"),
                 ("tokens", "Token rows the stage computed"),
+                ("generated_tokens", "Tokens the entry stage sampled for requests"),
             )
         }
         gauges = {
@@ -76,6 +79,8 @@ class StageCollector(Collector):
             for name, doc in (
                 ("running_sequences", "Sequences holding KV cache on the stage"),
                 ("waiting_requests", "Requests queued on the entry stage"),
+                ("kv_tokens", "Token positions of KV cache the stage holds"),
+                ("kv_token_capacity", "Token positions of KV cache the stage's memory budget allows"),
             )
         }
         healthy = GaugeMetricFamily("stagemesh_stage_healthy", "1 when the stage is healthy", labels=labels)

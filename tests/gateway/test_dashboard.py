@@ -165,3 +165,13 @@ def test_per_replica_latency_and_failures_follow_the_replica_that_served(client,
     assert after[1]["itl_s"]["count"] >= 2  # the tokens after the first
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert f'stagemesh_gateway_replica_failures_total{{replica="0"}} {float(after[0]["failures_total"])}' in metrics
+
+
+def test_kv_use_and_output_tokens_are_in_metrics_too():
+    """The dashboard's per-stage figures are the snapshot's counters, which /metrics exports as well."""
+    metrics = GatewayMetrics(OneSnapshot(_snapshot(3, 1.0, generated=17)), dict)
+    body = metrics.render()[0].decode()
+    labels = '{host="127.0.0.1",rank="0",replica="0"}'
+    for line in (f"stagemesh_stage_kv_tokens{labels} 30.0", f"stagemesh_stage_kv_token_capacity{labels} 120.0",
+                 f"stagemesh_stage_generated_tokens_total{labels} 17.0"):
+        assert line in body, line
