@@ -11,8 +11,9 @@ least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
 snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
 own registry), ``GET /`` (the dashboard) and ``GET /dashboard/live`` (its
 data; ``gateway.dashboard``). ``/v1/*`` and ``/dashboard/live`` require a
-bearer key when ``api_keys`` is set. Every error is an OpenAI envelope (``gateway.errors``). gRPC channels to the entry
-stages are opened lazily on the server's event loop and closed at shutdown.
+bearer key when ``api_keys`` is set. Every error is an OpenAI envelope
+(``gateway.errors``). gRPC channels to the entry stages are opened lazily on
+the server's event loop and closed at shutdown.
 """
 
 from __future__ import annotations

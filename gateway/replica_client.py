@@ -14,7 +14,8 @@ Contract:
   more); nothing was generated yet, so this cannot duplicate output.
 - ``replica_of(request_id)`` names the replica serving a call while it runs
   (the dashboard's per-replica latencies); ``failures`` counts, per replica,
-  the calls that failed there.
+  the calls that failed there (not cancelled by the client, not refused as
+  invalid).
 - gRPC failures become ``APIError``: INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED
   and UNAVAILABLE 503 "overloaded" (after tokens were sent: 503
   pipeline_failed), DEADLINE_EXCEEDED 504, anything else 500.
@@ -113,7 +114,8 @@ class ReplicaClient:
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.CANCELLED:  # a cancelled call is the client leaving
+                # The replica's failures only: not a client that left, nor a request the stage refused as invalid.
+                if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT):
                     self.failures[key[0]] = self.failures.get(key[0], 0) + 1
                 if (not received and e.code() in _RETRY_ELSEWHERE and attempt < self._failover
                         and self._another_replica(tried)):

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--watch", action="store_true",
                         help="redraw live figures in place (GET /dashboard/live) until Ctrl-C")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between redraws with --watch")
+    parser.add_argument("--interval", type=float, default=None, help="seconds between redraws with --watch (default 1)")
     parser.add_argument("--count", type=int, default=None, help="with --watch: stop after this many redraws")
     parser.add_argument("--api-key", default=None,
                         help="the gateway's key, needed by --watch when it runs with one (default $STAGEMESH_API_KEY)")
@@ -57,10 +57,14 @@ def run(args: argparse.Namespace) -> int:
         from stagemesh.core.errors import UserError
         from stagemesh.status_watch import watch
 
-        if args.interval <= 0 or (args.count is not None and args.count < 1):
-            raise UserError(f"--interval must be positive and --count at least 1, got {args.interval} and "
-                            f"{args.count}")
-        return watch(args.url, args.api_key or settings.API_KEY, args.interval, args.count, args.timeout)
+        interval = 1.0 if args.interval is None else args.interval
+        if interval <= 0 or (args.count is not None and args.count < 1):
+            raise UserError(f"--interval must be positive and --count at least 1, got {interval} and {args.count}")
+        return watch(args.url, args.api_key or settings.API_KEY, interval, args.count, args.timeout)
+    if args.interval is not None or args.count is not None:
+        from stagemesh.core.errors import UserError
+
+        raise UserError("--interval and --count go with --watch; add --watch or drop them")
 
     url = args.url.rstrip("/") + "/mesh"
     try:

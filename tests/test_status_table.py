@@ -44,3 +44,12 @@ def test_watch_view_draws_stages_rates_and_events_from_the_live_document():
     assert "50%/25%/0%" in text and "3.0" in text and "2/1" in text
     assert "TTFT p50 100 ms p90 200 ms p99 200 ms" in text and "errors 2 in the last minute (4 since start)" in text
     assert "stage_lost" in text and "killed by signal 9" in text
+
+
+def test_watch_flags_are_checked_before_anything_is_read(capsys):
+    from stagemesh.cli import main
+
+    assert main(["status", "--count", "2"]) == 2
+    assert "--interval and --count go with --watch" in capsys.readouterr().err
+    assert main(["status", "--watch", "--interval", "0"]) == 2
+    assert "--interval must be positive" in capsys.readouterr().err
