@@ -19,7 +19,9 @@ Lifecycle:
   are free, and start it again with the same plan, with backoff and a cap
   (``health.RestartPolicy``). A replica whose host actor is gone is placed
   again from the cluster's live nodes (the plan's hosts may change).
-- ``snapshot()``: the current ``MeshSnapshot`` (immutable; any thread).
+- ``snapshot()``: the current ``MeshSnapshot`` (immutable; any thread), with
+  the recent events (stage lost, replica restarting / re-placed / serving
+  again, node lost) from the coordinator's ``EventJournal``.
 - ``stop()``: SIGTERM the entry stage of each replica first (it stops its
   pipeline cleanly), then the rest, SIGKILL stragglers, kill the actors,
   remove the placement groups, and shut down a Ray it started. Idempotent;
@@ -66,6 +68,7 @@ from coordinator.ray_cluster import (
     reserve_bundles,
 )
 from coordinator.stage_host import DEFAULT_STAGE_COMMAND, HostInfo, stage_host_actor
+from stagemesh.core.events import EventJournal
 from stagemesh.core.layer_split import plan_layer_split
 from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
 from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
@@ -218,10 +221,13 @@ class _ReplicaFailed(RuntimeError):
 class MeshCoordinator:
     """Runs the mesh described by a ``MeshConfig`` (see the module docstring)."""
 
-    def __init__(self, config: MeshConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: MeshConfig, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         validate_config(config)
         self.config = config
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._events = EventJournal(wall_clock=wall_clock)
         self._lock = threading.RLock()
         self._stop_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -267,6 +273,8 @@ class MeshCoordinator:
             if isinstance(exc, _ReplicaFailed):
                 raise MeshStartError(str(exc)) from None
             raise
+        self._event("mesh_serving", f"{cfg.data_parallel_size} replica(s) x {cfg.pipeline_parallel_size} stage(s) "
+                    f"serving in {self._clock() - started:.1f} s")
         log.info("mesh serving: %d replica(s) x %d stage(s) in %.1f s (%s)",
                  cfg.data_parallel_size, cfg.pipeline_parallel_size, self._clock() - started,
                  "local Ray on loopback" if self._session.local else f"Ray at {self._session.address}")
@@ -297,6 +305,8 @@ class MeshCoordinator:
                     replica.phase = "stopped"
                     for stage in replica.stages:
                         stage.state, stage.healthy, stage.pid = StageState.STOPPED, False, None
+                if self._replicas:
+                    self._events.record("mesh_stopped", "every stage stopped")
                 self._publish()
             self._stopped = True
             atexit.unregister(self.stop)
@@ -390,7 +400,9 @@ class MeshCoordinator:
                     old.channel.close()
             replica.group, replica.stages = fresh.group, fresh.stages
         self._describe_hosts(replica)
-        log.info("replica %d placed again on %s", replica.index, ", ".join(replica.host_addresses()))
+        hosts = ", ".join(replica.host_addresses())
+        self._event("replica_replaced", f"placed again on {hosts}", replica=replica.index)
+        log.info("replica %d placed again on %s", replica.index, hosts)
 
     # -- starting -------------------------------------------------------------
 
@@ -454,6 +466,9 @@ class MeshCoordinator:
                 if all(v is Verdict.SERVING for v, _ in verdicts):
                     with self._lock:
                         replica.phase = "serving"
+                        if replica.restarts:
+                            self._events.record("replica_serving", f"serving again after restart {replica.restarts}",
+                                                replica=replica.index)
                         self._publish()
                     log.info("replica %d: serving (%d stage(s), %.1f s)", replica.index, len(replica.stages),
                              self._clock() - replica.stages[0].started_at)
@@ -531,6 +546,8 @@ class MeshCoordinator:
                          stage.name, stage.pid, stage.slot.node_id[:8], stage.compute_dtype, stage.backend,
                          stage.device, stage.quantized, stage.blas, self._clock() - stage.started_at)
             elif stage.state is StageState.FAILED:
+                self._events.record("stage_lost", f"{stage.name}: {reason or 'failed'}", replica=stage.replica,
+                                    rank=stage.rank)
                 log.warning("%s: failed: %s", stage.name, reason)
             else:
                 log.info("%s: %s", stage.name, stage.state.value)
@@ -567,6 +584,8 @@ class MeshCoordinator:
             replica.phase = "restarting"
             for s in replica.stages:
                 s.healthy = False
+            self._events.record("replica_restarting", f"{stage.name} failed ({reason}); restarting the whole replica",
+                                replica=replica.index, rank=stage.rank)
             self._publish()
         while True:
             self._stop_replica_now(replica)
@@ -577,6 +596,8 @@ class MeshCoordinator:
                     for s in replica.stages:
                         s.state, s.healthy = StageState.FAILED, False
                         s.error = s.error or f"gave up after {len(replica.restart_times)} restarts"
+                    self._events.record("replica_failed", f"gave up after {len(replica.restart_times)} restarts "
+                                        f"within {self.config.restart_window_s:.0f} s", replica=replica.index)
                     self._publish()
                 log.error("replica %d: giving up after %d restarts within %.0f s; fix the cause "
                           "and restart stagemesh", replica.index, self.config.max_restarts,
@@ -631,6 +652,8 @@ class MeshCoordinator:
                 ray.get(stage.actor.describe.remote(), timeout=_ACTOR_CALL_S)
             except Exception:
                 self._lost_nodes[stage.slot.node_id] = self._clock()
+                self._event("node_lost", f"node {stage.slot.node_id[:8]} lost its StageHost", replica=replica.index,
+                            rank=stage.rank)
                 log.warning("replica %d stage %d: node %s lost its StageHost; placing elsewhere while "
                             "others have room", replica.index, stage.rank, stage.slot.node_id[:8])
 
@@ -707,8 +730,16 @@ class MeshCoordinator:
         except Exception as exc:
             return f"(log unavailable: {type(exc).__name__})"
 
+    def _event(self, kind: str, message: str, *, replica: int | None = None, rank: int | None = None) -> None:
+        """Record an event and publish it at once (takes the lock)."""
+        with self._lock:
+            self._events.record(kind, message, replica=replica, rank=rank)
+            self._publish()
+
     def _publish(self) -> None:
         """Rebuild the immutable snapshot; caller holds the lock."""
+        # Stage start times are kept on the monotonic clock; the snapshot gives them as wall time.
+        wall_offset = self._wall_clock() - self._clock()
         replicas = []
         for replica in self._replicas:
             stages = []
@@ -723,9 +754,10 @@ class MeshCoordinator:
                     pid=s.pid, node_id=s.slot.node_id, compute_dtype=s.compute_dtype or self.config.compute_dtype,
                     quantized=s.quantized, healthy=s.healthy, state=s.state, error=s.error, stats=s.stats,
                     blas=s.blas, backend=s.backend, device=s.device,
+                    started_at=s.started_at + wall_offset if s.started_at and s.pid else None,
                 ))
             replicas.append(ReplicaSnapshot(replica.index, tuple(stages), replica.restarts))
-        self._snapshot = MeshSnapshot(self.config.served_model_name, tuple(replicas))
+        self._snapshot = MeshSnapshot(self.config.served_model_name, tuple(replicas), self._events.recent())
 
 
 class _Stopping(Exception):

@@ -51,6 +51,9 @@ class KVStore:
         self._standalone: dict[int, list[KVCache]] = {}
         self._group_of: dict[int, _Group] = {}
         self._positions: dict[int, int] = {}
+        # Positions held across all sequences, kept as one int so another thread (the gRPC
+        # service's stats) can read it without iterating a dict this thread is changing.
+        self.tokens_held = 0
 
     def __len__(self) -> int:
         return len(self._positions)
@@ -77,6 +80,7 @@ class KVStore:
         if caches is None:
             caches = self._ungroup(seq_id)
         self._positions[seq_id] += num_tokens
+        self.tokens_held += num_tokens
         return caches
 
     # -- decode steps ------------------------------------------------------------
@@ -90,6 +94,7 @@ class KVStore:
             group = self._regroup(wanted, group)
         for seq_id in wanted:
             self._positions[seq_id] += 1
+        self.tokens_held += len(wanted)
         return group.caches
 
     def _regroup(self, wanted: list[int], group: _Group | None) -> _Group:
@@ -141,7 +146,7 @@ class KVStore:
             else:
                 group.members = []
         for seq_id in seq_ids:
-            self._positions.pop(seq_id, None)
+            self.tokens_held -= self._positions.pop(seq_id, 0)
 
     def _filter(self, group: _Group, kept: list[int]) -> None:
         """Keep ``kept`` (in that order) in ``group``'s caches: ``BatchKVCache.filter`` without its device read.

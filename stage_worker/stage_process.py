@@ -252,6 +252,7 @@ def run_stage(ctx: StageContext, status: StageStatus, body: Callable[[RunningSta
         log.error("%s", exc)
         return ExitCode.CONFIG
     compute = StageCompute(loaded.model, ctx.launch.options.max_num_seqs, recorder, loaded.blas_threads)
+    status.watch_kv(compute.kv, loaded.kv_capacity)
     status.set_state(StageState.CONNECTING)
     links = StageLinks()
     try:

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from stagemesh.core.snapshots import StageStats
 from stagemesh.core.states import StageState
+
+
+class HeldTokens(Protocol):
+    tokens_held: int  # KVStore's running count; an int read is atomic, so any thread may read it
 
 
 class StageStatus:
@@ -28,6 +33,9 @@ class StageStatus:
         self.running_sequences = 0
         self.waiting_requests = 0
         self.requests_finished = 0
+        self.generated_tokens = 0
+        self.kv_token_capacity = 0
+        self._kv: HeldTokens | None = None
         self.weight_bytes = 0
         self.quantized = False
         self.blas = ""
@@ -69,12 +77,19 @@ class StageStatus:
         with self._lock:
             self.wait_seconds += wait_s
 
-    def set_load(self, running: int, waiting: int, finished: int) -> None:
+    def set_load(self, running: int, waiting: int, finished: int, generated: int = 0) -> None:
         with self._lock:
             self.running_sequences, self.waiting_requests, self.requests_finished = running, waiting, finished
+            self.generated_tokens = generated
+
+    def watch_kv(self, kv: HeldTokens, capacity_tokens: int) -> None:
+        """Report ``kv.tokens_held`` of ``capacity_tokens`` in every ``stats()`` from now on."""
+        with self._lock:
+            self._kv, self.kv_token_capacity = kv, capacity_tokens
 
     def stats(self) -> StageStats:
         with self._lock:
             return StageStats(self.batches, self.tokens, self.compute_seconds, self.wait_seconds,
-                                 self.send_seconds, self.running_sequences, self.waiting_requests,
-                                 self.requests_finished)
+                              self.send_seconds, self.running_sequences, self.waiting_requests,
+                              self.requests_finished, kv_tokens=self._kv.tokens_held if self._kv else 0,
+                              kv_token_capacity=self.kv_token_capacity, generated_tokens=self.generated_tokens)

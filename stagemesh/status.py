@@ -3,7 +3,8 @@
 Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
 pid, dtype, quantized, MLX backend and device, state, health) or, with ``--json``, the ``/mesh`` document unchanged.
 Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
-gateway cannot be reached.
+gateway cannot be reached. ``--watch`` redraws the dashboard's live figures in
+place instead (``stagemesh.status_watch``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print GET /mesh as JSON")
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--watch", action="store_true",
+                        help="redraw live figures in place (GET /dashboard/live) until Ctrl-C")
+    parser.add_argument("--interval", type=float, default=None, help="seconds between redraws with --watch (default 1)")
+    parser.add_argument("--count", type=int, default=None, help="with --watch: stop after this many redraws")
+    parser.add_argument("--api-key", default=None,
+                        help="the gateway's key, needed by --watch when it runs with one (default $STAGEMESH_API_KEY)")
 
 
 def format_mesh(mesh: dict) -> str:
@@ -44,6 +51,20 @@ def format_mesh(mesh: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import httpx
+
+    if args.watch:
+        from stagemesh.core import settings
+        from stagemesh.core.errors import UserError
+        from stagemesh.status_watch import watch
+
+        interval = 1.0 if args.interval is None else args.interval
+        if interval <= 0 or (args.count is not None and args.count < 1):
+            raise UserError(f"--interval must be positive and --count at least 1, got {interval} and {args.count}")
+        return watch(args.url, args.api_key or settings.API_KEY, interval, args.count, args.timeout)
+    if args.interval is not None or args.count is not None:
+        from stagemesh.core.errors import UserError
+
+        raise UserError("--interval and --count go with --watch; add --watch or drop them")
 
     url = args.url.rstrip("/") + "/mesh"
     try:

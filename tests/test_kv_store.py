@@ -113,3 +113,18 @@ def test_groups_shrink_without_reading_the_device_and_keep_every_sequences_histo
         expected = mx.arange(0, positions[seq_id], dtype=mx.float32) + 100 * seq_id
         assert mx.array_equal(_history(store, seq_id)[0, 0, :, 0], expected).item()
     assert len(store) == 1
+
+
+def test_tokens_held_counts_every_position_and_drops_with_release():
+    """The count the dashboard's KV use reads from another thread: prompt chunks, decodes, releases."""
+    store = _store()
+    _prefill(store, 1, 3)
+    _prefill(store, 2, 5)
+    _decode(store, [1, 2], [3, 5])
+    assert store.tokens_held == 3 + 5 + 2
+    store.release(1)
+    assert store.tokens_held == 6
+    _prefill(store, 2, 4)  # a new sequence reusing an id starts over
+    assert store.tokens_held == 4
+    store.release_many([2, 7])
+    assert store.tokens_held == 0
