@@ -39,8 +39,8 @@ from typing import Any
 
 from stagemesh.core.errors import UserError
 from stagemesh.core.layer_split import LayerRange, even_split, parse_layer_split
-from stagemesh.core.settings import MLX_RESOURCE
 from stagemesh.core.memory import RUNTIME_OVERHEAD_BYTES, ModelFacts, NodeMemory, dtype_bytes, resolved_dtype
+from stagemesh.core.settings import MLX_RESOURCE
 
 HEADROOM_FRACTION = 0.10  # of each stage's budget, left free beyond weights + one sequence + runtime
 _GB = 1e9
@@ -266,7 +266,8 @@ def plan_mesh(model: ModelFacts, replicas: Sequence[Sequence[StageSeat]], reques
 
 
 def _gb(n: float) -> str:
-    return f"{n / _GB:.2f} GB"
+    """A size for messages: GB with two decimals, MB below one GB (a tiny model's layer is a few MB)."""
+    return f"{n / _GB:.2f} GB" if abs(n) >= _GB else f"{n / 1e6:.0f} MB"
 
 
 def _stage_line(rank: int, seat: StageSeat, cost: _Cost, layers: int, request: PlanRequest) -> str:

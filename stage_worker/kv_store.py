@@ -58,6 +58,11 @@ class KVStore:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._positions
 
+    def tokens_held(self) -> int:
+        """Tokens of KV held across every sequence; safe to call from another thread (a snapshot of the
+        positions is taken in one step under the GIL, so a concurrent change cannot break the sum)."""
+        return sum(list(self._positions.values()))
+
     # -- prompt chunks --------------------------------------------------------
     def for_chunk(self, seq_id: int, start_pos: int, new_sequence: bool, num_tokens: int) -> list[KVCache]:
         """The standalone caches a prompt chunk starting at ``start_pos`` extends."""

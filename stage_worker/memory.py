@@ -24,6 +24,7 @@ from stagemesh.core.memory import (
     MemoryBudgetError,
     budget_for,
     kv_bytes_per_token,
+    stages_sharing_memory,
 )
 
 __all__ = ["RUNTIME_OVERHEAD_BYTES", "MemoryBudget", "MemoryBudgetError", "budget_for", "host_memory_budget",
@@ -41,15 +42,6 @@ def peak_rss_bytes() -> int:
             pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
-
-
-def stages_sharing_memory(backend: str, stages_on_host: int, stages_on_gpu: int, own_gpu: bool) -> int:
-    """Stages whose budgets split this stage's memory (pure): on CUDA with a GPU of its own (the
-    coordinator's ``gpu_index``), those given the same GPU; otherwise every stage on the host (a Mac's
-    one GPU, the host's memory, or CUDA GPUs left to the node's environment)."""
-    if backend == "cuda" and own_gpu and stages_on_gpu > 0:
-        return stages_on_gpu
-    return stages_on_host
 
 
 def host_memory_budget(fraction: float, stages_on_host: int, backend: str = "cpu",

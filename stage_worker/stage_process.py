@@ -252,6 +252,7 @@ def run_stage(ctx: StageContext, status: StageStatus, body: Callable[[RunningSta
         log.error("%s", exc)
         return ExitCode.CONFIG
     compute = StageCompute(loaded.model, ctx.launch.options.max_num_seqs, recorder, loaded.blas_threads)
+    status.track_kv(loaded.kv_capacity, compute.kv.tokens_held)
     status.set_state(StageState.CONNECTING)
     links = StageLinks()
     try:

@@ -31,6 +31,13 @@ class StageStatus:
         self.weight_bytes = 0
         self.quantized = False
         self.blas = ""
+        self.kv_capacity_tokens = 0  # set once the stage has sized its KV cache
+        self._kv_used: Callable[[], int] | None = None  # tokens its KV store holds now
+
+    def track_kv(self, capacity_tokens: int, used_tokens: Callable[[], int]) -> None:
+        """Report ``capacity_tokens`` and, at each ``stats()``, what ``used_tokens()`` says."""
+        with self._lock:
+            self.kv_capacity_tokens, self._kv_used = capacity_tokens, used_tokens
 
     def on_state(self, listener: Callable[[StageState], None]) -> None:
         with self._lock:
@@ -75,6 +82,7 @@ class StageStatus:
 
     def stats(self) -> StageStats:
         with self._lock:
+            used = self._kv_used() if self._kv_used is not None else 0
             return StageStats(self.batches, self.tokens, self.compute_seconds, self.wait_seconds,
                                  self.send_seconds, self.running_sequences, self.waiting_requests,
-                                 self.requests_finished)
+                                 self.requests_finished, self.kv_capacity_tokens, used)

@@ -92,6 +92,15 @@ def budget_for(fraction: float, stages: int, *, host_total: int, host_available:
     return budget
 
 
+def stages_sharing_memory(backend: str, stages_on_host: int, stages_on_gpu: int, own_gpu: bool) -> int:
+    """Stages whose budgets split this stage's memory (pure): on CUDA with a GPU of its own (the
+    coordinator's ``gpu_index``), those given the same GPU; otherwise every stage on the host (a Mac's
+    one GPU, the host's memory, or CUDA GPUs left to the node's environment)."""
+    if backend == "cuda" and own_gpu and stages_on_gpu > 0:
+        return stages_on_gpu
+    return stages_on_host
+
+
 @dataclass(frozen=True)
 class NodeMemory:
     """What one node says about its memory and backend, read on that node (see the module docstring)."""

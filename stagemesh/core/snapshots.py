@@ -10,7 +10,9 @@ The coordinator produces a new ``MeshSnapshot`` whenever something changes
 contract of ``GET /mesh`` and ``stagemesh status --json``:
 ``{"model", "replicas": [{"replica", "healthy", "stages": [{"rank", "layers":
 [start, end], "host", "grpc_port", "ring_port", "pid", "node_id",
-"compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...}]}]}``.
+"compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...,
+"stats": {..., "kv_capacity_tokens", "kv_used_tokens"}}]}]}`` (each stage's KV
+capacity in tokens and what its running sequences hold now).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class StageStats:
     running_sequences: int = 0  # sequences holding KV on this stage
     waiting_requests: int = 0  # entry stage: queued, not yet running
     requests_finished: int = 0  # entry stage
+    kv_capacity_tokens: int = 0  # tokens of KV this stage holds (0 until it has loaded)
+    kv_used_tokens: int = 0  # tokens of KV its running sequences hold now
 
     def to_proto(self) -> stage_pb2.StageStats:
         return stage_pb2.StageStats(**asdict(self))
