@@ -164,11 +164,13 @@ def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1, gpu
                   stages_on_gpu: int = 0) -> StageOptions:
     """A serving stage's options; ``stages_on_node`` stages share its node's memory and cores, and
     ``stages_on_gpu`` the GPU ``gpu_index`` of its node (``placement.assign_gpus``; None: no GPU to
-    assign). What the user left unset keeps the stage's default."""
+    assign). What the user left unset keeps the stage's default. ``stages_on_node`` is passed even when 1: the
+    coordinator knows which stages share a node (two Ray nodes may share an address, as in a simulated
+    cluster), and the layer plan sized each stage's budget by that count."""
     given: dict[str, Any] = {"memory_fraction": config.memory_fraction, "max_num_seqs": config.max_num_seqs,
                              "max_model_len": config.max_model_len}
     return StageOptions(node_id=node_id, connect_timeout_s=config.connect_timeout_s,
-                        stages_on_host=stages_on_node if stages_on_node > 1 else 0, gpu_index=gpu_index,
+                        stages_on_host=stages_on_node, gpu_index=gpu_index,
                         stages_on_gpu=stages_on_gpu if gpu_index is not None else 0,
                         **{name: value for name, value in given.items() if value is not None})
 
