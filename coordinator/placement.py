@@ -217,11 +217,11 @@ def pipeline_plan(
             a.end != b.start for a, b in zip(ranges, ranges[1:])):
         raise ValueError(f"layer ranges {[str(r) for r in ranges]} do not tile {num_layers} layers over {pp} stages")
     stages = []
-    for rank, (layers, host) in enumerate(zip(ranges, hosts)):
+    for rank, (span, host) in enumerate(zip(ranges, hosts)):
         g = replica * pp + rank
         ports = stage_ports(g, total, ring_base_port, grpc_base_port)
         stages.append(StagePlacement(
-            rank=rank, global_index=g, layers=layers, host=host,
+            rank=rank, global_index=g, layers=span, host=host,
             ring_port=ports.ring, lane_port=ports.lane, grpc_port=ports.grpc,
         ))
     return PipelinePlan(

@@ -24,7 +24,7 @@ from coordinator.layer_planner import MemoryPlan, StageSeat, plan_mesh
 from coordinator.mesh import MeshConfig
 from coordinator.placement import Placement, place_stages
 from coordinator.ray_cluster import RAY_ADDRESS_ENV, cluster_nodes, connect_ray, disconnect, head_address
-from coordinator.stage_host import ACTOR_NUM_CPUS, HostInfo, StageHost
+from coordinator.stage_host import HostInfo, StageHost, node_probe_actor
 from stagemesh.core.memory import NodeMemory
 from stagemesh.core.settings import LOOPBACK
 
@@ -64,13 +64,8 @@ def _seats(placement: Placement, facts: Mapping[str, tuple[HostInfo, NodeMemory]
 def _ask_nodes(node_ids: list[str]) -> dict[str, tuple[HostInfo, NodeMemory]]:
     """(host info, memory) from a StageHost on each node; the actors are gone afterwards."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actor_class = ray.remote(StageHost)
-    actors = [actor_class.options(
-        num_cpus=ACTOR_NUM_CPUS, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(f"plan-{node_id[:8]}") for node_id in node_ids]
+    actors = [node_probe_actor(node_id, f"plan-{node_id[:8]}") for node_id in node_ids]
     try:
         infos = ray.get([a.describe.remote() for a in actors], timeout=_PROBE_S)
         memories = ray.get([a.node_memory.remote() for a in actors], timeout=_PROBE_S)

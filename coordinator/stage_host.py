@@ -296,3 +296,15 @@ def stage_host_actor(placement_group, bundle_index: int, label: str, name: str |
             placement_group=placement_group, placement_group_bundle_index=bundle_index,
         ),
     ).remote(label)
+
+
+def node_probe_actor(node_id: str, label: str):
+    """A ``StageHost`` pinned to node ``node_id`` that holds no ``mlx`` unit: it only answers ``describe`` and
+    ``node_memory`` (``stagemesh plan``), so a mesh already serving on that node is not disturbed."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(StageHost).options(
+        num_cpus=ACTOR_NUM_CPUS, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(label)
