@@ -44,3 +44,14 @@ def test_an_impossible_request_exits_2_with_the_numbers_and_serve_dry_run_agrees
         assert done.returncode == 2, done.stdout + done.stderr
         assert "not even one layer" in done.stderr and "short by" in done.stderr
         assert "budget 240 MB (--memory-fraction 0.8 x 600 MB / 2 stages)" in done.stderr
+
+
+def test_assumed_nodes_plan_a_cluster_that_is_not_there():
+    done = _run("plan", "--load-format", "dummy", "llama-3.1-8b", "-pp", "2", "--max-model-len", "131072",
+                "--assume-node", "mac-studio=96GB", "--assume-node", "mac-mini=16GB:metal", "--json")
+    assert done.returncode == 0, done.stderr
+    studio, mini = json.loads(done.stdout)["replicas"][0]["stages"]
+    assert (studio["node"], mini["node"]) == ("mac-studio", "mac-mini")
+    assert studio["layers"][1] > 16 and mini["budget_bytes"] == int(16e9 * 0.8)
+    bad = _run("plan", "--assume-node", "mac-mini=lots")
+    assert bad.returncode == 2 and "--assume-node 'mac-mini=lots'" in bad.stderr
