@@ -286,8 +286,9 @@ def _check_split(model: ModelFacts, seats: Sequence[StageSeat], request: PlanReq
         if need > allowed:
             problems.append(
                 f"  {_stage_line(rank, seat, cost, len(layers), request)} cannot hold layers {layers}: they need "
-                f"{_gb(need)} (weights, one --max-model-len {request.max_model_len} sequence of KV, runtime), more than the "
-                f"{_gb(allowed)} it may fill keeping {HEADROOM_FRACTION:.0%} headroom; short by {_gb(need - allowed)}")
+                f"{_gb(need)} (weights, one --max-model-len {request.max_model_len} sequence of KV, runtime), "
+                f"more than the {_gb(allowed)} it may fill keeping {HEADROOM_FRACTION:.0%} headroom; "
+                f"short by {_gb(need - allowed)}")
     if not problems:
         return
     chosen = _choose(costs, [s.memory.speed for s in seats], model.num_layers, request.max_model_len)
