@@ -29,12 +29,18 @@ same rule.
 A request that cannot fit raises ``PlanError`` before anything loads: which
 stage is short by how many GB, the largest ``--max-model-len`` that would fit,
 and how many more nodes of which size would make it fit.
+
+``--max-num-seqs`` does not change what must fit: like vLLM, a stage must hold
+one full-length sequence, and the scheduler admits sequences while the
+pipeline's KV capacity lasts (requests queue beyond it). The plan reports how
+many full-length sequences fit at once, and the ``--max-num-seqs`` or
+``--max-model-len`` that would let every running sequence reach full length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from stagemesh.core.errors import UserError
@@ -178,7 +184,7 @@ def _costs(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest) 
 
 
 def _planned(replica: int, rank: int, seat: StageSeat, cost: _Cost, layers: LayerRange,
-             model: ModelFacts, request: PlanRequest) -> PlannedStage:
+             request: PlanRequest) -> PlannedStage:
     n = len(layers)
     weights = cost.fixed_bytes - RUNTIME_OVERHEAD_BYTES + n * cost.layer_bytes
     per_token = n * cost.kv_layer_token
@@ -249,7 +255,7 @@ def plan_pipeline(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRe
         if counts is None:
             raise PlanError(_refusal(model, seats, request, costs, replica))
         ranges, chosen_by = _ranges(counts), "memory planner"
-    return tuple(_planned(replica, r, seat, cost, layers, model, request)
+    return tuple(_planned(replica, r, seat, cost, layers, request)
                  for r, (seat, cost, layers) in enumerate(zip(seats, costs, ranges))), chosen_by
 
 
@@ -270,7 +276,7 @@ def _gb(n: float) -> str:
     return f"{n / _GB:.2f} GB" if abs(n) >= _GB else f"{n / 1e6:.0f} MB"
 
 
-def _stage_line(rank: int, seat: StageSeat, cost: _Cost, layers: int, request: PlanRequest) -> str:
+def _stage_line(rank: int, seat: StageSeat, cost: _Cost, request: PlanRequest) -> str:
     usable = seat.memory.usable_bytes()
     share = f" / {seat.stages_on_node} stages" if seat.stages_on_node > 1 else ""
     return (f"stage {rank} on {seat.label} ({seat.address}, {seat.memory.backend}): budget {_gb(cost.budget)} "
@@ -285,7 +291,7 @@ def _check_split(model: ModelFacts, seats: Sequence[StageSeat], request: PlanReq
         allowed = int(cost.budget * (1 - HEADROOM_FRACTION))
         if need > allowed:
             problems.append(
-                f"  {_stage_line(rank, seat, cost, len(layers), request)} cannot hold layers {layers}: they need "
+                f"  {_stage_line(rank, seat, cost, request)} cannot hold layers {layers}: they need "
                 f"{_gb(need)} (weights, one --max-model-len {request.max_model_len} sequence of KV, runtime), "
                 f"more than the {_gb(allowed)} it may fill keeping {HEADROOM_FRACTION:.0%} headroom; "
                 f"short by {_gb(need - allowed)}")
@@ -317,7 +323,7 @@ def _refusal(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest
         allowed = cost.budget * (1 - HEADROOM_FRACTION)
         detail = (f"at most {cap} layer(s)" if cap >= 1 else
                   f"not even one layer: it needs {_gb(one)}, short by {_gb(one - allowed)}")
-        lines.append(f"  {_stage_line(rank, seat, cost, cap, request)}: {detail}")
+        lines.append(f"  {_stage_line(rank, seat, cost, request)}: {detail}")
     missing = model.num_layers - sum(caps)
     if missing > 0:
         widest = max(costs, key=lambda c: c.layer_bytes + c.kv_layer_token * request.max_model_len)
@@ -347,8 +353,6 @@ def largest_max_model_len(model: ModelFacts, seats: Sequence[StageSeat], request
 
 
 def _with(request: PlanRequest, **changes: Any) -> PlanRequest:
-    from dataclasses import replace
-
     return replace(request, layer_split=None, **changes)
 
 

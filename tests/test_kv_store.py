@@ -113,3 +113,19 @@ def test_groups_shrink_without_reading_the_device_and_keep_every_sequences_histo
         expected = mx.arange(0, positions[seq_id], dtype=mx.float32) + 100 * seq_id
         assert mx.array_equal(_history(store, seq_id)[0, 0, :, 0], expected).item()
     assert len(store) == 1
+
+
+def test_tokens_held_counts_every_sequences_kv_and_reaches_the_stage_stats():
+    from stage_worker.stage_status import StageStatus
+
+    store, status = _store(), StageStatus()
+    status.track_kv(1000, store.tokens_held)
+    _prefill(store, 1, 5)
+    _prefill(store, 2, 3)
+    _decode(store, [1, 2], [5, 3])  # one more token each, now in a decode group
+    assert store.tokens_held() == 10
+    assert (status.stats().kv_capacity_tokens, status.stats().kv_used_tokens) == (1000, 10)
+    store.release(1)
+    assert status.stats().kv_used_tokens == 4
+    store.release(2)
+    assert status.stats().kv_used_tokens == 0
