@@ -282,6 +282,9 @@ class MeshCoordinator:
                 self._replicas.append(self._reserve(index, slots))
             for replica in self._replicas:
                 self._describe_hosts(replica)
+                with self._lock:
+                    self._assign_gpus(replica)  # all replicas' first: the layer plan counts each GPU's sharers
+            for replica in self._replicas:
                 self._plan(replica)
             self._publish()
             for replica in self._replicas:
@@ -383,7 +386,8 @@ class MeshCoordinator:
     def _plan(self, replica: _Replica) -> None:
         cfg = self.config
         with self._lock:
-            self._assign_gpus(replica)  # before planning: a stage's GPU decides whose memory it shares
+            if any(s.gpu_index is None for s in replica.stages):  # new hosts (placed again), or no GPUs at all
+                self._assign_gpus(replica)  # before planning: a stage's GPU decides whose memory it shares
         plan = pipeline_plan(
             replica.index, replica.host_addresses(),
             data_parallel_size=cfg.data_parallel_size, model_path=cfg.model_path,
