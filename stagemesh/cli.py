@@ -13,6 +13,7 @@ import sys
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("stagemesh.serve", "serve a model over the OpenAI API from a mesh of pipeline stages"),
+    "plan": ("stagemesh.plan", "show the layer plan serve would use on this cluster (memory, KV), starting nothing"),
     "status": ("stagemesh.status", "show the mesh (replicas, stages, hosts, layers, ports, health)"),
     "chat": ("stagemesh.chat", "chat interactively with a running gateway"),
     "bench": ("stagemesh.bench.command",

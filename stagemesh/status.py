@@ -1,7 +1,8 @@
 """``stagemesh status``: the mesh as the coordinator sees it, from a running gateway's ``/mesh``.
 
 Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
-pid, dtype, quantized, MLX backend and device, state, health) or, with ``--json``, the ``/mesh`` document unchanged.
+pid, dtype, quantized, MLX backend and device, state, health, KV tokens used of its capacity)
+or, with ``--json``, the ``/mesh`` document unchanged.
 Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
 gateway cannot be reached. ``--watch`` redraws the dashboard's live figures in
 place instead (``stagemesh.status_watch``).
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def format_mesh(mesh: dict) -> str:
     """The /mesh document as a table (pure)."""
     header = ("replica", "rank", "layers", "host", "grpc", "ring", "pid", "dtype", "quant", "backend", "device",
-              "state", "healthy")
+              "state", "healthy", "KV tokens used/capacity")
     rows = [header]
     for replica in mesh.get("replicas", []):
         for stage in replica.get("stages", []):
@@ -40,6 +41,7 @@ def format_mesh(mesh: dict) -> str:
                 str(stage.get("compute_dtype")), "yes" if stage.get("quantized") else "no",
                 str(stage.get("backend") or "-"), str(stage.get("device") or "-"),
                 str(stage.get("state", "")), "yes" if stage.get("healthy") else "NO",
+                _kv_cell(stage.get("stats") or {}),
             ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [f"model: {mesh.get('model')}"]
@@ -47,6 +49,12 @@ def format_mesh(mesh: dict) -> str:
     healthy = sum(1 for r in mesh.get("replicas", []) if r.get("healthy"))
     lines.append(f"{healthy}/{len(mesh.get('replicas', []))} replicas healthy")
     return "\n".join(lines)
+
+
+def _kv_cell(stats: dict) -> str:
+    """``used/capacity`` tokens of KV (``-`` before the stage has sized its cache)."""
+    capacity = stats.get("kv_token_capacity") or 0
+    return f"{stats.get('kv_tokens') or 0}/{capacity}" if capacity else "-"
 
 
 def run(args: argparse.Namespace) -> int:

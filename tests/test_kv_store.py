@@ -128,3 +128,16 @@ def test_tokens_held_counts_every_position_and_drops_with_release():
     assert store.tokens_held == 4
     store.release_many([2, 7])
     assert store.tokens_held == 0
+
+
+def test_the_held_count_reaches_the_stage_stats():
+    from stage_worker.stage_status import StageStatus
+
+    store, status = _store(), StageStatus()
+    status.watch_kv(store, 1000)
+    _prefill(store, 1, 5)
+    _prefill(store, 2, 3)
+    _decode(store, [1, 2], [5, 3])  # one more token each, now in a decode group
+    assert (status.stats().kv_token_capacity, status.stats().kv_tokens) == (1000, 10)
+    store.release(1)
+    assert status.stats().kv_tokens == 4

@@ -10,8 +10,10 @@ The coordinator produces a new ``MeshSnapshot`` whenever something changes
 contract of ``GET /mesh`` and ``stagemesh status --json``:
 ``{"model", "replicas": [{"replica", "healthy", "stages": [{"rank", "layers":
 [start, end], "host", "grpc_port", "ring_port", "pid", "node_id",
-"compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...}]}],
-"events": [...]}`` (``events``: the coordinator's recent ``MeshEvent``s, oldest first).
+"compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...,
+"stats": {..., "kv_tokens", "kv_token_capacity"}}]}], "events": [...]}`` (each
+stage's KV in tokens: what its sequences hold now and what its budget allows;
+``events``: the coordinator's recent ``MeshEvent``s, oldest first).
 """
 
 from __future__ import annotations
