@@ -206,8 +206,13 @@ class _StepClock:
         if self._tick is None or self._tick.done():
             loop = asyncio.get_running_loop()
             tick = self._tick = loop.create_future()
-            loop.call_later(self._period, lambda: tick.done() or tick.set_result(None))
+            loop.call_later(self._period, _resolve, tick)
         await asyncio.shield(self._tick)
+
+
+def _resolve(tick: asyncio.Future) -> None:
+    if not tick.done():
+        tick.set_result(None)
 
 
 def _serve_gateway(port: int, source_port: int, tokenizer_dir: str) -> None:
