@@ -67,6 +67,7 @@ from coordinator.ray_cluster import (
 )
 from coordinator.stage_host import DEFAULT_STAGE_COMMAND, HostInfo, stage_host_actor
 from stagemesh.core.layer_split import plan_layer_split
+from stagemesh.core.mesh_token import generate_token
 from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
 from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
 from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
@@ -116,6 +117,9 @@ class MeshConfig:
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
     stage_command: tuple[str, ...] = DEFAULT_STAGE_COMMAND  # after `python`; `--launch FILE` follows
+    # Every stage's gRPC port requires it on state-changing calls; "" makes the coordinator generate one
+    # (``MeshCoordinator.mesh_token``). repr=False: never in a log line.
+    mesh_token: str = field(default="", repr=False)
 
     @property
     def total_stages(self) -> int:
@@ -221,6 +225,7 @@ class MeshCoordinator:
     def __init__(self, config: MeshConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         validate_config(config)
         self.config = config
+        self.mesh_token = config.mesh_token or generate_token()  # the gateway sends it too
         self._clock = clock
         self._lock = threading.RLock()
         self._stop_lock = threading.Lock()
@@ -344,7 +349,7 @@ class MeshCoordinator:
                 if stage.channel is None or stage.channel.target != target:
                     if stage.channel is not None:
                         stage.channel.close()
-                    stage.channel = StageChannel(target)
+                    stage.channel = StageChannel(target, self.mesh_token)
                 stage.placement = placement
                 stage.compute_dtype = stage.compute_dtype or cfg.compute_dtype
             self._assign_gpus(replica)
@@ -426,7 +431,7 @@ class MeshCoordinator:
             s.actor.start.remote(
                 StageLaunch(plan, s.rank, stage_options(
                     self.config, s.slot.node_id, self._stages_on_node(s.slot.node_id), s.gpu_index,
-                    self._stages_on_gpu(s.slot.node_id, s.gpu_index))).to_json(),
+                    self._stages_on_gpu(s.slot.node_id, s.gpu_index)), mesh_token=self.mesh_token).to_json(),
                 self.config.stage_command)
             for s in replica.stages
         ], timeout=_ACTOR_CALL_S)

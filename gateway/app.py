@@ -44,6 +44,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
         mesh, request_timeout_s=config.request_timeout_s,
         max_outstanding_per_replica=config.max_outstanding_per_replica,
         failover_attempts=config.failover_attempts, channel_options=config.grpc_channel_options,
+        mesh_token=config.mesh_token,
     )
 
     def outstanding_by_replica() -> dict[int, int]:

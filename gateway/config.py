@@ -13,11 +13,13 @@
 - ``failover_attempts``: other replicas tried when a call is refused
   (UNAVAILABLE / RESOURCE_EXHAUSTED) before its first token.
 - ``grpc_channel_options``: extra ``grpc.aio`` channel options.
+- ``mesh_token``: sent as gRPC metadata on every call to a stage
+  (``stagemesh.core.mesh_token``); never shown in the config's repr.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -34,6 +36,7 @@ class GatewayConfig:
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
     )
+    mesh_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -4,7 +4,9 @@ Every stage serves ``GetStageInfo`` and ``Drain``; only the entry stage has an
 engine and serves ``Generate`` and ``Abort`` (others answer
 FAILED_PRECONDITION). Health (service ``""`` and ``stagemesh.v1.Stage``)
 mirrors the stage's state: SERVING only while the stage is serving.
-Handlers run on the server's thread pool and never touch MLX.
+Handlers run on the server's thread pool and never touch MLX. Every method
+but health, reflection and ``GetStageInfo`` requires the mesh token
+(``stage_worker.auth_interceptor``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from stage_worker.auth_interceptor import MeshTokenInterceptor
 from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed
 from stage_worker.memory import peak_rss_bytes
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError
@@ -151,11 +154,12 @@ def _sampling(params: stage_pb2.SamplingParams) -> SamplingParams:
 
 
 def start_grpc_server(
-    description: StageDescription, status: StageStatus, max_workers: int
+    description: StageDescription, status: StageStatus, max_workers: int, *, mesh_token: str
 ) -> tuple[grpc.Server, StageServicer]:
-    """Bind ``host:grpc_port`` (only that interface), serve Stage + health + reflection."""
+    """Bind ``host:grpc_port`` (only that interface), serve Stage + health + reflection; every
+    method but health, reflection and GetStageInfo requires ``mesh_token`` (``auth_interceptor``)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         options=[("grpc.so_reuseport", 0)])
+                         interceptors=[MeshTokenInterceptor(mesh_token)], options=[("grpc.so_reuseport", 0)])
     servicer = StageServicer(description, status)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

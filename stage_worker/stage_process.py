@@ -332,6 +332,11 @@ def describe(ctx: StageContext) -> StageDescription:
 
 def serve(launch: StageLaunch) -> int:
     """The serving stage: gRPC first, then load, connect and run as entry or relay."""
+    token = launch.mesh_token or (settings.read("MESH_TOKEN") or "").strip()
+    if not token:
+        log.error("no mesh token: the launch file has none and %s is unset; the stage will not serve an "
+                  "unguarded gRPC port", settings.env_name("MESH_TOKEN"))
+        return ExitCode.CONFIG
     ctx = open_stage(launch)
     if ctx is None:
         return ExitCode.CONFIG
@@ -339,7 +344,8 @@ def serve(launch: StageLaunch) -> int:
     options = launch.options
     try:
         server, servicer = start_grpc_server(describe(ctx), status,
-                                             max_workers=options.max_num_seqs + options.max_waiting + 16)
+                                             max_workers=options.max_num_seqs + options.max_waiting + 16,
+                                             mesh_token=token)
     except OSError as exc:
         log.error("%s", exc)
         return ExitCode.CONFIG

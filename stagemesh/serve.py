@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "weights and KV cache (like vLLM's --gpu-memory-utilization)")
     add_load_format_argument(parser)
     parser.add_argument("--api-key", default=None, help="require this key on /v1 (default $STAGEMESH_API_KEY)")
+    parser.add_argument("--mesh-token", default=None,
+                        help="secret every state-changing gRPC call to a stage must carry (default "
+                             "$STAGEMESH_MESH_TOKEN, else generated at start)")
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help="global stage g binds base+g for the MLX ring (default $STAGEMESH_RING_BASE_PORT "
                              f"or {settings.DEFAULT_RING_BASE_PORT})")
@@ -126,6 +129,7 @@ def build_mesh_config(args: argparse.Namespace):
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
     from stagemesh.core.layer_split import plan_layer_split
+    from stagemesh.core.mesh_token import resolve_token
     from stagemesh.core.ports import check_port_base
 
     for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
@@ -148,6 +152,7 @@ def build_mesh_config(args: argparse.Namespace):
     grpc_base = args.grpc_base_port if args.grpc_base_port is not None else settings.GRPC_BASE_PORT
     check_port_base("--ring-base-port", ring_base, 2 * total)
     check_port_base("--grpc-base-port", grpc_base, total)
+    mesh_token = resolve_token(args.mesh_token, os.environ)
     return spec, MeshConfig(
         model_path=model_path,
         model_is_default=args.model is None,
@@ -166,6 +171,7 @@ def build_mesh_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         startup_timeout_s=args.startup_timeout,
+        mesh_token=mesh_token,
     )
 
 
@@ -199,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     app = create_app(
         GatewayConfig(served_model_name=config.served_model_name, max_model_len=config.max_model_len,
-                      api_keys=(api_key,) if api_key else ()),
+                      api_keys=(api_key,) if api_key else (), mesh_token=coordinator.mesh_token),
         mesh=coordinator,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(spec, tokenizer),

@@ -69,13 +69,14 @@ class ServeProcess:
                 pass
 
 
-def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: float = 240) -> ServeProcess:
+def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: float = 240,
+                env: dict[str, str] | None = None) -> ServeProcess:
     total = pp * dp
     port = free_port_base(1)
     grpc_base = free_port_base(total)
     ring_base = free_port_base(2 * total)
     log_path = tmp_path / f"serve-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
