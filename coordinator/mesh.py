@@ -66,6 +66,7 @@ from coordinator.ray_cluster import (
     reserve_bundles,
 )
 from coordinator.stage_host import DEFAULT_STAGE_COMMAND, HostInfo, stage_host_actor
+from stagemesh.core.grpc_tls import TlsFiles
 from stagemesh.core.layer_split import plan_layer_split
 from stagemesh.core.mesh_token import generate_token
 from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
@@ -120,6 +121,7 @@ class MeshConfig:
     # Every stage's gRPC port requires it on state-changing calls; "" makes the coordinator generate one
     # (``MeshCoordinator.mesh_token``). repr=False: never in a log line.
     mesh_token: str = field(default="", repr=False)
+    grpc_tls: TlsFiles | None = None  # mutual TLS to the stages (--grpc-tls-dir); None: plaintext
 
     @property
     def total_stages(self) -> int:
@@ -349,7 +351,7 @@ class MeshCoordinator:
                 if stage.channel is None or stage.channel.target != target:
                     if stage.channel is not None:
                         stage.channel.close()
-                    stage.channel = StageChannel(target, self.mesh_token)
+                    stage.channel = StageChannel(target, self.mesh_token, self.config.grpc_tls)
                 stage.placement = placement
                 stage.compute_dtype = stage.compute_dtype or cfg.compute_dtype
             self._assign_gpus(replica)
@@ -431,7 +433,8 @@ class MeshCoordinator:
             s.actor.start.remote(
                 StageLaunch(plan, s.rank, stage_options(
                     self.config, s.slot.node_id, self._stages_on_node(s.slot.node_id), s.gpu_index,
-                    self._stages_on_gpu(s.slot.node_id, s.gpu_index)), mesh_token=self.mesh_token).to_json(),
+                    self._stages_on_gpu(s.slot.node_id, s.gpu_index)), mesh_token=self.mesh_token,
+                    grpc_tls_dir=self.config.grpc_tls.directory if self.config.grpc_tls else "").to_json(),
                 self.config.stage_command)
             for s in replica.stages
         ], timeout=_ACTOR_CALL_S)

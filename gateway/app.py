@@ -9,7 +9,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
 not), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200 when at
 least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
 snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
-own registry). ``/v1/*`` requires a bearer key when ``api_keys`` is set. Every
+own registry). ``/v1/*`` requires a bearer key when ``api_keys`` is set; CORS,
+the body limit and the in-flight caps are ``gateway.limits``. Every
 error is an OpenAI envelope (``gateway.errors``). gRPC channels to the entry
 stages are opened lazily on the server's event loop and closed at shutdown.
 """
@@ -31,6 +32,7 @@ from . import errors
 from .auth import ApiKeyMiddleware
 from .cancellation import until_disconnect
 from .config import GatewayConfig
+from .limits import RequestLimitsMiddleware, add_cors
 from .metrics import GatewayMetrics, RequestMetricsMiddleware
 from .replica_client import ReplicaClient, ReplicaKey
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -44,7 +46,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
         mesh, request_timeout_s=config.request_timeout_s,
         max_outstanding_per_replica=config.max_outstanding_per_replica,
         failover_attempts=config.failover_attempts, channel_options=config.grpc_channel_options,
-        mesh_token=config.mesh_token,
+        mesh_token=config.mesh_token, tls=config.grpc_tls,
     )
 
     def outstanding_by_replica() -> dict[int, int]:
@@ -109,7 +111,12 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
         return Response(body, media_type=content_type)
 
     known = frozenset(route.path for route in app.routes if hasattr(route, "path") and "{" not in route.path)
-    # Outermost first: count every response (401s too), then check keys.
+    # Added innermost first. A request meets: metrics (counts every response, 401s too), CORS, the key
+    # check, then the body and in-flight limits (gateway.limits), so an unkeyed request takes no slot.
+    app.add_middleware(RequestLimitsMiddleware, max_request_bytes=config.max_request_bytes,
+                       max_in_flight=config.max_concurrent_requests,
+                       max_in_flight_per_key=config.max_concurrent_requests_per_key)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
+    add_cors(app, config.allowed_origins)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=lambda: known)
     return app

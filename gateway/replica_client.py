@@ -4,7 +4,8 @@ Contract:
 - ``ReplicaClient(mesh, ...)`` keeps one ``grpc.aio`` channel per entry-stage
   target (``host:grpc_port``), created on first use in the running event loop
   and reused; ``close()`` closes them all.
-- Every call carries the mesh token as metadata (``stagemesh.core.mesh_token``).
+- Every call carries the mesh token as metadata (``stagemesh.core.mesh_token``);
+  with ``tls`` the channels are mutual TLS (``stagemesh.core.grpc_tls``).
 - ``generate(request)`` is an async generator of ``GenerateResponse``
   messages from one healthy replica chosen by least outstanding requests
   (ties round-robin), under a per-request deadline. Close it (``aclosing``)
@@ -26,6 +27,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from stagemesh.core.grpc_tls import TlsFiles, open_aio_channel
 from stagemesh.core.mesh_token import call_metadata
 from stagemesh.core.snapshots import MeshView, ReplicaSnapshot
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
@@ -48,6 +50,7 @@ class ReplicaClient:
         failover_attempts: int = 1,
         channel_options: Sequence[tuple[str, Any]] = (),
         mesh_token: str = "",
+        tls: TlsFiles | None = None,
     ) -> None:
         self._mesh = mesh
         self._timeout = request_timeout_s
@@ -55,6 +58,7 @@ class ReplicaClient:
         self._failover = failover_attempts
         self._options = tuple(channel_options)
         self._metadata = call_metadata(mesh_token) if mesh_token else None
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
         self.balancer = LeastOutstandingBalancer()
@@ -66,7 +70,7 @@ class ReplicaClient:
     def _stub(self, target: str) -> stage_pb2_grpc.StageStub:
         stub = self._stubs.get(target)
         if stub is None:
-            channel = grpc.aio.insecure_channel(target, options=self._options)
+            channel = open_aio_channel(target, self._tls, self._options)
             self._channels[target] = channel
             stub = self._stubs[target] = stage_pb2_grpc.StageStub(channel)
         return stub

@@ -27,6 +27,7 @@ from stage_worker.memory import peak_rss_bytes
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError
 from stage_worker.stage_status import StageStatus
 from stage_worker.wire import NO_SEED, SamplingParams
+from stagemesh.core.grpc_tls import TlsFiles, server_credentials
 from stagemesh.core.states import StageState, state_to_proto
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
@@ -154,10 +155,12 @@ def _sampling(params: stage_pb2.SamplingParams) -> SamplingParams:
 
 
 def start_grpc_server(
-    description: StageDescription, status: StageStatus, max_workers: int, *, mesh_token: str
+    description: StageDescription, status: StageStatus, max_workers: int, *, mesh_token: str,
+    tls: TlsFiles | None = None,
 ) -> tuple[grpc.Server, StageServicer]:
     """Bind ``host:grpc_port`` (only that interface), serve Stage + health + reflection; every
-    method but health, reflection and GetStageInfo requires ``mesh_token`` (``auth_interceptor``)."""
+    method but health, reflection and GetStageInfo requires ``mesh_token`` (``auth_interceptor``); with
+    ``tls`` the port is mutual TLS and refuses any client without a certificate from the mesh's CA."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                          interceptors=[MeshTokenInterceptor(mesh_token)], options=[("grpc.so_reuseport", 0)])
     servicer = StageServicer(description, status)
@@ -178,7 +181,7 @@ def start_grpc_server(
     status.on_state(mirror)
     address = f"{description.host}:{description.grpc_port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot bind gRPC on {address}: {exc}") from exc
     if bound == 0:

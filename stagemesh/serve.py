@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from stagemesh import security_flags
+
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, shape_names
 from stagemesh.core import settings
@@ -60,9 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "weights and KV cache (like vLLM's --gpu-memory-utilization)")
     add_load_format_argument(parser)
     parser.add_argument("--api-key", default=None, help="require this key on /v1 (default $STAGEMESH_API_KEY)")
-    parser.add_argument("--mesh-token", default=None,
-                        help="secret every state-changing gRPC call to a stage must carry (default "
-                             "$STAGEMESH_MESH_TOKEN, else generated at start)")
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help="global stage g binds base+g for the MLX ring (default $STAGEMESH_RING_BASE_PORT "
                              f"or {settings.DEFAULT_RING_BASE_PORT})")
@@ -71,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{settings.DEFAULT_GRPC_BASE_PORT})")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds allowed for every stage to load and join its ring")
+    security_flags.add_arguments(parser)
 
 
 def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
@@ -129,7 +129,6 @@ def build_mesh_config(args: argparse.Namespace):
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
     from stagemesh.core.layer_split import plan_layer_split
-    from stagemesh.core.mesh_token import resolve_token
     from stagemesh.core.ports import check_port_base
 
     for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
@@ -152,7 +151,7 @@ def build_mesh_config(args: argparse.Namespace):
     grpc_base = args.grpc_base_port if args.grpc_base_port is not None else settings.GRPC_BASE_PORT
     check_port_base("--ring-base-port", ring_base, 2 * total)
     check_port_base("--grpc-base-port", grpc_base, total)
-    mesh_token = resolve_token(args.mesh_token, os.environ)
+    security_flags.check_gateway_flags(args)
     return spec, MeshConfig(
         model_path=model_path,
         model_is_default=args.model is None,
@@ -171,7 +170,8 @@ def build_mesh_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         startup_timeout_s=args.startup_timeout,
-        mesh_token=mesh_token,
+        mesh_token=security_flags.mesh_token(args),
+        grpc_tls=security_flags.grpc_tls(args),
     )
 
 
@@ -192,7 +192,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tokenizer = load_tokenizer(spec)
     check_dummy_vocabulary(spec, tokenizer)
-    api_key = args.api_key or settings.API_KEY
     coordinator = MeshCoordinator(config)
     try:
         coordinator.start()
@@ -205,14 +204,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     app = create_app(
         GatewayConfig(served_model_name=config.served_model_name, max_model_len=config.max_model_len,
-                      api_keys=(api_key,) if api_key else (), mesh_token=coordinator.mesh_token),
+                      mesh_token=coordinator.mesh_token, grpc_tls=config.grpc_tls,
+                      **security_flags.gateway_options(args)),
         mesh=coordinator,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(spec, tokenizer),
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
-    log.info("gateway on http://%s:%d (model %s)", args.host, args.port, config.served_model_name)
+                                           timeout_graceful_shutdown=5, **security_flags.uvicorn_tls(args)))
+    log.info("gateway on %s://%s:%d (model %s)", security_flags.scheme(args), args.host, args.port,
+             config.served_model_name)
     try:
         server.run()  # returns after Ctrl-C / SIGTERM, then re-raises the signal it captured
     except SystemExit as exc:
