@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import ipaddress
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -115,6 +115,7 @@ def check_gateway_flags(args: argparse.Namespace) -> None:
             raise UserError(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: cannot load "
                             f"them as a PEM certificate and its key ({exc})") from None
     parse_origins(args.allowed_origins)
+    api_keys(args)  # a missing or empty keys file fails now, not after the mesh has started
 
 
 def gateway_options(args: argparse.Namespace) -> dict[str, Any]:
