@@ -5,7 +5,8 @@ It starts ``stagemesh serve`` itself (the embedded default model unless
 machine, waits until it is healthy, runs ``--streams`` clients
 (``stagemesh.soak.clients``) for ``--duration`` seconds, and after a warm-up
 injects a fault (``stagemesh.soak.faults``: ``kill``, ``stop``, ``block``, in
-turn) at a random stage every ``--fault-interval`` seconds, one at a time: the next waits
+turn) at a random stage of each replica in turn, every ``--fault-interval`` seconds, one at a
+time: the next waits
 until the faulted replica is whole again. Resources (resident memory, open
 descriptors) of the serve process (gateway + coordinator) and of every stage
 are taken after the warm-up and after the load. Then it stops serve and prints
@@ -170,8 +171,11 @@ class FaultLoop:
             if not targets:
                 self._stop.wait(0.5)
                 continue
-            # Kinds in turn (a seeded order), stages at random: a short run still meets every kind.
-            target, kind = self._rng.choice(targets), self._kinds[len(self.records) % len(self._kinds)]
+            # Kinds in turn (a seeded order), replicas in turn, a random stage of it: a short run still meets
+            # every kind, and no replica takes more than its share of the coordinator's restart cap.
+            replica = len(self.records) % self._args.dp
+            target = self._rng.choice([t for t in targets if t.replica == replica] or targets)
+            kind = self._kinds[len(self.records) % len(self._kinds)]
             old_pids = {t.pid for t in targets if t.replica == target.replica}
             injected = self.clock()
             try:
@@ -188,6 +192,10 @@ class FaultLoop:
                   f"{'recovered in %.1f s' % (recovered - injected) if recovered is not None else 'not recovered'}",
                   file=sys.stderr)
             if recovered is None:
+                errors = {s.get("error") for s in self._watch.mesh().get("replicas", [{}])[target.replica]
+                          .get("stages", []) if s.get("error")}
+                print(f"soak: replica {target.replica} did not come back: {'; '.join(sorted(errors)) or 'no error'}",
+                      file=sys.stderr)
                 return  # nothing more to learn from faulting a mesh that did not come back
             self._stop.wait(self._args.fault_interval)
 
