@@ -163,7 +163,8 @@ class FaultLoop:
         self._thread.join(recover_timeout_s + self._args.hold + 10)
 
     def _run(self) -> None:
-        if self._stop.wait(self._args.warmup) or not self._kinds:
+        # A moment after the warm-up, so the start sample (taken at the warm-up) sees the mesh unfaulted.
+        if self._stop.wait(self._args.warmup + 3) or not self._kinds:
             return
         total = self._args.pp * self._args.dp
         while not self._stop.is_set():
