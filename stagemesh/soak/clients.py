@@ -5,7 +5,7 @@ Each request is one of (weights in ``MIX``): a normal stream of a random length
 slot must come back on every stage), or bad input that must get a 4xx
 (temperature out of range, an unknown model, a malformed body, a negative
 max_tokens). Each ends as a ``RequestRecord``; a request still running at
-``deadline_s`` is cancelled and recorded as hung. Only ``httpx`` and the
+``deadline_s``, or silent for ``stall_s``, is cancelled and recorded as hung. Only ``httpx`` and the
 OpenAI wire format: what any client sees.
 """
 
@@ -82,10 +82,13 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, model: str,
 
 
 async def client_loop(url: str, model: str, api_key: str | None, seed: int, clock: Callable[[], float],
-                      stop_at: float, deadline_s: float, records: list[RequestRecord], verify: object = True) -> None:
+                      stop_at: float, deadline_s: float, records: list[RequestRecord], verify: object = True,
+                      stall_s: float = 60.0) -> None:
     rng = random.Random(seed)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = httpx.Timeout(deadline_s, connect=10.0)
+    # A hang is silence: no byte for stall_s (httpx's read timeout counts from the last byte). A slow but
+    # moving stream on a loaded machine is not hung; deadline_s bounds the whole request as a backstop.
+    timeout = httpx.Timeout(stall_s, connect=10.0)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, verify=verify) as client:  # type: ignore[arg-type]
         while clock() < stop_at:
             started, kind = clock(), _pick(rng)
@@ -94,6 +97,8 @@ async def client_loop(url: str, model: str, api_key: str | None, seed: int, cloc
                                                                         deadline_s)
             except TimeoutError:
                 outcome, status, error, tokens = "hung", None, f"no end after {deadline_s:.0f} s", 0
+            except httpx.ReadTimeout:
+                outcome, status, error, tokens = "hung", None, f"no data for {stall_s:.0f} s", 0
             except (httpx.HTTPError, json.JSONDecodeError) as exc:  # the connection broke: a failure with its reason
                 outcome, status, error, tokens = "failed", None, f"{type(exc).__name__}: {exc}", 0
             records.append(RequestRecord(kind, started, clock(), outcome, status, error, tokens))
@@ -102,7 +107,7 @@ async def client_loop(url: str, model: str, api_key: str | None, seed: int, cloc
 
 
 async def run_clients(url: str, model: str, api_key: str | None, streams: int, duration_s: float, deadline_s: float,
-                      t0: float, verify: object = True) -> list[RequestRecord]:
+                      t0: float, verify: object = True, stall_s: float = 60.0) -> list[RequestRecord]:
     """Run ``streams`` clients for ``duration_s``; times in the records are seconds since ``t0``."""
     records: list[RequestRecord] = []
 
@@ -110,6 +115,6 @@ async def run_clients(url: str, model: str, api_key: str | None, streams: int, d
         return time.monotonic() - t0
 
     stop_at = clock() + duration_s
-    await asyncio.gather(*(client_loop(url, model, api_key, seed, clock, stop_at, deadline_s, records, verify)
-                           for seed in range(streams)))
+    await asyncio.gather(*(client_loop(url, model, api_key, seed, clock, stop_at, deadline_s, records, verify,
+                                       stall_s) for seed in range(streams)))
     return records

@@ -61,8 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold", type=float, default=8.0, help="seconds a stop or block lasts (default %(default)s)")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the first fault and the "
                                                                    "start sample (default %(default)s)")
-    parser.add_argument("--deadline", type=float, default=120.0,
-                        help="a request running longer than this counts as hung (default %(default)s)")
+    parser.add_argument("--stall", type=float, default=60.0,
+                        help="a request silent this long (no byte) counts as hung (default %(default)s)")
+    parser.add_argument("--deadline", type=float, default=600.0,
+                        help="a request running longer than this counts as hung, moving or not (default %(default)s)")
     parser.add_argument("--max-recovery", type=float, default=60.0, help="worst recovery allowed (default 60 s)")
     parser.add_argument("--port", type=int, default=settings.DEFAULT_GATEWAY_PORT)
     parser.add_argument("--grpc-base-port", type=int, default=settings.DEFAULT_GRPC_BASE_PORT)
@@ -91,7 +93,7 @@ def _fault_kinds(args: argparse.Namespace) -> tuple[list[str], str]:
 
 def _check(args: argparse.Namespace) -> None:
     for flag, value in (("--duration", args.duration), ("--streams", args.streams), ("-pp", args.pp),
-                        ("-dp", args.dp), ("--deadline", args.deadline)):
+                        ("-dp", args.dp), ("--deadline", args.deadline), ("--stall", args.stall)):
         if value <= 0:
             raise UserError(f"{flag} must be positive, got {value}")
     floor = RESTART_CAP[1] / RESTART_CAP[0] / args.dp
@@ -232,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
 
         timer = threading.Timer(min(args.warmup, args.duration), take_start_sample)
         timer.start()
-        records = asyncio.run(run_clients(url, MODEL, None, args.streams, args.duration, args.deadline, t0))
+        records = asyncio.run(run_clients(url, MODEL, None, args.streams, args.duration, args.deadline, t0,
+                                          stall_s=args.stall))
         timer.join()
         faults.stop(recover_timeout_s=300)
         watch.wait_until_whole(120)
@@ -243,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         _stop_serve(serve)
     config = {"pp": args.pp, "dp": args.dp, "streams": args.streams, "duration_s": args.duration,
               "faults": kinds, "fault_interval_s": args.fault_interval, "hold_s": args.hold, "seed": args.seed,
+              "stall_s": args.stall, "deadline_s": args.deadline,
               "note": note, "cpus": os.cpu_count()}
     report = judge(config, duration, records, faults.records, start_sample, end_sample,
                    max_recovery_s=args.max_recovery)

@@ -5,8 +5,8 @@ every fault (``FaultRecord``, with when the faulted replica was whole again),
 and each process's resources at start and end (``ProcessSample``).
 
 Rules (issue 13):
-- a request is *hung* when it outlived the soak's per-request deadline: never
-  allowed;
+- a request is *hung* when it was silent (no byte) for the soak's stall limit
+  or outlived its deadline: never allowed;
 - a failed request is *excused* only when it was in flight during a fault's
   window (injection to recovery) and carries a clear error message; any other
   failure counts against the run. (The gateway does not say which replica
@@ -75,6 +75,7 @@ class SoakReport:
     failures_excused: list[dict[str, Any]]
     failures_unexcused: list[dict[str, Any]]
     hung: int
+    hung_requests: list[dict[str, Any]]
     faults: list[dict[str, Any]]
     recovery_median_s: float | None
     recovery_worst_s: float | None
@@ -158,6 +159,8 @@ def judge(config: dict[str, Any], duration_s: float, records: Sequence[RequestRe
         config=config, duration_s=round(duration_s, 1), requests=counts, failures_by_error=dict(by_error.most_common()),
         failures_excused=excused,
         failures_unexcused=unexcused, hung=counts["hung"],
+        hung_requests=[{"kind": r.kind, "at_s": round(r.started, 1), "error": r.error} for r in records
+                       if r.outcome == "hung"],
         faults=[{**asdict(f), "recovery_s": None if f.recovery_s is None else round(f.recovery_s, 1)} for f in faults],
         recovery_median_s=round(statistics.median(recoveries), 1) if recoveries else None,
         recovery_worst_s=round(max(recoveries), 1) if recoveries else None,
@@ -175,6 +178,8 @@ def format_report(report: SoakReport) -> str:
              f"  failures: {len(report.failures_excused)} in flight during a fault (excused), "
              f"{len(report.failures_unexcused)} elsewhere; by kind: "
              + (", ".join(f"{k} x{n}" for k, n in report.failures_by_error.items()) or "none")]
+    for hung in report.hung_requests[:5]:
+        lines.append(f"    hung: {hung['kind']} started at {hung['at_s']:.1f} s: {hung['error']}")
     for failure in report.failures_excused[:5] + report.failures_unexcused[:5]:
         lines.append(f"    {failure['at_s']:>7.1f} s  {failure['status']}  {failure['error'][:140]}")
     for fault in report.faults:
