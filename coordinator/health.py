@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stagemesh.core.grpc_tls import TlsFiles, open_channel
+from stagemesh.core.mesh_token import call_metadata
 from stagemesh.core.snapshots import StageStats
 from stagemesh.core.states import StageState, UnknownStateError, describe_exit, state_from_proto
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
@@ -114,15 +116,19 @@ class StageChannel:
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, mesh_token: str = "", tls: TlsFiles | None = None) -> None:
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=self._OPTIONS)
+        # The probes' methods are open; the token rides along so a guarded method added later just works.
+        self._metadata = call_metadata(mesh_token) if mesh_token else None
+        self._channel = open_channel(target, tls, self._OPTIONS)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._stage = stage_pb2_grpc.StageStub(self._channel)
 
     def start_probe(self, timeout_s: float) -> tuple[Future, Future]:
-        health = self._health.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        info = self._stage.GetStageInfo.future(stage_pb2.GetStageInfoRequest(), timeout=timeout_s)
+        health = self._health.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s,
+                                           metadata=self._metadata)
+        info = self._stage.GetStageInfo.future(stage_pb2.GetStageInfoRequest(), timeout=timeout_s,
+                                               metadata=self._metadata)
         return health, info
 
     @staticmethod

@@ -78,8 +78,10 @@ from coordinator.stage_host import DEFAULT_STAGE_COMMAND, HostInfo, stage_host_a
 from stagemesh.core import settings
 from stagemesh.core.events import EventJournal
 from stagemesh.core.gpus import stage_has_own_gpu
+from stagemesh.core.grpc_tls import TlsFiles
 from stagemesh.core.layer_split import LayerRange, plan_layer_split
 from stagemesh.core.memory import ModelFacts, NodeMemory, stages_sharing_memory
+from stagemesh.core.mesh_token import generate_token
 from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
 from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
 from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
@@ -132,6 +134,10 @@ class MeshConfig:
     # The model's size (stage_worker.model_facts): the layer planner splits by each node's memory. None: even
     # split / --pp-layer-split, unchecked (the fake stages of the coordinator's tests have no model).
     model_facts: ModelFacts | None = None
+    # Every stage's gRPC port requires it on state-changing calls; "" makes the coordinator generate one
+    # (``MeshCoordinator.mesh_token``). repr=False: never in a log line.
+    mesh_token: str = field(default="", repr=False)
+    grpc_tls: TlsFiles | None = None  # mutual TLS to the stages (--grpc-tls-dir); None: plaintext
 
     @property
     def total_stages(self) -> int:
@@ -248,6 +254,7 @@ class MeshCoordinator:
                  wall_clock: Callable[[], float] = time.time) -> None:
         validate_config(config)
         self.config = config
+        self.mesh_token = config.mesh_token or generate_token()  # the gateway sends it too
         self._clock = clock
         self._wall_clock = wall_clock
         self._events = EventJournal(wall_clock=wall_clock)
@@ -414,7 +421,7 @@ class MeshCoordinator:
                 if stage.channel is None or stage.channel.target != target:
                     if stage.channel is not None:
                         stage.channel.close()
-                    stage.channel = StageChannel(target)
+                    stage.channel = StageChannel(target, self.mesh_token, self.config.grpc_tls)
                 stage.placement = placement
                 stage.compute_dtype = stage.compute_dtype or cfg.compute_dtype
 
@@ -497,7 +504,8 @@ class MeshCoordinator:
             s.actor.start.remote(
                 StageLaunch(plan, s.rank, stage_options(
                     self.config, s.slot.node_id, self._stages_on_node(s.slot.node_id), s.gpu_index,
-                    self._stages_on_gpu(s.slot.node_id, s.gpu_index))).to_json(),
+                    self._stages_on_gpu(s.slot.node_id, s.gpu_index)), mesh_token=self.mesh_token,
+                    grpc_tls_dir=self.config.grpc_tls.directory if self.config.grpc_tls else "").to_json(),
                 self.config.stage_command)
             for s in replica.stages
         ], timeout=_ACTOR_CALL_S)

@@ -199,6 +199,9 @@ class StageHost:
             )
         self._starts += 1
         launch_path = self._workdir / "launch.json"
+        # The launch carries the mesh token: readable by this user only (the directory is 0700 too).
+        launch_path.touch(mode=0o600)
+        launch_path.chmod(0o600)
         launch_path.write_text(launch_json)
         self._log_path = self._workdir / f"stage-{self._starts}.log"
         argv = [*command, "--launch", str(launch_path)]

@@ -11,7 +11,8 @@ least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
 snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
 own registry), ``GET /`` (the dashboard) and ``GET /dashboard/live`` (its
 data; ``gateway.dashboard``). ``/v1/*`` and ``/dashboard/live`` require a
-bearer key when ``api_keys`` is set. Every error is an OpenAI envelope
+bearer key when ``api_keys`` is set; CORS, the body limit and the in-flight
+caps are ``gateway.limits``. Every error is an OpenAI envelope
 (``gateway.errors``). gRPC channels to the entry stages are opened lazily on
 the server's event loop and closed at shutdown.
 """
@@ -34,6 +35,7 @@ from .auth import ApiKeyMiddleware
 from .cancellation import until_disconnect
 from .config import GatewayConfig
 from .dashboard import dashboard_router
+from .limits import RequestLimitsMiddleware, add_cors
 from .metrics import GatewayMetrics, RequestMetricsMiddleware
 from .replica_client import ReplicaClient, ReplicaKey
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -47,6 +49,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
         mesh, request_timeout_s=config.request_timeout_s,
         max_outstanding_per_replica=config.max_outstanding_per_replica,
         failover_attempts=config.failover_attempts, channel_options=config.grpc_channel_options,
+        mesh_token=config.mesh_token, tls=config.grpc_tls,
     )
 
     def outstanding_by_replica() -> dict[int, int]:
@@ -113,7 +116,12 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
     app.include_router(dashboard_router(mesh, metrics, outstanding_by_replica, config.api_keys))
 
     known = frozenset(route.path for route in app.routes if hasattr(route, "path") and "{" not in route.path)
-    # Outermost first: count every response (401s too), then check keys.
+    # Added innermost first. A request meets: metrics (counts every response, 401s too), CORS, the key
+    # check, then the body and in-flight limits (gateway.limits), so an unkeyed request takes no slot.
+    app.add_middleware(RequestLimitsMiddleware, max_request_bytes=config.max_request_bytes,
+                       max_in_flight=config.max_concurrent_requests,
+                       max_in_flight_per_key=config.max_concurrent_requests_per_key)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
+    add_cors(app, config.allowed_origins)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=lambda: known)
     return app

@@ -13,12 +13,23 @@
 - ``failover_attempts``: other replicas tried when a call is refused
   (UNAVAILABLE / RESOURCE_EXHAUSTED) before its first token.
 - ``grpc_channel_options``: extra ``grpc.aio`` channel options.
+- ``allowed_origins``: origins browsers may call from (CORS); empty: none.
+- ``max_request_bytes``: longer request bodies get 413 (0: no limit).
+- ``max_concurrent_requests`` / ``max_concurrent_requests_per_key``: requests
+  in flight (in all / per API key) beyond which new ones get 429 with
+  ``Retry-After`` (0: no cap). See ``gateway.limits``.
+- ``grpc_tls``: the node's TLS files (``stagemesh.core.grpc_tls``) for mutual
+  TLS to the stages; None: plaintext.
+- ``mesh_token``: sent as gRPC metadata on every call to a stage
+  (``stagemesh.core.mesh_token``); never shown in the config's repr.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from stagemesh.core.grpc_tls import TlsFiles
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,12 @@ class GatewayConfig:
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
     )
+    mesh_token: str = field(default="", repr=False)
+    allowed_origins: tuple[str, ...] = ()
+    max_request_bytes: int = 8 * 1024 * 1024
+    max_concurrent_requests: int = 0
+    max_concurrent_requests_per_key: int = 0
+    grpc_tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -42,6 +59,8 @@ class GatewayConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
+        if min(self.max_request_bytes, self.max_concurrent_requests, self.max_concurrent_requests_per_key) < 0:
+            raise ValueError("max_request_bytes and the concurrent-request caps must be >= 0 (0: no limit)")
         if self.max_outstanding_per_replica < 0 or self.failover_attempts < 0:
             raise ValueError("max_outstanding_per_replica and failover_attempts must be >= 0")
         if isinstance(self.api_keys, str):  # a bare string would be taken as one key per character

@@ -4,6 +4,8 @@ Contract:
 - ``ReplicaClient(mesh, ...)`` keeps one ``grpc.aio`` channel per entry-stage
   target (``host:grpc_port``), created on first use in the running event loop
   and reused; ``close()`` closes them all.
+- Every call carries the mesh token as metadata (``stagemesh.core.mesh_token``);
+  with ``tls`` the channels are mutual TLS (``stagemesh.core.grpc_tls``).
 - ``generate(request)`` is an async generator of ``GenerateResponse``
   messages from one healthy replica chosen by least outstanding requests
   (ties round-robin), under a per-request deadline. Close it (``aclosing``)
@@ -29,6 +31,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from stagemesh.core.grpc_tls import TlsFiles, open_aio_channel
+from stagemesh.core.mesh_token import call_metadata
 from stagemesh.core.snapshots import MeshView, ReplicaSnapshot
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
@@ -49,12 +53,16 @@ class ReplicaClient:
         max_outstanding_per_replica: int = 0,
         failover_attempts: int = 1,
         channel_options: Sequence[tuple[str, Any]] = (),
+        mesh_token: str = "",
+        tls: TlsFiles | None = None,
     ) -> None:
         self._mesh = mesh
         self._timeout = request_timeout_s
         self._cap = max_outstanding_per_replica
         self._failover = failover_attempts
         self._options = tuple(channel_options)
+        self._metadata = call_metadata(mesh_token) if mesh_token else None
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
         self.balancer = LeastOutstandingBalancer()
@@ -71,7 +79,7 @@ class ReplicaClient:
     def _stub(self, target: str) -> stage_pb2_grpc.StageStub:
         stub = self._stubs.get(target)
         if stub is None:
-            channel = grpc.aio.insecure_channel(target, options=self._options)
+            channel = open_aio_channel(target, self._tls, self._options)
             self._channels[target] = channel
             stub = self._stubs[target] = stage_pb2_grpc.StageStub(channel)
         return stub
@@ -108,7 +116,7 @@ class ReplicaClient:
             call: grpc.aio.UnaryStreamCall | None = None
             received = False
             try:
-                call = self._stub(key[1]).Generate(request, timeout=self._timeout)
+                call = self._stub(key[1]).Generate(request, timeout=self._timeout, metadata=self._metadata)
                 async for response in call:
                     received = True
                     yield response
@@ -137,6 +145,8 @@ class ReplicaClient:
             return errors.timed_out(self._timeout)
         if code in _RETRY_ELSEWHERE:
             return errors.pipeline_failed(details) if received else errors.overloaded(details)
+        if code == grpc.StatusCode.UNAUTHENTICATED:  # the gateway's token is not the mesh's: an operator's error
+            return errors.internal(f"the stage refused the gateway's mesh token ({details})")
         if code == grpc.StatusCode.CANCELLED:
             return errors.pipeline_failed(f"the stage cancelled the request ({details})")
         return errors.internal(f"stage error {code.name}: {details}")

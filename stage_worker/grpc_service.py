@@ -4,7 +4,9 @@ Every stage serves ``GetStageInfo`` and ``Drain``; only the entry stage has an
 engine and serves ``Generate`` and ``Abort`` (others answer
 FAILED_PRECONDITION). Health (service ``""`` and ``stagemesh.v1.Stage``)
 mirrors the stage's state: SERVING only while the stage is serving.
-Handlers run on the server's thread pool and never touch MLX.
+Handlers run on the server's thread pool and never touch MLX. Every method
+but health, reflection and ``GetStageInfo`` requires the mesh token
+(``stage_worker.auth_interceptor``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from stage_worker.auth_interceptor import MeshTokenInterceptor
 from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed
 from stage_worker.memory import peak_rss_bytes
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, RequestEvent
 from stage_worker.stage_status import StageStatus
 from stage_worker.wire import NO_SEED, SamplingParams
+from stagemesh.core.grpc_tls import TlsFiles, server_credentials
 from stagemesh.core.states import StageState, state_to_proto
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
@@ -174,11 +178,14 @@ def _sampling(params: stage_pb2.SamplingParams) -> SamplingParams:
 
 
 def start_grpc_server(
-    description: StageDescription, status: StageStatus, max_workers: int
+    description: StageDescription, status: StageStatus, max_workers: int, *, mesh_token: str,
+    tls: TlsFiles | None = None,
 ) -> tuple[grpc.Server, StageServicer]:
-    """Bind ``host:grpc_port`` (only that interface), serve Stage + health + reflection."""
+    """Bind ``host:grpc_port`` (only that interface), serve Stage + health + reflection; every
+    method but health, reflection and GetStageInfo requires ``mesh_token`` (``auth_interceptor``); with
+    ``tls`` the port is mutual TLS and refuses any client without a certificate from the mesh's CA."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         options=[("grpc.so_reuseport", 0)])
+                         interceptors=[MeshTokenInterceptor(mesh_token)], options=[("grpc.so_reuseport", 0)])
     servicer = StageServicer(description, status)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -197,7 +204,7 @@ def start_grpc_server(
     status.on_state(mirror)
     address = f"{description.host}:{description.grpc_port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot bind gRPC on {address}: {exc}") from exc
     if bound == 0:

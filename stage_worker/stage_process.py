@@ -63,6 +63,7 @@ from stage_worker.stage_status import StageStatus
 from stage_worker.warmup import warm_up, warmup_plan
 from stagemesh.core import settings
 from stagemesh.core.gpus import stage_has_own_gpu
+from stagemesh.core.grpc_tls import read_tls_dir
 from stagemesh.core.plan import StageLaunch
 from stagemesh.core.settings import stagemesh_version
 from stagemesh.core.states import ExitCode, StageState
@@ -333,6 +334,17 @@ def describe(ctx: StageContext) -> StageDescription:
 
 def serve(launch: StageLaunch) -> int:
     """The serving stage: gRPC first, then load, connect and run as entry or relay."""
+    token = launch.mesh_token or (settings.read("MESH_TOKEN") or "").strip()
+    if not token:
+        log.error("no mesh token: the launch file has none and %s is unset; the stage will not serve an "
+                  "unguarded gRPC port", settings.env_name("MESH_TOKEN"))
+        return ExitCode.CONFIG
+    tls_dir = settings.GRPC_TLS_DIR or launch.grpc_tls_dir
+    try:
+        tls = read_tls_dir(tls_dir, "the stage's TLS directory") if tls_dir else None
+    except ValueError as exc:
+        log.error("%s", exc)
+        return ExitCode.CONFIG
     ctx = open_stage(launch)
     if ctx is None:
         return ExitCode.CONFIG
@@ -340,11 +352,13 @@ def serve(launch: StageLaunch) -> int:
     options = launch.options
     try:
         server, servicer = start_grpc_server(describe(ctx), status,
-                                             max_workers=options.max_num_seqs + options.max_waiting + 16)
+                                             max_workers=options.max_num_seqs + options.max_waiting + 16,
+                                             mesh_token=token, tls=tls)
     except OSError as exc:
         log.error("%s", exc)
         return ExitCode.CONFIG
-    log.info("gRPC control on %s:%d (pid %d)", launch.me.host, launch.me.grpc_port, os.getpid())
+    log.info("gRPC control on %s:%d (pid %d, %s)", launch.me.host, launch.me.grpc_port, os.getpid(),
+             "mutual TLS" if tls else "plaintext")
 
     def body(stage: RunningStage) -> None:
         if launch.is_first:

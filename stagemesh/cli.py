@@ -30,6 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                       "the gateway alone, fed tokens at a GPU mesh's rate: its CPU per token, where it caps"),
     "bench-hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
+    "soak": ("stagemesh.soak.command", "hold N streaming clients against a mesh while injecting faults; judge it"),
+    "certs": ("stagemesh.certs", "make a mesh CA and each node's certificate for --grpc-tls-dir (mutual TLS)"),
 }
 
 

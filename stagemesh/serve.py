@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from stagemesh import security_flags
+
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, shape_names
 from stagemesh.core import settings
@@ -70,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds allowed for every stage to load and join its ring")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the layer plan (as `stagemesh plan` does) and exit without starting a stage")
+    security_flags.add_arguments(parser)
 
 
 def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +154,7 @@ def build_mesh_config(args: argparse.Namespace):
     grpc_base = args.grpc_base_port if args.grpc_base_port is not None else settings.GRPC_BASE_PORT
     check_port_base("--ring-base-port", ring_base, 2 * total)
     check_port_base("--grpc-base-port", grpc_base, total)
+    security_flags.check_gateway_flags(args)
     return spec, MeshConfig(
         model_path=model_path,
         model_is_default=args.model is None,
@@ -172,6 +176,8 @@ def build_mesh_config(args: argparse.Namespace):
         # The layer planner sizes quantized weights unless --dequantize on (auto dequantizes only when the
         # dense weights fit half a stage's budget, so a plan that fits quantized still fits).
         model_facts=model_facts(spec, dense=args.dequantize == "on"),
+        mesh_token=security_flags.mesh_token(args),
+        grpc_tls=security_flags.grpc_tls(args),
     )
 
 
@@ -196,7 +202,6 @@ def run(args: argparse.Namespace) -> int:
         return print_plan(config, as_json=False)
     tokenizer = load_tokenizer(spec)
     check_dummy_vocabulary(spec, tokenizer)
-    api_key = args.api_key or settings.API_KEY
     coordinator = MeshCoordinator(config)
     try:
         coordinator.start()
@@ -213,14 +218,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     app = create_app(
         GatewayConfig(served_model_name=config.served_model_name, max_model_len=config.max_model_len,
-                      api_keys=(api_key,) if api_key else ()),
+                      mesh_token=coordinator.mesh_token, grpc_tls=config.grpc_tls,
+                      **security_flags.gateway_options(args)),
         mesh=coordinator,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(spec, tokenizer),
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
-    log.info("gateway on http://%s:%d (model %s)", args.host, args.port, config.served_model_name)
+                                           timeout_graceful_shutdown=5, **security_flags.uvicorn_tls(args)))
+    log.info("gateway on %s://%s:%d (model %s)", security_flags.scheme(args), args.host, args.port,
+             config.served_model_name)
     try:
         server.run()  # returns after Ctrl-C / SIGTERM, then re-raises the signal it captured
     except SystemExit as exc:

@@ -174,6 +174,13 @@ class StageLaunch:
     plan: PipelinePlan
     rank: int
     options: StageOptions = field(default_factory=StageOptions)
+    # The secret its gRPC port requires on state-changing calls (stagemesh.core.mesh_token). It travels
+    # in the launch file (written 0600 in a 0700 directory), never on a command line; "" here means the
+    # stage takes STAGEMESH_MESH_TOKEN from its node's environment. repr=False: never in a log line.
+    mesh_token: str = field(default="", repr=False)
+    # Mutual TLS for the stage's gRPC port: its node's TLS directory (stagemesh.core.grpc_tls); the node's
+    # own STAGEMESH_GRPC_TLS_DIR wins, since the head's path need not exist there. "": plaintext.
+    grpc_tls_dir: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.plan.size:
@@ -198,10 +205,11 @@ class StageLaunch:
         return self.options.stages_on_host or sum(1 for s in self.plan.stages if s.host == self.me.host)
 
     def to_json(self) -> str:
-        return json.dumps({"plan": asdict(self.plan), "rank": self.rank, "options": asdict(self.options)},
-                          indent=2)
+        return json.dumps({"plan": asdict(self.plan), "rank": self.rank, "options": asdict(self.options),
+                           "mesh_token": self.mesh_token, "grpc_tls_dir": self.grpc_tls_dir}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> StageLaunch:
         raw = json.loads(text)
-        return cls(PipelinePlan.from_dict(raw["plan"]), int(raw["rank"]), StageOptions(**raw["options"]))
+        return cls(PipelinePlan.from_dict(raw["plan"]), int(raw["rank"]), StageOptions(**raw["options"]),
+                   mesh_token=str(raw.get("mesh_token", "")), grpc_tls_dir=str(raw.get("grpc_tls_dir", "")))

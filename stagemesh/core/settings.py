@@ -128,6 +128,12 @@ class Variable:
 VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v in (
     Variable("STAGEMESH_API_KEY", _str("STAGEMESH_API_KEY", None),
              "API key the gateway requires on /v1 (same as --api-key)"),
+    Variable("STAGEMESH_MESH_TOKEN", _str("STAGEMESH_MESH_TOKEN", None),
+             "secret every state-changing gRPC call to a stage carries (same as --mesh-token; default: "
+             "generated at start)"),
+    Variable("STAGEMESH_GRPC_TLS_DIR", _str("STAGEMESH_GRPC_TLS_DIR", None),
+             "this node's mesh TLS directory (ca.pem, node.pem, node.key) for mutual TLS on the stages' gRPC "
+             "(same as --grpc-tls-dir; unset: plaintext)"),
     Variable("STAGEMESH_RING_BASE_PORT", _int("STAGEMESH_RING_BASE_PORT", DEFAULT_RING_BASE_PORT),
              "first MLX ring port; global stage g binds base+g (same as --ring-base-port)"),
     Variable("STAGEMESH_GRPC_BASE_PORT", _int("STAGEMESH_GRPC_BASE_PORT", DEFAULT_GRPC_BASE_PORT),

@@ -5,7 +5,8 @@ backend, the address its stages would advertise (``STAGEMESH_HOST_IP``: on
 this node, not loopback, not a VPN tunnel), how its names resolve (``*.local``
 to loopback), the ring / lane / gRPC / gateway ports, and, when
 ``STAGEMESH_HOST_IP`` says it is meant for a cluster, Ray's macOS cluster
-switch and token authentication.
+switch and token authentication; with ``--grpc-tls-dir`` (or
+``STAGEMESH_GRPC_TLS_DIR``) this node's mesh certificates (``stagemesh.doctor.tls``).
 
 With ``RAY_ADDRESS`` it joins that cluster and runs a small probe pinned to
 every node (``NodeAffinitySchedulingStrategy``), so each node reports its own
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="the MODEL you will serve (default: the embedded default model as found here); in a "
                              "cluster every node must have it at the same absolute path")
+    parser.add_argument("--grpc-tls-dir", default=None,
+                        help="check this node's mesh TLS directory: CA, certificate, key, expiry, names "
+                             "(default $STAGEMESH_GRPC_TLS_DIR)")
     parser.add_argument("--json", action="store_true", help="print findings and facts as JSON")
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     parser.add_argument("--quiet", "-q", action="store_true", help="print only warnings and errors")
@@ -138,6 +142,11 @@ def check_local(args: argparse.Namespace) -> Report:
     meant_for_cluster = bool(settings.HOST_IP) or bool(args.address or settings.RAY_ADDRESS)
     facts = gather_node_facts(plan, cluster=meant_for_cluster, gateway=True, resolve_names=not args.no_resolve)
     findings = check_node(facts, plan, cluster=meant_for_cluster, gateway=True)
+    tls_dir = args.grpc_tls_dir or settings.GRPC_TLS_DIR
+    if tls_dir:
+        from stagemesh.doctor.tls import check_tls_dir
+
+        findings += check_tls_dir(tls_dir, host_ip=settings.HOST_IP)
     return Report("local", None, plan, [facts], [], findings)
 
 

@@ -22,9 +22,10 @@ pytestmark = pytest.mark.e2e
 
 
 
-def _generate(target: str, max_tokens: int = 4) -> list[int]:
+def _generate(target: str, token: str, max_tokens: int = 4) -> list[int]:
     import grpc
 
+    from stagemesh.core.mesh_token import call_metadata
     from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
     with grpc.insecure_channel(target) as channel:
@@ -33,7 +34,7 @@ def _generate(target: str, max_tokens: int = 4) -> list[int]:
             request_id="coordinator-test", prompt_token_ids=[504, 3575, 282, 4649, 314], max_tokens=max_tokens,
             sampling=stage_pb2.SamplingParams(temperature=0.0, top_p=1.0), ignore_eos=True)
         tokens: list[int] = []
-        for message in stub.Generate(request, timeout=60):
+        for message in stub.Generate(request, timeout=60, metadata=call_metadata(token)):
             tokens += list(message.token_ids)
         return tokens
 
@@ -64,7 +65,7 @@ def test_pp2_serves_recovers_from_a_killed_stage_and_stops_clean(monkeypatch):
         # Dense weights exactly when an optimized BLAS is loaded (--dequantize auto on the CPU backend).
         assert all(s.compute_dtype == "float32" and s.quantized == (s.blas not in ("openblas", "mkl"))
                    for s in replica.stages)
-        reference = _generate(replica.entry.grpc_target)
+        reference = _generate(replica.entry.grpc_target, coordinator.mesh_token)
         assert len(reference) == 4
         pids += [s.pid for s in replica.stages]
 
@@ -77,7 +78,8 @@ def test_pp2_serves_recovers_from_a_killed_stage_and_stops_clean(monkeypatch):
         assert recovered.restarts == 1
         assert {s.pid for s in recovered.stages}.isdisjoint(pids)
         pids += [s.pid for s in recovered.stages]
-        assert _generate(recovered.entry.grpc_target) == reference  # same greedy tokens after the restart
+        # same greedy tokens after the restart
+        assert _generate(recovered.entry.grpc_target, coordinator.mesh_token) == reference
     finally:
         last = coordinator.snapshot()
         coordinator.stop()

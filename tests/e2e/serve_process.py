@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -27,16 +28,18 @@ class ServeProcess:
     pp: int
     dp: int
     descendants: list[psutil.Process] = field(default_factory=list)
+    scheme: str = "http"
+    verify: ssl.SSLContext | bool = True  # httpx's verify: trusts the CA of an HTTPS gateway
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def mesh(self) -> dict:
-        return httpx.get(f"{self.url}/mesh", timeout=10).json()
+        return httpx.get(f"{self.url}/mesh", timeout=10, verify=self.verify).json()
 
     def ports(self) -> list[int]:
         total = self.pp * self.dp
@@ -69,13 +72,16 @@ class ServeProcess:
                 pass
 
 
-def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: float = 240) -> ServeProcess:
+def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: float = 240,
+                env: dict[str, str] | None = None, https_ca: str | None = None) -> ServeProcess:
+    """``stagemesh serve`` on free ports; ``https_ca``: the gateway serves HTTPS with a certificate from
+    that CA (the flags are the caller's)."""
     total = pp * dp
     port = free_port_base(1)
     grpc_base = free_port_base(total)
     ring_base = free_port_base(2 * total)
     log_path = tmp_path / f"serve-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -83,13 +89,15 @@ def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: 
              "--ring-base-port", str(ring_base), "-pp", str(pp), "-dp", str(dp), *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
-    serve = ServeProcess(process, port, grpc_base, ring_base, log_path, pp, dp)
+    serve = ServeProcess(process, port, grpc_base, ring_base, log_path, pp, dp,
+                         scheme="https" if https_ca else "http",
+                         verify=ssl.create_default_context(cafile=https_ca) if https_ca else True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"stagemesh serve exited with {process.returncode}:\n{serve.log()[-4000:]}")
         try:
-            if httpx.get(f"{serve.url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{serve.url}/health", timeout=2, verify=serve.verify).status_code == 200:
                 serve.remember_descendants()
                 return serve
         except httpx.HTTPError:

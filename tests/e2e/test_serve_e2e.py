@@ -22,6 +22,7 @@ pytestmark = pytest.mark.e2e
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
+MESH_TOKEN = "e2e-mesh-token-" + "k" * 24  # given through STAGEMESH_MESH_TOKEN, as a cluster's nodes would
 COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
@@ -34,7 +35,7 @@ def serve_pp1(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve_pp2(tmp_path_factory):
-    serve = start_serve(tmp_path_factory.mktemp("pp2"), pp=2)
+    serve = start_serve(tmp_path_factory.mktemp("pp2"), pp=2, env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN})
     yield serve
     serve.stop()
 
@@ -100,6 +101,34 @@ def test_mesh_reports_each_stage_and_grpcurl_finds_them_serving(serve_pp2):
     table = subprocess.run([sys.executable, "-m", "stagemesh.cli", "status", "--url", serve_pp2.url],
                            capture_output=True, text=True, timeout=30).stdout
     assert "[15, 30)" in table and "1/1 replicas healthy" in table and stages[0]["backend"] in table
+
+
+def test_stages_refuse_generate_without_the_mesh_token_and_health_still_answers(serve_pp2):
+    """The gateway's answers above prove it sends the token; a caller on the network without it is refused."""
+    stages = serve_pp2.mesh()["replicas"][0]["stages"]
+    entry = f"127.0.0.1:{stages[0]['grpc_port']}"
+    body = json.dumps({"request_id": "e2e-token", "prompt_token_ids": [504, 3575, 282], "max_tokens": 2,
+                       "ignore_eos": True})
+    refused = subprocess.run([_grpcurl(), "-plaintext", "-d", body, entry, "stagemesh.v1.Stage/Generate"],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
+    served = subprocess.run([_grpcurl(), "-plaintext", "-H", f"authorization: Bearer {MESH_TOKEN}", "-d", body,
+                             entry, "stagemesh.v1.Stage/Generate"], capture_output=True, text=True, timeout=60)
+    assert served.returncode == 0 and "token_ids" in served.stdout, served.stderr
+    for stage in stages:
+        target = f"127.0.0.1:{stage['grpc_port']}"
+        drain = subprocess.run([_grpcurl(), "-plaintext", "-d", "{}", target, "stagemesh.v1.Stage/Drain"],
+                               capture_output=True, text=True, timeout=30)
+        assert "Unauthenticated" in drain.stderr, drain.stderr
+        health = subprocess.run([_grpcurl(), "-plaintext", "-d", '{"service":""}', target,
+                                 "grpc.health.v1.Health/Check"], capture_output=True, text=True, timeout=30)
+        assert json.loads(health.stdout)["status"] == "SERVING"
+    assert MESH_TOKEN not in serve_pp2.log()  # never logged
+    for process in serve_pp2.descendants:  # never on a command line, where `ps` would show it
+        try:
+            assert MESH_TOKEN not in " ".join(process.cmdline())
+        except psutil.Error:
+            pass
 
 
 def test_unknown_model_is_404_and_malformed_body_is_400(serve_pp1):

@@ -15,12 +15,14 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stagemesh.core.mesh_token import call_metadata, generate_token
 from stagemesh.core.plan import StageLaunch, StageOptions, make_local_plan
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 
 pytestmark = pytest.mark.e2e
 
+TOKEN = generate_token()
 PROMPTS = [[504, 3575, 282, 4649 + i, 314] for i in range(8)]
 
 
@@ -32,7 +34,7 @@ def pipeline(default_model_path, tmp_path_factory):
                            grpc_base_port=free_port_base(2))
     options = StageOptions(max_num_seqs=8, max_waiting=2, max_model_len=512)
     for r in range(2):
-        (workdir / f"launch-{r}.json").write_text(StageLaunch(plan, r, options).to_json())
+        (workdir / f"launch-{r}.json").write_text(StageLaunch(plan, r, options, mesh_token=TOKEN).to_json())
     procs = [subprocess.Popen([sys.executable, "-m", "stage_worker", "--launch", str(workdir / f"launch-{r}.json")],
                               stdout=open(workdir / f"stage-{r}.log", "w"), stderr=subprocess.STDOUT)
              for r in range(2)]
@@ -61,7 +63,8 @@ def pipeline(default_model_path, tmp_path_factory):
 def _generate(stub, prompt, max_tokens=16):
     tokens = []
     for reply in stub.Generate(stage_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                                                         max_tokens=max_tokens, ignore_eos=True), timeout=300):
+                                                         max_tokens=max_tokens, ignore_eos=True), timeout=300,
+                             metadata=call_metadata(TOKEN)):
         tokens += list(reply.token_ids)
     return tokens
 

@@ -1,0 +1,1 @@
+"""``stagemesh soak``: endurance under load and faults (``command``), its clients, faults and verdict."""
