@@ -13,12 +13,15 @@
 - ``failover_attempts``: other replicas tried when a call is refused
   (UNAVAILABLE / RESOURCE_EXHAUSTED) before its first token.
 - ``grpc_channel_options``: extra ``grpc.aio`` channel options.
+- ``openai``: server-side defaults of the OpenAI surface (``gateway.openai_defaults``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .openai_defaults import OpenAIDefaults
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_outstanding_per_replica: int = 0
     failover_attempts: int = 1
+    openai: OpenAIDefaults = field(default_factory=OpenAIDefaults)
     grpc_channel_options: tuple[tuple[str, Any], ...] = (
         # Notice a dead stage host within ~30 s even on an idle long stream.
         ("grpc.keepalive_time_ms", 20_000),

@@ -1,10 +1,10 @@
 """Incremental detokenization: token ids in, complete text out, once.
 
-Contract: ``IncrementalDetokenizer(tokenizer, prompt_ids)``; ``push(ids)``
+Contract: ``IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)``; ``push(ids)``
 returns the text the new ids complete (possibly ""), ``flush()`` returns what
 is still held when the sequence ends. The concatenation of every ``push`` and
-the final ``flush`` equals the text of all pushed ids decoded at once with
-special tokens skipped.
+the final ``flush`` equals the text of all pushed ids decoded at once (special
+tokens skipped unless ``skip_special_tokens`` is false).
 
 Why windows: byte-level BPE splits one character over several tokens (an
 emoji is often 3-4), so a token decoded alone gives U+FFFD. We decode a small
@@ -25,14 +25,15 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix = 0  # start of the decode window
         self._read = len(self._ids)  # ids before this have been emitted as text
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
 
     def push(self, token_ids: Sequence[int]) -> str:
         if not token_ids:

@@ -45,27 +45,31 @@ class ResponseHeader:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, texts: list[str], finish_reasons: list[str | None], use: dict[str, int]) -> dict[str, Any]:
-        pairs = list(enumerate(zip(texts, finish_reasons, strict=True)))
+    def full(self, texts: list[str], finish_reasons: list[str | None], use: dict[str, int],
+             logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+        """``logprobs``: each choice's ``logprobs`` object (``gateway.logprobs``), or None throughout."""
+        lps = logprobs or [None] * len(texts)
+        triples = list(enumerate(zip(texts, finish_reasons, lps, strict=True)))
         if self.kind == "chat":
             choices = [{"index": i, "message": {"role": "assistant", "content": t, "refusal": None},
-                        "logprobs": None, "finish_reason": f} for i, (t, f) in pairs]
+                        "logprobs": lp, "finish_reason": f} for i, (t, f, lp) in triples]
             return {**self._base("chat.completion"), "choices": choices, "usage": use}
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in pairs]
+        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f} for i, (t, f, lp) in triples]
         return {**self._base("text_completion"), "choices": choices, "usage": use}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, *, role: bool = False,
-              include_usage: bool = False) -> dict[str, Any]:
+              include_usage: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """One choice's stream chunk. Chat: ``role`` opens the choice; text None gives an empty delta."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
             out = {**self._base("chat.completion.chunk"),
-                   "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                   "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": finish_reason}]}
         else:
             out = {**self._base("text_completion"),
-                   "choices": [{"index": index, "text": text or "", "logprobs": None,
+                   "choices": [{"index": index, "text": text or "", "logprobs": logprobs,
                                 "finish_reason": finish_reason}]}
         if include_usage:
             out["usage"] = None  # OpenAI: null on every chunk but the last when usage is requested

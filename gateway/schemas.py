@@ -30,18 +30,40 @@ class _CommonRequest(_Strict):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM extension
     n: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # metadata only
-    ignore_eos: bool | None = None  # vLLM extension, passed to the stage
-    # Accepted only at their defaults (checked in sampling_params).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling parameters (docs/api.md lists each with its range and default).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    add_special_tokens: bool | None = None
+    request_id: str | None = None  # metadata only
+    # vLLM's fields accepted only at their defaults (checked in sampling_params).
+    spaces_between_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int | None = None
+    bad_words: list[str] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(_CommonRequest):
@@ -66,6 +88,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's chat extensions: the template, its variables, how the prompt ends.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
