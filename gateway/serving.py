@@ -133,7 +133,7 @@ class OpenAIServing:
                     finish[ev.index] = ev.finish_reason
         use = usage(_prompt_tokens(jobs, settings.n), sum(completion))
         self._metrics.usage(sum(len(j.prompt_ids) for j in jobs), use["completion_tokens"])
-        logprobs = None
+        logprobs: list[dict[str, Any] | None] | None = None
         if settings.logprobs is not None:
             logprobs = [self._format_logprobs(header.kind, e, 0)[0] for e in entries]
         return JSONResponse(header.full(["".join(t) for t in texts], finish, use, logprobs))
