@@ -31,6 +31,7 @@ from stagemesh.core.v1 import stage_pb2
 from .errors import APIError, bad_request, unsupported
 from .openai_defaults import GenerationDefaults
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .structured_output import grammar_for
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
@@ -68,6 +69,7 @@ class SamplingSettings:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     add_special_tokens: bool | None = None  # None: the endpoint's default
+    grammar: str | None = None  # llguidance grammar of a structured-output request
 
     def max_tokens_for(self, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
         if prompt_len >= max_model_len:
@@ -99,6 +101,8 @@ class SamplingSettings:
             params.seed = (self.seed + choice) % _STAGE_SEED_MOD
         if self.logprobs is not None:
             params.logprobs = self.logprobs
+        if self.grammar:
+            params.grammar = self.grammar
         return params
 
     def stop_token_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
@@ -203,6 +207,10 @@ def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
         raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
     include_usage = bool(stream and req.stream_options and req.stream_options.include_usage)
 
+    grammar = grammar_for(req)
+    if grammar is not None and req.ignore_eos:
+        raise bad_request("ignore_eos cannot be combined with structured output: the output ends where its "
+                          "format does.", "ignore_eos")
     echo = bool(isinstance(req, CompletionRequest) and req.echo)
     logprobs = _logprobs(req)
     if echo and logprobs is not None:
@@ -218,6 +226,7 @@ def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
         user_stop_token_ids=_token_ids(req.stop_token_ids or [], "stop_token_ids", vocab_size, MAX_STOP_TOKEN_IDS),
         logprobs=logprobs, echo=echo, skip_special_tokens=_first(req.skip_special_tokens, True),
         include_stop_str_in_output=bool(req.include_stop_str_in_output), add_special_tokens=req.add_special_tokens,
+        grammar=grammar,
     )
 
 
@@ -252,17 +261,12 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise unsupported(field, why)
     if req.bad_words:
         raise unsupported("bad_words", "Use logit_bias with -100 for the tokens to avoid.")
-    for field in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, field) is not None:
-            raise unsupported(field, "Structured output is not implemented yet.")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise unsupported("suffix")
         if req.best_of not in (None, 1):
             raise unsupported("best_of", "Use n for several completions.")
         return
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "Only {\"type\": \"text\"} is accepted.")
     if req.tools:
         raise unsupported("tools", "Tool calling is not implemented.")
     if req.tool_choice not in (None, "none", "auto"):

@@ -176,10 +176,14 @@ def _row_options(request: stage_pb2.GenerateRequest) -> RowOptions:
     if logprobs > MAX_TOP_LOGPROBS:
         raise RequestError(f"sampling.logprobs must be at most {MAX_TOP_LOGPROBS}, got {logprobs}")
     stops = () if request.ignore_eos else tuple(sorted(set(request.stop_token_ids)))
+    if p.grammar and not stops:
+        raise RequestError("a grammar (constrained decoding) needs stop_token_ids and not ignore_eos: "
+                           "the output ends where the grammar does")
     return RowOptions(
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, repetition_penalty=repetition,
         logit_bias=tuple(sorted(p.logit_bias.items())), allowed_token_ids=tuple(p.allowed_token_ids),
-        min_p=p.min_p, min_tokens=p.min_tokens if stops else 0, stop_token_ids=stops if p.min_tokens else (),
+        min_p=p.min_p, min_tokens=p.min_tokens if stops else 0,
+        stop_token_ids=stops if p.min_tokens or p.grammar else (), grammar=p.grammar,
         prompt_len=len(request.prompt_token_ids),
         prompt_token_ids=tuple(request.prompt_token_ids) if repetition != 1.0 else (), logprobs=logprobs,
     )

@@ -11,19 +11,22 @@ Contract:
   the device until its RELEASE: the counts of the tokens it generated (the
   last stage samples them, so it sees every one; nothing is re-sent per step),
   the prompt's token set (repetition penalty), a dense bias vector (logit bias
-  and allowed tokens) and the stop-token mask (min-tokens).
+  and allowed tokens), the stop-token mask (min-tokens) and, for constrained
+  decoding, an llguidance matcher (``stage_worker.grammar``).
 - ``process(logits, seq_ids, positions)`` returns the logits the sampler uses:
   for the rows with state, in this order (mlx-lm's ``make_logits_processors``
   order): bias (logit_bias, and -inf outside allowed_token_ids), the stop
   tokens masked to -inf while fewer than ``min_tokens`` were generated, the
   repetition penalty over prompt and output tokens, the presence penalty and
-  the frequency penalty over output tokens (OpenAI's and vLLM's semantics).
-  All rows with state are processed together as one ``[k, vocab]`` gather and
+  the frequency penalty over output tokens (OpenAI's and vLLM's semantics),
+  then the grammar's token mask. All rows with state are processed together as one ``[k, vocab]`` gather and
   one scatter: a batch without such rows is returned untouched (no op, no
   sync), and no per-row loop ever touches the vocabulary on the host.
 - ``observe(seq_ids, tokens)`` counts the sampled tokens, lazily on the device
   (``pending()`` lists what the caller must evaluate with the tokens so the
-  graph never grows across steps).
+  graph never grows across steps); ``accept(seq_ids, token_ids)`` advances the
+  grammars with the sampled ids once they are on the host (``has_grammar``
+  says whether any row needs that).
 - ``logprobs(logits, tokens, seq_ids)`` is a lazy ``LogprobRows`` for the rows
   that asked: the log-softmax of the processed logits (before temperature and
   the top-k / top-p / min-p filters) at the chosen token and the top N.
@@ -36,6 +39,10 @@ from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from stage_worker import grammar
+from stage_worker.grammar import GrammarRows
+from stage_worker.model_spec import ModelSpec
 
 MAX_TOP_LOGPROBS = 20
 NO_LOGPROBS = -1
@@ -54,6 +61,7 @@ class RowOptions:
     prompt_len: int = 0
     prompt_token_ids: tuple[int, ...] = ()  # sent only with a repetition penalty
     logprobs: int = NO_LOGPROBS  # top alternatives to return; -1: no logprobs at all
+    grammar: str = ""  # an llguidance grammar the output must follow (constrained decoding)
 
     @property
     def penalized(self) -> bool:
@@ -61,7 +69,7 @@ class RowOptions:
 
     @property
     def transforms_logits(self) -> bool:
-        return (self.penalized or bool(self.logit_bias) or bool(self.allowed_token_ids)
+        return (self.penalized or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.grammar)
                 or (self.min_tokens > 0 and bool(self.stop_token_ids)))
 
     @property
@@ -85,6 +93,7 @@ class RowOptions:
             prompt_len=int(raw.get("prompt_len", 0)),
             prompt_token_ids=tuple(int(t) for t in raw.get("prompt_token_ids", ())),
             logprobs=int(raw.get("logprobs", NO_LOGPROBS)),
+            grammar=str(raw.get("grammar", "")),
         )
 
 
@@ -175,10 +184,24 @@ class _RowState:
 class RowProcessors:
     """The last stage's per-sequence logits processors (see the module contract)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec: ModelSpec | None = None) -> None:
+        self._spec = spec  # the model's, for the grammar's tokenizer
         self._options: dict[int, RowOptions] = {}
         self._states: dict[int, _RowState] = {}
         self._pending: list[mx.array] = []
+        self._grammars: GrammarRows | None = None
+
+    @property
+    def has_grammar(self) -> bool:
+        return self._grammars is not None and len(self._grammars) > 0
+
+    def accept(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Advance the grammars of constrained rows with their sampled tokens (host ids)."""
+        if self._grammars is None:
+            return
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+            if seq_id in self._grammars:
+                self._grammars.accept(seq_id, token)
 
     def register(self, options: Mapping[int, RowOptions]) -> None:
         for seq_id, o in options.items():
@@ -190,6 +213,8 @@ class RowProcessors:
         for seq_id in seq_ids:
             self._options.pop(seq_id, None)
             self._states.pop(seq_id, None)
+        if self._grammars is not None:
+            self._grammars.release(seq_ids)
 
     def __len__(self) -> int:
         return len(self._options)
@@ -210,6 +235,12 @@ class RowProcessors:
         state = self._states.get(seq_id)
         if state is None:
             state = self._states[seq_id] = _RowState(o, vocab)
+            if o.grammar:
+                if self._grammars is None:
+                    if self._spec is None:
+                        raise ValueError("constrained decoding needs the model's tokenizer (RowProcessors(spec))")
+                    self._grammars = GrammarRows(self._spec)
+                self._grammars.add(seq_id, o.grammar, o.stop_token_ids, vocab)
         return state
 
     def process(self, logits: mx.array, seq_ids: Sequence[int], positions: Sequence[int]) -> mx.array:
@@ -240,6 +271,11 @@ class RowProcessors:
             sub = mx.where(mask, -mx.inf, sub)
         if any(s.counts is not None for s in states):
             sub = _penalize(sub, states, zeros)
+        if self._grammars is not None and any(s.options.grammar for s in states):
+            constrained = [i for i, s in enumerate(states) if s.options.grammar]
+            bitmask = allocate_token_bitmask(len(states), vocab)  # all allowed for the other rows
+            bitmask[constrained] = self._grammars.masks([seq_ids[rows[i]] for i in constrained], vocab)
+            sub = grammar.apply(sub, bitmask)
         logits[index] = sub
         return logits
 
@@ -279,6 +315,11 @@ class RowProcessors:
         top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
         top_values = mx.take_along_axis(top_values, order, axis=-1)
         return LogprobRows(tuple(rows), tuple(counts), chosen, top_ids, top_values)
+
+
+def allocate_token_bitmask(rows: int, vocab: int) -> np.ndarray:
+    """An all-allowed ``int32[rows, ceil(vocab/32)]`` bitmask (llguidance's layout)."""
+    return np.full((rows, (vocab + 31) // 32), -1, dtype=np.int32)
 
 
 def _penalize(sub: mx.array, states: Sequence[_RowState], zeros: mx.array) -> mx.array:

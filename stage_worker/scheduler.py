@@ -248,6 +248,8 @@ class Scheduler:
             seq = self._running.get(record.seq_id)
             if seq is None or seq.aborted or record.num_tokens == 0 or not record.has(RecordFlag.SAMPLE):
                 continue
+            if seq.request.options is not None and seq.request.options.grammar:
+                continue  # its next token's mask needs this token on the host first
             generated_after = len(seq.generated) + seq.in_flight_steps  # tokens once ``batch`` returns
             if generated_after >= seq.request.max_tokens or \
                     len(seq.request.prompt) + generated_after >= self.max_model_len:

@@ -107,7 +107,7 @@ class StageCompute:
         self.kv = KVStore(model.new_caches, max_sequences)
         self._recorder = recorder
         self._threads = threads
-        self.rows = RowProcessors()  # per-sequence logits processors (used on the last stage)
+        self.rows = RowProcessors(model.spec)  # per-sequence logits processors (used on the last stage)
 
     def forward(self, records: Sequence[SequenceRecord], hidden: mx.array, in_flight: int = 0,
                 evaluate: bool = True) -> mx.array:
@@ -195,6 +195,11 @@ class StageCompute:
             for r in chosen
         ]
         return out_records, tokens, logprobs
+
+    def accept(self, sampled: Sequence[SampledToken]) -> None:
+        """Advance constrained sequences' grammars with their sampled ids (nothing to do without one)."""
+        if self.rows.has_grammar:
+            self.rows.accept([t.seq_id for t in sampled], [t.token_id for t in sampled])
 
     def release_finished(self, records: Sequence[SequenceRecord]) -> None:
         released = [r.seq_id for r in records if r.has(RecordFlag.RELEASE)]
@@ -329,6 +334,7 @@ class EntryPipeline:
             batch = self._local_results.popleft()
             reading = time.perf_counter()
             sampled = _sampled(batch.records, batch.tokens)  # reads the tokens back: waits for this batch only
+            self._compute.accept(sampled)
             if batch.logprobs is not None:
                 sampled = _with_logprobs(sampled, {batch.records[row].seq_id: lp
                                                    for row, lp in batch.logprobs.read().items()})
@@ -422,6 +428,8 @@ def relay_loop(
             if message.body:
                 compute.rows.register(rows_from_body(message.body))
             out_records, tokens, logprobs = compute.sample(message.records, hidden)
+            if compute.rows.has_grammar:
+                compute.accept(_sampled(out_records, tokens))
             computed = time.perf_counter()
             outbound.send(
                 FrameKind.TOKENS,

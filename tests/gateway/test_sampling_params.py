@@ -64,7 +64,13 @@ def test_completion_field_errors(kw, param, words):
 @pytest.mark.parametrize("kw, param", [
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
@@ -130,3 +136,14 @@ def test_generation_config_fills_only_unset_fields(tmp_path):
     (tmp_path / "g.json").write_text('{"do_sample": false, "temperature": 0.6}')
     assert generation_defaults_from_file(str(tmp_path / "g.json")).temperature == 0.0
     assert model_generation_defaults(str(tmp_path / "absent")).temperature is None
+
+
+def test_structured_output_becomes_one_grammar_for_the_stage():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    s = settings_from_request(chat(response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "a", "schema": schema, "strict": True}}))
+    assert s.grammar and s.stage_sampling(0).grammar == s.grammar
+    assert settings_from_request(chat(response_format={"type": "json_object"})).grammar
+    assert settings_from_request(chat(guided_choice=["yes", "no"])).grammar
+    assert not settings_from_request(chat(response_format={"type": "text"})).grammar
+    assert not settings_from_request(chat()).stage_sampling(0).grammar

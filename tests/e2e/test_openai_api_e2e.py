@@ -200,3 +200,85 @@ def test_unknown_fields_are_still_a_clear_400(servers):
     _, started = servers
     r = httpx.post(f"{started[0].url}/v1/chat/completions", json={"messages": CHAT, "mirostat_tau": 5})
     assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "mirostat_tau"
+
+
+# -- structured output -------------------------------------------------------------------------------------------
+
+SCHEMAS = {
+    "nested": {"type": "object", "additionalProperties": False, "required": ["name", "address"],
+               "properties": {"name": {"type": "string", "maxLength": 30},
+                              "address": {"type": "object", "additionalProperties": False,
+                                          "required": ["city", "zip"],
+                                          "properties": {"city": {"type": "string", "maxLength": 30},
+                                                         "zip": {"type": "integer", "minimum": 0,
+                                                                 "maximum": 99999}}}}},
+    "enum": {"type": "object", "additionalProperties": False, "required": ["color", "sure"],
+             "properties": {"color": {"enum": ["red", "green", "blue"]}, "sure": {"type": "boolean"}}},
+    "array": {"type": "object", "additionalProperties": False, "required": ["days"],
+              "properties": {"days": {"type": "array", "minItems": 2, "maxItems": 4,
+                                      "items": {"type": "string", "maxLength": 12}}}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_output_always_validates(clients, name):
+    import jsonschema
+
+    schema = SCHEMAS[name]
+
+    def run(client):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], temperature=0,
+            max_tokens=200, response_format={"type": "json_schema",
+                                             "json_schema": {"name": name, "schema": schema, "strict": True}})
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    text, finish = both(clients, run)
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_and_sampled_rows(clients):
+    def run(client, **kw):
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=120, **kw)
+        return [(c.message.content, c.finish_reason) for c in r.choices]
+
+    [(text, finish)] = both(clients, lambda c: run(c, temperature=0, response_format={"type": "json_object"}))
+    assert finish == "stop" and isinstance(json.loads(text), dict), text
+    schema = SCHEMAS["enum"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "enum", "schema": schema}}
+    sampled = both(clients, lambda c: run(c, temperature=1.0, seed=5, n=4, response_format=fmt))
+    for text, finish in sampled:
+        assert finish == "stop"
+        assert json.loads(text)["color"] in ("red", "green", "blue")
+
+
+def test_sdk_parse_with_a_pydantic_model(clients):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        size: Literal["small", "medium", "large"]
+
+    def run(client):
+        r = client.chat.completions.parse(model=MODEL, temperature=0, max_tokens=100, response_format=City,
+                                          messages=[{"role": "user", "content": "Tell me about Paris."}])
+        return r.choices[0].message.parsed
+
+    city = both(clients, run)
+    assert isinstance(city, City)
+
+
+def test_guided_choice_and_regex(clients):
+    def run(client, extra):
+        r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", temperature=0, max_tokens=10,
+                                      extra_body=extra)
+        return r.choices[0].text
+
+    assert both(clients, lambda c: run(c, {"guided_choice": ["yes", "no"]})) in ("yes", "no")
+    import re
+
+    assert re.fullmatch(r"[0-9]{3}", both(clients, lambda c: run(c, {"guided_regex": "[0-9]{3}"})))
