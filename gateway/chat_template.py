@@ -26,23 +26,27 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from .errors import bad_request, unsupported
+from .errors import bad_request
 from .openai_defaults import OpenAIDefaults
 from .schemas import ChatCompletionRequest, ChatMessage
+from .tools import ToolPlan, template_messages, template_supports_tools
 
 _ROLES = ("system", "user", "assistant", "tool")
 
 
 def _text_of(message: ChatMessage, where: str) -> str:
     content = message.content
+    if message.tool_calls and message.role != "assistant":
+        raise bad_request(f"{where}.tool_calls is only allowed on assistant messages.", f"{where}.tool_calls")
+    for j, call in enumerate(message.tool_calls or []):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}.tool_calls[{j}] needs function.name and function.arguments.",
+                              f"{where}.tool_calls")
     if content is None:
-        if message.role == "assistant" and not message.tool_calls:
+        if message.role == "assistant":
             return ""
-        if message.tool_calls:
-            raise unsupported(f"{where}.tool_calls", "Tool calling is not implemented.")
         raise bad_request(f"{where}.content is required for role '{message.role}'.", f"{where}.content")
-    if message.tool_calls:
-        raise unsupported(f"{where}.tool_calls", "Tool calling is not implemented.")
     if isinstance(content, str):
         return content
     texts = []
@@ -103,13 +107,21 @@ def chat_options(req: ChatCompletionRequest, defaults: OpenAIDefaults) -> ChatOp
                        add_special_tokens=bool(req.add_special_tokens))
 
 
-def render_chat(messages: Sequence[ChatMessage], tokenizer: Any, options: ChatOptions | None = None) -> tuple[int, ...]:
+def render_chat(messages: Sequence[ChatMessage], tokenizer: Any, options: ChatOptions | None = None,
+                tools: ToolPlan | None = None) -> tuple[int, ...]:
     o = options or ChatOptions()
-    conversation = normalize_messages(messages)
+    plan = tools or ToolPlan()
+    template = o.template or getattr(tokenizer, "chat_template", None)
+    native = template_supports_tools(template if isinstance(template, str) else None)
+    conversation: list[dict[str, Any]] = list(normalize_messages(messages))
+    conversation = template_messages(conversation, messages, plan, native)
+    extra = dict(o.kwargs)
+    if native and plan.active:
+        extra["tools"] = [t.to_json() for t in plan.tools]
     try:
         text = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=o.add_generation_prompt,
-            continue_final_message=o.continue_final_message, chat_template=o.template, **dict(o.kwargs))
+            continue_final_message=o.continue_final_message, chat_template=o.template, **extra)
     except (TemplateError, ValueError, TypeError) as e:
         raise bad_request(f"The chat template could not render these messages: {e}", "messages") from e
     ids = tuple(tokenizer.encode(text, add_special_tokens=o.add_special_tokens))

@@ -5,7 +5,8 @@ Contract:
   ``generation`` (the sampling defaults for fields a request leaves unset, vLLM's
   ``--generation-config``), ``chat_template`` (replaces the model's own; a request's
   ``chat_template`` replaces both) and ``chat_template_kwargs`` (variables every chat render
-  gets; a request's ``chat_template_kwargs`` override them key by key).
+  gets; a request's ``chat_template_kwargs`` override them key by key), ``tool_call_parser``
+  (the format of the model's tool calls, ``--tool-call-parser``; None: from the chat template).
 - ``generation_defaults_from_file(path)`` reads a ``generation_config.json``: only the fields
   vLLM takes from it (``temperature``, ``top_p``, ``top_k``, ``min_p``,
   ``repetition_penalty``, ``max_new_tokens``), and only when ``do_sample`` does not turn
@@ -44,6 +45,7 @@ class OpenAIDefaults:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     chat_template: str | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    tool_call_parser: str | None = None  # None: picked from the chat template (gateway.tool_parsers)
 
 
 def generation_defaults_from_file(path: str) -> GenerationDefaults:

@@ -267,14 +267,10 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.best_of not in (None, 1):
             raise unsupported("best_of", "Use n for several completions.")
         return
-    if req.tools:
-        raise unsupported("tools", "Tool calling is not implemented.")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise unsupported("tool_choice", "Tool calling is not implemented.")
     if req.functions:
-        raise unsupported("functions", "Function calling is not implemented.")
+        raise unsupported("functions", "Use tools (function calling's current form).")
     if req.function_call not in (None, "none", "auto"):
-        raise unsupported("function_call", "Function calling is not implemented.")
+        raise unsupported("function_call", "Use tool_choice (function calling's current form).")
     if req.store:
         raise unsupported("store", "Completions are not stored.")
     if req.modalities not in (None, ["text"]):

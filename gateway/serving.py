@@ -15,6 +15,7 @@ first chunk of a stream).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -32,6 +33,10 @@ from .prompts import completion_prompts, echo_texts
 from .responses import SSE_DONE, Kind, ResponseHeader, sse, usage
 from .sampling_params import SamplingSettings, settings_from_request
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .structured_output import json_schema_grammar
+from .tool_output import ToolStream, final_message
+from .tool_parsers import PARSERS, pick_parser
+from .tools import ToolPlan, tool_plan
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -58,6 +63,9 @@ class OpenAIServing:
         self._eos = frozenset(eos_token_ids)
         self._metrics = metrics
         self._logprobs = LogprobFormatter(tokenizer)
+        template = config.openai.chat_template or getattr(tokenizer, "chat_template", None)
+        self._tool_parser = PARSERS[pick_parser(config.openai.tool_call_parser,
+                                                template if isinstance(template, str) else None)]
 
     def check_model(self, model: str | None) -> str:
         served = self._config.served_model_name
@@ -78,15 +86,23 @@ class OpenAIServing:
         arrived = time.monotonic()
         model = self.check_model(req.model)
         settings = self._settings(req)
-        prompt = render_chat(req.messages, self._tokenizer, chat_options(req, self._config.openai))
-        return await self._serve("chat", model, [prompt], settings, "messages", arrived)
+        tools = tool_plan(req)
+        forced = tools.forced_schema()
+        if forced is not None:
+            if settings.grammar:
+                raise errors.bad_request(f"tool_choice {tools.mode} constrains the output already; it cannot be "
+                                         "combined with response_format or guided_*.", "tool_choice")
+            settings = dataclasses.replace(settings, grammar=json_schema_grammar(forced, "tools"))
+        prompt = render_chat(req.messages, self._tokenizer, chat_options(req, self._config.openai), tools)
+        return await self._serve("chat", model, [prompt], settings, "messages", arrived, tools=tools)
 
     def _settings(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingSettings:
         return settings_from_request(req, self._config.openai.generation, len(self._tokenizer))
 
     async def _serve(self, kind: Kind, model: str, prompts: list[tuple[int, ...]], settings: SamplingSettings,
-                     prompt_param: str, arrived: float,
-                     echo: list[str] | None = None) -> JSONResponse | StreamingResponse:
+                     prompt_param: str, arrived: float, echo: list[str] | None = None,
+                     tools: ToolPlan | None = None) -> JSONResponse | StreamingResponse:
+        tools = tools or ToolPlan()
         max_len = self._config.max_model_len
         jobs = [
             ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
@@ -103,14 +119,14 @@ class OpenAIServing:
         echoes = [echo[j.index // settings.n] for j in jobs] if echo is not None else None
         events = run_choices(jobs, ctx)
         if not settings.stream:
-            return await self._collect(header, jobs, settings, events, echoes)
+            return await self._collect(header, jobs, settings, events, echoes, tools)
         try:
             first = await anext(events)  # a failure here is still a proper HTTP status
         except BaseException:
             await events.aclose()
             raise
         # no-cache / no buffering: proxies must pass each event on at once.
-        return SSEResponse(self._stream(header, jobs, settings, first, events, echoes),
+        return SSEResponse(self._stream(header, jobs, settings, first, events, echoes, tools),
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     def _format_logprobs(self, kind: Kind, entries: list[TokenLogprobs], offset: int) -> tuple[dict[str, Any], int]:
@@ -119,7 +135,8 @@ class OpenAIServing:
         return self._logprobs.completion(entries, offset)
 
     async def _collect(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
-                       events: AsyncGenerator[ChoiceEvent, None], echoes: list[str] | None) -> JSONResponse:
+                       events: AsyncGenerator[ChoiceEvent, None], echoes: list[str] | None,
+                       tools: ToolPlan) -> JSONResponse:
         texts: list[list[str]] = [[e] for e in echoes] if echoes is not None else [[] for _ in jobs]
         finish: list[str | None] = [None] * len(jobs)
         completion = [0] * len(jobs)
@@ -136,14 +153,22 @@ class OpenAIServing:
         logprobs: list[dict[str, Any] | None] | None = None
         if settings.logprobs is not None:
             logprobs = [self._format_logprobs(header.kind, e, 0)[0] for e in entries]
-        return JSONResponse(header.full(["".join(t) for t in texts], finish, use, logprobs))
+        contents: list[str | None] = ["".join(t) for t in texts]
+        calls: list[list[dict[str, Any]]] | None = None
+        if tools.active:
+            calls = []
+            for i, text in enumerate(list(contents)):
+                contents[i], found, finish[i] = final_message(text or "", finish[i], tools, self._tool_parser)
+                calls.append([c.to_json() for c in found])
+        return JSONResponse(header.full(contents, finish, use, logprobs, calls))
 
     async def _stream(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
                       first: ChoiceEvent, events: AsyncGenerator[ChoiceEvent, None],
-                      echoes: list[str] | None) -> AsyncIterator[str]:
+                      echoes: list[str] | None, tools: ToolPlan) -> AsyncIterator[str]:
         inc = settings.include_usage
         completion = [0] * len(jobs)
         offsets = [0] * len(jobs)  # completions' text_offset, per choice
+        streams = [ToolStream(tools, self._tool_parser) for _ in jobs] if tools.active else None
         try:
             if header.kind == "chat":
                 for job in jobs:  # OpenAI opens each choice with the assistant role
@@ -157,6 +182,10 @@ class OpenAIServing:
                 if ev is None:
                     break
                 completion[ev.index] = ev.completion_tokens
+                if streams is not None:
+                    for chunk in self._tool_chunks(header, streams[ev.index], ev, inc):
+                        yield sse(chunk)
+                    continue
                 if ev.text or ev.finish_reason:
                     logprobs = None
                     if settings.logprobs is not None:
@@ -175,6 +204,24 @@ class OpenAIServing:
             with contextlib.suppress(BaseException):
                 await events.aclose()
         yield SSE_DONE
+
+
+    def _tool_chunks(self, header: ResponseHeader, stream: ToolStream, ev: ChoiceEvent,
+                     inc: bool) -> list[dict[str, Any]]:
+        """A chat event as content or tool-call deltas (logprobs ride the first chunk sent)."""
+        deltas = stream.feed(ev.text)
+        finish = None
+        if ev.finish_reason:
+            last, finish = stream.finish(ev.finish_reason)
+            deltas += last
+        logprobs = {"content": self._logprobs.chat(list(ev.logprobs)), "refusal": None} if ev.logprobs else None
+        chunks = []
+        for delta in deltas:
+            chunks.append(header.chunk(ev.index, None, None, include_usage=inc, delta=delta, logprobs=logprobs))
+            logprobs = None
+        if finish:
+            chunks.append(header.chunk(ev.index, None, finish, include_usage=inc, logprobs=logprobs))
+        return chunks
 
 
 def _prompt_tokens(jobs: list[ChoiceJob], n: int) -> int:

@@ -2,7 +2,8 @@
 
 Contract: ``add_arguments(parser)`` adds ``--chat-template`` (a Jinja file, or the template
 itself), ``--chat-template-kwargs`` (a JSON object of template variables, e.g.
-``'{"enable_thinking": false}'``) and ``--generation-config`` (``auto``: the model directory's
+``'{"enable_thinking": false}'``), ``--tool-call-parser`` (hermes, llama3_json, mistral) and
+``--generation-config`` (``auto``: the model directory's
 ``generation_config.json``; ``vllm``: none, OpenAI's defaults; or a folder holding one).
 ``openai_defaults(args, model_path)`` turns them into ``gateway.openai_defaults.OpenAIDefaults``
 or raises ``UserError`` naming the flag.
@@ -21,6 +22,7 @@ from gateway.openai_defaults import (
     generation_defaults_from_file,
     model_generation_defaults,
 )
+from gateway.tool_parsers import PARSERS
 from stagemesh.core.errors import UserError
 
 
@@ -30,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template-kwargs", default=None,
                         help="JSON object of chat template variables every request gets, e.g. "
                              "'{\"enable_thinking\": false}' (a request's chat_template_kwargs override them)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="how the model writes tool calls (default: from its chat template, else hermes)")
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults for unset request fields: auto (the model's generation_config.json), "
                              "vllm (none), or a folder holding a generation_config.json (default %(default)s)")
@@ -51,7 +55,7 @@ def openai_defaults(args: argparse.Namespace, model_path: str) -> OpenAIDefaults
         if not isinstance(kwargs, dict):
             raise UserError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     return OpenAIDefaults(generation=_generation(args.generation_config, model_path), chat_template=template,
-                          chat_template_kwargs=kwargs)
+                          chat_template_kwargs=kwargs, tool_call_parser=args.tool_call_parser)
 
 
 def _generation(setting: str, model_path: str) -> GenerationDefaults:
