@@ -282,3 +282,80 @@ def test_guided_choice_and_regex(clients):
     import re
 
     assert re.fullmatch(r"[0-9]{3}", both(clients, lambda c: run(c, {"guided_regex": "[0-9]{3}"})))
+
+
+# -- tool calling ------------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 40},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 40}}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_call_has_arguments_valid_for_its_schema(clients, choice):
+    import jsonschema
+
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+
+    def run(client):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0,
+                                           max_tokens=80, tool_choice=tool_choice)
+        return r.choices[0].finish_reason, _calls(r.choices[0].message)
+
+    finish, calls = both(clients, run)
+    assert finish == "tool_calls" and calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for name, arguments in calls:
+        jsonschema.validate(arguments, schemas[name])
+    if choice == "named":
+        assert [name for name, _ in calls] == ["get_weather"]
+
+
+def test_named_tool_call_streams_argument_deltas(clients):
+    def run(client):
+        stream = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80, stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        chunks = list(stream)
+        deltas = [d for chunk in chunks for d in (chunk.choices[0].delta.tool_calls or [])]
+        return deltas, chunks[-1].choices[0].finish_reason
+
+    deltas, finish = run(clients[0])
+    assert finish == "tool_calls"
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert len(deltas) > 2  # the arguments arrive in pieces
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(arguments)["unit"] in ("celsius", "fahrenheit")
+
+
+def test_tool_round_trip_call_result_answer(clients):
+    def run(client):
+        first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
+                                               max_tokens=80, tool_choice="required")
+        message = first.choices[0].message
+        call = message.tool_calls[0]
+        history = [*ASK, message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"}]
+        answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0,
+                                                max_tokens=60, tool_choice="auto")
+        return answer.choices[0].finish_reason, answer.choices[0].message.content, _calls(answer.choices[0].message)
+
+    finish, content, calls = both(clients, run)
+    assert (finish, calls) == ("stop", []) and content, (finish, content, calls)
+
+
+def test_tool_choice_without_tools_is_a_400(clients):
+    with pytest.raises(openai.BadRequestError) as e:
+        clients[0].chat.completions.create(model=MODEL, messages=ASK, tool_choice="auto")
+    assert e.value.body["param"] == "tool_choice"
