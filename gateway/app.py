@@ -9,7 +9,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
 not), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200 when at
 least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
 snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
-own registry). ``/v1/*`` requires a bearer key when ``api_keys`` is set. Every
+own registry), ``POST /tokenize`` / ``/detokenize`` and ``GET /version``
+(``gateway.tokenize_routes``). ``/v1/*`` requires a bearer key when ``api_keys`` is set. Every
 error is an OpenAI envelope (``gateway.errors``). gRPC channels to the entry
 stages are opened lazily on the server's event loop and closed at shutdown.
 """
@@ -35,6 +36,7 @@ from .metrics import GatewayMetrics, RequestMetricsMiddleware
 from .replica_client import ReplicaClient, ReplicaKey
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
+from .tokenize_routes import router as tokenize_router
 
 __all__ = ["GatewayConfig", "create_app"]
 
@@ -67,6 +69,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
     app.state.metrics = metrics
     app.state.replica_client = client
     errors.install_error_handlers(app)
+    app.include_router(tokenize_router(tokenizer, config))  # /tokenize, /detokenize, /version
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
