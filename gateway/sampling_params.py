@@ -211,6 +211,9 @@ def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
     if grammar is not None and req.ignore_eos:
         raise bad_request("ignore_eos cannot be combined with structured output: the output ends where its "
                           "format does.", "ignore_eos")
+    if grammar is not None and min_tokens:
+        raise bad_request("min_tokens cannot be combined with structured output: the output ends where its "
+                          "format does.", "min_tokens")
     echo = bool(isinstance(req, CompletionRequest) and req.echo)
     logprobs = _logprobs(req)
     if echo and logprobs is not None:
