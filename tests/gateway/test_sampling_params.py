@@ -71,8 +71,6 @@ def test_completion_field_errors(kw, param, words):
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ])
 def test_chat_field_errors(kw, param):
