@@ -33,6 +33,7 @@ from .auth import ApiKeyMiddleware
 from .cancellation import until_disconnect
 from .config import GatewayConfig
 from .metrics import GatewayMetrics, RequestMetricsMiddleware
+from .openapi import install_openapi
 from .replica_client import ReplicaClient, ReplicaKey
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
@@ -110,6 +111,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    install_openapi(app, vocab_size=len(tokenizer), max_model_len=config.max_model_len)
     known = frozenset(route.path for route in app.routes if hasattr(route, "path") and "{" not in route.path)
     # Outermost first: count every response (401s too), then check keys.
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
