@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
             out = []
             for token in token_ids:
                 text = self._stream.step(self._backend, token)
-                if text is None:
+                if not text:  # None, or "" for a byte-fallback token holding part of a character
                     self._held.append(token)
                 else:
                     self._held.clear()
