@@ -82,6 +82,7 @@ class _CommonRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer form: {"json" | "regex" | "choice" | "grammar"}
     return_tokens_as_token_ids: bool | None = None
 
 

@@ -4,8 +4,9 @@ Contract: ``grammar_for(req)`` returns the llguidance grammar (a string the
 stage hands to ``llguidance.LLMatcher``) for OpenAI's ``response_format``
 (``json_object``: any JSON object; ``json_schema``: that schema, with or
 without ``strict``) or vLLM's ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar`` (Lark), or None when the output is
-free. At most one constraint per request. A schema, regex or grammar that
+``guided_choice`` / ``guided_grammar`` (Lark) and their newer form
+``structured_outputs: {"json" | "regex" | "choice" | "grammar": ...}``, or
+None when the output is free. At most one constraint per request. A schema, regex or grammar that
 llguidance cannot compile is a 400 naming the field, before any stage is
 asked.
 
@@ -82,27 +83,43 @@ def grammar_for(req: CompletionRequest | ChatCompletionRequest) -> str | None:
     from llguidance import LLMatcher
 
     found: list[tuple[str, str]] = []
+    guided = {"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice,
+              "grammar": req.guided_grammar}
+    if req.structured_outputs is not None:
+        unknown = sorted(set(req.structured_outputs) - set(guided))
+        if unknown or len(req.structured_outputs) != 1:
+            raise bad_request("structured_outputs must hold exactly one of json, regex, choice, grammar"
+                              f"{f' (not {unknown[0]})' if unknown else ''}.", "structured_outputs")
+        [(key, value)] = req.structured_outputs.items()
+        if guided[key] is not None:
+            raise bad_request(f"Give structured_outputs.{key} or guided_{key}, not both.", "structured_outputs")
+        guided[key] = value
     if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
         grammar = _response_format(req.response_format)
         if grammar is not None:
             found.append(("response_format", grammar))
-    if req.guided_json is not None:
-        schema = req.guided_json
+    if guided["json"] is not None:
+        schema = guided["json"]
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise bad_request(f"guided_json is not valid JSON: {e}", "guided_json") from None
         found.append(("guided_json", json_schema_grammar(schema, "guided_json")))
-    if req.guided_regex is not None:
-        found.append(("guided_regex", _validated(LLMatcher.grammar_from_regex(req.guided_regex), "guided_regex")))
-    if req.guided_choice is not None:
-        if not req.guided_choice:
-            raise bad_request("guided_choice must list at least one choice.", "guided_choice")
-        regex = "|".join(re.escape(c) for c in req.guided_choice)
+    if guided["regex"] is not None:
+        if not isinstance(guided["regex"], str):
+            raise bad_request("guided_regex must be a string.", "guided_regex")
+        found.append(("guided_regex", _validated(LLMatcher.grammar_from_regex(guided["regex"]), "guided_regex")))
+    if guided["choice"] is not None:
+        choices = guided["choice"]
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+            raise bad_request("guided_choice must list at least one string.", "guided_choice")
+        regex = "|".join(re.escape(c) for c in choices)
         found.append(("guided_choice", _validated(LLMatcher.grammar_from_regex(f"({regex})"), "guided_choice")))
-    if req.guided_grammar is not None:
-        found.append(("guided_grammar", _validated(LLMatcher.grammar_from_lark(req.guided_grammar),
+    if guided["grammar"] is not None:
+        if not isinstance(guided["grammar"], str):
+            raise bad_request("guided_grammar must be a Lark grammar string.", "guided_grammar")
+        found.append(("guided_grammar", _validated(LLMatcher.grammar_from_lark(guided["grammar"]),
                                                    "guided_grammar")))
     if len(found) > 1:
         raise bad_request(f"Give one output constraint, not {', '.join(p for p, _ in found)}.", found[1][0])

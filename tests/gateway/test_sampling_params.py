@@ -143,5 +143,10 @@ def test_structured_output_becomes_one_grammar_for_the_stage():
     assert s.grammar and s.stage_sampling(0).grammar == s.grammar
     assert settings_from_request(chat(response_format={"type": "json_object"})).grammar
     assert settings_from_request(chat(guided_choice=["yes", "no"])).grammar
+    assert settings_from_request(chat(structured_outputs={"choice": ["yes", "no"]})).grammar == \
+        settings_from_request(chat(guided_choice=["yes", "no"])).grammar
+    with pytest.raises(APIError) as e:
+        settings_from_request(chat(structured_outputs={"yaml": "x"}))
+    assert e.value.param == "structured_outputs"
     assert not settings_from_request(chat(response_format={"type": "text"})).grammar
     assert not settings_from_request(chat()).stage_sampling(0).grammar
