@@ -9,12 +9,13 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
 not), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200 when at
 least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
 snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
-own registry), ``GET /`` (the dashboard) and ``GET /dashboard/live`` (its
-data; ``gateway.dashboard``). ``/v1/*`` and ``/dashboard/live`` require a
-bearer key when ``api_keys`` is set; CORS, the body limit and the in-flight
-caps are ``gateway.limits``. Every error is an OpenAI envelope
-(``gateway.errors``). gRPC channels to the entry stages are opened lazily on
-the server's event loop and closed at shutdown.
+own registry), ``POST /tokenize`` / ``/detokenize`` and ``GET /version``
+(``gateway.tokenize_routes``), ``GET /`` (the dashboard) and ``GET
+/dashboard/live`` (its data; ``gateway.dashboard``). ``/v1/*`` and
+``/dashboard/live`` require a bearer key when ``api_keys`` is set; CORS, the
+body limit and the in-flight caps are ``gateway.limits``. Every error is an
+OpenAI envelope (``gateway.errors``). gRPC channels to the entry stages are
+opened lazily on the server's event loop and closed at shutdown.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from .config import GatewayConfig
 from .dashboard import dashboard_router
 from .limits import RequestLimitsMiddleware, add_cors
 from .metrics import GatewayMetrics, RequestMetricsMiddleware
+from .openapi import install_openapi
 from .replica_client import ReplicaClient, ReplicaKey
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
+from .tokenize_routes import router as tokenize_router
 
 __all__ = ["GatewayConfig", "create_app"]
 
@@ -73,6 +76,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
     app.state.metrics = metrics
     app.state.replica_client = client
     errors.install_error_handlers(app)
+    app.include_router(tokenize_router(tokenizer, config))  # /tokenize, /detokenize, /version
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -115,6 +119,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
 
     app.include_router(dashboard_router(mesh, metrics, outstanding_by_replica, config.api_keys))
 
+    install_openapi(app, vocab_size=len(tokenizer), max_model_len=config.max_model_len)
     known = frozenset(route.path for route in app.routes if hasattr(route, "path") and "{" not in route.path)
     # Added innermost first. A request meets: metrics (counts every response, 401s too), CORS, the key
     # check, then the body and in-flight limits (gateway.limits), so an unkeyed request takes no slot.

@@ -1,10 +1,17 @@
 """Chat messages to prompt token ids through the model's own chat template.
 
-Contract: ``render_chat(messages, tokenizer)`` checks the messages (roles,
-text-only content), renders them with the tokenizer's chat template and
-``add_generation_prompt=True``, and encodes the rendered text without adding
-special tokens again (the template already wrote them). Any problem is a 400
-``APIError`` whose ``param`` points at the message, never a 500.
+Contract: ``render_chat(messages, tokenizer, options)`` checks the messages
+(roles, text-only content), renders them with the chat template
+(``options.template``: the request's ``chat_template``, else the server's
+``--chat-template``, else the model's own) and its variables
+(``options.kwargs``: ``--chat-template-kwargs`` overridden key by key by the
+request's ``chat_template_kwargs``, e.g. ``enable_thinking``), ending with the
+generation prompt (``add_generation_prompt``, default true) or leaving the
+final assistant message open (``continue_final_message``), and encodes the
+rendered text without adding special tokens again (the template already wrote
+them; ``add_special_tokens`` asks for them). ``chat_options(req, defaults)``
+builds the options and checks them. Any problem is a 400 ``APIError`` whose
+``param`` points at the field or message, never a 500.
 
 Why render-then-encode: transformers 5 returns a BatchEncoding from
 ``apply_chat_template(tokenize=True)``; text is the stable interface, and the
@@ -13,27 +20,33 @@ encoded ids are exactly what the stage is sent (so usage counts are exact).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
 
-from .errors import bad_request, unsupported
-from .schemas import ChatMessage
+from .errors import bad_request
+from .openai_defaults import OpenAIDefaults
+from .schemas import ChatCompletionRequest, ChatMessage
+from .tools import ToolPlan, template_messages, template_supports_tools
 
 _ROLES = ("system", "user", "assistant", "tool")
 
 
 def _text_of(message: ChatMessage, where: str) -> str:
     content = message.content
+    if message.tool_calls and message.role != "assistant":
+        raise bad_request(f"{where}.tool_calls is only allowed on assistant messages.", f"{where}.tool_calls")
+    for j, call in enumerate(message.tool_calls or []):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}.tool_calls[{j}] needs function.name and function.arguments.",
+                              f"{where}.tool_calls")
     if content is None:
-        if message.role == "assistant" and not message.tool_calls:
+        if message.role == "assistant":
             return ""
-        if message.tool_calls:
-            raise unsupported(f"{where}.tool_calls", "Tool calling is not implemented.")
         raise bad_request(f"{where}.content is required for role '{message.role}'.", f"{where}.content")
-    if message.tool_calls:
-        raise unsupported(f"{where}.tool_calls", "Tool calling is not implemented.")
     if isinstance(content, str):
         return content
     texts = []
@@ -58,13 +71,60 @@ def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def render_chat(messages: Sequence[ChatMessage], tokenizer: Any) -> tuple[int, ...]:
-    conversation = normalize_messages(messages)
+# Names apply_chat_template itself takes: a template variable of that name would be ambiguous.
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                              "add_generation_prompt", "continue_final_message", "return_tensors",
+                              "return_dict", "padding", "truncation", "max_length", "tokenizer_kwargs"})
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    template: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+
+def chat_options(req: ChatCompletionRequest, defaults: OpenAIDefaults) -> ChatOptions:
+    kwargs = {**defaults.chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    reserved = sorted(_RESERVED_KWARGS & set(kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs must not set {', '.join(reserved)}: use the request field of "
+                          "that name.", "chat_template_kwargs")
+    continue_final = bool(req.continue_final_message)
+    add_generation = not continue_final if req.add_generation_prompt is None else req.add_generation_prompt
+    if continue_final and add_generation:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true.",
+                          "continue_final_message")
+    if continue_final and req.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs the last message to be the assistant's.",
+                          "continue_final_message")
+    if req.chat_template is not None and not req.chat_template.strip():
+        raise bad_request("chat_template must not be empty.", "chat_template")
+    return ChatOptions(template=req.chat_template or defaults.chat_template, kwargs=kwargs,
+                       add_generation_prompt=add_generation, continue_final_message=continue_final,
+                       add_special_tokens=bool(req.add_special_tokens))
+
+
+def render_chat(messages: Sequence[ChatMessage], tokenizer: Any, options: ChatOptions | None = None,
+                tools: ToolPlan | None = None) -> tuple[int, ...]:
+    o = options or ChatOptions()
+    plan = tools or ToolPlan()
+    template = o.template or getattr(tokenizer, "chat_template", None)
+    native = template_supports_tools(template if isinstance(template, str) else None)
+    conversation: list[dict[str, Any]] = list(normalize_messages(messages))
+    conversation = template_messages(conversation, messages, plan, native)
+    extra = dict(o.kwargs)
+    if native and plan.active:
+        extra["tools"] = [t.to_json() for t in plan.tools]
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=o.add_generation_prompt,
+            continue_final_message=o.continue_final_message, chat_template=o.template, **extra)
     except (TemplateError, ValueError, TypeError) as e:
         raise bad_request(f"The chat template could not render these messages: {e}", "messages") from e
-    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    ids = tuple(tokenizer.encode(text, add_special_tokens=o.add_special_tokens))
     if not ids:
         raise bad_request("The rendered chat prompt is empty.", "messages")
     return ids

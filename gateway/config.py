@@ -22,6 +22,7 @@
   TLS to the stages; None: plaintext.
 - ``mesh_token``: sent as gRPC metadata on every call to a stage
   (``stagemesh.core.mesh_token``); never shown in the config's repr.
+- ``openai``: server-side defaults of the OpenAI surface (``gateway.openai_defaults``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagemesh.core.grpc_tls import TlsFiles
+from .openai_defaults import OpenAIDefaults
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_outstanding_per_replica: int = 0
     failover_attempts: int = 1
+    openai: OpenAIDefaults = field(default_factory=OpenAIDefaults)
     grpc_channel_options: tuple[tuple[str, Any], ...] = (
         # Notice a dead stage host within ~30 s even on an idle long stream.
         ("grpc.keepalive_time_ms", 20_000),

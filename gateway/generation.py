@@ -7,9 +7,14 @@ Contract:
   yields ``ChoiceEvent``s as text becomes available, each job ending with
   exactly one event whose ``finish_reason`` is set ("stop": EOS or a stop
   string; "length": the token budget). Text is detokenized incrementally (no
-  partial characters), stop strings are cut out and end the job, which
-  cancels its gRPC call so the stage frees the slot; an EOS token ending the
-  generation counts in ``completion_tokens`` but never shows in the text.
+  partial characters), stop strings are cut out (kept with
+  ``include_stop_str_in_output``) and end the job, which cancels its gRPC call
+  so the stage frees the slot; a stop token (EOS or one of the request's
+  ``stop_token_ids``) ending the generation counts in ``completion_tokens`` but
+  never shows in the text nor in the logprobs.
+- With logprobs requested, each event carries the ``TokenLogprobs`` of the
+  tokens received since the previous event (the tokens behind its text, or
+  held back with it).
 - The first failing job raises its ``APIError`` out of the iterator and the
   other jobs are cancelled; closing the iterator (or cancelling the consumer)
   cancels every call.
@@ -29,6 +34,7 @@ from stagemesh.core.v1 import stage_pb2
 
 from . import errors
 from .detokenizer import IncrementalDetokenizer
+from .logprobs import TokenLogprobs, from_proto
 from .stop_strings import StopStringMatcher
 
 log = logging.getLogger("stagemesh.gateway")
@@ -51,6 +57,7 @@ class ChoiceEvent:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int  # so far
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class TokenObserver(Protocol):
@@ -67,21 +74,28 @@ class Generator(Protocol):
 class RunContext:
     client: Generator
     tokenizer: Any
-    eos_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]  # what the stage stops at (EOS unless ignore_eos, and the request's own)
     stop: tuple[str, ...]
-    ignore_eos: bool
     request_id: str
     observer: TokenObserver | None = None
     arrived: float | None = None  # time.monotonic() when the HTTP request arrived (TTFT starts there)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGenerator[ChoiceEvent, None]:
     request = stage_pb2.GenerateRequest(
         request_id=f"{ctx.request_id}-{job.index}", prompt_token_ids=job.prompt_ids, max_tokens=job.max_tokens,
-        sampling=job.sampling, stop_token_ids=sorted(ctx.eos_token_ids), ignore_eos=ctx.ignore_eos,
+        sampling=job.sampling, stop_token_ids=sorted(ctx.stop_token_ids),
     )
-    detok = IncrementalDetokenizer(ctx.tokenizer, job.prompt_ids)
+    detok = IncrementalDetokenizer(ctx.tokenizer, job.prompt_ids, ctx.skip_special_tokens)
     stops = StopStringMatcher(ctx.stop)
+    logprobs: list[TokenLogprobs] = []  # received, not yet sent with an event
+
+    def taken() -> tuple[TokenLogprobs, ...]:
+        out = tuple(logprobs)
+        logprobs.clear()
+        return out
     generated = 0
     last_arrival: float | None = None
     prompt_tokens = len(job.prompt_ids)
@@ -102,22 +116,26 @@ async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGe
             if finish == stage_pb2.FINISH_REASON_ABORT:
                 raise errors.pipeline_failed("the stage aborted the request")
             shown = ids
-            if finish == stage_pb2.FINISH_REASON_STOP and ids and ids[-1] in ctx.eos_token_ids and not ctx.ignore_eos:
-                shown = ids[:-1]  # the EOS token is generated (and counted) but not text
+            if finish == stage_pb2.FINISH_REASON_STOP and ids and ids[-1] in ctx.stop_token_ids:
+                shown = ids[:-1]  # the stop token is generated (and counted) but not text
+            if response.logprobs:
+                logprobs.extend(from_proto(response.logprobs)[:len(shown)])
             text = detok.push(shown)
             if finish:
                 text += detok.flush()
             emit, stopped = stops.feed(text)
             if stopped:
+                if ctx.include_stop_str_in_output:
+                    emit += stops.matched
                 # Leaving the ``aclosing`` block cancels the call: the stage frees the slot now.
-                yield ChoiceEvent(job.index, emit, "stop", prompt_tokens, generated)
+                yield ChoiceEvent(job.index, emit, "stop", prompt_tokens, generated, taken())
                 return
             if finish:
                 yield ChoiceEvent(job.index, emit + stops.flush(), _FINISH.get(finish, "stop"),
-                                  prompt_tokens, generated)
+                                  prompt_tokens, generated, taken())
                 return
             if emit:
-                yield ChoiceEvent(job.index, emit, None, prompt_tokens, generated)
+                yield ChoiceEvent(job.index, emit, None, prompt_tokens, generated, taken())
     raise errors.pipeline_failed("the stage ended the stream without a finish reason")
 
 

@@ -45,27 +45,40 @@ class ResponseHeader:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, texts: list[str], finish_reasons: list[str | None], use: dict[str, int]) -> dict[str, Any]:
-        pairs = list(enumerate(zip(texts, finish_reasons, strict=True)))
+    def full(self, texts: list[str | None], finish_reasons: list[str | None], use: dict[str, int],
+             logprobs: list[dict[str, Any] | None] | None = None,
+             tool_calls: list[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+        """``logprobs``: each choice's ``logprobs`` object (``gateway.logprobs``), or None throughout;
+        ``tool_calls``: each chat choice's calls (``message.tool_calls``; left out when empty)."""
+        lps = logprobs or [None] * len(texts)
+        triples = list(enumerate(zip(texts, finish_reasons, lps, strict=True)))
         if self.kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": t, "refusal": None},
-                        "logprobs": None, "finish_reason": f} for i, (t, f) in pairs]
+            choices = []
+            for i, (t, f, lp) in triples:
+                message: dict[str, Any] = {"role": "assistant", "content": t, "refusal": None}
+                if tool_calls and tool_calls[i]:
+                    message["tool_calls"] = tool_calls[i]
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": f})
             return {**self._base("chat.completion"), "choices": choices, "usage": use}
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f} for i, (t, f) in pairs]
+        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f} for i, (t, f, lp) in triples]
         return {**self._base("text_completion"), "choices": choices, "usage": use}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, *, role: bool = False,
-              include_usage: bool = False) -> dict[str, Any]:
-        """One choice's stream chunk. Chat: ``role`` opens the choice; text None gives an empty delta."""
+              include_usage: bool = False, logprobs: dict[str, Any] | None = None,
+              delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One choice's stream chunk. Chat: ``role`` opens the choice; text None gives an empty delta;
+        ``delta`` replaces the text's (tool-call deltas)."""
         if self.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text:
-                delta["content"] = text
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else {}
+                if text:
+                    delta["content"] = text
             out = {**self._base("chat.completion.chunk"),
-                   "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                   "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                "finish_reason": finish_reason}]}
         else:
             out = {**self._base("text_completion"),
-                   "choices": [{"index": index, "text": text or "", "logprobs": None,
+                   "choices": [{"index": index, "text": text or "", "logprobs": logprobs,
                                 "finish_reason": finish_reason}]}
         if include_usage:
             out["usage"] = None  # OpenAI: null on every chunk but the last when usage is requested

@@ -6,12 +6,16 @@ raise ``APIError``. Everything is validated (model, fields, prompt, context
 length) before any gRPC call. A stream does not start until the first text
 (or the first failure) is known, so a mesh that cannot serve still gets a
 proper 503 status; once a stream has started, a failure is sent as
-``data: {"error": ...}`` followed by ``data: [DONE]``.
+``data: {"error": ...}`` followed by ``data: [DONE]``. Logprobs, when asked
+for, ride each chunk (the tokens behind its text) or the whole choice; a
+completion's ``echo`` puts the prompt's text before the completion (in the
+first chunk of a stream).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -20,14 +24,19 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import errors
-from .chat_template import render_chat
+from .chat_template import chat_options, render_chat
 from .config import GatewayConfig
 from .generation import ChoiceEvent, ChoiceJob, Generator, RunContext, run_choices
+from .logprobs import LogprobFormatter, TokenLogprobs
 from .metrics import GatewayMetrics
-from .prompts import completion_prompts
+from .prompts import completion_prompts, echo_texts
 from .responses import SSE_DONE, Kind, ResponseHeader, sse, usage
 from .sampling_params import SamplingSettings, settings_from_request
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .structured_output import json_schema_grammar
+from .tool_output import ToolStream, final_message
+from .tool_parsers import PARSERS, pick_parser
+from .tools import ToolPlan, tool_plan
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -53,6 +62,10 @@ class OpenAIServing:
         self._tokenizer = tokenizer
         self._eos = frozenset(eos_token_ids)
         self._metrics = metrics
+        self._logprobs = LogprobFormatter(tokenizer)
+        template = config.openai.chat_template or getattr(tokenizer, "chat_template", None)
+        self._tool_parser = PARSERS[pick_parser(config.openai.tool_call_parser,
+                                                template if isinstance(template, str) else None)]
 
     def check_model(self, model: str | None) -> str:
         served = self._config.served_model_name
@@ -63,19 +76,33 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
         arrived = time.monotonic()
         model = self.check_model(req.model)
-        settings = settings_from_request(req)
-        prompts = completion_prompts(req.prompt, self._tokenizer)
-        return await self._serve("completion", model, prompts, settings, "prompt", arrived)
+        settings = self._settings(req)
+        add_special = True if settings.add_special_tokens is None else settings.add_special_tokens
+        prompts = completion_prompts(req.prompt, self._tokenizer, add_special_tokens=add_special)
+        echo = echo_texts(req.prompt, prompts, self._tokenizer) if settings.echo else None
+        return await self._serve("completion", model, prompts, settings, "prompt", arrived, echo)
 
     async def chat(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         arrived = time.monotonic()
         model = self.check_model(req.model)
-        settings = settings_from_request(req)
-        prompt = render_chat(req.messages, self._tokenizer)
-        return await self._serve("chat", model, [prompt], settings, "messages", arrived)
+        settings = self._settings(req)
+        tools = tool_plan(req)
+        forced = tools.forced_schema()
+        if forced is not None:
+            if settings.grammar:
+                raise errors.bad_request(f"tool_choice {tools.mode} constrains the output already; it cannot be "
+                                         "combined with response_format or guided_*.", "tool_choice")
+            settings = dataclasses.replace(settings, grammar=json_schema_grammar(forced, "tools"))
+        prompt = render_chat(req.messages, self._tokenizer, chat_options(req, self._config.openai), tools)
+        return await self._serve("chat", model, [prompt], settings, "messages", arrived, tools=tools)
+
+    def _settings(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingSettings:
+        return settings_from_request(req, self._config.openai.generation, len(self._tokenizer))
 
     async def _serve(self, kind: Kind, model: str, prompts: list[tuple[int, ...]], settings: SamplingSettings,
-                     prompt_param: str, arrived: float) -> JSONResponse | StreamingResponse:
+                     prompt_param: str, arrived: float, echo: list[str] | None = None,
+                     tools: ToolPlan | None = None) -> JSONResponse | StreamingResponse:
+        tools = tools or ToolPlan()
         max_len = self._config.max_model_len
         jobs = [
             ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
@@ -84,44 +111,70 @@ class OpenAIServing:
             for p, ids in enumerate(prompts) for i in range(settings.n)
         ]
         header = ResponseHeader.new(kind, model)
-        ctx = RunContext(client=self._client, tokenizer=self._tokenizer, eos_token_ids=self._eos,
-                         stop=settings.stop, ignore_eos=settings.ignore_eos, request_id=header.id,
-                         observer=self._metrics, arrived=arrived)
+        ctx = RunContext(client=self._client, tokenizer=self._tokenizer,
+                         stop_token_ids=settings.stop_token_ids(self._eos), stop=settings.stop,
+                         request_id=header.id, observer=self._metrics, arrived=arrived,
+                         skip_special_tokens=settings.skip_special_tokens,
+                         include_stop_str_in_output=settings.include_stop_str_in_output)
+        echoes = [echo[j.index // settings.n] for j in jobs] if echo is not None else None
         events = run_choices(jobs, ctx)
         if not settings.stream:
-            return await self._collect(header, jobs, settings, events)
+            return await self._collect(header, jobs, settings, events, echoes, tools)
         try:
             first = await anext(events)  # a failure here is still a proper HTTP status
         except BaseException:
             await events.aclose()
             raise
         # no-cache / no buffering: proxies must pass each event on at once.
-        return SSEResponse(self._stream(header, jobs, settings, first, events),
+        return SSEResponse(self._stream(header, jobs, settings, first, events, echoes, tools),
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
+    def _format_logprobs(self, kind: Kind, entries: list[TokenLogprobs], offset: int) -> tuple[dict[str, Any], int]:
+        if kind == "chat":
+            return {"content": self._logprobs.chat(entries), "refusal": None}, offset
+        return self._logprobs.completion(entries, offset)
+
     async def _collect(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
-                       events: AsyncGenerator[ChoiceEvent, None]) -> JSONResponse:
-        texts: list[list[str]] = [[] for _ in jobs]
+                       events: AsyncGenerator[ChoiceEvent, None], echoes: list[str] | None,
+                       tools: ToolPlan) -> JSONResponse:
+        texts: list[list[str]] = [[e] for e in echoes] if echoes is not None else [[] for _ in jobs]
         finish: list[str | None] = [None] * len(jobs)
         completion = [0] * len(jobs)
+        entries: list[list[TokenLogprobs]] = [[] for _ in jobs]
         async with contextlib.aclosing(events):
             async for ev in events:
                 texts[ev.index].append(ev.text)
+                entries[ev.index].extend(ev.logprobs)
                 completion[ev.index] = ev.completion_tokens
                 if ev.finish_reason:
                     finish[ev.index] = ev.finish_reason
         use = usage(_prompt_tokens(jobs, settings.n), sum(completion))
         self._metrics.usage(sum(len(j.prompt_ids) for j in jobs), use["completion_tokens"])
-        return JSONResponse(header.full(["".join(t) for t in texts], finish, use))
+        logprobs: list[dict[str, Any] | None] | None = None
+        if settings.logprobs is not None:
+            logprobs = [self._format_logprobs(header.kind, e, 0)[0] for e in entries]
+        contents: list[str | None] = ["".join(t) for t in texts]
+        calls: list[list[dict[str, Any]]] | None = None
+        if tools.active:
+            calls = []
+            for i, text in enumerate(list(contents)):
+                contents[i], found, finish[i] = final_message(text or "", finish[i], tools, self._tool_parser)
+                calls.append([c.to_json() for c in found])
+        return JSONResponse(header.full(contents, finish, use, logprobs, calls))
 
     async def _stream(self, header: ResponseHeader, jobs: list[ChoiceJob], settings: SamplingSettings,
-                      first: ChoiceEvent, events: AsyncGenerator[ChoiceEvent, None]) -> AsyncIterator[str]:
+                      first: ChoiceEvent, events: AsyncGenerator[ChoiceEvent, None],
+                      echoes: list[str] | None, tools: ToolPlan) -> AsyncIterator[str]:
         inc = settings.include_usage
         completion = [0] * len(jobs)
+        offsets = [0] * len(jobs)  # completions' text_offset, per choice
+        streams = [ToolStream(tools, self._tool_parser) for _ in jobs] if tools.active else None
         try:
             if header.kind == "chat":
                 for job in jobs:  # OpenAI opens each choice with the assistant role
                     yield sse(header.chunk(job.index, None, None, role=True, include_usage=inc))
+            for job, text in zip(jobs, echoes or (), strict=False):
+                yield sse(header.chunk(job.index, text, None, include_usage=inc))
             pending: ChoiceEvent | None = first
             while True:
                 ev = pending if pending is not None else await anext(events, None)
@@ -129,8 +182,17 @@ class OpenAIServing:
                 if ev is None:
                     break
                 completion[ev.index] = ev.completion_tokens
+                if streams is not None:
+                    for chunk in self._tool_chunks(header, streams[ev.index], ev, inc):
+                        yield sse(chunk)
+                    continue
                 if ev.text or ev.finish_reason:
-                    yield sse(header.chunk(ev.index, ev.text, ev.finish_reason, include_usage=inc))
+                    logprobs = None
+                    if settings.logprobs is not None:
+                        logprobs, offsets[ev.index] = self._format_logprobs(header.kind, list(ev.logprobs),
+                                                                            offsets[ev.index])
+                    yield sse(header.chunk(ev.index, ev.text, ev.finish_reason, include_usage=inc,
+                                           logprobs=logprobs))
             use = usage(_prompt_tokens(jobs, settings.n), sum(completion))
             self._metrics.usage(sum(len(j.prompt_ids) for j in jobs), use["completion_tokens"])
             if inc:
@@ -142,6 +204,24 @@ class OpenAIServing:
             with contextlib.suppress(BaseException):
                 await events.aclose()
         yield SSE_DONE
+
+
+    def _tool_chunks(self, header: ResponseHeader, stream: ToolStream, ev: ChoiceEvent,
+                     inc: bool) -> list[dict[str, Any]]:
+        """A chat event as content or tool-call deltas (logprobs ride the first chunk sent)."""
+        deltas = stream.feed(ev.text)
+        finish = None
+        if ev.finish_reason:
+            last, finish = stream.finish(ev.finish_reason)
+            deltas += last
+        logprobs = {"content": self._logprobs.chat(list(ev.logprobs)), "refusal": None} if ev.logprobs else None
+        chunks = []
+        for delta in deltas:
+            chunks.append(header.chunk(ev.index, None, None, include_usage=inc, delta=delta, logprobs=logprobs))
+            logprobs = None
+        if finish:
+            chunks.append(header.chunk(ev.index, None, finish, include_usage=inc, logprobs=logprobs))
+        return chunks
 
 
 def _prompt_tokens(jobs: list[ChoiceJob], n: int) -> int:

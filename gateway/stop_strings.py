@@ -4,7 +4,7 @@ Contract: ``StopStringMatcher(stops)``; ``feed(text)`` returns
 ``(emit, stopped)``: the text that is safe to show now and whether a stop
 string was completed. On a match, ``emit`` is the text before the earliest
 stop string (the stop string itself is never shown) and the matcher must not
-be fed again. Without a match, text that could still be the beginning of a
+be fed again; ``matched`` is the stop string that matched. Without a match, text that could still be the beginning of a
 stop string is held back; ``flush()`` releases it when generation ends for
 another reason.
 """
@@ -17,6 +17,7 @@ class StopStringMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self._stopped = False
+        self.matched = ""
 
     @property
     def stopped(self) -> bool:
@@ -28,11 +29,12 @@ class StopStringMatcher:
         if not self._stops:
             return text, False
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
         if hits:
             self._stopped = True
             self._held = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits, key=lambda h: h[0])
+            return buf[:at], True
         cut = self._partial_start(buf)
         self._held = buf[cut:]
         return buf[:cut], False

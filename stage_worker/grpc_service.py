@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from stage_worker.auth_interceptor import MeshTokenInterceptor
 from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed
 from stage_worker.memory import peak_rss_bytes
+from stage_worker.row_options import MAX_TOP_LOGPROBS, NO_LOGPROBS, RowOptions
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, RequestEvent
 from stage_worker.stage_status import StageStatus
 from stage_worker.wire import NO_SEED, SamplingParams
@@ -89,6 +90,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         engine = self._require_engine(context)
         sampling = request.sampling
         try:
+            options = _row_options(request)
             handle = engine.submit(GenerationRequest(
                 request_id=request.request_id or uuid.uuid4().hex,
                 prompt=tuple(request.prompt_token_ids),
@@ -96,6 +98,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 sampling=_sampling(sampling),
                 stop_token_ids=frozenset(request.stop_token_ids),
                 ignore_eos=request.ignore_eos,
+                options=None if options.is_default else options,
             ))
         except RequestError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -116,6 +119,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 finish_reason=_FINISH[event.finish] if event.finish else stage_pb2.FINISH_REASON_UNSPECIFIED,
                 prompt_tokens=event.prompt_tokens,
                 completion_tokens=event.completion_tokens,
+                logprobs=[_logprob_proto(t, lp) for t, lp in zip(event.token_ids, event.logprobs, strict=False)],
             )
             if event.finish is not None:
                 return
@@ -149,7 +153,8 @@ def _coalesce(events: queue.SimpleQueue) -> RequestEvent | RequestFailed:
     (many streams, one GIL, a fast GPU step), each extra message costs the stage and the gateway a
     full gRPC round of work for one token. Sending what has piled up as one message lets a busy
     stream catch up instead of falling further behind. ``token_ids`` already means "tokens since
-    the previous message", so clients see the same tokens in the same order.
+    the previous message" (and ``logprobs`` holds one entry per token when asked for), so clients
+    see the same tokens, with the same logprobs, in the same order.
     """
     event = events.get()
     while isinstance(event, RequestEvent) and event.finish is None:
@@ -160,7 +165,8 @@ def _coalesce(events: queue.SimpleQueue) -> RequestEvent | RequestFailed:
         if isinstance(following, RequestFailed):
             return following
         event = RequestEvent(event.request_id, event.token_ids + following.token_ids, following.finish,
-                             following.prompt_tokens, following.completion_tokens)
+                             following.prompt_tokens, following.completion_tokens,
+                             event.logprobs + following.logprobs)
     return event
 
 
@@ -175,6 +181,48 @@ def _sampling(params: stage_pb2.SamplingParams) -> SamplingParams:
         raise RequestError(f"sampling.top_k must be 0 (disabled) or positive, got {params.top_k}")
     seed = params.seed if params.HasField("seed") else NO_SEED
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=params.top_k, seed=seed)
+
+
+def _row_options(request: stage_pb2.GenerateRequest) -> RowOptions:
+    """The request's options for the last stage's logits processors; RequestError names a bad field."""
+    p = request.sampling
+    for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                            ("min_p", 0.0, 1.0)):
+        value = getattr(p, name)
+        if not low <= value <= high:
+            raise RequestError(f"sampling.{name} must be in [{low:g}, {high:g}], got {value}")
+    repetition = p.repetition_penalty or 1.0  # proto3's unset 0 means the default
+    if not 0.0 < repetition <= 2.0:
+        raise RequestError(f"sampling.repetition_penalty must be in (0, 2], got {repetition}")
+    for token, bias in p.logit_bias.items():
+        if token < 0 or not -100.0 <= bias <= 100.0:
+            raise RequestError(f"sampling.logit_bias: token {token} -> {bias}: ids >= 0, biases in [-100, 100]")
+    if any(t < 0 for t in p.allowed_token_ids):
+        raise RequestError("sampling.allowed_token_ids must hold token ids >= 0")
+    if p.min_tokens > request.max_tokens:
+        raise RequestError(f"sampling.min_tokens ({p.min_tokens}) must not exceed max_tokens ({request.max_tokens})")
+    logprobs = p.logprobs if p.HasField("logprobs") else NO_LOGPROBS
+    if logprobs > MAX_TOP_LOGPROBS:
+        raise RequestError(f"sampling.logprobs must be at most {MAX_TOP_LOGPROBS}, got {logprobs}")
+    stops = () if request.ignore_eos else tuple(sorted(set(request.stop_token_ids)))
+    if p.grammar and not stops:
+        raise RequestError("a grammar (constrained decoding) needs stop_token_ids and not ignore_eos: "
+                           "the output ends where the grammar does")
+    return RowOptions(
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, repetition_penalty=repetition,
+        logit_bias=tuple(sorted(p.logit_bias.items())), allowed_token_ids=tuple(p.allowed_token_ids),
+        min_p=p.min_p, min_tokens=p.min_tokens if stops else 0,
+        stop_token_ids=stops if p.min_tokens or p.grammar else (), grammar=p.grammar,
+        prompt_len=len(request.prompt_token_ids),
+        prompt_token_ids=tuple(request.prompt_token_ids) if repetition != 1.0 else (), logprobs=logprobs,
+    )
+
+
+def _logprob_proto(token_id: int, logprob) -> stage_pb2.TokenLogprob:
+    return stage_pb2.TokenLogprob(
+        token_id=token_id, logprob=logprob.logprob,
+        top=[stage_pb2.TopLogprob(token_id=t, logprob=v) for t, v in logprob.top],
+    )
 
 
 def start_grpc_server(

@@ -1,7 +1,7 @@
 """Token sampling on the last stage, per sequence, reproducible by seed.
 
 Temperature 0 is greedy (argmax, as mlx-lm's ``greedy_sampler``). Otherwise the
-row's log-probabilities go through mlx-lm's own top-k and top-p filters and a
+row's log-probabilities go through mlx-lm's own top-k, top-p and min-p filters and a
 categorical draw at the given temperature, keyed by ``(seed, position)``, so a
 seeded request gives the same tokens whatever else shares its batch and
 whichever stage layout serves it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from stage_worker.wire import NO_SEED, SamplingParams
 
@@ -25,8 +25,11 @@ def _row_key(seed: int, position: int) -> mx.array:
     return mx.random.key(value)
 
 
-def sample_rows(logits: mx.array, params: Sequence[SamplingParams], positions: Sequence[int]) -> mx.array:
-    """``float32[k, vocab]`` logits -> ``int32[k]`` token ids (evaluated lazily by the caller)."""
+def sample_rows(logits: mx.array, params: Sequence[SamplingParams], positions: Sequence[int],
+                min_ps: Sequence[float] | None = None) -> mx.array:
+    """``float32[k, vocab]`` logits -> ``int32[k]`` token ids (evaluated lazily by the caller).
+
+    ``min_ps``: each row's min-p (0 disables; None: none has one)."""
     if logits.shape[0] == 0:
         return mx.zeros((0,), dtype=mx.int32)
     if all(p.greedy for p in params):
@@ -42,6 +45,8 @@ def sample_rows(logits: mx.array, params: Sequence[SamplingParams], positions: S
             logprobs = apply_top_k(logprobs, p.top_k)
         if 0.0 < p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)
+        if min_ps is not None and min_ps[row] > 0.0:
+            logprobs = apply_min_p(logprobs, min_ps[row])
         seed = p.seed if p.seed != NO_SEED else 0
         key = _row_key(seed, position)
         tokens.append(mx.random.categorical(logprobs * (1.0 / p.temperature), key=key))

@@ -28,6 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stage_worker.row_options import RowOptions, TokenLogprob
 from stage_worker.stage_runtime import Chunk, SampledToken
 from stage_worker.wire import RecordFlag, SamplingParams, SequenceRecord
 
@@ -54,6 +55,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    options: RowOptions | None = None  # extra sampling options for the last stage (sent with the first chunk)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class RequestEvent:
     finish: Finish | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asked for logprobs
 
 
 @dataclass
@@ -224,7 +227,9 @@ class Scheduler:
             if seq.prefilled + size == len(seq.request.prompt):
                 flags |= RecordFlag.SAMPLE
             tokens = seq.request.prompt[seq.prefilled : seq.prefilled + size]
-            chunks.append(Chunk(SequenceRecord(seq.seq_id, seq.prefilled, size, flags, seq.request.sampling), tokens))
+            options = seq.request.options if seq.prefilled == 0 else None
+            chunks.append(Chunk(SequenceRecord(seq.seq_id, seq.prefilled, size, flags, seq.request.sampling), tokens,
+                                options=options))
             seq.prefilled += size
             seq.holds_kv = True
             seq.in_flight_steps += 1
@@ -244,6 +249,8 @@ class Scheduler:
             seq = self._running.get(record.seq_id)
             if seq is None or seq.aborted or record.num_tokens == 0 or not record.has(RecordFlag.SAMPLE):
                 continue
+            if seq.request.options is not None and seq.request.options.grammar:
+                continue  # its next token's mask needs this token on the host first
             generated_after = len(seq.generated) + seq.in_flight_steps  # tokens once ``batch`` returns
             if generated_after >= seq.request.max_tokens or \
                     len(seq.request.prompt) + generated_after >= self.max_model_len:
@@ -273,7 +280,8 @@ class Scheduler:
             self.generated_count += 1
             finish = self._finish_reason(seq, token.token_id)
             events.append(RequestEvent(seq.request.request_id, (token.token_id,), finish,
-                                       len(seq.request.prompt), len(seq.generated)))
+                                       len(seq.request.prompt), len(seq.generated),
+                                       (token.logprob,) if token.logprob is not None else ()))
             if finish is not None:
                 self._retire(seq)
         return events

@@ -10,6 +10,10 @@ compute, send, until a SHUTDOWN has gone round the ring.
 
 Messages are consumed strictly in the order they were sent; with one batch in
 flight the entry checks each TOKENS reply against the batch it sent.
+
+A request's extra sampling options (``row_options``) ride the body of the
+FORWARD frame that starts its sequence, once, and live on the last stage until
+its RELEASE; logprobs come back in the TOKENS frame's body.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ from stage_worker.blas import AdaptiveBlasThreads
 from stage_worker.kv_store import KVStore
 from stage_worker.links import InboundLink, LinkError, OutboundLink
 from stage_worker.packed_forward import DecodeRows, Segment
+from stage_worker.row_options import (
+    LogprobRows,
+    RowOptions,
+    RowProcessors,
+    TokenLogprob,
+    logprobs_from_body,
+    rows_body,
+    rows_from_body,
+)
 from stage_worker.sampling import sample_rows
 from stage_worker.stage_model import StageModel
 from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
@@ -50,6 +63,7 @@ class Chunk:
     record: SequenceRecord
     token_ids: tuple[int, ...]
     carried: bool = False
+    options: RowOptions | None = None  # the sequence's extra sampling options, on its first chunk only
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,7 @@ class SampledToken:
     seq_id: int
     position: int  # position the sampled token will occupy
     token_id: int
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -92,6 +107,7 @@ class StageCompute:
         self.kv = KVStore(model.new_caches, max_sequences)
         self._recorder = recorder
         self._threads = threads
+        self.rows = RowProcessors(model.spec)  # per-sequence logits processors (used on the last stage)
 
     def forward(self, records: Sequence[SequenceRecord], hidden: mx.array, in_flight: int = 0,
                 evaluate: bool = True) -> mx.array:
@@ -105,7 +121,10 @@ class StageCompute:
         if self._threads is not None:
             self._threads.for_load(in_flight)
         # Sequences that ended earlier are released before this batch's new ones take their places.
-        self.kv.release_many([r.seq_id for r in records if r.num_tokens == 0 and r.has(RecordFlag.RELEASE)])
+        released = [r.seq_id for r in records if r.num_tokens == 0 and r.has(RecordFlag.RELEASE)]
+        self.kv.release_many(released)
+        if len(self.rows):
+            self.rows.release(released)
         segments: list[Segment] = []
         decode_ids: list[int] = []
         decode_positions: list[int] = []
@@ -141,8 +160,9 @@ class StageCompute:
         return out
 
     def sample(self, records: Sequence[SequenceRecord], hidden: mx.array,
-               wait: bool = True) -> tuple[list[SequenceRecord], mx.array]:
-        """Norm, head and sampling for the records flagged SAMPLE; returns TOKENS records and ids.
+               wait: bool = True) -> tuple[list[SequenceRecord], mx.array, LogprobRows | None]:
+        """Norm, head, logits processors and sampling for the records flagged SAMPLE; returns TOKENS
+        records, ids and (when a row asked for them) lazy logprobs.
 
         Evaluates ``hidden`` (and so the batch's KV writes) together with the tokens: one sync.
         ``wait=False`` only starts that evaluation (``mx.async_eval``): the tokens are read later,
@@ -158,21 +178,34 @@ class StageCompute:
         evaluate = mx.eval if wait or self._recorder is not None else mx.async_eval
         if not chosen:
             evaluate(hidden)
-            return [], mx.zeros((0,), dtype=mx.int32)
+            return [], mx.zeros((0,), dtype=mx.int32), None
         logits = self.model.logits(hidden[mx.array(picks)])
         positions = [r.start_pos + r.num_tokens for r in chosen]
-        tokens = sample_rows(logits, [r.sampling for r in chosen], positions)
-        evaluate(tokens, logits, hidden)
+        seq_ids = [r.seq_id for r in chosen]
+        logits = self.rows.process(logits, seq_ids, positions)  # untouched when no row has options
+        tokens = sample_rows(logits, [r.sampling for r in chosen], positions, self.rows.min_ps(seq_ids))
+        logprobs = self.rows.logprobs(logits, tokens, seq_ids)
+        self.rows.observe(seq_ids, tokens)
+        extra = self.rows.pending() + (logprobs.arrays() if logprobs is not None else [])
+        evaluate(tokens, logits, hidden, *extra)
         if self._recorder is not None:
             self._recorder.add(chosen, logits)
         out_records = [
             SequenceRecord(seq_id=r.seq_id, start_pos=r.start_pos + r.num_tokens, num_tokens=1)
             for r in chosen
         ]
-        return out_records, tokens
+        return out_records, tokens, logprobs
+
+    def accept(self, sampled: Sequence[SampledToken]) -> None:
+        """Advance constrained sequences' grammars with their sampled ids (nothing to do without one)."""
+        if self.rows.has_grammar:
+            self.rows.accept([t.seq_id for t in sampled], [t.token_id for t in sampled])
 
     def release_finished(self, records: Sequence[SequenceRecord]) -> None:
-        self.kv.release_many([r.seq_id for r in records if r.has(RecordFlag.RELEASE)])
+        released = [r.seq_id for r in records if r.has(RecordFlag.RELEASE)]
+        self.kv.release_many(released)
+        if len(self.rows):
+            self.rows.release(released)
 
 
 @dataclass(frozen=True)
@@ -183,6 +216,7 @@ class _LocalBatch:
     tokens: mx.array
     rows: int  # token rows computed
     build_s: float  # host time spent building it
+    logprobs: LogprobRows | None = None
 
 
 class EntryPipeline:
@@ -242,17 +276,22 @@ class EntryPipeline:
         model = self._compute.model
         started = time.perf_counter()
         ids = self._input_ids(chunks)
+        options = {c.record.seq_id: c.options for c in chunks if c.options is not None}
         hidden = model.embed(ids) if ids.size else mx.zeros((0, model.hidden_size), dtype=model.dtype)
         hidden = self._compute.forward(records, hidden, in_flight, evaluate=not self._is_last)
         if self._is_last:
-            out_records, tokens = self._compute.sample(records, hidden, wait=False)
+            if options:
+                self._compute.rows.register(options)
+            out_records, tokens, logprobs = self._compute.sample(records, hidden, wait=False)
             # Its compute is counted in ``collect``, once the device has finished it.
-            self._local_results.append(_LocalBatch(out_records, tokens, int(ids.size), time.perf_counter() - started))
+            self._local_results.append(_LocalBatch(out_records, tokens, int(ids.size), time.perf_counter() - started,
+                                                   logprobs))
             sent = time.perf_counter()
         else:
             assert self._outbound is not None
             computed = time.perf_counter()
-            self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id, in_flight=in_flight)
+            self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id, in_flight=in_flight,
+                                body=rows_body({s: o for s, o in options.items() if not o.is_default}))
             sent = time.perf_counter()
             if self._on_batch is not None:
                 self._on_batch(int(ids.size), computed - started, 0.0, sent - computed)
@@ -295,6 +334,10 @@ class EntryPipeline:
             batch = self._local_results.popleft()
             reading = time.perf_counter()
             sampled = _sampled(batch.records, batch.tokens)  # reads the tokens back: waits for this batch only
+            self._compute.accept(sampled)
+            if batch.logprobs is not None:
+                sampled = _with_logprobs(sampled, {batch.records[row].seq_id: lp
+                                                   for row, lp in batch.logprobs.read().items()})
             if self._on_batch is not None:
                 # Building the batch plus waiting for the device to finish it: this stage's compute.
                 self._on_batch(batch.rows, batch.build_s + time.perf_counter() - reading, 0.0, 0.0)
@@ -309,7 +352,9 @@ class EntryPipeline:
         if self._on_wait is not None:
             self._on_wait(time.perf_counter() - waited)
         tokens = reply.payload if reply.payload is not None else mx.zeros((0,), mx.int32)
-        return _sampled(reply.records, tokens)
+        sampled = _sampled(reply.records, tokens)
+        logprobs = logprobs_from_body(reply.body)
+        return _with_logprobs(sampled, logprobs) if logprobs else sampled
 
     def pipeline_kv_capacity(self, own_tokens: int) -> int:
         """The smallest KV token capacity of any stage: a CAPACITY message goes round the ring once."""
@@ -337,6 +382,10 @@ class EntryPipeline:
 def _sampled(records: Sequence[SequenceRecord], tokens: mx.array) -> list[SampledToken]:
     ids = np.array(tokens).tolist()
     return [SampledToken(r.seq_id, r.start_pos, int(t)) for r, t in zip(records, ids)]
+
+
+def _with_logprobs(sampled: list[SampledToken], logprobs: dict[int, TokenLogprob]) -> list[SampledToken]:
+    return [replace(t, logprob=logprobs[t.seq_id]) if t.seq_id in logprobs else t for t in sampled]
 
 
 def relay_loop(
@@ -376,18 +425,23 @@ def relay_loop(
             hidden = mx.zeros((0, model.hidden_size), dtype=model.dtype)
         hidden = compute.forward(message.records, hidden, message.header.in_flight, evaluate=not is_last)
         if is_last:
-            out_records, tokens = compute.sample(message.records, hidden)
+            if message.body:
+                compute.rows.register(rows_from_body(message.body))
+            out_records, tokens, logprobs = compute.sample(message.records, hidden)
+            if compute.rows.has_grammar:
+                compute.accept(_sampled(out_records, tokens))
             computed = time.perf_counter()
             outbound.send(
                 FrameKind.TOKENS,
                 out_records,
                 tokens if out_records else None,
                 batch_id=message.header.batch_id,
+                body=logprobs.to_body([r.seq_id for r in out_records]) if logprobs is not None else None,
             )
         else:
             computed = time.perf_counter()
             outbound.send(FrameKind.FORWARD, message.records, hidden, batch_id=message.header.batch_id,
-                          in_flight=message.header.in_flight)
+                          in_flight=message.header.in_flight, body=message.body)
         compute.release_finished(message.records)
         if on_batch is not None:
             on_batch(hidden.shape[0], computed - started, started - waited, time.perf_counter() - computed)

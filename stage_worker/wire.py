@@ -30,7 +30,11 @@ A ``FORWARD`` batch holds many sequences: record i owns the payload rows
 (``start_pos``), whether it starts the sequence (reset KV), whether the last
 stage must sample a token for it, whether the sequence ends after this batch
 (free its KV), and its sampling parameters. ``HELLO`` frames carry a JSON body
-(``body_bytes``) used once at start-up to check that neighbours agree.
+(``body_bytes``) used once at start-up to check that neighbours agree; a
+``FORWARD`` frame's body announces the extra sampling options of the sequences
+it starts (``row_options.rows_body``: once per sequence, only when a request
+has any; relays pass it on), a ``TOKENS`` frame's body the logprobs of the
+rows that asked for them (``LogprobRows.to_body``).
 """
 
 from __future__ import annotations

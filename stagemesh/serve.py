@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from stagemesh import security_flags
+from stagemesh import openai_flags, security_flags
 
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, shape_names
@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-base-port", type=int, default=None,
                         help="global stage g binds base+g for gRPC (default $STAGEMESH_GRPC_BASE_PORT or "
                              f"{settings.DEFAULT_GRPC_BASE_PORT})")
+    openai_flags.add_arguments(parser)
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds allowed for every stage to load and join its ring")
     parser.add_argument("--dry-run", action="store_true",
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec, config = build_mesh_config(args)
         check_port_free(args.host, args.port, "--port")
+        openai = openai_flags.openai_defaults(args, spec.path)
     except ValueError as exc:  # ServeConfigError, LayerSplitError, PortRangeError, ModelFormatError, --dtype
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         return 2
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     app = create_app(
         GatewayConfig(served_model_name=config.served_model_name, max_model_len=config.max_model_len,
-                      mesh_token=coordinator.mesh_token, grpc_tls=config.grpc_tls,
+                      mesh_token=coordinator.mesh_token, grpc_tls=config.grpc_tls, openai=openai,
                       **security_flags.gateway_options(args)),
         mesh=coordinator,
         tokenizer=tokenizer,

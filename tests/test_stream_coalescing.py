@@ -34,3 +34,12 @@ def test_a_failure_behind_tokens_wins():
 def test_a_finished_event_is_not_merged_further():
     q = _queue(RequestEvent("r", (5,), Finish.STOP, 3, 1), RequestEvent("r", (6,), None, 3, 2))
     assert _coalesce(q).token_ids == (5,)
+
+
+def test_logprobs_stay_with_their_tokens():
+    from stage_worker.row_options import TokenLogprob
+
+    first, second = TokenLogprob(-0.5, ()), TokenLogprob(-1.5, ())
+    q = _queue(RequestEvent("r", (5,), None, 3, 1, (first,)), RequestEvent("r", (6,), None, 3, 2, (second,)))
+    merged = _coalesce(q)
+    assert merged.token_ids == (5, 6) and merged.logprobs == (first, second)

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="name of the endpoint in reports (default host:port)")
     ep.add_argument("--model", action="append", default=None,
                     help="model name to request (default: the first one GET /v1/models lists)")
+    ep.add_argument("--extra-body", action="append", default=None, metavar="JSON",
+                    help="a JSON object merged into every request body, once for all endpoints or once per "
+                         "--base-url (e.g. '{\"response_format\": {\"type\": \"json_object\"}}')")
     ep.add_argument("--api-key", action="append", default=None,
                     help="sent as Authorization: Bearer KEY ('' for none; default $STAGEMESH_API_KEY, if set)")
     wl = parser.add_argument_group("workload")
@@ -120,6 +123,19 @@ def _per_endpoint(values: list[str] | None, n: int, flag: str, *, allow_one: boo
     raise BenchSetupError(f"give {flag} {once}once per --base-url ({n}); got {len(values)}")
 
 
+def _check_extra_body(extra: str | None) -> None:
+    import json
+
+    if extra is None:
+        return
+    try:
+        value = json.loads(extra)
+    except json.JSONDecodeError as e:
+        raise BenchSetupError(f"--extra-body is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise BenchSetupError("--extra-body must be a JSON object")
+
+
 def endpoints_from_args(args: argparse.Namespace) -> list:
     from stagemesh.bench.types import Endpoint
     from stagemesh.core import settings
@@ -129,10 +145,14 @@ def endpoints_from_args(args: argparse.Namespace) -> list:
     labels = _per_endpoint(args.label, n, "--label", allow_one=n == 1)
     models = _per_endpoint(args.model, n, "--model")
     keys = _per_endpoint(args.api_key, n, "--api-key")
+    extras = _per_endpoint(getattr(args, "extra_body", None), n, "--extra-body", allow_one=True)
+    for extra in extras:
+        _check_extra_body(extra)
     default_key = settings.API_KEY
     # An explicit empty --api-key means "no key" for that endpoint, not the environment's.
-    eps = [Endpoint(label or urlsplit(url).netloc, url, model, default_key if key is None else key or None)
-           for url, label, model, key in zip(urls, labels, models, keys)]
+    eps = [Endpoint(label or urlsplit(url).netloc, url, model, default_key if key is None else key or None,
+                    extra or "")
+           for url, label, model, key, extra in zip(urls, labels, models, keys, extras)]
     if len({e.label for e in eps}) != n:
         raise BenchSetupError("endpoints need distinct labels; give --label once per --base-url")
     return eps

@@ -78,6 +78,8 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload
                queued: float = 0.0, on_chunk: Callable[[], None] | None = None) -> RequestRecord:
     assert endpoint.model is not None, "resolve the model name before sending"
     body = request_body(workload, endpoint.model, prompt)
+    if endpoint.extra_body:
+        body.update(json.loads(endpoint.extra_body))
     url = endpoint.base_url + endpoint_path(workload.endpoint_type)
     chunk_times: list[float] = []
     usage: dict[str, Any] | None = None

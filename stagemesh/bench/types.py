@@ -23,6 +23,7 @@ class Endpoint:
     base_url: str  # without a trailing "/v1"
     model: str | None  # None until resolved from GET /v1/models
     api_key: str | None = None
+    extra_body: str = ""  # a JSON object merged into every request body (--extra-body)
 
 
 @dataclass(frozen=True)

@@ -42,3 +42,31 @@ def test_an_incomplete_character_at_the_end_is_flushed_as_replacement(tokenizer)
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.push(ids[:-1]) == ""
     assert detok.flush() == "\ufffd"
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer whose characters outside its vocabulary become <0xNN> byte tokens."""
+    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for piece in ("\u2581", "a", "b", "\u2581a"):
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(BPE(vocab=vocab, merges=[("\u2581", "a")], byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_byte_fallback_tokens_make_whole_characters():
+    tokenizer = _byte_fallback_tokenizer()
+    ids = tokenizer.encode("a é😀 b", add_special_tokens=False)
+    assert "<0xF0>" in tokenizer.convert_ids_to_tokens(ids)  # the premise: 😀 is four byte tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == "a é😀 b" and "😀" in pieces and "é" in pieces
+    assert all("\ufffd" not in p for p in pieces)
+    cut = IncrementalDetokenizer(tokenizer)
+    assert cut.push(ids[:5]) == "a é" and cut.flush() == "\ufffd"  # the sequence ended inside 😀

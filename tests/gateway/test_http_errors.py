@@ -50,14 +50,20 @@ def test_field_errors_name_the_field(client, server, stage):
         client.chat.completions.create(model=MODEL, messages=CHAT, temperature=3)
     assert e.value.body["param"] == "temperature" and "[0, 2]" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True)
-    assert e.value.body["param"] == "logprobs" and "not supported" in e.value.body["message"].lower()
+        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs" and "between 0 and 20" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", logprobs=2)
+        client.completions.create(model=MODEL, prompt="x", logprobs=21)
     assert e.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=CHAT, presence_penalty=1.0)
-    assert e.value.body["param"] == "presence_penalty"
+        client.chat.completions.create(model=MODEL, messages=CHAT, presence_penalty=2.5)
+    assert e.value.body["param"] == "presence_penalty" and "[-2, 2]" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, logit_bias={"99999999": 1.0})
+    assert e.value.body["param"] == "logit_bias" and "out of the vocabulary" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search"
     err = envelope(httpx.post(f"{server.url}/v1/chat/completions",
                               json={"messages": CHAT, "mirostat": 1}), 400)
     assert err["param"] == "mirostat"

@@ -1,0 +1,105 @@
+"""``/openapi.json`` that tells the truth: the statuses the gateway really answers, and its limits.
+
+Contract: ``install_openapi(app, vocab_size=..., max_model_len=...)`` replaces
+FastAPI's generated document with one where
+- no route documents FastAPI's 422 (the gateway answers 400, ``gateway.errors``);
+- every route documents the error statuses it can answer (400, 401 on ``/v1``,
+  404, 500, 503, 504 on generation) with OpenAI's error envelope
+  (``#/components/schemas/ErrorResponse``);
+- ``/v1/completions`` and ``/v1/chat/completions`` answer ``application/json``
+  or ``text/event-stream``; ``/metrics`` answers Prometheus ``text/plain``;
+- token ids in requests are bounded by the vocabulary (``vocab_size``) and
+  ``max_tokens`` by the context (``max_model_len``), on top of the ranges the
+  request models declare (``gateway.schemas``).
+What JSON Schema cannot say (prompt + max_tokens within the context, a chat
+template's own rules) is still checked at run time with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+_DESCRIPTIONS = {400: "Invalid request: `param` names the field to change", 401: "Missing or invalid API key",
+                 404: "Unknown model or route", 413: "The body is larger than --max-request-bytes",
+                 429: "Too many requests in flight (--max-concurrent-requests[-per-key]); see Retry-After",
+                 500: "Server bug", 503: "No healthy replica, overloaded, or the "
+                 "pipeline failed", 504: "The request outlived the server's deadline"}
+_GENERATION = ("/v1/completions", "/v1/chat/completions")
+
+
+def _statuses(path: str, method: str) -> list[int]:
+    out = [404, 500]
+    if method == "post":
+        out.append(400)
+    if path.startswith("/v1/") or path == "/dashboard/live":
+        out.append(401)
+    if path.startswith("/v1/") and method == "post":
+        out += [413, 429]  # gateway.limits guards POST /v1/*
+    if path in _GENERATION:
+        out += [503, 504]
+    if path == "/health":
+        out.append(503)
+    return sorted(out)
+
+
+def _bound_token_ids(node: Any, vocab_size: int, max_model_len: int) -> None:
+    """Walk the request schemas: ``x-token-ids`` arrays get the vocabulary, ``x-max-tokens`` the context."""
+    if isinstance(node, dict):
+        if node.pop("x-token-ids", False):
+            node.setdefault("items", {})["minimum"] = 0
+            node["items"]["maximum"] = vocab_size - 1
+        if node.pop("x-token-id", False):
+            node["minimum"], node["maximum"] = 0, vocab_size - 1
+        if node.pop("x-max-tokens", False):
+            node["maximum"] = max_model_len - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size, max_model_len)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size, max_model_len)
+
+
+def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int) -> None:
+    def document() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components["ErrorBody"] = ErrorBody.model_json_schema()
+        components["ErrorResponse"] = {"type": "object", "required": ["error"], "additionalProperties": False,
+                                       "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}}}
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path, operations in schema["paths"].items():
+            for method, operation in operations.items():
+                responses = operation["responses"]
+                responses.pop("422", None)
+                for status in _statuses(path, method):
+                    responses[str(status)] = {"description": _DESCRIPTIONS[status], "content": error}
+                ok = responses.setdefault("200", {"description": "OK"})
+                if path in _GENERATION:
+                    ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+                if path == "/metrics":
+                    ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        _bound_token_ids(schema, vocab_size, max_model_len)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = document  # type: ignore[method-assign]

@@ -1,0 +1,128 @@
+"""Constrained decoding on the last stage: one llguidance matcher per constrained sequence.
+
+Contract:
+- ``GrammarRows(spec)`` holds an ``llguidance.LLMatcher`` per sequence whose
+  ``RowOptions.grammar`` is set (an llguidance grammar: the gateway compiles
+  JSON schemas, regexes and Lark into it). The llguidance tokenizer is built
+  from the model's own tokenizer on the first constrained sequence (about a
+  second, once per stage process); stages that never see one never load it.
+- ``masks(seq_ids, vocab)`` computes the allowed tokens of every constrained
+  row at once, in llguidance's thread pool (``LLExecutor``: Rust, the GIL
+  released), as an ``int32[k, ceil(vocab/32)]`` bitmask; ``apply(logits, bitmask)``
+  sets every other token's logit to -inf on the device (bit unpacking is one
+  vectorized op; no per-row loop over the vocabulary on the host).
+- Where the grammar allows ending, the request's stop tokens are allowed too
+  (llguidance only knows the tokenizer's EOS); a matcher that finished or
+  failed allows only the stop tokens, so the sequence ends instead of
+  sampling from nothing.
+- ``accept(seq_id, token)`` advances a matcher with the token that was
+  sampled: the last stage reads the sampled ids back (it already does, to
+  send them), so constrained sequences cost one host step per token, and
+  nothing for the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from stage_worker.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+class GrammarRows:
+    def __init__(self, spec: ModelSpec) -> None:
+        self._spec = spec
+        self._tokenizer: Any = None
+        self._executor: Any = None
+        self._eos: int | None = None
+        self._matchers: dict[int, Any] = {}
+        self._stops: dict[int, tuple[int, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._matchers
+
+    def _load(self, vocab: int) -> None:
+        if self._tokenizer is not None:
+            return
+        import llguidance
+        import llguidance.hf
+
+        from stage_worker.tokenizer import load_tokenizer
+
+        hf = load_tokenizer(self._spec)
+        self._eos = hf.eos_token_id
+        self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+        self._executor = llguidance.LLExecutor()
+        log.info("constrained decoding: llguidance tokenizer built (%d tokens)", vocab)
+
+    def add(self, seq_id: int, grammar: str, stop_token_ids: Sequence[int], vocab: int) -> None:
+        import llguidance
+
+        self._load(vocab)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():  # the gateway validated it; a stage-level failure still must not hang the row
+            log.warning("sequence %d: grammar rejected: %s", seq_id, matcher.get_error())
+        self._matchers[seq_id] = matcher
+        self._stops[seq_id] = tuple(stop_token_ids)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self._matchers.pop(seq_id, None)
+            self._stops.pop(seq_id, None)
+
+    def masks(self, seq_ids: Sequence[int], vocab: int) -> np.ndarray:
+        """``int32[len(seq_ids), words]`` allowed-token bitmask of each constrained row."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+        bitmask = allocate_token_bitmask(len(seq_ids), vocab)
+        live = [(self._matchers[s], i) for i, s in enumerate(seq_ids)
+                if not (self._matchers[s].is_stopped() or self._matchers[s].is_error())]
+        if live:
+            fill_next_token_bitmask_par(self._executor, live, bitmask)
+        live_rows = {i for _, i in live}
+        for i, seq_id in enumerate(seq_ids):
+            stops = self._stops[seq_id]
+            if i not in live_rows:
+                bitmask[i] = 0
+                _set_bits(bitmask[i], stops)
+            elif self._eos is not None and _bit(bitmask[i], self._eos):
+                _set_bits(bitmask[i], stops)  # the grammar may end here: so may the request's stop tokens
+        return bitmask
+
+    def accept(self, seq_id: int, token: int) -> None:
+        matcher = self._matchers.get(seq_id)
+        if matcher is None or matcher.is_stopped() or matcher.is_error():
+            return
+        if token in self._stops[seq_id] and matcher.is_accepting():
+            token = self._eos if self._eos is not None else token
+        if not matcher.consume_token(token):
+            log.warning("sequence %d: token %d left its grammar: %s", seq_id, token, matcher.get_error())
+
+
+def _bit(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def _set_bits(row: np.ndarray, tokens: Sequence[int]) -> None:
+    for token in tokens:
+        if 0 <= token < row.size * 32:
+            row[token // 32] = np.int32(np.uint32(int(row[token // 32]) & 0xFFFFFFFF | (1 << (token % 32)))
+                                        .view(np.int32))
+
+
+def apply(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """``logits[k, vocab]`` with the tokens ``bitmask`` does not allow at -inf (lazy, on the device)."""
+    vocab = logits.shape[-1]
+    token = mx.arange(vocab, dtype=mx.uint32)
+    words = mx.array(bitmask.view(np.uint32))[:, token // 32]
+    allowed = ((words >> (token % 32)) & 1).astype(mx.bool_)
+    return mx.where(allowed, logits, -mx.inf)

@@ -1,0 +1,337 @@
+"""Per-sequence logits processing and logprobs on the last stage, batch-aware.
+
+Contract:
+- ``RowOptions`` is what a request asks of the last stage beyond the wire
+  record's temperature / top-p / top-k / seed: penalties, logit bias, allowed
+  tokens, min-p, min-tokens and logprobs. It travels **once**, as JSON in the
+  body of the FORWARD frame whose record starts the sequence
+  (``rows_body`` / ``rows_from_body``), and every stage but the last passes the
+  body on untouched. A request at the defaults sends nothing.
+- ``RowProcessors`` (one per last stage) keeps each such sequence's state on
+  the device until its RELEASE: the counts of the tokens it generated (the
+  last stage samples them, so it sees every one; nothing is re-sent per step),
+  the prompt's token set (repetition penalty), a dense bias vector (logit bias
+  and allowed tokens), the stop-token mask (min-tokens) and, for constrained
+  decoding, an llguidance matcher (``stage_worker.grammar``).
+- ``process(logits, seq_ids, positions)`` returns the logits the sampler uses:
+  for the rows with state, in this order (mlx-lm's ``make_logits_processors``
+  order): bias (logit_bias, and -inf outside allowed_token_ids), the stop
+  tokens masked to -inf while fewer than ``min_tokens`` were generated, the
+  repetition penalty over prompt and output tokens, the presence penalty and
+  the frequency penalty over output tokens (OpenAI's and vLLM's semantics),
+  then the grammar's token mask. All rows with state are processed together as one ``[k, vocab]`` gather and
+  one scatter: a batch without such rows is returned untouched (no op, no
+  sync), and no per-row loop ever touches the vocabulary on the host.
+- ``observe(seq_ids, tokens)`` counts the sampled tokens, lazily on the device
+  (``pending()`` lists what the caller must evaluate with the tokens so the
+  graph never grows across steps); ``accept(seq_ids, token_ids)`` advances the
+  grammars with the sampled ids once they are on the host (``has_grammar``
+  says whether any row needs that).
+- ``logprobs(logits, tokens, seq_ids)`` is a lazy ``LogprobRows`` for the rows
+  that asked: the log-softmax of the processed logits (before temperature and
+  the top-k / top-p / min-p filters) at the chosen token and the top N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from stage_worker import grammar
+from stage_worker.grammar import GrammarRows
+from stage_worker.model_spec import ModelSpec
+
+MAX_TOP_LOGPROBS = 20
+NO_LOGPROBS = -1
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens were generated
+    prompt_len: int = 0
+    prompt_token_ids: tuple[int, ...] = ()  # sent only with a repetition penalty
+    logprobs: int = NO_LOGPROBS  # top alternatives to return; -1: no logprobs at all
+    grammar: str = ""  # an llguidance grammar the output must follow (constrained decoding)
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def transforms_logits(self) -> bool:
+        return (self.penalized or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.grammar)
+                or (self.min_tokens > 0 and bool(self.stop_token_ids)))
+
+    @property
+    def is_default(self) -> bool:
+        return not self.transforms_logits and self.min_p == 0.0 and self.logprobs == NO_LOGPROBS
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping) -> RowOptions:
+        return cls(
+            presence_penalty=float(raw.get("presence_penalty", 0.0)),
+            frequency_penalty=float(raw.get("frequency_penalty", 0.0)),
+            repetition_penalty=float(raw.get("repetition_penalty", 1.0)),
+            logit_bias=tuple((int(t), float(b)) for t, b in raw.get("logit_bias", ())),
+            allowed_token_ids=tuple(int(t) for t in raw.get("allowed_token_ids", ())),
+            min_p=float(raw.get("min_p", 0.0)),
+            min_tokens=int(raw.get("min_tokens", 0)),
+            stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids", ())),
+            prompt_len=int(raw.get("prompt_len", 0)),
+            prompt_token_ids=tuple(int(t) for t in raw.get("prompt_token_ids", ())),
+            logprobs=int(raw.get("logprobs", NO_LOGPROBS)),
+            grammar=str(raw.get("grammar", "")),
+        )
+
+
+def rows_body(options: Mapping[int, RowOptions]) -> dict | None:
+    """The FORWARD body announcing new sequences' options (None: nothing to announce)."""
+    if not options:
+        return None
+    return {"rows": {str(seq_id): o.to_json() for seq_id, o in options.items()}}
+
+
+def rows_from_body(body: Mapping | None) -> dict[int, RowOptions]:
+    if not body or "rows" not in body:
+        return {}
+    return {int(seq_id): RowOptions.from_json(raw) for seq_id, raw in body["rows"].items()}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's logprob and the most likely alternatives (most likely first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class LogprobRows:
+    """Lazy logprobs of some rows of a sampled batch (``rows`` index the batch's sampled records)."""
+
+    rows: tuple[int, ...]
+    top_counts: tuple[int, ...]
+    chosen: mx.array  # float32 [len(rows)]
+    top_ids: mx.array  # int32 [len(rows), k]
+    top_values: mx.array  # float32 [len(rows), k]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.chosen, self.top_ids, self.top_values]
+
+    def read(self) -> dict[int, TokenLogprob]:
+        """Batch row -> its logprobs (reads the arrays back: call after they were evaluated)."""
+        chosen = np.array(self.chosen).tolist()
+        ids = np.array(self.top_ids).tolist()
+        values = np.array(self.top_values).tolist()
+        return {row: TokenLogprob(chosen[i], tuple(zip(ids[i][:n], values[i][:n], strict=True)))
+                for i, (row, n) in enumerate(zip(self.rows, self.top_counts, strict=True))}
+
+    def to_body(self, seq_ids: Sequence[int]) -> dict:
+        """JSON for a TOKENS frame's body: by sequence id."""
+        out = self.read()
+        return {"logprobs": {str(seq_ids[row]): [lp.logprob, [list(p) for p in lp.top]] for row, lp in out.items()}}
+
+
+def logprobs_from_body(body: Mapping | None) -> dict[int, TokenLogprob]:
+    if not body or "logprobs" not in body:
+        return {}
+    return {int(seq_id): TokenLogprob(float(v[0]), tuple((int(t), float(x)) for t, x in v[1]))
+            for seq_id, v in body["logprobs"].items()}
+
+
+class _RowState:
+    """One sequence's device-side processing state (built on its first sampled row)."""
+
+    def __init__(self, options: RowOptions, vocab: int) -> None:
+        self.options = options
+        o = options
+        self.counts: mx.array | None = mx.zeros((vocab,), mx.float32) if o.penalized else None
+        self.prompt_seen: mx.array | None = None
+        if o.repetition_penalty != 1.0 and o.prompt_token_ids:
+            seen = np.zeros((vocab,), np.bool_)
+            seen[[t for t in o.prompt_token_ids if 0 <= t < vocab]] = True
+            self.prompt_seen = mx.array(seen)
+        self.bias: mx.array | None = None
+        if o.logit_bias or o.allowed_token_ids:
+            bias = np.zeros((vocab,), np.float32)
+            if o.allowed_token_ids:
+                bias[:] = -np.inf
+                bias[[t for t in o.allowed_token_ids if 0 <= t < vocab]] = 0.0
+            for token, value in o.logit_bias:
+                if 0 <= token < vocab:
+                    bias[token] += value
+            self.bias = mx.array(bias)
+        self.stop_mask: mx.array | None = None
+        if o.min_tokens > 0 and o.stop_token_ids:
+            mask = np.zeros((vocab,), np.bool_)
+            mask[[t for t in o.stop_token_ids if 0 <= t < vocab]] = True
+            self.stop_mask = mx.array(mask)
+
+
+class RowProcessors:
+    """The last stage's per-sequence logits processors (see the module contract)."""
+
+    def __init__(self, spec: ModelSpec | None = None) -> None:
+        self._spec = spec  # the model's, for the grammar's tokenizer
+        self._options: dict[int, RowOptions] = {}
+        self._states: dict[int, _RowState] = {}
+        self._pending: list[mx.array] = []
+        self._grammars: GrammarRows | None = None
+
+    @property
+    def has_grammar(self) -> bool:
+        return self._grammars is not None and len(self._grammars) > 0
+
+    def accept(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Advance the grammars of constrained rows with their sampled tokens (host ids)."""
+        if self._grammars is None:
+            return
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+            if seq_id in self._grammars:
+                self._grammars.accept(seq_id, token)
+
+    def register(self, options: Mapping[int, RowOptions]) -> None:
+        for seq_id, o in options.items():
+            if not o.is_default:
+                self._options[seq_id] = o
+                self._states.pop(seq_id, None)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self._options.pop(seq_id, None)
+            self._states.pop(seq_id, None)
+        if self._grammars is not None:
+            self._grammars.release(seq_ids)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+    def options(self, seq_id: int) -> RowOptions | None:
+        return self._options.get(seq_id)
+
+    def min_ps(self, seq_ids: Sequence[int]) -> list[float] | None:
+        if not self._options:
+            return None
+        values = [o.min_p if (o := self._options.get(s)) is not None else 0.0 for s in seq_ids]
+        return values if any(values) else None
+
+    def _state(self, seq_id: int, vocab: int) -> _RowState | None:
+        o = self._options.get(seq_id)
+        if o is None or not o.transforms_logits:
+            return None
+        state = self._states.get(seq_id)
+        if state is None:
+            state = self._states[seq_id] = _RowState(o, vocab)
+            if o.grammar:
+                if self._grammars is None:
+                    if self._spec is None:
+                        raise ValueError("constrained decoding needs the model's tokenizer (RowProcessors(spec))")
+                    self._grammars = GrammarRows(self._spec)
+                self._grammars.add(seq_id, o.grammar, o.stop_token_ids, vocab)
+        return state
+
+    def process(self, logits: mx.array, seq_ids: Sequence[int], positions: Sequence[int]) -> mx.array:
+        """``float32[k, vocab]`` -> the processed logits (the same array when no row has state)."""
+        if not self._options:
+            return logits
+        vocab = logits.shape[-1]
+        rows: list[int] = []
+        states: list[_RowState] = []
+        for i, seq_id in enumerate(seq_ids):
+            state = self._state(seq_id, vocab)
+            if state is not None:
+                rows.append(i)
+                states.append(state)
+        if not rows:
+            return logits
+        index = mx.array(rows, mx.int32)
+        sub = logits[index]
+        zeros = mx.zeros((vocab,), mx.float32)
+        if any(s.bias is not None for s in states):
+            sub = sub + mx.stack([s.bias if s.bias is not None else zeros for s in states])
+        masking = [s.stop_mask is not None and positions[r] - s.options.prompt_len < s.options.min_tokens
+                   for r, s in zip(rows, states, strict=True)]
+        if any(masking):
+            no_stop = mx.zeros((vocab,), mx.bool_)
+            mask = mx.stack([s.stop_mask if m and s.stop_mask is not None else no_stop
+                             for s, m in zip(states, masking, strict=True)])
+            sub = mx.where(mask, -mx.inf, sub)
+        if any(s.counts is not None for s in states):
+            sub = _penalize(sub, states, zeros)
+        if self._grammars is not None and any(s.options.grammar for s in states):
+            constrained = [i for i, s in enumerate(states) if s.options.grammar]
+            bitmask = allocate_token_bitmask(len(states), vocab)  # all allowed for the other rows
+            bitmask[constrained] = self._grammars.masks([seq_ids[rows[i]] for i in constrained], vocab)
+            sub = grammar.apply(sub, bitmask)
+        logits[index] = sub
+        return logits
+
+    def observe(self, seq_ids: Sequence[int], tokens: mx.array) -> None:
+        """Count each penalized row's sampled token (lazy; ``pending`` holds what to evaluate)."""
+        if not self._states:
+            return
+        for i, seq_id in enumerate(seq_ids):
+            state = self._states.get(seq_id)
+            if state is not None and state.counts is not None:
+                state.counts = state.counts.at[tokens[i]].add(1.0)
+                self._pending.append(state.counts)
+
+    def pending(self) -> list[mx.array]:
+        out, self._pending = self._pending, []
+        return out
+
+    def logprobs(self, logits: mx.array, tokens: mx.array, seq_ids: Sequence[int]) -> LogprobRows | None:
+        if not self._options:
+            return None
+        rows, counts = [], []
+        for i, seq_id in enumerate(seq_ids):
+            o = self._options.get(seq_id)
+            if o is not None and o.logprobs != NO_LOGPROBS:
+                rows.append(i)
+                counts.append(o.logprobs)
+        if not rows:
+            return None
+        index = mx.array(rows, mx.int32)
+        sub = logits[index]
+        logprobs = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, tokens[index][:, None].astype(mx.int32), axis=-1)[:, 0]
+        k = max(1, max(counts))
+        top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        order = mx.argsort(-top_values, axis=-1)
+        top_ids = mx.take_along_axis(top_ids, order, axis=-1).astype(mx.int32)
+        top_values = mx.take_along_axis(top_values, order, axis=-1)
+        return LogprobRows(tuple(rows), tuple(counts), chosen, top_ids, top_values)
+
+
+def allocate_token_bitmask(rows: int, vocab: int) -> np.ndarray:
+    """An all-allowed ``int32[rows, ceil(vocab/32)]`` bitmask (llguidance's layout)."""
+    return np.full((rows, (vocab + 31) // 32), -1, dtype=np.int32)
+
+
+def _penalize(sub: mx.array, states: Sequence[_RowState], zeros: mx.array) -> mx.array:
+    """Repetition, presence and frequency penalties for the rows of ``sub`` (vLLM's definitions)."""
+    counts = mx.stack([s.counts if s.counts is not None else zeros for s in states])
+    generated = counts > 0
+    repetition = [s.options.repetition_penalty for s in states]
+    if any(r != 1.0 for r in repetition):
+        no_prompt = mx.zeros(zeros.shape, mx.bool_)
+        seen = generated | mx.stack([s.prompt_seen if s.prompt_seen is not None else no_prompt for s in states])
+        penalty = mx.array(repetition, mx.float32)[:, None]
+        sub = mx.where(seen, mx.where(sub < 0, sub * penalty, sub / penalty), sub)
+    presence = mx.array([s.options.presence_penalty for s in states], mx.float32)[:, None]
+    frequency = mx.array([s.options.frequency_penalty for s in states], mx.float32)[:, None]
+    return sub - presence * generated.astype(mx.float32) - frequency * counts

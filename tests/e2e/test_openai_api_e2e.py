@@ -1,0 +1,361 @@
+"""The sampling knobs and logprobs on the real model, through the OpenAI SDK, at PP=1 and PP=2.
+
+Every request goes to both layouts and must give the same answer; logprobs must equal a
+log-softmax of the logits mlx-lm's own model computes on the same weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import httpx
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import openai
+import pytest
+
+from tests.e2e.serve_process import start_serve
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "List the days of the week."}]
+REPEATS = "one two one two one two one two"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    started = []
+    try:
+        for pp in (1, 2):
+            started.append(start_serve(tmp_path_factory.mktemp(f"openai-pp{pp}"), pp=pp))
+        yield [openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0) for s in started], started
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(servers):
+    return servers[0]
+
+
+def both(clients, call):
+    """Run ``call(client)`` on PP=1 and PP=2; they must agree exactly."""
+    first, second = (call(c) for c in clients)
+    assert first == second, (first, second)
+    return first
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from stage_worker.model_spec import read_model_spec
+    from stage_worker.tokenizer import load_tokenizer
+
+    return load_tokenizer(read_model_spec(default_model_path))
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_model(default_model_path):
+    """mlx-lm's own model class with every weight of the default model."""
+    from stage_worker.model_spec import read_model_spec
+    from stage_worker.stage_weights import load_stage_weights
+
+    spec = read_model_spec(default_model_path)
+    arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+    model = arch.Model(arch.ModelArgs.from_dict(dict(spec.args)))
+    weights = load_stage_weights(spec, range(spec.num_layers), with_embedding=True, with_head=True)
+
+    def quantized(path: str, _module: nn.Module):
+        if f"{path}.scales" not in weights:
+            return False
+        group_size, bits = spec.quantization_for(path)
+        return {"group_size": group_size, "bits": bits}
+
+    nn.quantize(model, class_predicate=quantized)
+    model.load_weights(list(weights.items()), strict=True)
+    model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
+    return model
+
+
+def _completion(client, **kw):
+    r = client.completions.create(model=MODEL, temperature=0, **kw)
+    c = r.choices[0]
+    return c.text, c.finish_reason, (c.logprobs.model_dump() if c.logprobs else None), r.usage.completion_tokens
+
+
+def test_completion_logprobs_equal_mlx_lm_log_softmax(clients, mlx_lm_model, tokenizer):
+    prompt = tokenizer.encode("The capital of France is", add_special_tokens=True)
+    _, _, lp, _ = both(clients, lambda c: _completion(c, prompt=prompt, max_tokens=6, logprobs=5))
+    ids = list(prompt)
+    for i, (token, value, top) in enumerate(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])):
+        logits = mlx_lm_model(mx.array([ids]))[0, -1].astype(mx.float32)
+        reference = np.array(logits - mx.logsumexp(logits))
+        best = int(np.argmax(reference))
+        assert token == tokenizer.decode([best])  # greedy: the most likely token
+        assert value == pytest.approx(float(reference[best]), abs=2e-3)
+        values = list(top.values())
+        assert len(top) == 5 and values == sorted(values, reverse=True) and next(iter(top)) == token
+        np.testing.assert_allclose(values, np.sort(reference)[::-1][:5], atol=2e-3)
+        assert lp["text_offset"][i] == sum(len(t) for t in lp["tokens"][:i])
+        ids.append(best)
+
+
+def test_chat_logprobs_shape_streamed_and_not(clients):
+    def run(client):
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12,
+                                           logprobs=True, top_logprobs=3)
+        content = r.choices[0].logprobs.content
+        stream = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12,
+                                                logprobs=True, top_logprobs=3, stream=True)
+        streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                    for e in chunk.choices[0].logprobs.content]
+        assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+        return r.choices[0].message.content, [e.model_dump() for e in content]
+
+    text, content = both(clients, run)
+    assert "".join(e["token"] for e in content) == text
+    assert b"".join(bytes(e["bytes"]) for e in content).decode() == text
+    for e in content:
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert e["top_logprobs"][0]["token"] == e["token"] and e["logprob"] == tops[0] <= 0
+
+
+def _distinct_share(lp: dict) -> float:
+    return len(set(lp["tokens"])) / len(lp["tokens"])
+
+
+@pytest.mark.parametrize("field, value", [("frequency_penalty", 1.5), ("presence_penalty", 1.5),
+                                          ("repetition_penalty", 1.8)])
+def test_positive_penalties_make_output_less_repetitive(clients, field, value):
+    plain = both(clients, lambda c: _completion(c, prompt=REPEATS, max_tokens=24, logprobs=0,
+                                               extra_body={"ignore_eos": True}))
+    penalized = both(clients, lambda c: _completion(c, prompt=REPEATS, max_tokens=24, logprobs=0,
+                                                   extra_body={"ignore_eos": True, field: value}))
+    assert _distinct_share(penalized[2]) > _distinct_share(plain[2]), (plain[0], penalized[0])
+
+
+def test_negative_presence_penalty_makes_output_more_repetitive(clients):
+    prompt = "Write a short story about a cat."
+    plain = both(clients, lambda c: _completion(c, prompt=prompt, max_tokens=24, logprobs=0,
+                                               extra_body={"ignore_eos": True}))
+    rewarded = both(clients, lambda c: _completion(c, prompt=prompt, max_tokens=24, logprobs=0,
+                                                  presence_penalty=-2.0, extra_body={"ignore_eos": True}))
+    assert _distinct_share(rewarded[2]) < _distinct_share(plain[2]), (plain[0], rewarded[0])
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_tokens(clients, tokenizer):
+    x = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    text, _, _, _ = both(clients, lambda c: _completion(c, prompt="Hello", max_tokens=4,
+                                                       logit_bias={str(x): 100}))
+    assert text == tokenizer.decode([x] * 4)
+    first, _, _, _ = both(clients, lambda c: _completion(c, prompt="The capital of France is", max_tokens=1))
+    banned = tokenizer.encode(first, add_special_tokens=False)[0]
+    other, _, _, _ = both(clients, lambda c: _completion(c, prompt="The capital of France is", max_tokens=1,
+                                                        logit_bias={str(banned): -100}))
+    assert other != first
+    allowed = tokenizer.encode(" yes no", add_special_tokens=False)
+    text, _, _, _ = both(clients, lambda c: _completion(c, prompt="Hi", max_tokens=5,
+                                                       extra_body={"allowed_token_ids": allowed}))
+    assert set(tokenizer.encode(text, add_special_tokens=False)) <= set(allowed)
+
+
+def test_min_tokens_stop_token_ids_and_ignore_eos(clients, tokenizer):
+    def chat(client, **extra):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                           temperature=0, max_tokens=64, extra_body=extra)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+
+    text, finish, natural = both(clients, chat)
+    assert finish == "stop" and natural < 50  # the model ends its turn early
+    _, finish, tokens = both(clients, lambda c: chat(c, min_tokens=natural + 10))
+    assert tokens >= natural + 10
+    _, finish, tokens = both(clients, lambda c: chat(c, ignore_eos=True))
+    assert (finish, tokens) == ("length", 64)
+    stop_at = tokenizer.encode(text, add_special_tokens=False)[1]
+    cut, finish, _ = both(clients, lambda c: chat(c, stop_token_ids=[stop_at]))
+    assert finish == "stop" and text.startswith(cut) and len(cut) < len(text)
+
+
+def test_seeded_sampling_with_top_k_and_min_p_repeats_across_layouts(clients):
+    def run(client, seed):
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                      seed=seed, extra_body={"top_k": 40, "min_p": 0.05, "ignore_eos": True})
+        return r.choices[0].text
+
+    assert both(clients, lambda c: run(c, 7)) == both(clients, lambda c: run(c, 7))
+    assert len({both(clients, lambda c, s=s: run(c, s)) for s in range(4)}) > 1
+
+
+def test_echo_puts_the_prompt_first(clients):
+    text, _, _, _ = both(clients, lambda c: _completion(c, prompt="The capital of France is", max_tokens=3,
+                                                       echo=True))
+    assert text.startswith("The capital of France is") and len(text) > len("The capital of France is")
+
+
+def test_unknown_fields_are_still_a_clear_400(servers):
+    _, started = servers
+    r = httpx.post(f"{started[0].url}/v1/chat/completions", json={"messages": CHAT, "mirostat_tau": 5})
+    assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "mirostat_tau"
+
+
+# -- structured output -------------------------------------------------------------------------------------------
+
+SCHEMAS = {
+    "nested": {"type": "object", "additionalProperties": False, "required": ["name", "address"],
+               "properties": {"name": {"type": "string", "maxLength": 30},
+                              "address": {"type": "object", "additionalProperties": False,
+                                          "required": ["city", "zip"],
+                                          "properties": {"city": {"type": "string", "maxLength": 30},
+                                                         "zip": {"type": "integer", "minimum": 0,
+                                                                 "maximum": 99999}}}}},
+    "enum": {"type": "object", "additionalProperties": False, "required": ["color", "sure"],
+             "properties": {"color": {"enum": ["red", "green", "blue"]}, "sure": {"type": "boolean"}}},
+    "array": {"type": "object", "additionalProperties": False, "required": ["days"],
+              "properties": {"days": {"type": "array", "minItems": 2, "maxItems": 4,
+                                      "items": {"type": "string", "maxLength": 12}}}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_output_always_validates(clients, name):
+    import jsonschema
+
+    schema = SCHEMAS[name]
+
+    def run(client):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], temperature=0,
+            max_tokens=200, response_format={"type": "json_schema",
+                                             "json_schema": {"name": name, "schema": schema, "strict": True}})
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    text, finish = both(clients, run)
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_and_sampled_rows(clients):
+    def run(client, **kw):
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=120, **kw)
+        return [(c.message.content, c.finish_reason) for c in r.choices]
+
+    [(text, finish)] = both(clients, lambda c: run(c, temperature=0, response_format={"type": "json_object"}))
+    assert finish == "stop" and isinstance(json.loads(text), dict), text
+    schema = SCHEMAS["enum"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "enum", "schema": schema}}
+    sampled = both(clients, lambda c: run(c, temperature=1.0, seed=5, n=4, response_format=fmt))
+    for text, finish in sampled:
+        assert finish == "stop"
+        assert json.loads(text)["color"] in ("red", "green", "blue")
+
+
+def test_sdk_parse_with_a_pydantic_model(clients):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        size: Literal["small", "medium", "large"]
+
+    def run(client):
+        r = client.chat.completions.parse(model=MODEL, temperature=0, max_tokens=100, response_format=City,
+                                          messages=[{"role": "user", "content": "Tell me about Paris."}])
+        return r.choices[0].message.parsed
+
+    city = both(clients, run)
+    assert isinstance(city, City)
+
+
+def test_guided_choice_and_regex(clients):
+    def run(client, extra):
+        r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", temperature=0, max_tokens=10,
+                                      extra_body=extra)
+        return r.choices[0].text
+
+    assert both(clients, lambda c: run(c, {"guided_choice": ["yes", "no"]})) in ("yes", "no")
+    import re
+
+    assert re.fullmatch(r"[0-9]{3}", both(clients, lambda c: run(c, {"guided_regex": "[0-9]{3}"})))
+
+
+# -- tool calling ------------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 40},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 40}}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_call_has_arguments_valid_for_its_schema(clients, choice):
+    import jsonschema
+
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+
+    def run(client):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0,
+                                           max_tokens=80, tool_choice=tool_choice)
+        return r.choices[0].finish_reason, _calls(r.choices[0].message)
+
+    finish, calls = both(clients, run)
+    assert finish == "tool_calls" and calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for name, arguments in calls:
+        jsonschema.validate(arguments, schemas[name])
+    if choice == "named":
+        assert [name for name, _ in calls] == ["get_weather"]
+
+
+def test_named_tool_call_streams_argument_deltas(clients):
+    def run(client):
+        stream = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80, stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        chunks = list(stream)
+        deltas = [d for chunk in chunks for d in (chunk.choices[0].delta.tool_calls or [])]
+        return deltas, chunks[-1].choices[0].finish_reason
+
+    deltas, finish = run(clients[0])
+    assert finish == "tool_calls"
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert len(deltas) > 2  # the arguments arrive in pieces
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(arguments)["unit"] in ("celsius", "fahrenheit")
+
+
+def test_tool_round_trip_call_result_answer(clients):
+    def run(client):
+        first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
+                                               max_tokens=80, tool_choice="required")
+        message = first.choices[0].message
+        call = message.tool_calls[0]
+        history = [*ASK, message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"}]
+        answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0,
+                                                max_tokens=60, tool_choice="auto")
+        return answer.choices[0].finish_reason, answer.choices[0].message.content, _calls(answer.choices[0].message)
+
+    finish, content, calls = both(clients, run)
+    assert (finish, calls) == ("stop", []) and content, (finish, content, calls)
+
+
+def test_tool_choice_without_tools_is_a_400(clients):
+    with pytest.raises(openai.BadRequestError) as e:
+        clients[0].chat.completions.create(model=MODEL, messages=ASK, tool_choice="auto")
+    assert e.value.body["param"] == "tool_choice"
