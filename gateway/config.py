@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagemesh.core.grpc_tls import TlsFiles
+
 from .openai_defaults import OpenAIDefaults
 
 
