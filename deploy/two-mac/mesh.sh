@@ -752,8 +752,14 @@ for replica in json.load(sys.stdin)["replicas"]:
 					echo "  no stages in the mesh"
 					rc=1
 				}
+				# With mutual TLS on the control plane (--grpc-tls-dir), present this node's certificate.
+				local tls_args=(-plaintext)
+				if [ -n "${STAGEMESH_GRPC_TLS_DIR:-}" ]; then
+					tls_args=(-cacert "$STAGEMESH_GRPC_TLS_DIR/ca.pem" -cert "$STAGEMESH_GRPC_TLS_DIR/node.pem"
+						-key "$STAGEMESH_GRPC_TLS_DIR/node.key")
+				fi
 				for target in $targets; do
-					health=$("$grpcurl" -plaintext -max-time 5 -d '{"service":""}' "$target" grpc.health.v1.Health/Check 2>&1 | tr -d ' \n' || true)
+					health=$("$grpcurl" "${tls_args[@]}" -max-time 5 -d '{"service":""}' "$target" grpc.health.v1.Health/Check 2>&1 | tr -d ' \n' || true)
 					printf '  %-22s %s\n' "$target" "$health"
 					case "$health" in *'"SERVING"'*) ;; *) rc=1 ;; esac
 				done
