@@ -74,17 +74,18 @@ def _config(default_model_path: str, **changes) -> MeshConfig:
         **changes})
 
 
-def _generate(target: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
+def _generate(target: str, token: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
     import grpc
 
+    from stagemesh.core.mesh_token import call_metadata
     from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
     with grpc.insecure_channel(target) as channel:
         request = stage_pb2.GenerateRequest(
             request_id="plan-test", prompt_token_ids=prompt, max_tokens=max_tokens,
             sampling=stage_pb2.SamplingParams(temperature=0.0, top_p=1.0))
-        return [t for message in stage_pb2_grpc.StageStub(channel).Generate(request, timeout=120)
-                for t in message.token_ids]
+        return [t for message in stage_pb2_grpc.StageStub(channel).Generate(
+                    request, timeout=120, metadata=call_metadata(token)) for t in message.token_ids]
 
 
 def test_plan_command_reads_each_nodes_memory_where_it_runs(cluster):
@@ -122,7 +123,8 @@ def test_the_bigger_node_gets_the_longer_range_and_the_mesh_answers(cluster, def
         assert {s.rank: s.stats.kv_token_capacity for s in replica.stages} == planned
 
         tokenizer = load_tokenizer(read_model_spec(default_model_path))
-        tokens = _generate(replica.entry.grpc_target, tokenizer.encode(FRANCE, add_special_tokens=False))
+        tokens = _generate(replica.entry.grpc_target, coordinator.mesh_token,
+                           tokenizer.encode(FRANCE, add_special_tokens=False))
         assert tokenizer.decode(tokens).strip().startswith("Paris")
         # KV used / capacity per stage: the finished sequence's KV is released (snapshots refresh every second).
         wait_until(lambda: all(f"0/{tokens}" in format_mesh(coordinator.snapshot().to_json())
