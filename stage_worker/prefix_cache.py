@@ -81,7 +81,7 @@ class _Entry:
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
     hits: int = 0  # prompt tokens found cached (vLLM's prefix_cache_hits)
-    evicted_blocks: int = 0  # blocks dropped to make room for running sequences
+    evicted_blocks: int = 0  # blocks dropped: least recently used for room, or superseded by a longer entry
 
 
 @dataclass
@@ -144,6 +144,11 @@ class PrefixCache:
             raise ValueError(f"prefix entry {entry_id} released more often than it was looked up")
         entry.references -= 1
 
+    def cancel(self, hit: PrefixHit) -> None:
+        """Undo a lookup whose hit the caller cannot use (the entry would not fit beside the new sequence)."""
+        self.release(hit.entry_id)
+        self.stats.hits -= hit.tokens
+
     def evict_to(self, max_tokens: int) -> list[int]:
         """Drop least recently used unreferenced entries until at most ``max_tokens`` are cached."""
         evicted = []
@@ -177,6 +182,7 @@ class PrefixCache:
             and entry.hashes[-1] == hashes[len(entry.hashes) - 1]
         )
         for other in superseded:
+            self.stats.evicted_blocks += len(self._entries[other].hashes)
             self._remove(other)
         self._entries[entry_id] = _Entry(hashes)
         for digest in hashes:
