@@ -103,6 +103,8 @@ class MeshConfig:
     grpc_base_port: int = DEFAULT_GRPC_BASE_PORT
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    enable_prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching
+    prefix_cache_block_size: int | None = None  # --prefix-cache-block-size
     ray_address: str | None = None  # None: RAY_ADDRESS, else a local loopback Ray
     startup_timeout_s: float = 300.0
     placement_timeout_s: float = 30.0
@@ -145,7 +147,9 @@ def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1, gpu
     ``stages_on_gpu`` the GPU ``gpu_index`` of its node (``placement.assign_gpus``; None: no GPU to
     assign). What the user left unset keeps the stage's default."""
     given: dict[str, Any] = {"memory_fraction": config.memory_fraction, "max_num_seqs": config.max_num_seqs,
-                             "max_model_len": config.max_model_len}
+                             "max_model_len": config.max_model_len,
+                             "enable_prefix_caching": config.enable_prefix_caching,
+                             "prefix_cache_block_size": config.prefix_cache_block_size}
     return StageOptions(node_id=node_id, connect_timeout_s=config.connect_timeout_s,
                         stages_on_host=stages_on_node if stages_on_node > 1 else 0, gpu_index=gpu_index,
                         stages_on_gpu=stages_on_gpu if gpu_index is not None else 0,

@@ -13,6 +13,8 @@ Contract:
   ``stagemesh_stage_{compute,wait,send}_seconds_total``,
   ``stagemesh_stage_batches_total``, ``stagemesh_stage_tokens_total``,
   ``stagemesh_stage_running_sequences``, ``stagemesh_stage_waiting_requests``,
+  ``stagemesh_stage_prefix_cache_{queries,hits,evictions}_total`` (tokens, tokens, blocks),
+  ``stagemesh_stage_prefix_cache_blocks``,
   ``stagemesh_stage_healthy``; plus
   ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer.
 - ``RequestMetricsMiddleware`` (pure ASGI, so it never breaks disconnect
@@ -59,6 +61,9 @@ class StageCollector(Collector):
                 ("send_seconds", "Seconds the stage spent handing results to its successor"),
                 ("batches", "Batches the stage computed"),
                 ("tokens", "Token rows the stage computed"),
+                ("prefix_cache_queries", "Prompt tokens of new sequences on the stage (vLLM's prefix_cache_queries)"),
+                ("prefix_cache_hits", "Prompt tokens the stage copied from its prefix cache (vLLM's prefix_cache_hits)"),
+                ("prefix_cache_evictions", "Blocks the stage dropped from its prefix cache"),
             )
         }
         gauges = {
@@ -66,6 +71,7 @@ class StageCollector(Collector):
             for name, doc in (
                 ("running_sequences", "Sequences holding KV cache on the stage"),
                 ("waiting_requests", "Requests queued on the entry stage"),
+                ("prefix_cache_blocks", "Blocks of KV the stage keeps in its prefix cache"),
             )
         }
         healthy = GaugeMetricFamily("stagemesh_stage_healthy", "1 when the stage is healthy", labels=labels)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from stage_worker.stage_status import PrefixCacheCounts
 from stage_worker.wire import WireMismatchError
 
 
@@ -60,6 +61,7 @@ class KVStore:
         self._group_of: dict[int, _Group] = {}
         self._positions: dict[int, int] = {}
         self._prefixes: dict[int, list[KVCache]] = {}  # prefix entry id -> its caches
+        self.prefix_queried_tokens = 0  # prompt positions of new sequences (copied or prefilled)
         self.prefix_reused_tokens = 0  # positions new sequences copied from entries
         self.prefix_evicted_tokens = 0  # positions dropped by EVICT records
 
@@ -85,6 +87,9 @@ class KVStore:
             self.release(seq_id)
             self._standalone[seq_id] = self._copy_prefix(prefix_entry, start_pos) if start_pos else self._make_caches()
             self._positions[seq_id] = start_pos
+            self.prefix_queried_tokens += start_pos
+        if new_sequence or num_tokens > 1:  # a prompt chunk (a one-token continuation reads as a decode)
+            self.prefix_queried_tokens += num_tokens
         self._check_position(seq_id, start_pos)
         caches = self._standalone.get(seq_id)
         if caches is None:
@@ -93,6 +98,10 @@ class KVStore:
         return caches
 
     # -- prefix entries ----------------------------------------------------------
+    def prefix_counts(self) -> PrefixCacheCounts:
+        return PrefixCacheCounts(self.prefix_queried_tokens, self.prefix_reused_tokens, self.prefix_cached_tokens,
+                                 self.prefix_evicted_tokens)
+
     @property
     def prefix_cached_tokens(self) -> int:
         return sum(caches[0].offset for caches in self._prefixes.values() if caches)

@@ -34,6 +34,15 @@ class StageStats:
     running_sequences: int = 0  # sequences holding KV on this stage
     waiting_requests: int = 0  # entry stage: queued, not yet running
     requests_finished: int = 0  # entry stage
+    prefix_cache_queries: int = 0  # prompt tokens of new sequences, in tokens as vLLM counts them
+    prefix_cache_hits: int = 0  # of those, positions copied from a cached prefix
+    prefix_cache_blocks: int = 0  # blocks cached now
+    prefix_cache_evictions: int = 0  # blocks dropped (least recently used for room, or superseded)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of prompt tokens found cached (None before any prompt)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
     def to_proto(self) -> stage_pb2.StageStats:
         return stage_pb2.StageStats(**asdict(self))
