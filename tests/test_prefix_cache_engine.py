@@ -21,16 +21,21 @@ BASE = tuple(_rng.randrange(300, 20000) for _ in range(37))
 OTHER = tuple(_rng.randrange(300, 20000) for _ in range(9))
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path):
+def load_whole_model(path: str):
+    """The default model's every layer as one stage, in the backend's default dtype."""
     from stage_worker.device import current_backend
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stagemesh.core.layer_split import LayerRange
 
-    spec = read_model_spec(default_model_path)
+    spec = read_model_spec(path)
     dtype = resolve_compute_dtype("auto", current_backend())
     return StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path):
+    return load_whole_model(default_model_path)
 
 
 class _Engine:
