@@ -61,8 +61,8 @@ class StageCollector(Collector):
                 ("send_seconds", "Seconds the stage spent handing results to its successor"),
                 ("batches", "Batches the stage computed"),
                 ("tokens", "Token rows the stage computed"),
-                ("prefix_cache_queries", "Prompt tokens of new sequences on the stage (vLLM's prefix_cache_queries)"),
-                ("prefix_cache_hits", "Prompt tokens the stage copied from its prefix cache (vLLM's prefix_cache_hits)"),
+                ("prefix_cache_queries", "Prompt tokens of new sequences (as vLLM's prefix_cache_queries)"),
+                ("prefix_cache_hits", "Prompt tokens copied from the prefix cache (as vLLM's prefix_cache_hits)"),
                 ("prefix_cache_evictions", "Blocks the stage dropped from its prefix cache"),
             )
         }

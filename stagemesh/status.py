@@ -1,7 +1,8 @@
 """``stagemesh status``: the mesh as the coordinator sees it, from a running gateway's ``/mesh``.
 
 Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
-pid, dtype, quantized, MLX backend and device, state, health) or, with ``--json``, the ``/mesh`` document unchanged.
+pid, dtype, quantized, MLX backend and device, state, health, then its prefix cache: the share of prompt
+tokens it reused, blocks cached now, blocks evicted) or, with ``--json``, the ``/mesh`` document unchanged.
 Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
 gateway cannot be reached.
 """
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def format_mesh(mesh: dict) -> str:
     """The /mesh document as a table (pure)."""
     header = ("replica", "rank", "layers", "host", "grpc", "ring", "pid", "dtype", "quant", "backend", "device",
-              "state", "healthy")
+              "state", "healthy", "prefix_hits", "cached_blocks", "evicted_blocks")
     rows = [header]
     for replica in mesh.get("replicas", []):
         for stage in replica.get("stages", []):
@@ -33,6 +34,7 @@ def format_mesh(mesh: dict) -> str:
                 str(stage.get("compute_dtype")), "yes" if stage.get("quantized") else "no",
                 str(stage.get("backend") or "-"), str(stage.get("device") or "-"),
                 str(stage.get("state", "")), "yes" if stage.get("healthy") else "NO",
+                *_prefix_cache_cells(stage.get("stats") or {}),
             ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [f"model: {mesh.get('model')}"]
@@ -40,6 +42,15 @@ def format_mesh(mesh: dict) -> str:
     healthy = sum(1 for r in mesh.get("replicas", []) if r.get("healthy"))
     lines.append(f"{healthy}/{len(mesh.get('replicas', []))} replicas healthy")
     return "\n".join(lines)
+
+
+def _prefix_cache_cells(stats: dict) -> tuple[str, str, str]:
+    """Hit rate (of how many prompt tokens), cached blocks, evicted blocks; "-" from a gateway without them."""
+    if "prefix_cache_queries" not in stats:
+        return "-", "-", "-"
+    queries, hits = stats["prefix_cache_queries"], stats.get("prefix_cache_hits", 0)
+    rate = f"{100 * hits / queries:.0f}%/{queries}" if queries else "-"
+    return rate, str(stats.get("prefix_cache_blocks", 0)), str(stats.get("prefix_cache_evictions", 0))
 
 
 def run(args: argparse.Namespace) -> int:
