@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                       "run the serving comparisons (vs mlx_lm.server, PP=2 vs PP=1, two hosts) side by side"),
     "bench-engine": ("stagemesh.bench.engine",
                      "time the entry stage alone (engine, scheduler, model): ms per token, streams, profile"),
+    "bench-prefix": ("stagemesh.bench.prefix",
+                     "what the prefix cache is worth: multi-turn chat and distinct prompts, cache off against on"),
     "bench-hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
 }

@@ -27,3 +27,10 @@ def test_a_block_size_below_one_is_refused_naming_the_flag():
         build_mesh_config(_args("--prefix-cache-block-size", "0"))
     with pytest.raises(UserError, match="prefix_cache_block_size"):
         StageOptions(prefix_cache_block_size=0)
+
+
+def test_bench_prefix_refuses_non_positive_counts_before_loading_anything(capsys):
+    from stagemesh.cli import main
+
+    assert main(["bench-prefix", "--turns", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err
