@@ -96,11 +96,14 @@ class PrefixCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._by_hash: dict[bytes, set[int]] = {}
         self._next_id = 1
+        # Kept up to date so the scheduler's admission check (run every engine loop) stays O(1).
+        self._cached_blocks = 0
+        self._pinned_blocks = 0
 
     # -- what is held -----------------------------------------------------
     @property
     def cached_blocks(self) -> int:
-        return sum(len(e.hashes) for e in self._entries.values())
+        return self._cached_blocks
 
     @property
     def cached_tokens(self) -> int:
@@ -109,7 +112,7 @@ class PrefixCache:
     @property
     def pinned_tokens(self) -> int:
         """Tokens held by referenced entries: these cannot be evicted now."""
-        return sum(len(e.hashes) for e in self._entries.values() if e.references) * self.block_size
+        return self._pinned_blocks * self.block_size
 
     def __contains__(self, entry_id: int) -> bool:
         return entry_id in self._entries
@@ -133,7 +136,7 @@ class PrefixCache:
             return None
         best = self._most_recent(holders)
         self._entries.move_to_end(best)
-        self._entries[best].references += 1
+        self._reference(self._entries[best], +1)
         self.stats.hits += matched * self.block_size
         return PrefixHit(best, matched * self.block_size)
 
@@ -142,7 +145,7 @@ class PrefixCache:
         entry = self._entries[entry_id]
         if entry.references < 1:
             raise ValueError(f"prefix entry {entry_id} released more often than it was looked up")
-        entry.references -= 1
+        self._reference(entry, -1)
 
     def cancel(self, hit: PrefixHit) -> None:
         """Undo a lookup whose hit the caller cannot use (the entry would not fit beside the new sequence)."""
@@ -185,6 +188,7 @@ class PrefixCache:
             self.stats.evicted_blocks += len(self._entries[other].hashes)
             self._remove(other)
         self._entries[entry_id] = _Entry(hashes)
+        self._cached_blocks += len(hashes)
         for digest in hashes:
             self._by_hash.setdefault(digest, set()).add(entry_id)
         return Retain(entry_id, len(hashes) * self.block_size, superseded)
@@ -192,14 +196,21 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
         self._by_hash.clear()
+        self._cached_blocks = self._pinned_blocks = 0
 
     # -- helpers ------------------------------------------------------------
     def _most_recent(self, holders: set[int]) -> int:
         # Runs at admission and retirement only; entries are few (one per distinct finished prefix).
         return next(key for key in reversed(self._entries) if key in holders)
 
+    def _reference(self, entry: _Entry, change: int) -> None:
+        if entry.references == 0 or entry.references + change == 0:
+            self._pinned_blocks += len(entry.hashes) * change
+        entry.references += change
+
     def _remove(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
+        self._cached_blocks -= len(entry.hashes)
         for digest in entry.hashes:
             holders = self._by_hash.get(digest)
             if holders is not None:
