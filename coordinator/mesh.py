@@ -10,6 +10,12 @@ Lifecycle:
   waits for its neighbours) and wait until every stage's gRPC health says
   SERVING, logging each stage's progress. Any failure stops everything and
   raises ``MeshStartError`` with the failing stage's log tail.
+- Layers: with the model's facts (``MeshConfig.model_facts``), each node's
+  StageHost reports its own memory and backend (``StageHost.node_memory``)
+  and the layer planner (``coordinator.layer_planner``) chooses every
+  replica's ranges, or checks ``--pp-layer-split``, before any stage starts;
+  a request that cannot fit raises ``PlanError`` with its numbers. Without
+  them (tests' fake stages) the split is even or ``--pp-layer-split``.
 - Supervision: one thread per replica checks its stages every
   ``health_interval_s`` (gRPC health + stage info with a short deadline, and
   ``StageHost.poll``). A stage that is not serving is marked unhealthy in the
@@ -19,7 +25,9 @@ Lifecycle:
   are free, and start it again with the same plan, with backoff and a cap
   (``health.RestartPolicy``). A replica whose host actor is gone is placed
   again from the cluster's live nodes (the plan's hosts may change).
-- ``snapshot()``: the current ``MeshSnapshot`` (immutable; any thread).
+- ``snapshot()``: the current ``MeshSnapshot`` (immutable; any thread), with
+  the recent events (stage lost, replica restarting / re-placed / serving
+  again, node lost) from the coordinator's ``EventJournal``.
 - ``stop()``: SIGTERM the entry stage of each replica first (it stops its
   pipeline cleanly), then the rest, SIGKILL stragglers, kill the actors,
   remove the placement groups, and shut down a Ray it started. Idempotent;
@@ -46,6 +54,7 @@ from coordinator.health import (
     Verdict,
     judge,
 )
+from coordinator.layer_planner import MemoryPlan, PlanRequest, StageSeat, format_plan, plan_pipeline
 from coordinator.placement import (
     ClusterNode,
     PlacementError,
@@ -66,7 +75,11 @@ from coordinator.ray_cluster import (
     reserve_bundles,
 )
 from coordinator.stage_host import DEFAULT_STAGE_COMMAND, HostInfo, stage_host_actor
-from stagemesh.core.layer_split import plan_layer_split
+from stagemesh.core import settings
+from stagemesh.core.events import EventJournal
+from stagemesh.core.gpus import stage_has_own_gpu
+from stagemesh.core.layer_split import LayerRange, plan_layer_split
+from stagemesh.core.memory import ModelFacts, NodeMemory, stages_sharing_memory
 from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
 from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
 from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
@@ -118,10 +131,21 @@ class MeshConfig:
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
     stage_command: tuple[str, ...] = DEFAULT_STAGE_COMMAND  # after `python`; `--launch FILE` follows
+    # The model's size (stage_worker.model_facts): the layer planner splits by each node's memory. None: even
+    # split / --pp-layer-split, unchecked (the fake stages of the coordinator's tests have no model).
+    model_facts: ModelFacts | None = None
 
     @property
     def total_stages(self) -> int:
         return self.pipeline_parallel_size * self.data_parallel_size
+
+    def plan_request(self) -> PlanRequest:
+        """What the layer planner must fit (the stage's own defaults where the user left a flag unset)."""
+        defaults = StageOptions()
+        return PlanRequest(
+            max_model_len=self.max_model_len or 4096, max_num_seqs=self.max_num_seqs or defaults.max_num_seqs,
+            memory_fraction=self.memory_fraction or defaults.memory_fraction, compute_dtype=self.compute_dtype,
+            layer_split=self.layer_split)
 
     def restart_policy(self) -> RestartPolicy:
         return RestartPolicy(self.max_restarts, self.restart_window_s, self.restart_backoff_s,
@@ -145,13 +169,15 @@ def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1, gpu
                   stages_on_gpu: int = 0) -> StageOptions:
     """A serving stage's options; ``stages_on_node`` stages share its node's memory and cores, and
     ``stages_on_gpu`` the GPU ``gpu_index`` of its node (``placement.assign_gpus``; None: no GPU to
-    assign). What the user left unset keeps the stage's default."""
+    assign). What the user left unset keeps the stage's default. ``stages_on_node`` is passed even when 1: the
+    coordinator knows which stages share a node (two Ray nodes may share an address, as in a simulated
+    cluster), and the layer plan sized each stage's budget by that count."""
     given: dict[str, Any] = {"memory_fraction": config.memory_fraction, "max_num_seqs": config.max_num_seqs,
                              "max_model_len": config.max_model_len,
                              "enable_prefix_caching": config.enable_prefix_caching,
                              "prefix_cache_block_size": config.prefix_cache_block_size}
     return StageOptions(node_id=node_id, connect_timeout_s=config.connect_timeout_s,
-                        stages_on_host=stages_on_node if stages_on_node > 1 else 0, gpu_index=gpu_index,
+                        stages_on_host=stages_on_node, gpu_index=gpu_index,
                         stages_on_gpu=stages_on_gpu if gpu_index is not None else 0,
                         **{name: value for name, value in given.items() if value is not None})
 
@@ -222,10 +248,13 @@ class _ReplicaFailed(RuntimeError):
 class MeshCoordinator:
     """Runs the mesh described by a ``MeshConfig`` (see the module docstring)."""
 
-    def __init__(self, config: MeshConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: MeshConfig, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         validate_config(config)
         self.config = config
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._events = EventJournal(wall_clock=wall_clock)
         self._lock = threading.RLock()
         self._stop_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -236,6 +265,8 @@ class MeshCoordinator:
         self._nodes: list[ClusterNode] = []
         self._snapshot = MeshSnapshot(config.served_model_name, ())
         self._policy = config.restart_policy()
+        self._node_memory: dict[str, NodeMemory] = {}  # node id -> what its StageHost reported
+        self.memory_plans: dict[int, MemoryPlan] = {}  # replica -> its layer plan (with model_facts)
 
     # -- public API -----------------------------------------------------------
 
@@ -261,6 +292,9 @@ class MeshCoordinator:
                 self._replicas.append(self._reserve(index, slots))
             for replica in self._replicas:
                 self._describe_hosts(replica)
+                with self._lock:
+                    self._assign_gpus(replica)  # all replicas' first: the layer plan counts each GPU's sharers
+            for replica in self._replicas:
                 self._plan(replica)
             self._publish()
             for replica in self._replicas:
@@ -271,6 +305,8 @@ class MeshCoordinator:
             if isinstance(exc, _ReplicaFailed):
                 raise MeshStartError(str(exc)) from None
             raise
+        self._event("mesh_serving", f"{cfg.data_parallel_size} replica(s) x {cfg.pipeline_parallel_size} stage(s) "
+                    f"serving in {self._clock() - started:.1f} s")
         log.info("mesh serving: %d replica(s) x %d stage(s) in %.1f s (%s)",
                  cfg.data_parallel_size, cfg.pipeline_parallel_size, self._clock() - started,
                  "local Ray on loopback" if self._session.local else f"Ray at {self._session.address}")
@@ -301,6 +337,8 @@ class MeshCoordinator:
                     replica.phase = "stopped"
                     for stage in replica.stages:
                         stage.state, stage.healthy, stage.pid = StageState.STOPPED, False, None
+                if self._replicas:
+                    self._events.record("mesh_stopped", "every stage stopped")
                 self._publish()
             self._stopped = True
             atexit.unregister(self.stop)
@@ -331,12 +369,44 @@ class MeshCoordinator:
                 log.warning("replica %d stage %d: node %s runs Python %s, the coordinator %s",
                             replica.index, stage.rank, info.hostname, info.python, sys.version.split()[0])
 
+    def _seats(self, replica: _Replica) -> list[StageSeat]:
+        """Where each stage of ``replica`` runs, with its node's own memory facts (asked once per node)."""
+        import ray
+
+        missing = {s.slot.node_id: s for s in replica.stages if s.slot.node_id not in self._node_memory}
+        answers = ray.get([s.actor.node_memory.remote() for s in missing.values()], timeout=_ACTOR_START_S)
+        self._node_memory.update(zip(missing, answers))
+        seats = []
+        for s in replica.stages:
+            memory = self._node_memory[s.slot.node_id]
+            own_gpu = stage_has_own_gpu(s.gpu_index, settings.GPU_PER_STAGE)
+            sharing = stages_sharing_memory(memory.backend, self._stages_on_node(s.slot.node_id),
+                                            self._stages_on_gpu(s.slot.node_id, s.gpu_index), own_gpu)
+            seats.append(StageSeat(s.slot.node_id, s.host.host if s.host else s.slot.address, memory, sharing,
+                                   s.host.hostname if s.host else ""))
+        return seats
+
+    def _layer_ranges(self, replica: _Replica) -> tuple[LayerRange, ...] | None:
+        """The layer planner's ranges for ``replica`` (None without the model's facts); raises ``PlanError``."""
+        facts = self.config.model_facts
+        if facts is None:
+            return None
+        stages, chosen_by = plan_pipeline(facts, self._seats(replica), self.config.plan_request(), replica.index)
+        plan = MemoryPlan(self.config.plan_request(), (stages,), chosen_by)
+        self.memory_plans[replica.index] = plan
+        log.info("replica %d layer plan:\n%s", replica.index, format_plan(plan))
+        return plan.ranges(0)
+
     def _plan(self, replica: _Replica) -> None:
         cfg = self.config
+        with self._lock:
+            if any(s.gpu_index is None for s in replica.stages):  # new hosts (placed again), or no GPUs at all
+                self._assign_gpus(replica)  # before planning: a stage's GPU decides whose memory it shares
         plan = pipeline_plan(
             replica.index, replica.host_addresses(),
             data_parallel_size=cfg.data_parallel_size, model_path=cfg.model_path,
             num_layers=cfg.num_layers, compute_dtype=cfg.compute_dtype, layer_split=cfg.layer_split,
+            layers=self._layer_ranges(replica),
             ring_base_port=cfg.ring_base_port, grpc_base_port=cfg.grpc_base_port, dequantize=cfg.dequantize,
             model_is_default=cfg.model_is_default, load_format=cfg.load_format,
             hop_transport=cfg.hop_transport,
@@ -351,7 +421,6 @@ class MeshCoordinator:
                     stage.channel = StageChannel(target)
                 stage.placement = placement
                 stage.compute_dtype = stage.compute_dtype or cfg.compute_dtype
-            self._assign_gpus(replica)
 
     def _assign_gpus(self, replica: _Replica) -> None:
         """Give each stage of ``replica`` one GPU of its node; the other replicas keep theirs. Caller holds
@@ -394,7 +463,9 @@ class MeshCoordinator:
                     old.channel.close()
             replica.group, replica.stages = fresh.group, fresh.stages
         self._describe_hosts(replica)
-        log.info("replica %d placed again on %s", replica.index, ", ".join(replica.host_addresses()))
+        hosts = ", ".join(replica.host_addresses())
+        self._event("replica_replaced", f"placed again on {hosts}", replica=replica.index)
+        log.info("replica %d placed again on %s", replica.index, hosts)
 
     # -- starting -------------------------------------------------------------
 
@@ -458,6 +529,9 @@ class MeshCoordinator:
                 if all(v is Verdict.SERVING for v, _ in verdicts):
                     with self._lock:
                         replica.phase = "serving"
+                        if replica.restarts:
+                            self._events.record("replica_serving", f"serving again after restart {replica.restarts}",
+                                                replica=replica.index)
                         self._publish()
                     log.info("replica %d: serving (%d stage(s), %.1f s)", replica.index, len(replica.stages),
                              self._clock() - replica.stages[0].started_at)
@@ -535,6 +609,8 @@ class MeshCoordinator:
                          stage.name, stage.pid, stage.slot.node_id[:8], stage.compute_dtype, stage.backend,
                          stage.device, stage.quantized, stage.blas, self._clock() - stage.started_at)
             elif stage.state is StageState.FAILED:
+                self._events.record("stage_lost", f"{stage.name}: {reason or 'failed'}", replica=stage.replica,
+                                    rank=stage.rank)
                 log.warning("%s: failed: %s", stage.name, reason)
             else:
                 log.info("%s: %s", stage.name, stage.state.value)
@@ -571,6 +647,8 @@ class MeshCoordinator:
             replica.phase = "restarting"
             for s in replica.stages:
                 s.healthy = False
+            self._events.record("replica_restarting", f"{stage.name} failed ({reason}); restarting the whole replica",
+                                replica=replica.index, rank=stage.rank)
             self._publish()
         while True:
             self._stop_replica_now(replica)
@@ -581,6 +659,8 @@ class MeshCoordinator:
                     for s in replica.stages:
                         s.state, s.healthy = StageState.FAILED, False
                         s.error = s.error or f"gave up after {len(replica.restart_times)} restarts"
+                    self._events.record("replica_failed", f"gave up after {len(replica.restart_times)} restarts "
+                                        f"within {self.config.restart_window_s:.0f} s", replica=replica.index)
                     self._publish()
                 log.error("replica %d: giving up after %d restarts within %.0f s; fix the cause "
                           "and restart stagemesh", replica.index, self.config.max_restarts,
@@ -635,6 +715,8 @@ class MeshCoordinator:
                 ray.get(stage.actor.describe.remote(), timeout=_ACTOR_CALL_S)
             except Exception:
                 self._lost_nodes[stage.slot.node_id] = self._clock()
+                self._event("node_lost", f"node {stage.slot.node_id[:8]} lost its StageHost", replica=replica.index,
+                            rank=stage.rank)
                 log.warning("replica %d stage %d: node %s lost its StageHost; placing elsewhere while "
                             "others have room", replica.index, stage.rank, stage.slot.node_id[:8])
 
@@ -711,8 +793,16 @@ class MeshCoordinator:
         except Exception as exc:
             return f"(log unavailable: {type(exc).__name__})"
 
+    def _event(self, kind: str, message: str, *, replica: int | None = None, rank: int | None = None) -> None:
+        """Record an event and publish it at once (takes the lock)."""
+        with self._lock:
+            self._events.record(kind, message, replica=replica, rank=rank)
+            self._publish()
+
     def _publish(self) -> None:
         """Rebuild the immutable snapshot; caller holds the lock."""
+        # Stage start times are kept on the monotonic clock; the snapshot gives them as wall time.
+        wall_offset = self._wall_clock() - self._clock()
         replicas = []
         for replica in self._replicas:
             stages = []
@@ -727,9 +817,10 @@ class MeshCoordinator:
                     pid=s.pid, node_id=s.slot.node_id, compute_dtype=s.compute_dtype or self.config.compute_dtype,
                     quantized=s.quantized, healthy=s.healthy, state=s.state, error=s.error, stats=s.stats,
                     blas=s.blas, backend=s.backend, device=s.device,
+                    started_at=s.started_at + wall_offset if s.started_at and s.pid else None,
                 ))
             replicas.append(ReplicaSnapshot(replica.index, tuple(stages), replica.restarts))
-        self._snapshot = MeshSnapshot(self.config.served_model_name, tuple(replicas))
+        self._snapshot = MeshSnapshot(self.config.served_model_name, tuple(replicas), self._events.recent())
 
 
 class _Stopping(Exception):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from stagemesh.core.layer_split import plan_layer_split
+from stagemesh.core.layer_split import LayerRange, plan_layer_split
 from stagemesh.core.plan import PipelinePlan, StagePlacement
 from stagemesh.core.ports import PortRangeError, stage_ports
 from stagemesh.core.settings import MLX_RESOURCE
@@ -195,6 +195,7 @@ def pipeline_plan(
     num_layers: int,
     compute_dtype: str,
     layer_split: str | None = None,
+    layers: Sequence[LayerRange] | None = None,
     ring_base_port: int,
     grpc_base_port: int,
     dequantize: str = "auto",
@@ -202,20 +203,25 @@ def pipeline_plan(
     load_format: str = "auto",
     hop_transport: str = "lane",
 ) -> PipelinePlan:
-    """One replica's plan: rank r on ``hosts[r]``, ports from global index ``replica * P + r``."""
+    """One replica's plan: rank r on ``hosts[r]``, ports from global index ``replica * P + r``.
+
+    ``layers`` (the layer planner's ranges, ``coordinator.layer_planner``) wins over ``layer_split``."""
     pp = len(hosts)
     _check_sizes(pp, data_parallel_size)
     if not 0 <= replica < data_parallel_size:
         raise ValueError(f"replica {replica} outside 0..{data_parallel_size - 1}")
     total = pp * data_parallel_size
     check_port_ranges(total, ring_base_port, grpc_base_port)
-    ranges = plan_layer_split(num_layers, pp, layer_split)
+    ranges = tuple(layers) if layers is not None else plan_layer_split(num_layers, pp, layer_split)
+    if len(ranges) != pp or ranges[0].start != 0 or ranges[-1].end != num_layers or any(
+            a.end != b.start for a, b in zip(ranges, ranges[1:])):
+        raise ValueError(f"layer ranges {[str(r) for r in ranges]} do not tile {num_layers} layers over {pp} stages")
     stages = []
-    for rank, (layers, host) in enumerate(zip(ranges, hosts)):
+    for rank, (span, host) in enumerate(zip(ranges, hosts)):
         g = replica * pp + rank
         ports = stage_ports(g, total, ring_base_port, grpc_base_port)
         stages.append(StagePlacement(
-            rank=rank, global_index=g, layers=layers, host=host,
+            rank=rank, global_index=g, layers=span, host=host,
             ring_port=ports.ring, lane_port=ports.lane, grpc_port=ports.grpc,
         ))
     return PipelinePlan(

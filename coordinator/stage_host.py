@@ -17,6 +17,13 @@ Contract (every method returns quickly; nothing here blocks on the stage):
   many NVIDIA GPUs its stages may be spread over (``stagemesh.core.gpus``: the
   entries of ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``'s GPUs; 0 on a
   Mac or a CPU node).
+- ``node_memory()`` -> ``stagemesh.core.memory.NodeMemory``: this node's
+  backend, device and memory as a stage here will see them (MLX's recommended
+  working set on Metal, the GPU's memory on CUDA, the host's on the CPU, and
+  ``STAGEMESH_NODE_MEMORY`` / ``STAGEMESH_NODE_SPEED``), for the layer
+  planner. Read by ``python -m stage_worker.node_probe`` in a subprocess: the
+  coordinator may not import the stage worker, and the subprocess has the
+  environment and MLX a stage started here has. Asked once, then cached.
 - ``start(plan_json, rank, args)`` writes the plan to a temp file on this
   node, starts the stage with its output in a log file there, returns its pid.
 - ``poll()`` -> exit code or None; ``terminate()`` sends SIGTERM and returns;
@@ -31,6 +38,7 @@ The class is plain Python: tests use it directly without Ray;
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import signal
@@ -45,12 +53,15 @@ from pathlib import Path
 
 from stagemesh.core import settings
 from stagemesh.core.gpus import CUDA_VISIBLE_DEVICES, node_gpu_count
+from stagemesh.core.memory import NodeMemory
 from stagemesh.core.ports import port_is_free
 from stagemesh.core.settings import MLX_RESOURCE
 from stagemesh.core.states import ExitCode
 
 HOST_IP_ENV = settings.env_name("HOST_IP")
 DEFAULT_STAGE_COMMAND = ("-m", "stage_worker")
+NODE_PROBE_COMMAND = ("-m", "stage_worker.node_probe")
+_NODE_PROBE_S = 60.0  # importing MLX; a GPU's first query may take a few seconds
 ACTOR_NUM_CPUS = 0.01  # Ray bookkeeping only; actors ask for 1 CPU unless told
 
 # Linux: the stage gets SIGTERM if the actor process dies (killed by Ray, node
@@ -142,6 +153,7 @@ class StageHost:
         self._log_path: Path | None = None
         self._starts = 0
         self._gpu_count: int | None = None  # counted once: a node's GPUs do not change under it
+        self._memory: NodeMemory | None = None  # likewise its memory and backend
 
     # -- identity -------------------------------------------------------------
 
@@ -161,6 +173,21 @@ class StageHost:
             stagemesh=_version("stagemesh"), platform=f"{sys.platform}-{platform.machine()}",
             gpu_count=self._gpu_count,
         )
+
+    def node_memory(self, command: Sequence[str] = NODE_PROBE_COMMAND) -> NodeMemory:
+        """This node's memory and backend as a stage here sees them (see the module docstring)."""
+        if self._memory is None:
+            try:
+                done = subprocess.run([sys.executable, *command], capture_output=True, text=True,
+                                      timeout=_NODE_PROBE_S, env=stage_env(os.environ), stdin=subprocess.DEVNULL)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise StageHostError(f"{self._label}: could not read this node's memory ({exc})") from exc
+            lines = done.stdout.strip().splitlines()
+            if done.returncode != 0 or not lines:
+                raise StageHostError(f"{self._label}: reading this node's memory failed (exit {done.returncode}): "
+                                     f"{done.stderr.strip()[-500:]}")
+            self._memory = NodeMemory.from_dict(json.loads(lines[-1]))
+        return self._memory
 
     # -- the stage process ----------------------------------------------------
 
@@ -268,4 +295,16 @@ def stage_host_actor(placement_group, bundle_index: int, label: str, name: str |
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=bundle_index,
         ),
+    ).remote(label)
+
+
+def node_probe_actor(node_id: str, label: str):
+    """A ``StageHost`` pinned to node ``node_id`` that holds no ``mlx`` unit: it only answers ``describe`` and
+    ``node_memory`` (``stagemesh plan``), so a mesh already serving on that node is not disturbed."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(StageHost).options(
+        num_cpus=ACTOR_NUM_CPUS, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
     ).remote(label)

@@ -9,9 +9,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
 not), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200 when at
 least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
 snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
-own registry). ``/v1/*`` requires a bearer key when ``api_keys`` is set. Every
-error is an OpenAI envelope (``gateway.errors``). gRPC channels to the entry
-stages are opened lazily on the server's event loop and closed at shutdown.
+own registry), ``GET /`` (the dashboard) and ``GET /dashboard/live`` (its
+data; ``gateway.dashboard``). ``/v1/*`` and ``/dashboard/live`` require a
+bearer key when ``api_keys`` is set. Every error is an OpenAI envelope
+(``gateway.errors``). gRPC channels to the entry stages are opened lazily on
+the server's event loop and closed at shutdown.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from . import errors
 from .auth import ApiKeyMiddleware
 from .cancellation import until_disconnect
 from .config import GatewayConfig
+from .dashboard import dashboard_router
 from .metrics import GatewayMetrics, RequestMetricsMiddleware
 from .replica_client import ReplicaClient, ReplicaKey
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -53,7 +56,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
             out[replica] = out.get(replica, 0) + count
         return out
 
-    metrics = GatewayMetrics(mesh, outstanding_by_replica)
+    metrics = GatewayMetrics(mesh, outstanding_by_replica, lambda: client.failures)
     serving = OpenAIServing(config, client, tokenizer, eos_token_ids, metrics)
     created = int(time.time())
 
@@ -106,6 +109,8 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
     async def metrics_text() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    app.include_router(dashboard_router(mesh, metrics, outstanding_by_replica, config.api_keys))
 
     known = frozenset(route.path for route in app.routes if hasattr(route, "path") and "{" not in route.path)
     # Outermost first: count every response (401s too), then check keys.

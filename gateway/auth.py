@@ -47,6 +47,10 @@ class ApiKeyMiddleware:
             ok |= secrets.compare_digest(got, digest)
         return ok
 
+    def allows(self, scope: dict) -> bool:
+        """Whether a request may pass whatever its path: no keys are set, or it carries one of them."""
+        return not self._digests or self._authorized(scope)
+
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if not self._digests or not self._guarded(scope) or self._authorized(scope):
             await self.app(scope, receive, send)

@@ -54,12 +54,13 @@ class ChoiceEvent:
 
 
 class TokenObserver(Protocol):
-    def first_token(self, seconds: float) -> None: ...
-    def inter_token(self, seconds: float, count: int) -> None: ...
+    def first_token(self, seconds: float, replica: int | None = None) -> None: ...
+    def inter_token(self, seconds: float, count: int, replica: int | None = None) -> None: ...
 
 
 class Generator(Protocol):
     def generate(self, request: stage_pb2.GenerateRequest) -> AsyncGenerator[stage_pb2.GenerateResponse, None]: ...
+    def replica_of(self, request_id: str) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,11 @@ async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGe
             if ids:
                 now = time.monotonic()
                 if ctx.observer is not None:
+                    replica = ctx.client.replica_of(request.request_id)
                     if last_arrival is None:
-                        ctx.observer.first_token(now - started)
+                        ctx.observer.first_token(now - started, replica)
                     else:
-                        ctx.observer.inter_token((now - last_arrival) / len(ids), len(ids))
+                        ctx.observer.inter_token((now - last_arrival) / len(ids), len(ids), replica)
                 last_arrival = now
                 generated += len(ids)
             if finish == stage_pb2.FINISH_REASON_ABORT:

@@ -12,11 +12,19 @@ Contract:
   series labelled ``replica``, ``rank``, ``host``:
   ``stagemesh_stage_{compute,wait,send}_seconds_total``,
   ``stagemesh_stage_batches_total``, ``stagemesh_stage_tokens_total``,
+  ``stagemesh_stage_generated_tokens_total``,
   ``stagemesh_stage_running_sequences``, ``stagemesh_stage_waiting_requests``,
+  ``stagemesh_stage_kv_tokens``, ``stagemesh_stage_kv_token_capacity``,
   ``stagemesh_stage_prefix_cache_{queries,hits,evictions}_total`` (tokens, tokens, blocks),
   ``stagemesh_stage_prefix_cache_blocks``,
   ``stagemesh_stage_healthy``; plus
-  ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer.
+  ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer
+  and ``stagemesh_gateway_replica_failures_total{replica}`` (Generate calls
+  that failed on the replica, from the replica client).
+- The same TTFT and inter-token observations also go to ``recent_ttft`` and
+  ``recent_itl`` (``gateway.recent.RecentWindow``), and to the serving
+  replica's pair in ``recent_by_replica``: the last minute, for the
+  dashboard's live percentiles.
 - ``RequestMetricsMiddleware`` (pure ASGI, so it never breaks disconnect
   detection or streaming) counts every response by route and status and times
   the generation endpoints end to end, including the stream.
@@ -34,6 +42,8 @@ from prometheus_client.registry import Collector
 
 from stagemesh.core.snapshots import MeshView
 
+from .recent import RecentWindow
+
 # vLLM's buckets, so dashboards built for it read ours alike.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -47,9 +57,11 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 class StageCollector(Collector):
     """Per-stage series from the coordinator's latest snapshot, read at scrape time."""
 
-    def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]]) -> None:
+    def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]],
+                 failures: Callable[[], Mapping[int, int]] = dict) -> None:
         self._mesh = mesh
         self._outstanding = outstanding
+        self._failures = failures
 
     def collect(self) -> Iterable[Metric]:
         labels = ["replica", "rank", "host"]
@@ -61,6 +73,7 @@ class StageCollector(Collector):
                 ("send_seconds", "Seconds the stage spent handing results to its successor"),
                 ("batches", "Batches the stage computed"),
                 ("tokens", "Token rows the stage computed"),
+                ("generated_tokens", "Tokens the entry stage sampled for requests"),
                 ("prefix_cache_queries", "Prompt tokens of new sequences (as vLLM's prefix_cache_queries)"),
                 ("prefix_cache_hits", "Prompt tokens copied from the prefix cache (as vLLM's prefix_cache_hits)"),
                 ("prefix_cache_evictions", "Blocks the stage dropped from its prefix cache"),
@@ -71,6 +84,8 @@ class StageCollector(Collector):
             for name, doc in (
                 ("running_sequences", "Sequences holding KV cache on the stage"),
                 ("waiting_requests", "Requests queued on the entry stage"),
+                ("kv_tokens", "Token positions of KV cache the stage holds"),
+                ("kv_token_capacity", "Token positions of KV cache the stage's memory budget allows"),
                 ("prefix_cache_blocks", "Blocks of KV the stage keeps in its prefix cache"),
             )
         }
@@ -88,14 +103,22 @@ class StageCollector(Collector):
                                         "Generate calls in flight from this gateway, per replica", labels=["replica"])
         for replica_id, count in sorted(self._outstanding().items()):
             outstanding.add_metric([str(replica_id)], float(count))
+        failures = CounterMetricFamily("stagemesh_gateway_replica_failures",
+                                       "Generate calls from this gateway that failed on the replica",
+                                       labels=["replica"])
+        for replica_id, count in sorted(self._failures().items()):
+            failures.add_metric([str(replica_id)], float(count))
         yield from counters.values()
         yield from gauges.values()
         yield healthy
         yield outstanding
+        yield failures
 
 
 class GatewayMetrics:
-    def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]]) -> None:
+    def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]],
+                 failures: Callable[[], Mapping[int, int]] = dict) -> None:
+        self.replica_failures = failures
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("stagemesh_gateway_requests", "HTTP responses by endpoint and status",
@@ -109,15 +132,30 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("stagemesh_gateway_prompt_tokens", "Prompt tokens sent to stages", registry=r)
         self.generation_tokens = Counter("stagemesh_gateway_generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge("stagemesh_gateway_requests_running", "Generation requests in flight", registry=r)
-        r.register(StageCollector(mesh, outstanding))
+        r.register(StageCollector(mesh, outstanding, failures))
+        self.recent_ttft = RecentWindow()
+        self.recent_itl = RecentWindow()
+        self.recent_by_replica: dict[int, tuple[RecentWindow, RecentWindow]] = {}  # replica -> (TTFT, ITL)
+
+    def _replica_windows(self, replica: int) -> tuple[RecentWindow, RecentWindow]:
+        windows = self.recent_by_replica.get(replica)
+        if windows is None:
+            windows = self.recent_by_replica[replica] = (RecentWindow(), RecentWindow())
+        return windows
 
     # TokenObserver (gateway.generation)
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, replica: int | None = None) -> None:
         self.ttft.observe(seconds)
+        self.recent_ttft.add(seconds)
+        if replica is not None:
+            self._replica_windows(replica)[0].add(seconds)
 
-    def inter_token(self, seconds: float, count: int) -> None:
+    def inter_token(self, seconds: float, count: int, replica: int | None = None) -> None:
         for _ in range(count):
             self.itl.observe(seconds)
+        self.recent_itl.add(seconds, count)
+        if replica is not None:
+            self._replica_windows(replica)[1].add(seconds, count)
 
     def usage(self, prompt_tokens: int, generation_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -12,6 +12,10 @@ Contract:
 - If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token
   arrived, another healthy replica is tried (up to ``failover_attempts``
   more); nothing was generated yet, so this cannot duplicate output.
+- ``replica_of(request_id)`` names the replica serving a call while it runs
+  (the dashboard's per-replica latencies); ``failures`` counts, per replica,
+  the calls that failed there (not cancelled by the client, not refused as
+  invalid).
 - gRPC failures become ``APIError``: INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED
   and UNAVAILABLE 503 "overloaded" (after tokens were sent: 503
   pipeline_failed), DEADLINE_EXCEEDED 504, anything else 500.
@@ -54,6 +58,11 @@ class ReplicaClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
         self.balancer = LeastOutstandingBalancer()
+        self._serving: dict[str, int] = {}  # request id -> the replica its call runs on, while it runs
+        self.failures: dict[int, int] = {}  # replica -> Generate calls that failed there
+
+    def replica_of(self, request_id: str) -> int | None:
+        return self._serving.get(request_id)
 
     @property
     def request_timeout_s(self) -> float:
@@ -95,6 +104,7 @@ class ReplicaClient:
             key = self._pick(tried)
             tried.add(key)
             self.balancer.acquire(key)
+            self._serving[request.request_id] = key[0]
             call: grpc.aio.UnaryStreamCall | None = None
             received = False
             try:
@@ -104,6 +114,9 @@ class ReplicaClient:
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
+                # The replica's failures only: not a client that left, nor a request the stage refused as invalid.
+                if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT):
+                    self.failures[key[0]] = self.failures.get(key[0], 0) + 1
                 if (not received and e.code() in _RETRY_ELSEWHERE and attempt < self._failover
                         and self._another_replica(tried)):
                     attempt += 1
@@ -114,6 +127,7 @@ class ReplicaClient:
                 if call is not None:
                     call.cancel()
                 self.balancer.release(key)
+                self._serving.pop(request.request_id, None)
 
     def _api_error(self, e: grpc.aio.AioRpcError, received: bool) -> errors.APIError:
         code, details = e.code(), e.details() or e.code().name

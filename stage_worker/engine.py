@@ -185,7 +185,7 @@ class EntryEngine:
 
     def _publish_load(self) -> None:
         s = self._scheduler
-        self._status.set_load(s.num_running, s.num_waiting, s.finished_count)
+        self._status.set_load(s.num_running, s.num_waiting, s.finished_count, s.generated_count)
 
     def _fail_all(self, message: str) -> None:
         with self._cond:

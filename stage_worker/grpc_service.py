@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed
 from stage_worker.memory import peak_rss_bytes
-from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError
+from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, RequestEvent
 from stage_worker.stage_status import StageStatus
 from stage_worker.wire import NO_SEED, SamplingParams
 from stagemesh.core.states import StageState, state_to_proto
@@ -103,7 +104,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         # A cancelled call (client gone, deadline) frees the sequence on every stage.
         context.add_callback(lambda: engine.abort(handle.request_id))
         while True:
-            event = handle.events.get()
+            event = _coalesce(handle.events)
             if isinstance(event, RequestFailed):
                 context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
             yield stage_pb2.GenerateResponse(
@@ -135,6 +136,28 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                           f"the entry stage is {self._status.state.value}, not serving yet")
         assert self.engine is not None  # context.abort raises: it never returns
         return self.engine
+
+
+def _coalesce(events: queue.SimpleQueue) -> RequestEvent | RequestFailed:
+    """The next event, merged with every event already queued behind it (up to a finish or a failure).
+
+    One message per token is the common case; but when this stream's thread falls behind the engine
+    (many streams, one GIL, a fast GPU step), each extra message costs the stage and the gateway a
+    full gRPC round of work for one token. Sending what has piled up as one message lets a busy
+    stream catch up instead of falling further behind. ``token_ids`` already means "tokens since
+    the previous message", so clients see the same tokens in the same order.
+    """
+    event = events.get()
+    while isinstance(event, RequestEvent) and event.finish is None:
+        try:
+            following = events.get_nowait()
+        except queue.Empty:
+            break
+        if isinstance(following, RequestFailed):
+            return following
+        event = RequestEvent(event.request_id, event.token_ids + following.token_ids, following.finish,
+                             following.prompt_tokens, following.completion_tokens)
+    return event
 
 
 def _sampling(params: stage_pb2.SamplingParams) -> SamplingParams:

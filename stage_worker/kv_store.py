@@ -60,10 +60,14 @@ class KVStore:
         self._standalone: dict[int, list[KVCache]] = {}
         self._group_of: dict[int, _Group] = {}
         self._positions: dict[int, int] = {}
+        # Positions held across all sequences, kept as one int so another thread (the gRPC
+        # service's stats) can read it without iterating a dict this thread is changing.
+        self.tokens_held = 0
         self._prefixes: dict[int, list[KVCache]] = {}  # prefix entry id -> its caches
         self.prefix_queried_tokens = 0  # prompt positions of new sequences (copied or prefilled)
         self.prefix_reused_tokens = 0  # positions new sequences copied from entries
         self.prefix_evicted_tokens = 0  # positions dropped by EVICT records
+        self.prefix_cached_tokens = 0  # positions the entries hold now (an int, like tokens_held)
 
     def __len__(self) -> int:
         return len(self._positions)
@@ -87,6 +91,7 @@ class KVStore:
             self.release(seq_id)
             self._standalone[seq_id] = self._copy_prefix(prefix_entry, start_pos) if start_pos else self._make_caches()
             self._positions[seq_id] = start_pos
+            self.tokens_held += start_pos
             self.prefix_queried_tokens += start_pos
         if new_sequence or num_tokens > 1:  # a prompt chunk (a one-token continuation reads as a decode)
             self.prefix_queried_tokens += num_tokens
@@ -95,16 +100,13 @@ class KVStore:
         if caches is None:
             caches = self._ungroup(seq_id)
         self._positions[seq_id] += num_tokens
+        self.tokens_held += num_tokens
         return caches
 
     # -- prefix entries ----------------------------------------------------------
     def prefix_counts(self) -> PrefixCacheCounts:
         return PrefixCacheCounts(self.prefix_queried_tokens, self.prefix_reused_tokens, self.prefix_cached_tokens,
                                  self.prefix_evicted_tokens)
-
-    @property
-    def prefix_cached_tokens(self) -> int:
-        return sum(caches[0].offset for caches in self._prefixes.values() if caches)
 
     def retain(self, seq_id: int, entry_id: int, tokens: int) -> None:
         """Keep the first ``tokens`` positions of ``seq_id`` as prefix entry ``entry_id``
@@ -131,12 +133,17 @@ class KVStore:
                 mx.async_eval(entry.keys, entry.values)
             kept.append(entry)
         self._prefixes[entry_id] = kept
+        self.prefix_cached_tokens += tokens
+        self.tokens_held += tokens
 
     def evict(self, entry_id: int) -> None:
         caches = self._prefixes.pop(entry_id, None)
         if caches is None:
             raise WireMismatchError(f"prefix entry {entry_id} evicted but this stage holds no such entry")
-        self.prefix_evicted_tokens += caches[0].offset if caches else 0
+        held = caches[0].offset if caches else 0
+        self.prefix_evicted_tokens += held
+        self.prefix_cached_tokens -= held
+        self.tokens_held -= held
 
     def _copy_prefix(self, entry_id: int, tokens: int) -> list[KVCache]:
         entry = self._prefixes.get(entry_id)
@@ -167,6 +174,7 @@ class KVStore:
             group = self._regroup(wanted, group)
         for seq_id in wanted:
             self._positions[seq_id] += 1
+        self.tokens_held += len(wanted)
         return group.caches
 
     def _regroup(self, wanted: list[int], group: _Group | None) -> _Group:
@@ -218,7 +226,7 @@ class KVStore:
             else:
                 group.members = []
         for seq_id in seq_ids:
-            self._positions.pop(seq_id, None)
+            self.tokens_held -= self._positions.pop(seq_id, 0)
 
     def _filter(self, group: _Group, kept: list[int]) -> None:
         """Keep ``kept`` (in that order) in ``group``'s caches: ``BatchKVCache.filter`` without its device read.

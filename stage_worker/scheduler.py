@@ -135,6 +135,7 @@ class Scheduler:
         self._releases: list[SequenceRecord] = []
         self._next_seq_id = 1
         self.finished_count = 0
+        self.generated_count = 0  # tokens sampled for requests, all time (the replica's output)
         # Every running sequence reserves prompt + max_tokens tokens of KV on every stage, so
         # admitted work can never run the stages out of memory (no preemption needed).
         self.kv_token_capacity = kv_token_capacity
@@ -284,6 +285,7 @@ class Scheduler:
             if token is None:
                 continue  # a prompt chunk that did not sample yet
             seq.generated.append(token.token_id)
+            self.generated_count += 1
             finish = self._finish_reason(seq, token.token_id)
             events.append(RequestEvent(seq.request.request_id, (token.token_id,), finish,
                                        len(seq.request.prompt), len(seq.generated)))

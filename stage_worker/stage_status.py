@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from stagemesh.core.snapshots import StageStats
 from stagemesh.core.states import StageState
@@ -23,6 +24,10 @@ class PrefixCacheCounts:
     reused_tokens: int
     cached_tokens: int
     evicted_tokens: int
+
+
+class HeldTokens(Protocol):
+    tokens_held: int  # KVStore's running count; an int read is atomic, so any thread may read it
 
 
 class StageStatus:
@@ -39,6 +44,9 @@ class StageStatus:
         self.running_sequences = 0
         self.waiting_requests = 0
         self.requests_finished = 0
+        self.generated_tokens = 0
+        self.kv_token_capacity = 0
+        self._kv: HeldTokens | None = None
         self.weight_bytes = 0
         self.quantized = False
         self.blas = ""
@@ -83,17 +91,24 @@ class StageStatus:
         with self._lock:
             self.wait_seconds += wait_s
 
-    def set_load(self, running: int, waiting: int, finished: int) -> None:
+    def set_load(self, running: int, waiting: int, finished: int, generated: int = 0) -> None:
         with self._lock:
             self.running_sequences, self.waiting_requests, self.requests_finished = running, waiting, finished
+            self.generated_tokens = generated
+
+    def watch_kv(self, kv: HeldTokens, capacity_tokens: int) -> None:
+        """Report ``kv.tokens_held`` of ``capacity_tokens`` in every ``stats()`` from now on."""
+        with self._lock:
+            self._kv, self.kv_token_capacity = kv, capacity_tokens
 
     def stats(self) -> StageStats:
         counts = self.prefix_cache() if self.prefix_cache is not None else PrefixCacheCounts(0, 0, 0, 0)
         block = max(1, self.prefix_block_size)
         with self._lock:
             return StageStats(self.batches, self.tokens, self.compute_seconds, self.wait_seconds,
-                                 self.send_seconds, self.running_sequences, self.waiting_requests,
-                                 self.requests_finished,
-                                 prefix_cache_queries=counts.queried_tokens, prefix_cache_hits=counts.reused_tokens,
-                                 prefix_cache_blocks=counts.cached_tokens // block,
-                                 prefix_cache_evictions=counts.evicted_tokens // block)
+                              self.send_seconds, self.running_sequences, self.waiting_requests,
+                              self.requests_finished, kv_tokens=self._kv.tokens_held if self._kv else 0,
+                              kv_token_capacity=self.kv_token_capacity, generated_tokens=self.generated_tokens,
+                              prefix_cache_queries=counts.queried_tokens, prefix_cache_hits=counts.reused_tokens,
+                              prefix_cache_blocks=counts.cached_tokens // block,
+                              prefix_cache_evictions=counts.evicted_tokens // block)

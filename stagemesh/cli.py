@@ -13,6 +13,7 @@ import sys
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("stagemesh.serve", "serve a model over the OpenAI API from a mesh of pipeline stages"),
+    "plan": ("stagemesh.plan", "show the layer plan serve would use on this cluster (memory, KV), starting nothing"),
     "status": ("stagemesh.status", "show the mesh (replicas, stages, hosts, layers, ports, health)"),
     "chat": ("stagemesh.chat", "chat interactively with a running gateway"),
     "bench": ("stagemesh.bench.command",
@@ -25,6 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                       "run the serving comparisons (vs mlx_lm.server, PP=2 vs PP=1, two hosts) side by side"),
     "bench-engine": ("stagemesh.bench.engine",
                      "time the entry stage alone (engine, scheduler, model): ms per token, streams, profile"),
+    "bench-gateway": ("stagemesh.bench.gateway",
+                      "the gateway alone, fed tokens at a GPU mesh's rate: its CPU per token, where it caps"),
     "bench-prefix": ("stagemesh.bench.prefix",
                      "what the prefix cache is worth: multi-turn chat and distinct prompts, cache off against on"),
     "bench-hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),

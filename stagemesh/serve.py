@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{settings.DEFAULT_GRPC_BASE_PORT})")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds allowed for every stage to load and join its ring")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the layer plan (as `stagemesh plan` does) and exit without starting a stage")
 
 
 def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +132,7 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 def build_mesh_config(args: argparse.Namespace):
     """Validate every flag against the model and return the coordinator's config (no side effects)."""
     from coordinator.mesh import MeshConfig
+    from stage_worker.model_facts import model_facts
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
     from stagemesh.core.layer_split import plan_layer_split
@@ -176,6 +179,9 @@ def build_mesh_config(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_block_size=args.prefix_cache_block_size,
         startup_timeout_s=args.startup_timeout,
+        # The layer planner sizes quantized weights unless --dequantize on (auto dequantizes only when the
+        # dense weights fit half a stage's budget, so a plan that fits quantized still fits).
+        model_facts=model_facts(spec, dense=args.dequantize == "on"),
     )
 
 
@@ -194,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ServeConfigError, LayerSplitError, PortRangeError, ModelFormatError, --dtype
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "dry_run", False):
+        from stagemesh.plan import print_plan
+
+        return print_plan(config, as_json=False)
     tokenizer = load_tokenizer(spec)
     check_dummy_vocabulary(spec, tokenizer)
     api_key = args.api_key or settings.API_KEY
@@ -203,6 +213,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         coordinator.stop()
         return 130
+    except UserError as exc:  # the layer plan does not fit: refused before any stage loads
+        print(f"stagemesh serve: error: {exc}", file=sys.stderr)
+        coordinator.stop()
+        return 2
     except Exception as exc:  # startup failed: report it and leave nothing running
         print(f"stagemesh serve: the mesh did not start: {exc}", file=sys.stderr)
         coordinator.stop()

@@ -1,10 +1,12 @@
 """``stagemesh status``: the mesh as the coordinator sees it, from a running gateway's ``/mesh``.
 
 Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
-pid, dtype, quantized, MLX backend and device, state, health, then its prefix cache: the share of prompt
-tokens it reused, blocks cached now, blocks evicted) or, with ``--json``, the ``/mesh`` document unchanged.
+pid, dtype, quantized, MLX backend and device, state, health, KV tokens used of its capacity, then its
+prefix cache: the share of prompt tokens it reused, blocks cached now, blocks evicted) or, with ``--json``,
+the ``/mesh`` document unchanged.
 Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
-gateway cannot be reached.
+gateway cannot be reached. ``--watch`` redraws the dashboard's live figures in
+place instead (``stagemesh.status_watch``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print GET /mesh as JSON")
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--watch", action="store_true",
+                        help="redraw live figures in place (GET /dashboard/live) until Ctrl-C")
+    parser.add_argument("--interval", type=float, default=None, help="seconds between redraws with --watch (default 1)")
+    parser.add_argument("--count", type=int, default=None, help="with --watch: stop after this many redraws")
+    parser.add_argument("--api-key", default=None,
+                        help="the gateway's key, needed by --watch when it runs with one (default $STAGEMESH_API_KEY)")
 
 
 def format_mesh(mesh: dict) -> str:
     """The /mesh document as a table (pure)."""
     header = ("replica", "rank", "layers", "host", "grpc", "ring", "pid", "dtype", "quant", "backend", "device",
-              "state", "healthy", "prefix_hits", "cached_blocks", "evicted_blocks")
+              "state", "healthy", "KV tokens used/capacity", "prefix_hits", "cached_blocks", "evicted_blocks")
     rows = [header]
     for replica in mesh.get("replicas", []):
         for stage in replica.get("stages", []):
@@ -34,6 +42,7 @@ def format_mesh(mesh: dict) -> str:
                 str(stage.get("compute_dtype")), "yes" if stage.get("quantized") else "no",
                 str(stage.get("backend") or "-"), str(stage.get("device") or "-"),
                 str(stage.get("state", "")), "yes" if stage.get("healthy") else "NO",
+                _kv_cell(stage.get("stats") or {}),
                 *_prefix_cache_cells(stage.get("stats") or {}),
             ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -42,6 +51,12 @@ def format_mesh(mesh: dict) -> str:
     healthy = sum(1 for r in mesh.get("replicas", []) if r.get("healthy"))
     lines.append(f"{healthy}/{len(mesh.get('replicas', []))} replicas healthy")
     return "\n".join(lines)
+
+
+def _kv_cell(stats: dict) -> str:
+    """``used/capacity`` tokens of KV (``-`` before the stage has sized its cache)."""
+    capacity = stats.get("kv_token_capacity") or 0
+    return f"{stats.get('kv_tokens') or 0}/{capacity}" if capacity else "-"
 
 
 def _prefix_cache_cells(stats: dict) -> tuple[str, str, str]:
@@ -55,6 +70,20 @@ def _prefix_cache_cells(stats: dict) -> tuple[str, str, str]:
 
 def run(args: argparse.Namespace) -> int:
     import httpx
+
+    if args.watch:
+        from stagemesh.core import settings
+        from stagemesh.core.errors import UserError
+        from stagemesh.status_watch import watch
+
+        interval = 1.0 if args.interval is None else args.interval
+        if interval <= 0 or (args.count is not None and args.count < 1):
+            raise UserError(f"--interval must be positive and --count at least 1, got {interval} and {args.count}")
+        return watch(args.url, args.api_key or settings.API_KEY, interval, args.count, args.timeout)
+    if args.interval is not None or args.count is not None:
+        from stagemesh.core.errors import UserError
+
+        raise UserError("--interval and --count go with --watch; add --watch or drop them")
 
     url = args.url.rstrip("/") + "/mesh"
     try:

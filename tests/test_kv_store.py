@@ -115,6 +115,34 @@ def test_groups_shrink_without_reading_the_device_and_keep_every_sequences_histo
     assert len(store) == 1
 
 
+def test_tokens_held_counts_every_position_and_drops_with_release():
+    """The count the dashboard's KV use reads from another thread: prompt chunks, decodes, releases."""
+    store = _store()
+    _prefill(store, 1, 3)
+    _prefill(store, 2, 5)
+    _decode(store, [1, 2], [3, 5])
+    assert store.tokens_held == 3 + 5 + 2
+    store.release(1)
+    assert store.tokens_held == 6
+    _prefill(store, 2, 4)  # a new sequence reusing an id starts over
+    assert store.tokens_held == 4
+    store.release_many([2, 7])
+    assert store.tokens_held == 0
+
+
+def test_the_held_count_reaches_the_stage_stats():
+    from stage_worker.stage_status import StageStatus
+
+    store, status = _store(), StageStatus()
+    status.watch_kv(store, 1000)
+    _prefill(store, 1, 5)
+    _prefill(store, 2, 3)
+    _decode(store, [1, 2], [5, 3])  # one more token each, now in a decode group
+    assert (status.stats().kv_token_capacity, status.stats().kv_tokens) == (1000, 10)
+    store.release(1)
+    assert status.stats().kv_tokens == 4
+
+
 # -- prefix entries ------------------------------------------------------------------------------
 def test_a_retained_prefix_starts_a_new_sequence_with_a_copy_of_its_first_positions():
     store = _store()
@@ -160,3 +188,16 @@ def test_evicted_or_unknown_prefix_entries_are_refused_loudly():
         store.evict(5)
     with pytest.raises(WireMismatchError, match="not 0"):
         store.for_chunk(2, 4, True, 1)
+
+
+def test_tokens_held_counts_prefix_entries_and_copies():
+    store = _store()
+    _prefill(store, 1, 6)
+    store.retain(1, entry_id=3, tokens=4)
+    store.release(1)
+    assert store.tokens_held == 4  # the entry's positions
+    store.for_chunk(2, 4, True, 1, prefix_entry=3)
+    assert store.tokens_held == 4 + 5  # the copy is the new sequence's own
+    store.evict(3)
+    store.release(2)
+    assert store.tokens_held == 0

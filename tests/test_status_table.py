@@ -19,6 +19,40 @@ def test_the_table_shows_each_stages_backend_and_device():
     assert "-" in format_mesh(older).splitlines()[2]  # a gateway that predates the fields
 
 
+def test_watch_view_draws_stages_rates_and_events_from_the_live_document():
+    from rich.console import Console
+
+    from stagemesh.status_watch import render
+
+    stage = {"rank": 1, "host": "10.0.0.[2]", "layers": [15, 30], "compute_dtype": "float32", "quantized": True,
+             "state": "failed", "healthy": False, "pid": None, "uptime_s": None, "kv_use": 0.5,
+             "stats": {"running_sequences": 2, "waiting_requests": 1},
+             "rates": {"batches_per_s": 3.0, "compute_share": 0.5, "wait_share": 0.25, "send_share": 0.0}}
+    doc = {"time": 0.0, "model": "m", "num_layers": 30,
+           "replicas": [{"replica": 0, "healthy": False, "restarts": 2, "in_flight": 4, "output_tokens_per_s": 12.5,
+                         "stages": [stage]}],
+           "overall": {"healthy_replicas": 0, "output_tokens_per_s": 12.5, "requests_running": 4,
+                       "server_errors_total": 3, "client_errors_total": 1,
+                       "recent": {"client_errors": 0, "server_errors": 2},
+                       "ttft_s": {"count": 2, "p50": 0.1, "p90": 0.2, "p99": 0.2}, "itl_s": {"count": 0}},
+           "events": [{"time": 0.0, "kind": "stage_lost", "message": "replica 0 stage 1: killed by signal 9"}]}
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "replica 0  UNHEALTHY  12.5 tok/s  4 in flight  2 restart(s)  TTFT -  ITL -  0 failed" in text
+    assert "10.0.0.[2]" in text and "[15, 30)" in text and "float32 q" in text  # text, not markup
+    assert "50%/25%/0%" in text and "3.0" in text and "2/1" in text
+    assert "TTFT p50 100 ms p90 200 ms p99 200 ms" in text and "errors 2 in the last minute (4 since start)" in text
+    assert "stage_lost" in text and "killed by signal 9" in text
+
+
+def test_watch_flags_are_checked_before_anything_is_read(capsys):
+    from stagemesh.cli import main
+
+    assert main(["status", "--count", "2"]) == 2
+    assert "--interval and --count go with --watch" in capsys.readouterr().err
+    assert main(["status", "--watch", "--interval", "0"]) == 2
+    assert "--interval must be positive" in capsys.readouterr().err
 def test_the_table_shows_each_stages_prefix_cache():
     stats = StageStats(prefix_cache_queries=200, prefix_cache_hits=50, prefix_cache_blocks=12, prefix_cache_evictions=3)
     stage = StageSnapshot(rank=1, layers=(15, 30), host="h", grpc_port=1, ring_port=2, pid=3, node_id="n",

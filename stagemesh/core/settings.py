@@ -14,6 +14,7 @@ environment, a test's). Flags always win over these. A malformed value raises
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -78,6 +79,33 @@ def _str(name: str, default: str | None) -> Reader:
     return lambda env: env.get(name) or default
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``24GB``, ``512MiB``, ``1.5 GB`` or plain bytes as a byte count; ``ValueError`` otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a size such as 24GB, 512MB or 1.5GiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _size(name: str) -> Reader:
+    return _number(name, None, parse_size, "a size such as 24GB or 512MB")  # type: ignore[arg-type]
+
+
+def _positive_float(name: str, default: float) -> Reader:
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if not value > 0:
+            raise ValueError(raw)
+        return value
+
+    return _number(name, default, parse, "a positive number")
+
+
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> Reader:
     def read(env: Mapping[str, str]) -> str:
         raw = env.get(name, "").strip()
@@ -120,6 +148,12 @@ VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v
     Variable("STAGEMESH_GPU_PER_STAGE", _choice("STAGEMESH_GPU_PER_STAGE", "auto", GPU_PER_STAGE_CHOICES),
              "auto: on a node with several NVIDIA GPUs each stage takes its own (CUDA_VISIBLE_DEVICES); "
              "off: stages keep the node's CUDA_VISIBLE_DEVICES"),
+    Variable("STAGEMESH_NODE_MEMORY", _size("STAGEMESH_NODE_MEMORY"),
+             "memory stagemesh may count on this node, e.g. 24GB (default: all of it); caps the host's and the "
+             "GPU's memory before --memory-fraction applies, for a Mac shared with other work"),
+    Variable("STAGEMESH_NODE_SPEED", _positive_float("STAGEMESH_NODE_SPEED", 1.0),
+             "this node's speed relative to the others (e.g. its memory bandwidth in GB/s); the layer planner "
+             "gives faster nodes more layers (default 1: all alike)"),
     Variable("RAY_ADDRESS", _str("RAY_ADDRESS", None), "join this Ray cluster instead of starting a local one"),
 )}
 

@@ -10,7 +10,10 @@ The coordinator produces a new ``MeshSnapshot`` whenever something changes
 contract of ``GET /mesh`` and ``stagemesh status --json``:
 ``{"model", "replicas": [{"replica", "healthy", "stages": [{"rank", "layers":
 [start, end], "host", "grpc_port", "ring_port", "pid", "node_id",
-"compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...}]}]}``.
+"compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...,
+"stats": {..., "kv_tokens", "kv_token_capacity"}}]}], "events": [...]}`` (each
+stage's KV in tokens: what its sequences hold now and what its budget allows;
+``events``: the coordinator's recent ``MeshEvent``s, oldest first).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
+from stagemesh.core.events import MeshEvent
 from stagemesh.core.states import StageState
 from stagemesh.core.v1 import stage_pb2
 
@@ -34,15 +38,13 @@ class StageStats:
     running_sequences: int = 0  # sequences holding KV on this stage
     waiting_requests: int = 0  # entry stage: queued, not yet running
     requests_finished: int = 0  # entry stage
+    kv_tokens: int = 0  # token positions of KV this stage holds now
+    kv_token_capacity: int = 0  # token positions its memory budget allows (0: not known yet)
+    generated_tokens: int = 0  # entry stage: tokens sampled for requests (the replica's output)
     prefix_cache_queries: int = 0  # prompt tokens of new sequences, in tokens as vLLM counts them
     prefix_cache_hits: int = 0  # of those, positions copied from a cached prefix
     prefix_cache_blocks: int = 0  # blocks cached now
     prefix_cache_evictions: int = 0  # blocks dropped (least recently used for room, or superseded)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float | None:
-        """Share of prompt tokens found cached (None before any prompt)."""
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
     def to_proto(self) -> stage_pb2.StageStats:
         return stage_pb2.StageStats(**asdict(self))
@@ -73,6 +75,7 @@ class StageSnapshot:
     blas: str = ""  # the BLAS the stage's MLX uses: openblas, mkl, reference, accelerate
     backend: str = ""  # MLX's backend: cpu, metal, cuda ("" until the stage says)
     device: str = ""  # the device's name: "NVIDIA H200", "Apple M2 Max (applegpu_g14s)", the CPU's model
+    started_at: float | None = None  # Unix time its current process was started (None: not started)
 
     @property
     def grpc_target(self) -> str:
@@ -95,6 +98,7 @@ class StageSnapshot:
             "healthy": self.healthy,
             "state": self.state.value,
             "error": self.error,
+            "started_at": self.started_at,
             "stats": self.stats.to_json(),
         }
 
@@ -126,13 +130,15 @@ class ReplicaSnapshot:
 class MeshSnapshot:
     model: str
     replicas: tuple[ReplicaSnapshot, ...]
+    events: tuple[MeshEvent, ...] = ()  # the coordinator's recent events, oldest first
 
     @property
     def healthy_replicas(self) -> tuple[ReplicaSnapshot, ...]:
         return tuple(r for r in self.replicas if r.healthy)
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "replicas": [r.to_json() for r in self.replicas]}
+        return {"model": self.model, "replicas": [r.to_json() for r in self.replicas],
+                "events": [e.to_json() for e in self.events]}
 
 
 class MeshView(Protocol):

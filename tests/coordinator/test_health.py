@@ -86,7 +86,7 @@ def test_validate_config_rejects_before_ray():
 
 
 def test_stage_options_keep_the_stage_defaults_for_what_the_user_left_unset():
-    assert stage_options(_config(), "abc") == StageOptions(node_id="abc", connect_timeout_s=60)
+    assert stage_options(_config(), "abc") == StageOptions(node_id="abc", connect_timeout_s=60, stages_on_host=1)
     options = stage_options(_config(max_num_seqs=8, max_model_len=512, memory_fraction=0.5), "n", stages_on_node=2)
     assert (options.max_num_seqs, options.max_model_len, options.memory_fraction, options.stages_on_host) == (
         8, 512, 0.5, 2)

@@ -111,6 +111,14 @@ def test_dp2_pp2_start_restart_one_replica_and_stop():
         assert [r.restarts for r in after.replicas] == [0, 1]
         assert after.replicas[0].stages[0].pid == snapshot.replicas[0].stages[0].pid
         assert after.replicas[1].stages[1].pid != stage.pid
+        # The event journal tells the story with times, in order, naming the replica and stage.
+        events = [(e.kind, e.replica, e.rank) for e in after.events]
+        assert events[0] == ("mesh_serving", None, None)
+        story = [("stage_lost", 1, 1), ("replica_restarting", 1, 1), ("replica_serving", 1, None)]
+        assert [e for e in events if e in story] == story, events
+        assert all(e[1] in (None, 1) for e in events)  # nothing happened to replica 0
+        assert [e.seq for e in after.events] == sorted(e.seq for e in after.events)
+        assert all(s.started_at and abs(s.started_at - time.time()) < 120 for r in after.replicas for s in r.stages)
         pids = [s.pid for r in (*snapshot.replicas, *after.replicas) for s in r.stages]
     finally:
         last = coordinator.snapshot()
@@ -118,6 +126,7 @@ def test_dp2_pp2_start_restart_one_replica_and_stop():
     assert_all_released(pids, stage_ports(last, 4, config.ring_base_port))
     assert not ray.is_initialized()  # the local Ray it started is gone
     assert all(not s.healthy and s.state == "stopped" for r in coordinator.snapshot().replicas for s in r.stages)
+    assert coordinator.snapshot().events[-1].kind == "mesh_stopped"
     coordinator.stop()  # idempotent
 
 

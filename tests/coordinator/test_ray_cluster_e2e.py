@@ -186,6 +186,11 @@ def test_a_replica_whose_node_leaves_is_placed_again_on_a_new_node(cluster):
         assert after.stages[1].node_id != lost
         assert after.stages[1].node_id in {replacement.node_id} | {n.node_id for n in cluster.worker_nodes}
         assert after.restarts >= 1
+        kinds = [e.kind for e in coordinator.snapshot().events]
+        assert {"stage_lost", "node_lost", "replica_replaced", "replica_serving"} <= set(kinds), kinds
+        # The node is noticed gone, the replica placed again, and then it serves.
+        last_serving = max(i for i, kind in enumerate(kinds) if kind == "replica_serving")
+        assert kinds.index("node_lost") < kinds.index("replica_replaced") < last_serving
         pids = [s.pid for s in (*before.stages, *after.stages)]
     finally:
         last = coordinator.snapshot()

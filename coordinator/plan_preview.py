@@ -1,0 +1,75 @@
+"""The layer plan for the cluster this process sees, without starting a stage (``stagemesh plan``, ``serve --dry-run``).
+
+- No ``RAY_ADDRESS``: a local mesh runs every stage on this machine, so the
+  plan uses this machine's own facts (``StageHost.node_memory``, the same
+  subprocess probe a node's StageHost runs) with all ``-pp`` x ``-dp`` stages
+  sharing its memory. Ray is not started.
+- ``RAY_ADDRESS``: join the cluster, place the stages as ``serve`` would
+  (``placement.place_stages``), and ask one short-lived StageHost on each
+  chosen node for its memory and backend (pinned to the node by node
+  affinity, holding no ``mlx`` unit, so a mesh already serving there is not
+  disturbed); then disconnect.
+
+Either way the planner (``coordinator.layer_planner``) decides; a request that
+cannot fit raises its ``PlanError``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+from coordinator.layer_planner import MemoryPlan, StageSeat, plan_mesh
+from coordinator.mesh import MeshConfig
+from coordinator.placement import Placement, place_stages
+from coordinator.ray_cluster import RAY_ADDRESS_ENV, cluster_nodes, connect_ray, disconnect, head_address
+from coordinator.stage_host import HostInfo, StageHost, node_probe_actor
+from stagemesh.core.memory import NodeMemory
+from stagemesh.core.settings import LOOPBACK
+
+_PROBE_S = 120.0
+
+
+def preview_plan(config: MeshConfig) -> MemoryPlan:
+    """The plan ``serve`` would make with ``config`` (which must carry ``model_facts``)."""
+    if config.model_facts is None:
+        raise ValueError("preview_plan needs the model's facts (MeshConfig.model_facts)")
+    address = config.ray_address or os.environ.get(RAY_ADDRESS_ENV)
+    if not address:
+        memory = StageHost("plan").node_memory()
+        sharing = config.total_stages
+        seat = StageSeat("local", LOOPBACK, memory, sharing, socket.gethostname())
+        replicas = [[seat] * config.pipeline_parallel_size for _ in range(config.data_parallel_size)]
+        return plan_mesh(config.model_facts, replicas, config.plan_request())
+    session = connect_ray(config.total_stages, address=address)
+    try:
+        nodes = cluster_nodes(session.driver_node_id)
+        placement = place_stages(nodes, config.pipeline_parallel_size, config.data_parallel_size,
+                                 head_address=head_address(nodes))
+        facts = _ask_nodes(sorted({s.node_id for s in placement.slots}))
+        return plan_mesh(config.model_facts, _seats(placement, facts), config.plan_request())
+    finally:
+        disconnect(session)
+
+
+def _seats(placement: Placement, facts: Mapping[str, tuple[HostInfo, NodeMemory]]) -> list[list[StageSeat]]:
+    per_node: dict[str, int] = {}
+    for slot in placement.slots:
+        per_node[slot.node_id] = per_node.get(slot.node_id, 0) + 1
+    return [[StageSeat(s.node_id, facts[s.node_id][0].host, facts[s.node_id][1], per_node[s.node_id],
+                       facts[s.node_id][0].hostname) for s in replica] for replica in placement.replicas]
+
+
+def _ask_nodes(node_ids: list[str]) -> dict[str, tuple[HostInfo, NodeMemory]]:
+    """(host info, memory) from a StageHost on each node; the actors are gone afterwards."""
+    import ray
+
+    actors = [node_probe_actor(node_id, f"plan-{node_id[:8]}") for node_id in node_ids]
+    try:
+        infos = ray.get([a.describe.remote() for a in actors], timeout=_PROBE_S)
+        memories = ray.get([a.node_memory.remote() for a in actors], timeout=_PROBE_S)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    return {node_id: (info, memory) for node_id, info, memory in zip(node_ids, infos, memories)}

@@ -1,0 +1,238 @@
+"""``stagemesh bench-gateway``: the gateway alone, fed tokens as fast as a GPU mesh makes them.
+
+Does the one gateway process (FastAPI, SSE, detokenization, gRPC client) keep up
+with a mesh? On a GPU a replica makes 1000-3000 tokens a second, and the
+gateway has one Python event loop for all of them. This command answers it
+without a GPU: it runs
+
+* a **token source**: a gRPC server speaking ``stagemesh.v1.Stage`` that
+  answers ``Generate`` like an entry stage whose steps take ``--step-ms``
+  (every stream gets one token per step, as in a decode batch; 0: as fast as
+  it can), echoing the prompt's own tokens so detokenization does real work;
+* the **real gateway** (``gateway.app.create_app``, uvicorn, the model's
+  tokenizer) in front of it, in its own process;
+
+then loads the gateway with ``stagemesh bench`` (chat, streaming, usage) at
+each ``--concurrency`` level and reports what the gateway process spent:
+CPU seconds per output token and its share of one core, next to the tokens per
+second delivered. The token source runs in a third process, so its CPU is not
+the gateway's. The source is a benchmark instrument, not a model: it stands
+for the mesh so the gateway's own cost can be read alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per level")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=5.0,
+                        help="the source's decode step: every stream gets one token per step (0: no pacing)")
+    parser.add_argument("--port-base", type=int, default=29300, help="gateway on this port, the source on +1")
+    parser.add_argument("--tokenizer", default=None,
+                        help="Hugging Face tokenizer directory (default: the embedded model's)")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    # Internal: the two server processes this command starts.
+    parser.add_argument("--serve-source", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.serve_source:
+        asyncio.run(_serve_source(args.port_base + 1, args.step_ms))
+        return 0
+    if args.serve_gateway:
+        _serve_gateway(args.port_base, args.port_base + 1, args.tokenizer)
+        return 0
+    from stagemesh.bench.profile import process_cpu_seconds
+
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or min(levels) < 1 or args.step_ms < 0:
+        print("bench-gateway: --concurrency takes positive integers, --step-ms >= 0", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-gateway-") as tmp:
+        tokenizer_dir = args.tokenizer
+        if tokenizer_dir is None:
+            from stage_worker.tokenizer import default_model_tokenizer
+
+            tokenizer_dir = str(Path(tmp) / "tokenizer")
+            default_model_tokenizer().save_pretrained(tokenizer_dir)
+        own = [sys.executable, "-m", "stagemesh.cli", "bench-gateway", "--port-base", str(args.port_base),
+               "--step-ms", str(args.step_ms), "--tokenizer", tokenizer_dir]
+        with _process([*own, "--serve-source"], "source", None), \
+                _process([*own, "--serve-gateway"], "gateway", f"http://127.0.0.1:{args.port_base}") as gateway:
+            url = f"http://127.0.0.1:{args.port_base}"
+
+            def load(level: int, num_prompts: int, result: str) -> None:
+                subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "--base-url", url, "--label",
+                                "gateway", "--model", "bench-gateway", "--endpoint-type", "chat",
+                                "--concurrency", str(level), "--num-prompts", str(num_prompts),
+                                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                                "--ignore-eos", "--warmup", "0", "--tokenizer", tokenizer_dir, "--output", result],
+                               check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+            load(2, 4, str(Path(tmp) / "warmup.json"))
+            for level in levels:
+                result = str(Path(tmp) / f"level{level}.json")
+                cpu_before = process_cpu_seconds(gateway.pid)
+                load(level, args.num_prompts, result)  # the client's start-up costs the gateway nothing
+                cpu_after = process_cpu_seconds(gateway.pid)
+                if not Path(result).exists() or cpu_before is None or cpu_after is None:
+                    print(f"bench-gateway: level {level} produced no result", file=sys.stderr)
+                    return 1
+                stats = json.load(open(result))["levels"][0]
+                tokens = round(float(stats["output_tokens_per_s"]) * float(stats["wall_time"]))
+                rows.append(_row(level, args.step_ms, stats, tokens, cpu_after - cpu_before))
+    for line in _table(rows):
+        print(line, file=sys.stderr)
+    text = json.dumps({"step_ms": args.step_ms, "output_len": args.output_len, "levels": rows}, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _row(level: int, step_ms: float, stats: dict[str, Any], tokens: int, cpu_s: float) -> dict:
+    """One level's figures (pure): the gateway's CPU over the level, per token and as a share of one core
+    over the level's wall time."""
+    wall = float(stats["wall_time"])
+    offered = level * 1000.0 / step_ms if step_ms > 0 else None
+    return {
+        "concurrency": level, "offered_tokens_per_s": offered,
+        "output_tokens_per_s": round(float(stats["output_tokens_per_s"]), 1),
+        "ttft_p50_ms": _ms(stats["ttft"]["p50"]), "itl_p50_ms": _ms(stats["itl"]["p50"]),
+        "failed": stats.get("failed", 0), "gateway_cpu_s": round(cpu_s, 2),
+        "gateway_core_share": round(cpu_s / wall, 3) if wall > 0 else None,
+        "gateway_cpu_ms_per_token": round(1000 * cpu_s / tokens, 3) if tokens else None,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round(1000 * seconds, 2) if seconds is not None else None
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = [f"{'streams':>8} {'offered tok/s':>14} {'delivered tok/s':>16} {'ITL p50 ms':>11} "
+             f"{'gateway core':>13} {'CPU ms/token':>13}"]
+    for r in rows:
+        offered = f"{r['offered_tokens_per_s']:.0f}" if r["offered_tokens_per_s"] else "unpaced"
+        itl = f"{r['itl_p50_ms']:.2f}" if r["itl_p50_ms"] is not None else "-"
+        lines.append(f"{r['concurrency']:>8} {offered:>14} {r['output_tokens_per_s']:>16.1f} {itl:>11} "
+                     f"{100 * (r['gateway_core_share'] or 0):>12.0f}% {r['gateway_cpu_ms_per_token'] or 0:>13.3f}")
+    return lines
+
+
+@contextlib.contextmanager
+def _process(command: list[str], label: str, health_url: str | None) -> Iterator[subprocess.Popen]:
+    import httpx
+
+    log = tempfile.NamedTemporaryFile("w", prefix=f"bench-gateway-{label}-", suffix=".log", delete=False)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while health_url is not None:
+            if process.poll() is not None:
+                raise SystemExit(f"bench-gateway: the {label} exited ({process.returncode}); see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{health_url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench-gateway: the {label} did not come up; see {log.name}")
+            time.sleep(0.5)
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+async def _serve_source(port: int, step_ms: float) -> None:
+    """A ``stagemesh.v1.Stage`` server whose Generate streams one token per step per request."""
+    import grpc.aio
+
+    from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+
+    step = _StepClock(step_ms / 1000.0)
+
+    class TokenSource(stage_pb2_grpc.StageServicer):
+        async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+            prompt = list(request.prompt_token_ids) or [1]
+            for n in range(1, request.max_tokens + 1):
+                await step.next()
+                yield stage_pb2.GenerateResponse(
+                    token_ids=[prompt[n % len(prompt)]], prompt_tokens=len(prompt), completion_tokens=n,
+                    finish_reason=stage_pb2.FINISH_REASON_LENGTH if n == request.max_tokens
+                    else stage_pb2.FINISH_REASON_UNSPECIFIED)
+
+    server = grpc.aio.server()
+    stage_pb2_grpc.add_StageServicer_to_server(TokenSource(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+class _StepClock:
+    """Every waiter wakes on the next tick of a shared clock, as every row of a decode batch does."""
+
+    def __init__(self, period_s: float) -> None:
+        self._period = period_s
+        self._tick: asyncio.Future | None = None
+
+    async def next(self) -> None:
+        if self._period <= 0:
+            await asyncio.sleep(0)
+            return
+        if self._tick is None or self._tick.done():
+            loop = asyncio.get_running_loop()
+            tick = self._tick = loop.create_future()
+            loop.call_later(self._period, _resolve, tick)
+        await asyncio.shield(self._tick)
+
+
+def _resolve(tick: asyncio.Future) -> None:
+    if not tick.done():
+        tick.set_result(None)
+
+
+def _serve_gateway(port: int, source_port: int, tokenizer_dir: str) -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from gateway.app import GatewayConfig, create_app
+    from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot
+    from stagemesh.core.states import StageState
+
+    stage = StageSnapshot(rank=0, layers=(0, 1), host="127.0.0.1", grpc_port=source_port, ring_port=0, pid=None,
+                          node_id="bench", compute_dtype="-", quantized=False, healthy=True,
+                          state=StageState.SERVING)
+    snapshot = MeshSnapshot("bench-gateway", (ReplicaSnapshot(0, (stage,)),))
+
+    class StaticMesh:
+        def snapshot(self) -> MeshSnapshot:
+            return snapshot
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    app = create_app(GatewayConfig(served_model_name="bench-gateway", max_model_len=8192), mesh=StaticMesh(),
+                     tokenizer=tokenizer, eos_token_ids=frozenset({tokenizer.eos_token_id}))
+    uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).run()
