@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, conversations: int) -> dict:
-    from stage_worker.engine import EntryEngine
+    from stage_worker.engine import EntryEngine, RequestFailed
     from stage_worker.prefix_cache import PrefixCache
     from stage_worker.scheduler import GenerationRequest, Scheduler
     from stage_worker.stage_runtime import EntryPipeline, StageCompute
@@ -100,8 +100,8 @@ def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, 
             reply: list[int] = []
             while True:
                 event = handle.events.get(timeout=600)
-                if not hasattr(event, "token_ids"):
-                    raise RuntimeError(f"request failed: {event}")
+                if isinstance(event, RequestFailed):
+                    raise RuntimeError(f"request failed: {event.message}")
                 if not reply and event.token_ids:
                     with lock:
                         ttfts.append((turn, time.perf_counter() - started))
@@ -118,8 +118,10 @@ def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, 
         try:
             started = time.perf_counter()
             threads = [threading.Thread(target=conversation, args=(i,)) for i in range(conversations)]
-            [t.start() for t in threads]
-            [t.join() for t in threads]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
             outcome["seconds"] = time.perf_counter() - started
         finally:
             engine.stop()
