@@ -1,7 +1,9 @@
 """``stagemesh bench-prefix``: what the prefix cache is worth, the entry stage alone, cache off against on.
 
 Loads the embedded default model as one stage (as ``bench-engine`` does: no
-gRPC, no gateway) and runs two workloads twice in one invocation, with
+gRPC, no gateway), with what a stage would choose on this machine (the
+optimized BLAS preloaded, dense weights where ``choose_dense_weights`` says
+so), and runs two workloads twice in one invocation, with
 ``--no-enable-prefix-caching`` and with the cache on:
 
 * **multi-turn chat**: ``--conversations`` conversations at once, each of
@@ -43,18 +45,31 @@ def run(args: argparse.Namespace) -> int:
     if min(args.conversations, args.turns, args.system_len, args.user_len, args.tokens, args.block_size) < 1:
         print("bench-prefix: every count must be positive", file=sys.stderr)
         return 2
+    from stage_worker.blas import reexec_with_optimized_blas
+
+    # As a stage does (stage_worker.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
+    reexec_with_optimized_blas(["-m", "stagemesh.cli", *sys.argv[1:]], None)
+    import psutil
+
+    from stage_worker.blas import loaded_blas
     from stage_worker.default_model import resolve_model_path
     from stage_worker.device import current_backend
     from stage_worker.model_spec import read_model_spec
-    from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
+    from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
     from stagemesh.core.layer_split import LayerRange
 
     spec = read_model_spec(resolve_model_path(None))
     backend = current_backend()
     model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True),
                             resolve_compute_dtype("auto", backend))
+    dense, _ = choose_dense_weights("auto", backend=backend, blas=loaded_blas(), quantized=model.quantized,
+                                    dense_bytes=model.dense_bytes(),
+                                    memory_budget=int(psutil.virtual_memory().total * 0.8))
+    if dense:
+        model.dequantize()
     _drive(model, args, cache=False, workload="distinct", conversations=1)  # warm the kernels
-    result: dict[str, Any] = {"backend": backend, "conversations": args.conversations, "turns": args.turns,
+    result: dict[str, Any] = {"backend": backend, "blas": loaded_blas(), "dense_weights": dense,
+                              "conversations": args.conversations, "turns": args.turns,
                               "system_len": args.system_len, "user_len": args.user_len, "tokens": args.tokens}
     for workload in ("multi_turn", "distinct"):
         off = _drive(model, args, cache=False, workload=workload, conversations=args.conversations)
