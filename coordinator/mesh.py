@@ -118,6 +118,8 @@ class MeshConfig:
     grpc_base_port: int = DEFAULT_GRPC_BASE_PORT
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    enable_prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching
+    prefix_cache_block_size: int | None = None  # --prefix-cache-block-size
     ray_address: str | None = None  # None: RAY_ADDRESS, else a local loopback Ray
     startup_timeout_s: float = 300.0
     placement_timeout_s: float = 30.0
@@ -177,7 +179,9 @@ def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1, gpu
     coordinator knows which stages share a node (two Ray nodes may share an address, as in a simulated
     cluster), and the layer plan sized each stage's budget by that count."""
     given: dict[str, Any] = {"memory_fraction": config.memory_fraction, "max_num_seqs": config.max_num_seqs,
-                             "max_model_len": config.max_model_len}
+                             "max_model_len": config.max_model_len,
+                             "enable_prefix_caching": config.enable_prefix_caching,
+                             "prefix_cache_block_size": config.prefix_cache_block_size}
     return StageOptions(node_id=node_id, connect_timeout_s=config.connect_timeout_s,
                         stages_on_host=stages_on_node, gpu_index=gpu_index,
                         stages_on_gpu=stages_on_gpu if gpu_index is not None else 0,

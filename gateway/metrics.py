@@ -15,6 +15,8 @@ Contract:
   ``stagemesh_stage_generated_tokens_total``,
   ``stagemesh_stage_running_sequences``, ``stagemesh_stage_waiting_requests``,
   ``stagemesh_stage_kv_tokens``, ``stagemesh_stage_kv_token_capacity``,
+  ``stagemesh_stage_prefix_cache_{queries,hits,evictions}_total`` (tokens, tokens, blocks),
+  ``stagemesh_stage_prefix_cache_blocks``,
   ``stagemesh_stage_healthy``; plus
   ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer
   and ``stagemesh_gateway_replica_failures_total{replica}`` (Generate calls
@@ -72,6 +74,9 @@ class StageCollector(Collector):
                 ("batches", "Batches the stage computed"),
                 ("tokens", "Token rows the stage computed"),
                 ("generated_tokens", "Tokens the entry stage sampled for requests"),
+                ("prefix_cache_queries", "Prompt tokens of new sequences (as vLLM's prefix_cache_queries)"),
+                ("prefix_cache_hits", "Prompt tokens copied from the prefix cache (as vLLM's prefix_cache_hits)"),
+                ("prefix_cache_evictions", "Blocks the stage dropped from its prefix cache"),
             )
         }
         gauges = {
@@ -81,6 +86,7 @@ class StageCollector(Collector):
                 ("waiting_requests", "Requests queued on the entry stage"),
                 ("kv_tokens", "Token positions of KV cache the stage holds"),
                 ("kv_token_capacity", "Token positions of KV cache the stage's memory budget allows"),
+                ("prefix_cache_blocks", "Blocks of KV the stage keeps in its prefix cache"),
             )
         }
         healthy = GaugeMetricFamily("stagemesh_stage_healthy", "1 when the stage is healthy", labels=labels)

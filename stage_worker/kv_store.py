@@ -25,6 +25,14 @@ per change, which on a GPU stalls the queued work every time a sequence ends
 knows each member's token count, so ``_filter`` trims by the same amount
 computed on the host. Sequences released in one batch leave their group in
 one filter.
+
+Prefix caching (``stage_worker.prefix_cache`` decides, on the entry stage
+only): a RETAIN record keeps a finishing sequence's first positions as a
+*prefix entry* instead of freeing them; a NEW_SEQUENCE record starting at
+position K > 0 starts from a copy of its ``prefix_entry``'s first K positions
+(the copy is a slice: the sequence's first chunk writes into a new buffer, so
+the entry is never written); an EVICT record drops an entry. Every stage
+obeys the same records, so all stages hold the same entries.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from stage_worker.stage_status import PrefixCacheCounts
 from stage_worker.wire import WireMismatchError
 
 
@@ -54,6 +63,11 @@ class KVStore:
         # Positions held across all sequences, kept as one int so another thread (the gRPC
         # service's stats) can read it without iterating a dict this thread is changing.
         self.tokens_held = 0
+        self._prefixes: dict[int, list[KVCache]] = {}  # prefix entry id -> its caches
+        self.prefix_queried_tokens = 0  # prompt positions of new sequences (copied or prefilled)
+        self.prefix_reused_tokens = 0  # positions new sequences copied from entries
+        self.prefix_evicted_tokens = 0  # positions dropped by EVICT records
+        self.prefix_cached_tokens = 0  # positions the entries hold now (an int, like tokens_held)
 
     def __len__(self) -> int:
         return len(self._positions)
@@ -62,10 +76,12 @@ class KVStore:
         return seq_id in self._positions
 
     # -- prompt chunks --------------------------------------------------------
-    def for_chunk(self, seq_id: int, start_pos: int, new_sequence: bool, num_tokens: int) -> list[KVCache]:
-        """The standalone caches a prompt chunk starting at ``start_pos`` extends."""
+    def for_chunk(self, seq_id: int, start_pos: int, new_sequence: bool, num_tokens: int,
+                  prefix_entry: int = 0) -> list[KVCache]:
+        """The standalone caches a prompt chunk starting at ``start_pos`` extends (a new sequence
+        starting past 0 starts from a copy of prefix entry ``prefix_entry``)."""
         if new_sequence:
-            if start_pos != 0:
+            if start_pos != 0 and not prefix_entry:
                 raise WireMismatchError(f"sequence {seq_id} starts at position {start_pos}, not 0")
             if seq_id not in self._positions and len(self._positions) >= self._max_sequences:
                 raise WireMismatchError(
@@ -73,14 +89,78 @@ class KVStore:
                     f"admitted more than --max-num-seqs"
                 )
             self.release(seq_id)
-            self._standalone[seq_id] = self._make_caches()
-            self._positions[seq_id] = 0
+            self._standalone[seq_id] = self._copy_prefix(prefix_entry, start_pos) if start_pos else self._make_caches()
+            self._positions[seq_id] = start_pos
+            self.tokens_held += start_pos
+            self.prefix_queried_tokens += start_pos
+        if new_sequence or num_tokens > 1:  # a prompt chunk (a one-token continuation reads as a decode)
+            self.prefix_queried_tokens += num_tokens
         self._check_position(seq_id, start_pos)
         caches = self._standalone.get(seq_id)
         if caches is None:
             caches = self._ungroup(seq_id)
         self._positions[seq_id] += num_tokens
         self.tokens_held += num_tokens
+        return caches
+
+    # -- prefix entries ----------------------------------------------------------
+    def prefix_counts(self) -> PrefixCacheCounts:
+        return PrefixCacheCounts(self.prefix_queried_tokens, self.prefix_reused_tokens, self.prefix_cached_tokens,
+                                 self.prefix_evicted_tokens)
+
+    def retain(self, seq_id: int, entry_id: int, tokens: int) -> None:
+        """Keep the first ``tokens`` positions of ``seq_id`` as prefix entry ``entry_id``
+        (the sequence itself is released by its RELEASE flag afterwards)."""
+        held = self._positions.get(seq_id)
+        if held is None or held < tokens or entry_id in self._prefixes:
+            raise WireMismatchError(f"prefix entry {entry_id}: sequence {seq_id} holds {held} positions, "
+                                    f"{tokens} to keep (entry known already: {entry_id in self._prefixes})")
+        caches = self._standalone.get(seq_id)
+        if caches is None:
+            group = self._group_of.get(seq_id)
+            if group is None:
+                raise WireMismatchError(f"sequence {seq_id} continues but this stage holds no KV for it")
+            caches = self._extract(group, seq_id)
+        kept = []
+        for cache in caches:
+            entry = KVCache()
+            if cache.keys is not None and cache.values is not None:
+                # A copy of its own: a view would keep the sequence's (or its group's) whole buffer alive and
+                # stop MLX from updating that buffer in place. Evaluated asynchronously, never waited for here.
+                entry.keys = mx.contiguous(cache.keys[..., :tokens, :])
+                entry.values = mx.contiguous(cache.values[..., :tokens, :])
+                entry.offset = tokens
+                mx.async_eval(entry.keys, entry.values)
+            kept.append(entry)
+        self._prefixes[entry_id] = kept
+        self.prefix_cached_tokens += tokens
+        self.tokens_held += tokens
+
+    def evict(self, entry_id: int) -> None:
+        caches = self._prefixes.pop(entry_id, None)
+        if caches is None:
+            raise WireMismatchError(f"prefix entry {entry_id} evicted but this stage holds no such entry")
+        held = caches[0].offset if caches else 0
+        self.prefix_evicted_tokens += held
+        self.prefix_cached_tokens -= held
+        self.tokens_held -= held
+
+    def _copy_prefix(self, entry_id: int, tokens: int) -> list[KVCache]:
+        entry = self._prefixes.get(entry_id)
+        if entry is None or (entry and entry[0].offset < tokens):
+            raise WireMismatchError(f"a new sequence starts from {tokens} positions of prefix entry {entry_id}, "
+                                    f"which this stage does not hold")
+        caches = []
+        for source in entry:
+            cache = KVCache()
+            if source.keys is not None and source.values is not None:
+                # keys.shape[2] == offset: the first write concatenates into a new buffer (mlx-lm's
+                # KVCache.update_and_fetch), so the entry stays as it is.
+                cache.keys = source.keys[..., :tokens, :]
+                cache.values = source.values[..., :tokens, :]
+                cache.offset = tokens
+            caches.append(cache)
+        self.prefix_reused_tokens += tokens
         return caches
 
     # -- decode steps ------------------------------------------------------------

@@ -10,6 +10,14 @@ instead of stalling the running decodes. Only a prompt's last chunk asks the
 last stage to sample. A finished or aborted sequence that holds KV on the
 stages gets a zero-token RELEASE record in the next batch.
 
+With a ``PrefixCache`` (``stage_worker.prefix_cache``), admission looks the
+prompt up once: a hit starts the sequence's prefill at the cached length K
+(its first record is NEW_SEQUENCE at start_pos K, naming the entry to copy),
+least recently used entries are evicted (EVICT records) while the new
+reservation would not fit beside them, and a sequence that finishes (not one
+aborted) leaves its whole blocks behind (its RELEASE record gains RETAIN).
+The cache's tokens count against ``kv_token_capacity`` like reservations.
+
 The caller (``engine``) runs ``next_batch`` -> pipeline -> ``on_sampled`` and
 delivers the returned events to the waiting RPCs.
 
@@ -28,6 +36,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stage_worker.prefix_cache import PrefixCache
 from stage_worker.row_options import RowOptions, TokenLogprob
 from stage_worker.stage_runtime import Chunk, SampledToken
 from stage_worker.wire import RecordFlag, SamplingParams, SequenceRecord
@@ -79,6 +88,7 @@ class _Sequence:
     holds_kv: bool = False
     in_flight_steps: int = 0  # batches holding this sequence now (2 with a continuation)
     aborted: bool = False
+    prefix_entry: int = 0  # the prefix entry its first chunk copies (a reference held until it is sent)
 
     @property
     def in_flight(self) -> bool:
@@ -113,6 +123,7 @@ class Scheduler:
         max_batch_tokens: int = 512,
         prefill_chunk_tokens: int = 512,
         kv_token_capacity: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_model_len < 2 or max_waiting < 0 or max_batch_tokens < 1:
             raise ValueError("max_num_seqs >= 1, max_model_len >= 2, max_waiting >= 0, max_batch_tokens >= 1")
@@ -132,6 +143,7 @@ class Scheduler:
         # admitted work can never run the stages out of memory (no preemption needed).
         self.kv_token_capacity = kv_token_capacity
         self._reserved_tokens = 0
+        self.prefix_cache = prefix_cache
 
     # -- admission -------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -204,6 +216,7 @@ class Scheduler:
             self._reserved_tokens += _reservation(request)
             seq = _Sequence(self._next_seq_id, request)
             self._next_seq_id += 1
+            self._reuse_prefix(seq)
             self._running[seq.seq_id] = seq
             self._by_request[request.request_id] = seq
         chunks: list[Chunk] = [Chunk(r, ()) for r in self._releases]
@@ -223,13 +236,15 @@ class Scheduler:
             if seq.in_flight or seq.aborted or seq.prefill_done or budget <= 0 or seats <= 0:
                 continue
             size = min(self.prefill_chunk_tokens, budget, len(seq.request.prompt) - seq.prefilled)
-            flags = RecordFlag.NEW_SEQUENCE if seq.prefilled == 0 else RecordFlag.NONE
+            flags = RecordFlag.NONE if seq.holds_kv else RecordFlag.NEW_SEQUENCE
             if seq.prefilled + size == len(seq.request.prompt):
                 flags |= RecordFlag.SAMPLE
             tokens = seq.request.prompt[seq.prefilled : seq.prefilled + size]
-            options = seq.request.options if seq.prefilled == 0 else None
-            chunks.append(Chunk(SequenceRecord(seq.seq_id, seq.prefilled, size, flags, seq.request.sampling), tokens,
-                                options=options))
+            # The request's options ride its first chunk (NEW_SEQUENCE), which starts past a cached prefix.
+            options = seq.request.options if flags & RecordFlag.NEW_SEQUENCE else None
+            chunks.append(Chunk(SequenceRecord(seq.seq_id, seq.prefilled, size, flags, seq.request.sampling,
+                                               seq.prefix_entry), tokens, options=options))
+            self._drop_prefix_reference(seq)  # every stage copies the entry in this batch, before any eviction
             seq.prefilled += size
             seq.holds_kv = True
             seq.in_flight_steps += 1
@@ -294,6 +309,8 @@ class Scheduler:
         self._by_request.clear()
         self._releases.clear()
         self._reserved_tokens = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # the stages' KV goes with the pipeline
         return ids
 
     def _finish_reason(self, seq: _Sequence, token_id: int) -> Finish | None:
@@ -308,7 +325,46 @@ class Scheduler:
     def _fits(self, request: GenerationRequest) -> bool:
         if self.kv_token_capacity is None:
             return True
-        return self._reserved_tokens + _reservation(request) <= self.kv_token_capacity
+        # Unreferenced cached prefixes make way (``_reuse_prefix`` evicts them); referenced ones cannot yet.
+        pinned = self.prefix_cache.pinned_tokens if self.prefix_cache is not None else 0
+        return self._reserved_tokens + _reservation(request) + pinned <= self.kv_token_capacity
+
+    def _reuse_prefix(self, seq: _Sequence) -> None:
+        """Admission of ``seq`` (already reserved): start it from its longest cached prefix, and evict
+        least recently used prefixes until the cache fits beside the reservations."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        hit = cache.lookup(seq.request.prompt)
+        if self.kv_token_capacity is not None:
+            room = self.kv_token_capacity - self._reserved_tokens
+            evicted = cache.evict_to(room)
+            if hit is not None and cache.cached_tokens > room:
+                # The entry cannot stay beside the new reservation while it is copied: prefill from 0.
+                cache.cancel(hit)
+                hit = None
+                evicted += cache.evict_to(room)
+            self._releases.extend(SequenceRecord(0, 0, 0, RecordFlag.EVICT, prefix_entry=e) for e in evicted)
+        if hit is not None:
+            seq.prefilled, seq.prefix_entry = hit.tokens, hit.entry_id
+
+    def _drop_prefix_reference(self, seq: _Sequence) -> None:
+        if seq.prefix_entry and self.prefix_cache is not None:
+            self.prefix_cache.release(seq.prefix_entry)
+        seq.prefix_entry = 0
+
+    def _release_record(self, seq: _Sequence) -> list[SequenceRecord]:
+        """The records that free a retiring sequence's KV everywhere, keeping its whole blocks as a prefix
+        entry when it finished (an aborted one may hold a partial prompt: nothing is kept)."""
+        release = SequenceRecord(seq.seq_id, seq.position, 0, RecordFlag.RELEASE)
+        if self.prefix_cache is None or seq.aborted:
+            return [release]
+        kept = self.prefix_cache.insert(seq.request.prompt + tuple(seq.generated), seq.position)
+        if kept.entry_id is None:
+            return [release]
+        evictions = [SequenceRecord(0, 0, 0, RecordFlag.EVICT, prefix_entry=e) for e in kept.superseded]
+        return [SequenceRecord(seq.seq_id, kept.tokens, 0, RecordFlag.RELEASE | RecordFlag.RETAIN,
+                               prefix_entry=kept.entry_id), *evictions]
 
     @property
     def reserved_tokens(self) -> int:
@@ -319,8 +375,9 @@ class Scheduler:
             self._reserved_tokens -= _reservation(seq.request)
         self._by_request.pop(seq.request.request_id, None)
         self.finished_count += 1
+        self._drop_prefix_reference(seq)
         if seq.holds_kv:
-            self._releases.append(SequenceRecord(seq.seq_id, seq.position, 0, RecordFlag.RELEASE))
+            self._releases.extend(self._release_record(seq))
 
 
 def _reservation(request: GenerationRequest) -> int:

@@ -50,6 +50,7 @@ from stage_worker.memory import (
     stages_sharing_memory,
 )
 from stage_worker.model_spec import ModelFormatError, ModelSpec, read_model_spec
+from stage_worker.prefix_cache import PrefixCache
 from stage_worker.scheduler import Scheduler
 from stage_worker.stage_model import (
     StageModel,
@@ -254,6 +255,8 @@ def run_stage(ctx: StageContext, status: StageStatus, body: Callable[[RunningSta
         return ExitCode.CONFIG
     compute = StageCompute(loaded.model, ctx.launch.options.max_num_seqs, recorder, loaded.blas_threads)
     status.watch_kv(compute.kv, loaded.kv_capacity)
+    status.prefix_cache = compute.kv.prefix_counts
+    status.prefix_block_size = ctx.launch.options.prefix_cache_block_size
     status.set_state(StageState.CONNECTING)
     links = StageLinks()
     try:
@@ -278,7 +281,8 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
     capacity = pipeline.pipeline_kv_capacity(stage.loaded.kv_capacity)
     scheduler = Scheduler(max_num_seqs=options.max_num_seqs, max_model_len=ctx.max_model_len,
                           max_waiting=options.max_waiting, max_batch_tokens=options.max_batch_tokens,
-                          prefill_chunk_tokens=options.max_batch_tokens, kv_token_capacity=capacity)
+                          prefill_chunk_tokens=options.max_batch_tokens, kv_token_capacity=capacity,
+                          prefix_cache=prefix_cache_for(ctx))
     # As many micro-batches in flight as there are stages keeps every stage busy.
     engine = EntryEngine(pipeline, scheduler, status, micro_batches=options.micro_batches or ctx.launch.plan.size,
                          step_ahead=step_ahead_pays(ctx.device.backend))
@@ -288,6 +292,16 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
     log.info("serving (max_num_seqs=%d max_model_len=%d, pipeline KV capacity %d tokens, %d micro-batches)",
              options.max_num_seqs, ctx.max_model_len, capacity, engine.micro_batches)
     engine.run()
+
+
+def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:
+    """The entry stage's prefix-cache bookkeeping (None with --no-enable-prefix-caching). Its hashes are salted
+    with what else the KV depends on: the model and the compute dtype."""
+    options = ctx.launch.options
+    if not options.enable_prefix_caching:
+        return None
+    salt = f"{model_fingerprint(ctx.spec)}/{wire.dtype_name(ctx.dtype)}".encode()
+    return PrefixCache(options.prefix_cache_block_size, salt)
 
 
 class _StopRequested(Exception):

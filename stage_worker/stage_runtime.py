@@ -120,7 +120,9 @@ class StageCompute:
         """
         if self._threads is not None:
             self._threads.for_load(in_flight)
-        # Sequences that ended earlier are released before this batch's new ones take their places.
+        # Sequences that ended earlier are released (their prefix kept, where the entry stage says so) and
+        # evicted prefix entries dropped before this batch's new ones take their places.
+        self._apply_prefix_records(records)
         released = [r.seq_id for r in records if r.num_tokens == 0 and r.has(RecordFlag.RELEASE)]
         self.kv.release_many(released)
         if len(self.rows):
@@ -138,7 +140,8 @@ class StageCompute:
                 decode_positions.append(r.start_pos)
                 decode_rows.append(row)
             else:
-                caches = self.kv.for_chunk(r.seq_id, r.start_pos, r.has(RecordFlag.NEW_SEQUENCE), r.num_tokens)
+                caches = self.kv.for_chunk(r.seq_id, r.start_pos, r.has(RecordFlag.NEW_SEQUENCE), r.num_tokens,
+                                           r.prefix_entry)
                 segments.append(Segment(caches, r.num_tokens, row))
             row += r.num_tokens
         if row != hidden.shape[0]:
@@ -158,6 +161,15 @@ class StageCompute:
             # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.
             mx.eval(out)
         return out
+
+    def _apply_prefix_records(self, records: Sequence[SequenceRecord]) -> None:
+        for r in records:
+            if r.num_tokens or not r.flags & (RecordFlag.RETAIN | RecordFlag.EVICT):
+                continue
+            if r.has(RecordFlag.EVICT):
+                self.kv.evict(r.prefix_entry)
+            else:
+                self.kv.retain(r.seq_id, r.prefix_entry, r.start_pos)
 
     def sample(self, records: Sequence[SequenceRecord], hidden: mx.array,
                wait: bool = True) -> tuple[list[SequenceRecord], mx.array, LogprobRows | None]:

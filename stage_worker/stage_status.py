@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from stagemesh.core.snapshots import StageStats
 from stagemesh.core.states import StageState
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounts:
+    """What a stage's KV store did with cached prefixes, in tokens (``KVStore``'s counters)."""
+
+    queried_tokens: int
+    reused_tokens: int
+    cached_tokens: int
+    evicted_tokens: int
 
 
 class HeldTokens(Protocol):
@@ -39,6 +50,9 @@ class StageStatus:
         self.weight_bytes = 0
         self.quantized = False
         self.blas = ""
+        # Read at GetStageInfo time from the stage's KV store (set once it exists); plain int reads.
+        self.prefix_cache: Callable[[], PrefixCacheCounts] | None = None
+        self.prefix_block_size = 1
 
     def on_state(self, listener: Callable[[StageState], None]) -> None:
         with self._lock:
@@ -88,8 +102,13 @@ class StageStatus:
             self._kv, self.kv_token_capacity = kv, capacity_tokens
 
     def stats(self) -> StageStats:
+        counts = self.prefix_cache() if self.prefix_cache is not None else PrefixCacheCounts(0, 0, 0, 0)
+        block = max(1, self.prefix_block_size)
         with self._lock:
             return StageStats(self.batches, self.tokens, self.compute_seconds, self.wait_seconds,
                               self.send_seconds, self.running_sequences, self.waiting_requests,
                               self.requests_finished, kv_tokens=self._kv.tokens_held if self._kv else 0,
-                              kv_token_capacity=self.kv_token_capacity, generated_tokens=self.generated_tokens)
+                              kv_token_capacity=self.kv_token_capacity, generated_tokens=self.generated_tokens,
+                              prefix_cache_queries=counts.queried_tokens, prefix_cache_hits=counts.reused_tokens,
+                              prefix_cache_blocks=counts.cached_tokens // block,
+                              prefix_cache_evictions=counts.evicted_tokens // block)

@@ -73,6 +73,9 @@ class RecordFlag(enum.IntFlag):
     NEW_SEQUENCE = 1  # start_pos must be 0; drop any KV held under this id
     SAMPLE = 2  # the last stage samples a token from this record's last row
     RELEASE = 4  # free this sequence's KV cache after the batch
+    # Prefix caching (stage_worker.prefix_cache decides on the entry stage; every stage obeys):
+    RETAIN = 8  # with RELEASE: keep the first start_pos positions as prefix entry ``prefix_entry``
+    EVICT = 16  # drop prefix entry ``prefix_entry`` (zero tokens; seq_id unused)
 
 
 # dtype codes on the wire; the order is part of the protocol.
@@ -139,7 +142,7 @@ def payload_from_bytes(data: bytearray | memoryview, header: FrameHeader) -> mx.
 # magic, version, kind, message_no, batch_id, num_records, num_rows, row_width,
 # dtype code, body_bytes, in_flight (was reserved: 0 from older senders means unknown)
 _HEADER = struct.Struct("<4sHHQQIIIIII")
-# seq_id, start_pos, num_tokens, flags, temperature, top_p, top_k, seed, reserved
+# seq_id, start_pos, num_tokens, flags, temperature, top_p, top_k, seed, prefix_entry (was reserved, 0)
 _RECORD = struct.Struct("<QIIIffiqI")
 
 HEADER_BYTES = _HEADER.size
@@ -170,6 +173,9 @@ class SequenceRecord:
     num_tokens: int
     flags: RecordFlag = RecordFlag.NONE
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # A prefix-cache entry (0: none). On a NEW_SEQUENCE record with start_pos K > 0: the sequence
+    # starts from a copy of the entry's first K positions; on RETAIN / EVICT: the entry kept / dropped.
+    prefix_entry: int = 0
 
     def has(self, flag: RecordFlag) -> bool:
         return bool(self.flags & flag)
@@ -255,7 +261,7 @@ def pack_records(records: Sequence[SequenceRecord]) -> bytes:
             r.sampling.top_p,
             r.sampling.top_k,
             r.sampling.seed,
-            0,
+            r.prefix_entry,
         )
         for r in records
     )
@@ -265,7 +271,7 @@ def unpack_records(data: bytes, count: int) -> tuple[SequenceRecord, ...]:
     records = []
     for i in range(count):
         (seq_id, start_pos, num_tokens, flags, temperature, top_p, top_k, seed,
-         _reserved) = _RECORD.unpack_from(data, i * RECORD_BYTES)
+         prefix_entry) = _RECORD.unpack_from(data, i * RECORD_BYTES)
         records.append(
             SequenceRecord(
                 seq_id=seq_id,
@@ -273,6 +279,7 @@ def unpack_records(data: bytes, count: int) -> tuple[SequenceRecord, ...]:
                 num_tokens=num_tokens,
                 flags=RecordFlag(flags),
                 sampling=SamplingParams(temperature, top_p, top_k, seed),
+                prefix_entry=prefix_entry,
             )
         )
     return tuple(records)

@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                      "time the entry stage alone (engine, scheduler, model): ms per token, streams, profile"),
     "bench-gateway": ("stagemesh.bench.gateway",
                       "the gateway alone, fed tokens at a GPU mesh's rate: its CPU per token, where it caps"),
+    "bench-prefix": ("stagemesh.bench.prefix",
+                     "what the prefix cache is worth: multi-turn chat and distinct prompts, cache off against on"),
     "bench-hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
     "soak": ("stagemesh.soak.command", "hold N streaming clients against a mesh while injecting faults; judge it"),

@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's context length)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences a replica runs at once")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep finished sequences' KV on every stage and reuse it for prompts that start alike "
+                             "(the same system prompt, a conversation's earlier turns); within the KV budget, "
+                             "evicted least recently used first (default: on)")
+    parser.add_argument("--prefix-cache-block-size", type=int, default=16,
+                        help="tokens per prefix-cache block: prefixes are cached and reused in whole blocks "
+                             "(default %(default)s)")
     parser.add_argument("--dtype", default="auto",
                         help="compute dtype: auto (float32 on the CPU backend, float16 on Metal, bfloat16 on "
                              "CUDA), float32, float16, bfloat16")
@@ -136,7 +143,8 @@ def build_mesh_config(args: argparse.Namespace):
     from stagemesh.core.ports import check_port_base
 
     for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
-                        ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs)):
+                        ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs),
+                        ("--prefix-cache-block-size", args.prefix_cache_block_size)):
         if value < 1:
             raise ServeConfigError(f"{flag} must be at least 1, got {value}")
     model_path = resolve_model_argument(args.model, args.load_format)
@@ -173,6 +181,8 @@ def build_mesh_config(args: argparse.Namespace):
         grpc_base_port=grpc_base,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_block_size=args.prefix_cache_block_size,
         startup_timeout_s=args.startup_timeout,
         # The layer planner sizes quantized weights unless --dequantize on (auto dequantizes only when the
         # dense weights fit half a stage's budget, so a plan that fits quantized still fits).

@@ -1,8 +1,9 @@
 """``stagemesh status``: the mesh as the coordinator sees it, from a running gateway's ``/mesh``.
 
 Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
-pid, dtype, quantized, MLX backend and device, state, health, KV tokens used of its capacity)
-or, with ``--json``, the ``/mesh`` document unchanged.
+pid, dtype, quantized, MLX backend and device, state, health, KV tokens used of its capacity, then its
+prefix cache: the share of prompt tokens it reused, blocks cached now, blocks evicted) or, with ``--json``,
+the ``/mesh`` document unchanged.
 Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
 gateway cannot be reached. ``--watch`` redraws the dashboard's live figures in
 place instead (``stagemesh.status_watch``).
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def format_mesh(mesh: dict) -> str:
     """The /mesh document as a table (pure)."""
     header = ("replica", "rank", "layers", "host", "grpc", "ring", "pid", "dtype", "quant", "backend", "device",
-              "state", "healthy", "KV tokens used/capacity")
+              "state", "healthy", "KV tokens used/capacity", "prefix_hits", "cached_blocks", "evicted_blocks")
     rows = [header]
     for replica in mesh.get("replicas", []):
         for stage in replica.get("stages", []):
@@ -42,6 +43,7 @@ def format_mesh(mesh: dict) -> str:
                 str(stage.get("backend") or "-"), str(stage.get("device") or "-"),
                 str(stage.get("state", "")), "yes" if stage.get("healthy") else "NO",
                 _kv_cell(stage.get("stats") or {}),
+                *_prefix_cache_cells(stage.get("stats") or {}),
             ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [f"model: {mesh.get('model')}"]
@@ -55,6 +57,15 @@ def _kv_cell(stats: dict) -> str:
     """``used/capacity`` tokens of KV (``-`` before the stage has sized its cache)."""
     capacity = stats.get("kv_token_capacity") or 0
     return f"{stats.get('kv_tokens') or 0}/{capacity}" if capacity else "-"
+
+
+def _prefix_cache_cells(stats: dict) -> tuple[str, str, str]:
+    """Hit rate (of how many prompt tokens), cached blocks, evicted blocks; "-" from a gateway without them."""
+    if "prefix_cache_queries" not in stats:
+        return "-", "-", "-"
+    queries, hits = stats["prefix_cache_queries"], stats.get("prefix_cache_hits", 0)
+    rate = f"{100 * hits / queries:.0f}%/{queries}" if queries else "-"
+    return rate, str(stats.get("prefix_cache_blocks", 0)), str(stats.get("prefix_cache_evictions", 0))
 
 
 def run(args: argparse.Namespace) -> int:

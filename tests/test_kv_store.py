@@ -141,3 +141,63 @@ def test_the_held_count_reaches_the_stage_stats():
     assert (status.stats().kv_token_capacity, status.stats().kv_tokens) == (1000, 10)
     store.release(1)
     assert status.stats().kv_tokens == 4
+
+
+# -- prefix entries ------------------------------------------------------------------------------
+def test_a_retained_prefix_starts_a_new_sequence_with_a_copy_of_its_first_positions():
+    store = _store()
+    _prefill(store, 1, 6)
+    store.retain(1, entry_id=9, tokens=4)
+    store.release(1)
+    assert store.prefix_cached_tokens == 4
+    caches = store.for_chunk(2, 4, True, 2, prefix_entry=9)
+    assert caches[0].offset == 4 and store.prefix_reused_tokens == 4
+    for cache in caches:
+        cache.update_and_fetch(*_kv(2, 2, 4))
+    held = _history(store, 2)
+    assert held[0, 0, :, 0].tolist() == [100, 101, 102, 103, 204, 205]
+    # the new sequence's writes went to a buffer of its own: the entry still holds sequence 1's keys
+    again = store.for_chunk(3, 4, True, 0, prefix_entry=9)
+    assert again[0].keys[0, 0, :, 0].tolist() == [100, 101, 102, 103]
+
+
+def test_a_prefix_is_retained_from_a_decode_group_too():
+    store = _store()
+    _prefill(store, 1, 3)
+    _prefill(store, 2, 5)
+    _decode(store, [1, 2], [3, 5])
+    store.retain(2, entry_id=4, tokens=4)
+    store.release_many([1, 2])
+    caches = store.for_chunk(3, 4, True, 0, prefix_entry=4)
+    assert caches[1].keys[0, 0, :, 0].tolist() == [200, 201, 202, 203]
+
+
+def test_evicted_or_unknown_prefix_entries_are_refused_loudly():
+    store = _store()
+    _prefill(store, 1, 4)
+    store.retain(1, entry_id=5, tokens=4)
+    with pytest.raises(WireMismatchError, match="known already"):
+        store.retain(1, entry_id=5, tokens=4)
+    with pytest.raises(WireMismatchError, match="holds 4 positions"):
+        store.retain(1, entry_id=6, tokens=8)
+    store.evict(5)
+    assert store.prefix_cached_tokens == 0 and store.prefix_evicted_tokens == 4
+    with pytest.raises(WireMismatchError, match="does not hold"):
+        store.for_chunk(2, 4, True, 1, prefix_entry=5)
+    with pytest.raises(WireMismatchError, match="no such entry"):
+        store.evict(5)
+    with pytest.raises(WireMismatchError, match="not 0"):
+        store.for_chunk(2, 4, True, 1)
+
+
+def test_tokens_held_counts_prefix_entries_and_copies():
+    store = _store()
+    _prefill(store, 1, 6)
+    store.retain(1, entry_id=3, tokens=4)
+    store.release(1)
+    assert store.tokens_held == 4  # the entry's positions
+    store.for_chunk(2, 4, True, 1, prefix_entry=3)
+    assert store.tokens_held == 4 + 5  # the copy is the new sequence's own
+    store.evict(3)
+    store.release(2)
+    assert store.tokens_held == 0

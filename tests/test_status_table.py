@@ -1,6 +1,6 @@
 """``stagemesh status``'s table: one row per stage, with the backend and device each computes on."""
 
-from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot
+from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
 from stagemesh.core.states import StageState
 from stagemesh.status import format_mesh
 
@@ -53,3 +53,14 @@ def test_watch_flags_are_checked_before_anything_is_read(capsys):
     assert "--interval and --count go with --watch" in capsys.readouterr().err
     assert main(["status", "--watch", "--interval", "0"]) == 2
     assert "--interval must be positive" in capsys.readouterr().err
+def test_the_table_shows_each_stages_prefix_cache():
+    stats = StageStats(prefix_cache_queries=200, prefix_cache_hits=50, prefix_cache_blocks=12, prefix_cache_evictions=3)
+    stage = StageSnapshot(rank=1, layers=(15, 30), host="h", grpc_port=1, ring_port=2, pid=3, node_id="n",
+                          compute_dtype="float32", quantized=False, healthy=True, state=StageState.SERVING,
+                          stats=stats)
+    mesh = MeshSnapshot("m", (ReplicaSnapshot(0, (stage,)),)).to_json()
+    assert mesh["replicas"][0]["stages"][0]["stats"]["prefix_cache_hits"] == 50
+    header, row = format_mesh(mesh).splitlines()[1:3]
+    assert header.split()[-3:] == ["prefix_hits", "cached_blocks", "evicted_blocks"]
+    assert row.split()[-3:] == ["25%/200", "12", "3"]
+    assert StageStats.from_proto(stats.to_proto()) == stats  # the counters travel in GetStageInfo

@@ -28,16 +28,19 @@ def test_records_round_trip_with_flags_and_sampling():
         SequenceRecord(1, 0, 12, RecordFlag.NEW_SEQUENCE | RecordFlag.SAMPLE, SamplingParams(0.7, 0.9, 40, 1234)),
         SequenceRecord(2**40, 99, 1, RecordFlag.SAMPLE | RecordFlag.RELEASE),
         SequenceRecord(5, 7, 0, RecordFlag.RELEASE),
+        SequenceRecord(6, 16, 4, RecordFlag.NEW_SEQUENCE, prefix_entry=2**32 - 1),
+        SequenceRecord(7, 32, 0, RecordFlag.RELEASE | RecordFlag.RETAIN, prefix_entry=3),
+        SequenceRecord(0, 0, 0, RecordFlag.EVICT, prefix_entry=4),
     )
     data = wire.pack_records(records)
-    assert len(data) == 3 * wire.RECORD_BYTES
-    decoded = wire.unpack_records(data, 3)
-    assert decoded[1] == records[1] and decoded[2] == records[2]
+    assert len(data) == 6 * wire.RECORD_BYTES
+    decoded = wire.unpack_records(data, 6)
+    assert decoded[1:] == records[1:]
     first = decoded[0]
     assert first.has(RecordFlag.NEW_SEQUENCE) and first.has(RecordFlag.SAMPLE) and not first.has(RecordFlag.RELEASE)
     assert first.sampling.top_k == 40 and first.sampling.seed == 1234
     assert first.sampling.temperature == pytest.approx(0.7) and first.sampling.top_p == pytest.approx(0.9)
-    assert wire.total_rows(records) == 13
+    assert wire.total_rows(records) == 17
 
 
 def test_garbage_and_foreign_versions_are_refused():

@@ -142,6 +142,10 @@ class StageOptions:
     stages_on_host: int = 0  # stages sharing the host's memory and cores; 0: this pipeline's on it
     micro_batches: int = 0  # batches in flight at once; 0: one per stage
     max_batch_tokens: int = 512  # token rows per batch (long prompts are prefilled in chunks)
+    # Keep finished sequences' KV for prompts that start alike (stage_worker.prefix_cache), in blocks of
+    # this many tokens (vLLM's --enable-prefix-caching, on by default, and its --block-size 16).
+    enable_prefix_caching: bool = True
+    prefix_cache_block_size: int = 16
     connect_timeout_s: float = 60.0  # neighbours' lanes must be up by then
     ring_timeout_s: float | None = None  # None: STAGEMESH_RING_TIMEOUT where the stage runs
     # The node's visible GPU this stage computes on (stagemesh.core.gpus); None: the node's default.
@@ -149,7 +153,7 @@ class StageOptions:
     stages_on_gpu: int = 0  # stages sharing that GPU's memory; 0: unknown (the host's count applies)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_batch_tokens"):
+        for name in ("max_num_seqs", "max_batch_tokens", "prefix_cache_block_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.gpu_index is not None and self.gpu_index < 0:

@@ -41,6 +41,10 @@ class StageStats:
     kv_tokens: int = 0  # token positions of KV this stage holds now
     kv_token_capacity: int = 0  # token positions its memory budget allows (0: not known yet)
     generated_tokens: int = 0  # entry stage: tokens sampled for requests (the replica's output)
+    prefix_cache_queries: int = 0  # prompt tokens of new sequences, in tokens as vLLM counts them
+    prefix_cache_hits: int = 0  # of those, positions copied from a cached prefix
+    prefix_cache_blocks: int = 0  # blocks cached now
+    prefix_cache_evictions: int = 0  # blocks dropped (least recently used for room, or superseded)
 
     def to_proto(self) -> stage_pb2.StageStats:
         return stage_pb2.StageStats(**asdict(self))

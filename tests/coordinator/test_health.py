@@ -91,6 +91,9 @@ def test_stage_options_keep_the_stage_defaults_for_what_the_user_left_unset():
     assert (options.max_num_seqs, options.max_model_len, options.memory_fraction, options.stages_on_host) == (
         8, 512, 0.5, 2)
     assert options.max_waiting == StageOptions().max_waiting
+    assert (options.enable_prefix_caching, options.prefix_cache_block_size) == (True, 16)  # vLLM's defaults
+    options = stage_options(_config(enable_prefix_caching=False, prefix_cache_block_size=32), "n")
+    assert (options.enable_prefix_caching, options.prefix_cache_block_size) == (False, 32)
 
 
 def test_stage_info_reads_every_state_and_refuses_an_unknown_one():

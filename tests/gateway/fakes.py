@@ -144,7 +144,9 @@ class FakeMesh:
                 device="fake CPU",
                 state=StageState.SERVING if ok else StageState.FAILED,
                 stats=StageStats(batches=10 + r, tokens=99, compute_seconds=1.5, wait_seconds=0.25,
-                                         send_seconds=0.125, running_sequences=r, waiting_requests=0),
+                                         send_seconds=0.125, running_sequences=r, waiting_requests=0,
+                                         prefix_cache_queries=400, prefix_cache_hits=96, prefix_cache_blocks=7,
+                                         prefix_cache_evictions=2),
             )
             replicas.append(ReplicaSnapshot(replica=r, stages=(stage,)))
         return MeshSnapshot(model=self.model, replicas=tuple(replicas))

@@ -30,6 +30,10 @@ def test_metrics_has_request_and_per_stage_series(client, server):
                           ("stagemesh_stage_send_seconds_total", "0.125"),
                           ("stagemesh_stage_batches_total", "10.0"),
                           ("stagemesh_stage_running_sequences", "0.0"),
+                          ("stagemesh_stage_prefix_cache_queries_total", "400.0"),
+                          ("stagemesh_stage_prefix_cache_hits_total", "96.0"),
+                          ("stagemesh_stage_prefix_cache_blocks", "7.0"),
+                          ("stagemesh_stage_prefix_cache_evictions_total", "2.0"),
                           ("stagemesh_stage_healthy", "1.0")]:
         assert f"{series}{labels} {value}" in text, series
     assert 'stagemesh_gateway_requests_total{endpoint="/v1/completions",status="200"}' in text

@@ -1,0 +1,162 @@
+"""``stagemesh bench-prefix``: what the prefix cache is worth, the entry stage alone, cache off against on.
+
+Loads the embedded default model as one stage (as ``bench-engine`` does: no
+gRPC, no gateway), with what a stage would choose on this machine (the
+optimized BLAS preloaded, dense weights where ``choose_dense_weights`` says
+so), and runs two workloads twice in one invocation, with
+``--no-enable-prefix-caching`` and with the cache on:
+
+* **multi-turn chat**: ``--conversations`` conversations at once, each of
+  ``--turns`` turns; every turn's prompt is a shared system prompt of
+  ``--system-len`` tokens, the conversation's whole history (earlier user
+  turns and the replies generated for them) and a new user turn of
+  ``--user-len`` tokens; ``--tokens`` tokens are generated per turn.
+* **distinct prompts**: as many requests at once, prompts sharing nothing
+  (what the cache costs when it never hits).
+
+It prints time to first token (p50, per turn after the first of each
+conversation, and over all turns), tokens per second, the hit rate, and the
+on/off ratios as JSON. Greedy decoding; the token ids are random but fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--conversations", type=int, default=8, help="conversations at once")
+    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    parser.add_argument("--system-len", type=int, default=256, help="tokens of the shared system prompt")
+    parser.add_argument("--user-len", type=int, default=32, help="tokens of each user turn")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per turn")
+    parser.add_argument("--block-size", type=int, default=16, help="prefix-cache block size")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.conversations, args.turns, args.system_len, args.user_len, args.tokens, args.block_size) < 1:
+        print("bench-prefix: every count must be positive", file=sys.stderr)
+        return 2
+    from stage_worker.blas import reexec_with_optimized_blas
+
+    # As a stage does (stage_worker.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
+    reexec_with_optimized_blas(["-m", "stagemesh.cli", *sys.argv[1:]], None)
+    import psutil
+
+    from stage_worker.blas import loaded_blas
+    from stage_worker.default_model import resolve_model_path
+    from stage_worker.device import current_backend
+    from stage_worker.model_spec import read_model_spec
+    from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
+    from stagemesh.core.layer_split import LayerRange
+
+    spec = read_model_spec(resolve_model_path(None))
+    backend = current_backend()
+    model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True),
+                            resolve_compute_dtype("auto", backend))
+    dense, _ = choose_dense_weights("auto", backend=backend, blas=loaded_blas(), quantized=model.quantized,
+                                    dense_bytes=model.dense_bytes(),
+                                    memory_budget=int(psutil.virtual_memory().total * 0.8))
+    if dense:
+        model.dequantize()
+    _drive(model, args, cache=False, workload="distinct", conversations=1)  # warm the kernels
+    result: dict[str, Any] = {"backend": backend, "blas": loaded_blas(), "dense_weights": dense,
+                              "conversations": args.conversations, "turns": args.turns,
+                              "system_len": args.system_len, "user_len": args.user_len, "tokens": args.tokens}
+    for workload in ("multi_turn", "distinct"):
+        off = _drive(model, args, cache=False, workload=workload, conversations=args.conversations)
+        on = _drive(model, args, cache=True, workload=workload, conversations=args.conversations)
+        result[workload] = {"cache_off": off, "cache_on": on, "ratios_on_over_off": {
+            key: round(on[key] / off[key], 3) for key in ("ttft_p50_s", "ttft_p50_later_turns_s", "tokens_per_s")
+            if on.get(key) and off.get(key)}}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, conversations: int) -> dict:
+    from stage_worker.engine import EntryEngine, RequestFailed
+    from stage_worker.prefix_cache import PrefixCache
+    from stage_worker.scheduler import GenerationRequest, Scheduler
+    from stage_worker.stage_runtime import EntryPipeline, StageCompute
+    from stage_worker.stage_status import StageStatus
+
+    turns = args.turns if workload == "multi_turn" else 1
+    longest = args.system_len + turns * (args.user_len + args.tokens) + 1
+    prefix_cache = PrefixCache(args.block_size) if cache else None
+    scheduler = Scheduler(max_num_seqs=max(16, conversations), max_model_len=longest,
+                          max_waiting=max(64, conversations), prefix_cache=prefix_cache)
+    engine = EntryEngine(EntryPipeline(StageCompute(model, max(16, conversations)), None, None, is_last=True),
+                         scheduler, StageStatus())
+    rng = random.Random(7)  # the same token ids with the cache off and on
+    system = tuple(rng.randrange(300, 20000) for _ in range(args.system_len))
+    ttfts: list[tuple[int, float]] = []  # (turn, seconds)
+    generated = [0]
+    lock = threading.Lock()
+
+    def conversation(index: int) -> None:
+        local = random.Random(1000 + index)
+        history: tuple[int, ...] = system if workload == "multi_turn" else \
+            tuple(local.randrange(300, 20000) for _ in range(args.system_len))
+        for turn in range(turns):
+            history += tuple(local.randrange(300, 20000) for _ in range(args.user_len))
+            started = time.perf_counter()
+            handle = engine.submit(GenerationRequest(f"c{index}t{turn}", history, args.tokens, ignore_eos=True))
+            reply: list[int] = []
+            while True:
+                event = handle.events.get(timeout=600)
+                if isinstance(event, RequestFailed):
+                    raise RuntimeError(f"request failed: {event.message}")
+                if not reply and event.token_ids:
+                    with lock:
+                        ttfts.append((turn, time.perf_counter() - started))
+                reply += event.token_ids
+                if event.finish is not None:
+                    break
+            with lock:
+                generated[0] += len(reply)
+            history += tuple(reply)
+
+    outcome: dict[str, float] = {}
+
+    def clients() -> None:
+        try:
+            started = time.perf_counter()
+            threads = [threading.Thread(target=conversation, args=(i,)) for i in range(conversations)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            outcome["seconds"] = time.perf_counter() - started
+        finally:
+            engine.stop()
+
+    thread = threading.Thread(target=clients, name="bench-clients")
+    thread.start()
+    engine.run()  # on this thread: MLX's streams belong to the thread that made them
+    thread.join()
+    if "seconds" not in outcome:
+        raise RuntimeError("the engine stopped before every conversation finished")
+    later = [s for turn, s in ttfts if turn > 0]
+    result = {"ttft_p50_s": round(_p50([s for _, s in ttfts]), 4),
+              "ttft_p50_later_turns_s": round(_p50(later), 4) if later else None,
+              "tokens_per_s": round(generated[0] / outcome["seconds"], 1)}
+    if prefix_cache is not None:
+        stats = prefix_cache.stats
+        result["prefix_cache_hit_rate"] = round(stats.hits / stats.queries, 3) if stats.queries else 0.0
+    return result
+
+
+def _p50(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]

@@ -1,0 +1,105 @@
+"""Prefix caching across a real pipeline (stage processes, lanes, gRPC, no Ray): at PP=2 and PP=3 greedy
+output with the cache on equals the cache off, and every stage reused exactly what the entry stage decided."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stagemesh.core.plan import StageLaunch, StageOptions, make_local_plan
+from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from tests.conftest import free_port_base
+from tests.test_prefix_cache_engine import BLOCK, _conversation, _Engine, load_whole_model
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cache_off_outputs(model):
+    """The conversation without a prefix cache, one stage in this process (PP=N is bit-identical to
+    PP=1: tests/e2e/test_pipeline_e2e.py)."""
+    engine = _Engine(model, None)
+    try:
+        return _conversation(engine)
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path):
+    return load_whole_model(default_model_path)
+
+
+class _GrpcClient:
+    """``_Engine``'s interface over a running pipeline's Generate."""
+
+    def __init__(self, stub) -> None:
+        self._stub = stub
+        self._pool = ThreadPoolExecutor(4)
+
+    def submit(self, prompt, max_tokens=6) -> Future:
+        return self._pool.submit(self.generate, prompt, max_tokens)
+
+    @staticmethod
+    def tokens(handle: Future) -> list[int]:
+        return handle.result(timeout=300)
+
+    def generate(self, prompt, max_tokens=6) -> list[int]:
+        request = stage_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=list(prompt),
+                                            max_tokens=max_tokens, ignore_eos=True)
+        return [t for reply in self._stub.Generate(request, timeout=300) for t in reply.token_ids]
+
+
+def _start(default_model_path, workdir, pp):
+    plan = make_local_plan(default_model_path, 30, pp, "auto", ring_base_port=free_port_base(2 * pp),
+                           grpc_base_port=free_port_base(pp))
+    options = StageOptions(max_num_seqs=8, max_model_len=512, prefix_cache_block_size=BLOCK)
+    for r in range(pp):
+        (workdir / f"launch-{r}.json").write_text(StageLaunch(plan, r, options).to_json())
+    procs = [subprocess.Popen([sys.executable, "-m", "stage_worker", "--launch", str(workdir / f"launch-{r}.json")],
+                              stdout=open(workdir / f"stage-{r}.log", "w"), stderr=subprocess.STDOUT)
+             for r in range(pp)]
+    channels = [grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") for s in plan.stages]
+    health = health_pb2_grpc.HealthStub(channels[0])
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1:
+                break
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, (workdir / "stage-0.log").read_text()
+        assert all(p.poll() is None for p in procs), [(workdir / f"stage-{r}.log").read_text() for r in range(pp)]
+        time.sleep(0.3)
+    return procs, channels
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_greedy_output_with_the_cache_equals_without_and_every_stage_agrees(
+        pp, default_model_path, tmp_path, cache_off_outputs):
+    procs, channels = _start(default_model_path, tmp_path, pp)
+    try:
+        assert _conversation(_GrpcClient(stage_pb2_grpc.StageStub(channels[0]))) == cache_off_outputs
+        stats = [stage_pb2_grpc.StageStub(c).GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=10).stats
+                 for c in channels]
+    finally:
+        procs[0].terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for c in channels:
+            c.close()
+    hits = {s.prefix_cache_hits for s in stats}
+    queries = {s.prefix_cache_queries for s in stats}
+    assert len(hits) == 1 and len(queries) == 1, stats  # every stage copied exactly the same positions
+    assert hits.pop() >= 32 + 24 + 16 + 8 + 32 + 40
+    assert all(s.prefix_cache_blocks > 0 for s in stats)

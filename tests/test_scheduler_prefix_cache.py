@@ -1,0 +1,90 @@
+"""The entry stage's prefix-cache decisions in the batches it builds: hits, retains, evictions, budget."""
+
+from stage_worker.prefix_cache import PrefixCache
+from stage_worker.scheduler import GenerationRequest, Scheduler
+from stage_worker.stage_runtime import SampledToken
+from stage_worker.wire import RecordFlag
+
+
+def _scheduler(capacity=None, block_size=4):
+    return Scheduler(max_num_seqs=4, max_model_len=64, max_waiting=4, max_batch_tokens=64,
+                     prefill_chunk_tokens=64, kv_token_capacity=capacity, prefix_cache=PrefixCache(block_size))
+
+
+def _run_to_end(s, request, token=7):
+    """Admit ``request`` and step it to its end; returns every batch's records."""
+    s.add(request)
+    seen = []
+    while s.has_work():
+        batch = s.next_batch()
+        seen.extend(c.record for c in batch.chunks)
+        s.on_sampled(batch, [SampledToken(c.record.seq_id, c.record.start_pos + c.record.num_tokens, token)
+                             for c in batch.chunks if c.record.has(RecordFlag.SAMPLE)])
+    return seen
+
+
+def test_a_finished_sequence_is_retained_and_a_prompt_starting_alike_skips_its_blocks():
+    s = _scheduler()
+    first = _run_to_end(s, GenerationRequest("a", tuple(range(10)), 3))
+    (retain,) = [r for r in first if r.has(RecordFlag.RETAIN)]
+    # 10 prompt + 2 fed generated tokens on the stages: 12 positions, 3 whole blocks
+    assert retain.has(RecordFlag.RELEASE) and retain.start_pos == 12 and retain.prefix_entry
+    second = _run_to_end(s, GenerationRequest("b", tuple(range(10)) + (7, 7, 50, 51), 2))
+    new = [r for r in second if r.has(RecordFlag.NEW_SEQUENCE)]
+    assert [(r.start_pos, r.num_tokens, r.prefix_entry) for r in new] == [(12, 2, retain.prefix_entry)]
+    assert s.prefix_cache is not None and (s.prefix_cache.stats.queries, s.prefix_cache.stats.hits) == (24, 12)
+
+
+def test_a_prompt_that_is_a_prefix_of_a_cached_one_still_prefills_its_last_block():
+    s = _scheduler()
+    _run_to_end(s, GenerationRequest("a", tuple(range(12)), 1))
+    second = _run_to_end(s, GenerationRequest("b", tuple(range(8)), 1))
+    (new,) = [r for r in second if r.has(RecordFlag.NEW_SEQUENCE)]
+    assert (new.start_pos, new.num_tokens) == (4, 4) and new.has(RecordFlag.SAMPLE)
+
+
+def test_an_aborted_sequence_leaves_nothing_cached():
+    s = _scheduler()
+    s.add(GenerationRequest("a", tuple(range(10)), 5))
+    batch = s.next_batch()
+    s.abort("a")
+    s.on_sampled(batch, [])
+    (release,) = [c.record for c in s.next_batch().chunks]
+    assert release.flags == RecordFlag.RELEASE
+    assert s.prefix_cache is not None and s.prefix_cache.cached_blocks == 0
+
+
+def test_cached_prefixes_are_evicted_for_a_reservation_that_would_not_fit_beside_them():
+    s = _scheduler(capacity=32)
+    _run_to_end(s, GenerationRequest("a", tuple(range(100, 116)), 1))  # 16 tokens cached
+    _run_to_end(s, GenerationRequest("b", tuple(range(200, 208)), 1))  # 8 more: 24 of 32
+    assert s.prefix_cache is not None and s.prefix_cache.cached_tokens == 24
+    records = _run_to_end(s, GenerationRequest("c", tuple(range(300, 315)), 2))  # reserves 17: evict "a" only
+    evicted = [r for r in records if r.has(RecordFlag.EVICT)]
+    assert len(evicted) == 1 and s.prefix_cache.stats.evicted_blocks == 4
+    assert s.reserved_tokens == 0 and s.finished_count == 3
+
+
+def test_a_hit_that_would_not_fit_beside_its_reservation_is_not_taken():
+    s = _scheduler(capacity=24)
+    _run_to_end(s, GenerationRequest("a", tuple(range(12)), 1))  # 12 cached
+    s.add(GenerationRequest("b", tuple(range(12)) + (1,), 11))  # reserves 24: the cache must go
+    records = [c.record for c in s.next_batch().chunks]
+    assert [r.prefix_entry for r in records if r.has(RecordFlag.EVICT)] != []
+    (new,) = [r for r in records if r.has(RecordFlag.NEW_SEQUENCE)]
+    assert (new.start_pos, new.num_tokens, new.prefix_entry) == (0, 13, 0)
+    assert s.prefix_cache is not None and s.prefix_cache.stats.hits == 0
+
+
+def test_a_referenced_prefix_is_not_evicted_before_its_copy_is_sent():
+    s = _scheduler(capacity=30)
+    _run_to_end(s, GenerationRequest("a", tuple(range(12)), 1))  # 12 cached
+    s.add(GenerationRequest("b", tuple(range(12)) + (1,), 2))  # hits 12, reserves 15: 27 of 30
+    s.add(GenerationRequest("c", (90, 91, 92), 2))  # 5 more would need the referenced entry's place
+    first = [c.record for c in s.next_batch().chunks]
+    assert not [r for r in first if r.has(RecordFlag.EVICT)]
+    (new,) = [r for r in first if r.has(RecordFlag.NEW_SEQUENCE)]
+    assert (new.seq_id, new.start_pos) == (2, 12)  # "c" waits
+    second = [c.record for c in s.next_batch().chunks]  # b's copy has been sent: now the entry may go
+    assert [r.prefix_entry for r in second if r.has(RecordFlag.EVICT)] == [new.prefix_entry]
+    assert [r.seq_id for r in second if r.has(RecordFlag.NEW_SEQUENCE)] == [3]
