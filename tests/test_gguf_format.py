@@ -91,7 +91,8 @@ def write_tiny_gguf(
         add(f"{b}.ffn_up.weight", mat(ffn, hidden), qtype)
         add(f"{b}.ffn_down.weight", mat(hidden, ffn), qtype)
         if arch == "qwen2":
-            for n, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+            for n, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
+                            ("attn_v", kv_heads * head_dim)):
                 add(f"{b}.{n}.bias", vec(rows) - 1, Q.F32)
         if arch == "qwen3":
             add(f"{b}.attn_q_norm.weight", vec(head_dim), Q.F32)
@@ -295,7 +296,8 @@ def test_qwen3_head_dim_and_qk_norm(tmp_path):
     assert spec.args["head_dim"] == 32 and spec.model_type == "qwen3"
     assert spec.quantization["model.embed_tokens"] is False
     weights = load_stage_weights(spec, range(0, 2), True, True)
-    assert np.array_equal(np.array(weights["model.layers.0.self_attn.q_norm.weight"]), hf["model.layers.0.self_attn.q_norm.weight"])
+    q_norm = "model.layers.0.self_attn.q_norm.weight"
+    assert np.array_equal(np.array(weights[q_norm]), hf[q_norm])
     model = build_model(spec, weights)
     assert model(mx.array([[1, 2, 3]])).shape == (1, 3, 96)
 

@@ -39,7 +39,9 @@ UNQUANTIZED_MODULE = "model.layers.0.mlp.down_proj"  # stored plain, not listed 
 
 
 def _unit(name: str) -> str:
-    return f"layer{name.split('.')[2]}" if name.startswith("model.layers.") else name.split(".")[1 if name.startswith("model.") else 0]
+    if name.startswith("model.layers."):
+        return f"layer{name.split('.')[2]}"
+    return name.split(".")[1 if name.startswith("model.") else 0]
 
 
 def write_model(
@@ -77,7 +79,7 @@ def write_model(
     for name, value in weights.items():
         units.setdefault(_unit(name), {})[name] = value
     index = {}
-    for i, (unit, tensors) in enumerate(sorted(units.items()), start=1):
+    for i, (_unit_name, tensors) in enumerate(sorted(units.items()), start=1):
         file = f"model-{i:05d}-of-{len(units):05d}.safetensors"
         mx.save_safetensors(str(path / file), tensors)
         index.update({k: file for k in tensors})
@@ -127,7 +129,8 @@ def test_slices_of_a_quantized_qwen3(qwen3_dir):
     assert f"{UNQUANTIZED_MODULE}.scales" not in first and f"{UNQUANTIZED_MODULE}.weight" in first
     last = load_stage_weights(spec, range(2, 3), with_embedding=False, with_head=True)
     # tied: the head needs the embedding matrix
-    assert_same(last, saved, [k for k in saved if k.startswith(("model.layers.2.", "model.embed_tokens.", "model.norm."))])
+    assert_same(last, saved,
+                [k for k in saved if k.startswith(("model.layers.2.", "model.embed_tokens.", "model.norm."))])
 
 
 def test_names_match_mlx_lm_loader(qwen3_dir):

@@ -95,7 +95,8 @@ def test_admission_is_bounded_by_running_slots_and_the_waiting_queue():
         s.add(_request("c"))  # one slot + one waiting place, both taken
     s.next_batch()
     assert s.num_running == 1 and s.num_waiting == 1
-    with pytest.raises(QueueFullError, match=r"1 sequences running \(--max-num-seqs 1\) and 1 waiting \(--max-waiting 1\)"):
+    full = r"1 sequences running \(--max-num-seqs 1\) and 1 waiting \(--max-waiting 1\)"
+    with pytest.raises(QueueFullError, match=full):
         s.add(_request("c"))
 
 
