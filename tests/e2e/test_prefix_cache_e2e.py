@@ -13,10 +13,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stagemesh.core.mesh_token import call_metadata, generate_token
 from stagemesh.core.plan import StageLaunch, StageOptions, make_local_plan
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 from tests.test_prefix_cache_engine import BLOCK, _conversation, _Engine, load_whole_model
+
+TOKEN = generate_token()  # the stages' gRPC requires the mesh token on Generate
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +57,8 @@ class _GrpcClient:
     def generate(self, prompt, max_tokens=6) -> list[int]:
         request = stage_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=list(prompt),
                                             max_tokens=max_tokens, ignore_eos=True)
-        return [t for reply in self._stub.Generate(request, timeout=300) for t in reply.token_ids]
+        replies = self._stub.Generate(request, timeout=300, metadata=call_metadata(TOKEN))
+        return [t for reply in replies for t in reply.token_ids]
 
 
 def _start(default_model_path, workdir, pp):
@@ -62,7 +66,7 @@ def _start(default_model_path, workdir, pp):
                            grpc_base_port=free_port_base(pp))
     options = StageOptions(max_num_seqs=8, max_model_len=512, prefix_cache_block_size=BLOCK)
     for r in range(pp):
-        (workdir / f"launch-{r}.json").write_text(StageLaunch(plan, r, options).to_json())
+        (workdir / f"launch-{r}.json").write_text(StageLaunch(plan, r, options, mesh_token=TOKEN).to_json())
     procs = [subprocess.Popen([sys.executable, "-m", "stage_worker", "--launch", str(workdir / f"launch-{r}.json")],
                               stdout=open(workdir / f"stage-{r}.log", "w"), stderr=subprocess.STDOUT)
              for r in range(pp)]
