@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         _serve_gateway(args.port_base, args.port_base + 1, args.tokenizer)
         return 0
     from stagemesh.bench.profile import process_cpu_seconds
+    from stagemesh.bench.serving import server_process
 
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1 or args.step_ms < 0:
@@ -76,8 +73,11 @@ def run(args: argparse.Namespace) -> int:
             default_model_tokenizer().save_pretrained(tokenizer_dir)
         own = [sys.executable, "-m", "stagemesh.cli", "bench-gateway", "--port-base", str(args.port_base),
                "--step-ms", str(args.step_ms), "--tokenizer", tokenizer_dir]
-        with _process([*own, "--serve-source"], "source", None), \
-                _process([*own, "--serve-gateway"], "gateway", f"http://127.0.0.1:{args.port_base}") as gateway:
+        with server_process([*own, "--serve-source"], "bench-gateway source", None, startup_s=120, poll_s=0.5,
+                            stop_s=20), \
+                server_process([*own, "--serve-gateway"], "bench-gateway gateway",
+                               f"http://127.0.0.1:{args.port_base}/health", startup_s=120, poll_s=0.5,
+                               stop_s=20) as gateway:
             url = f"http://127.0.0.1:{args.port_base}"
 
             def load(level: int, num_prompts: int, result: str) -> None:
@@ -137,34 +137,6 @@ def _table(rows: list[dict]) -> list[str]:
         lines.append(f"{r['concurrency']:>8} {offered:>14} {r['output_tokens_per_s']:>16.1f} {itl:>11} "
                      f"{100 * (r['gateway_core_share'] or 0):>12.0f}% {r['gateway_cpu_ms_per_token'] or 0:>13.3f}")
     return lines
-
-
-@contextlib.contextmanager
-def _process(command: list[str], label: str, health_url: str | None) -> Iterator[subprocess.Popen]:
-    import httpx
-
-    log = tempfile.NamedTemporaryFile("w", prefix=f"bench-gateway-{label}-", suffix=".log", delete=False)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while health_url is not None:
-            if process.poll() is not None:
-                raise SystemExit(f"bench-gateway: the {label} exited ({process.returncode}); see {log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{health_url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"bench-gateway: the {label} did not come up; see {log.name}")
-            time.sleep(0.5)
-        yield process
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 async def _serve_source(port: int, step_ms: float) -> None:

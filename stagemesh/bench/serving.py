@@ -211,28 +211,38 @@ def _mlx_lm_server(model_dir: str, port: int, extra_env: dict, label: str) -> It
 @contextlib.contextmanager
 def _server(command: list[str], env: dict, url: str, label: str, model: str,
             stagemesh: bool = False) -> Iterator[Endpoint]:
+    with server_process(command, label, f"{url}/health", env=env, startup_s=300, poll_s=1) as process:
+        print(f"{label} up at {url}", file=sys.stderr)
+        yield Endpoint(url, label, model, process.pid, stagemesh)
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], label: str, health_url: str | None, *, env: dict | None = None,
+                   startup_s: float = 300, poll_s: float = 1, stop_s: float = 60) -> Iterator[subprocess.Popen]:
+    """A benchmark's server in its own process group, logged to a temporary file: yielded once
+    ``health_url`` answers 200 (at once when None), stopped with its children afterwards (SIGTERM,
+    then SIGKILL after ``stop_s``). A server that exits or stays down ``startup_s`` ends the run."""
     import httpx
 
     log = tempfile.NamedTemporaryFile("w", prefix=f"bench-{label}-", suffix=".log", delete=False)
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
+        deadline = time.monotonic() + startup_s
+        while health_url is not None:
             if process.poll() is not None:
                 raise SystemExit(f"{label} exited ({process.returncode}); see {log.name}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(health_url, timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise SystemExit(f"{label} did not come up in 300 s; see {log.name}")
-            time.sleep(1)
-        print(f"{label} up at {url} (log {log.name})", file=sys.stderr)
-        yield Endpoint(url, label, model, process.pid, stagemesh)
+                raise SystemExit(f"{label} did not come up in {startup_s:g} s; see {log.name}")
+            time.sleep(poll_s)
+        yield process
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
             try:
-                process.wait(60)
+                process.wait(stop_s)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()

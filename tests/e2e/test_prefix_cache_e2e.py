@@ -4,19 +4,17 @@ output with the cache on equals the cache off, and every stage reused exactly wh
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.core.mesh_token import call_metadata, generate_token
-from stagemesh.core.plan import StageLaunch, StageOptions, make_local_plan
+from stagemesh.core.plan import StageOptions, make_local_plan
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
+from tests.e2e.stage_processes import start_stages
 from tests.test_prefix_cache_engine import BLOCK, _conversation, _Engine, load_whole_model
 
 TOKEN = generate_token()  # the stages' gRPC requires the mesh token on Generate
@@ -65,23 +63,8 @@ def _start(default_model_path, workdir, pp):
     plan = make_local_plan(default_model_path, 30, pp, "auto", ring_base_port=free_port_base(2 * pp),
                            grpc_base_port=free_port_base(pp))
     options = StageOptions(max_num_seqs=8, max_model_len=512, prefix_cache_block_size=BLOCK)
-    for r in range(pp):
-        (workdir / f"launch-{r}.json").write_text(StageLaunch(plan, r, options, mesh_token=TOKEN).to_json())
-    procs = [subprocess.Popen([sys.executable, "-m", "stage_worker", "--launch", str(workdir / f"launch-{r}.json")],
-                              stdout=open(workdir / f"stage-{r}.log", "w"), stderr=subprocess.STDOUT)
-             for r in range(pp)]
+    procs = start_stages(plan, options, workdir, TOKEN)
     channels = [grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") for s in plan.stages]
-    health = health_pb2_grpc.HealthStub(channels[0])
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1:
-                break
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, (workdir / "stage-0.log").read_text()
-        assert all(p.poll() is None for p in procs), [(workdir / f"stage-{r}.log").read_text() for r in range(pp)]
-        time.sleep(0.3)
     return procs, channels
 
 

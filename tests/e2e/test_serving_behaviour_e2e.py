@@ -5,7 +5,6 @@ once, and idle or waiting stages do not burn CPU."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -13,12 +12,12 @@ import uuid
 import grpc
 import psutil
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.core.mesh_token import call_metadata, generate_token
-from stagemesh.core.plan import StageLaunch, StageOptions, make_local_plan
+from stagemesh.core.plan import StageOptions, make_local_plan
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
+from tests.e2e.stage_processes import start_stages
 
 pytestmark = pytest.mark.e2e
 
@@ -33,23 +32,8 @@ def pipeline(default_model_path, tmp_path_factory):
     plan = make_local_plan(default_model_path, 30, 2, "auto", ring_base_port=free_port_base(4),
                            grpc_base_port=free_port_base(2))
     options = StageOptions(max_num_seqs=8, max_waiting=2, max_model_len=512)
-    for r in range(2):
-        (workdir / f"launch-{r}.json").write_text(StageLaunch(plan, r, options, mesh_token=TOKEN).to_json())
-    procs = [subprocess.Popen([sys.executable, "-m", "stage_worker", "--launch", str(workdir / f"launch-{r}.json")],
-                              stdout=open(workdir / f"stage-{r}.log", "w"), stderr=subprocess.STDOUT)
-             for r in range(2)]
+    procs = start_stages(plan, options, workdir, TOKEN, timeout_s=120)
     channel = grpc.insecure_channel(f"127.0.0.1:{plan.stages[0].grpc_port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1:
-                break
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, (workdir / "stage-0.log").read_text()
-        assert all(p.poll() is None for p in procs), (workdir / "stage-1.log").read_text()
-        time.sleep(0.3)
     yield stage_pb2_grpc.StageStub(channel), procs
     procs[0].terminate()
     for p in procs:
