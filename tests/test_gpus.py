@@ -91,3 +91,33 @@ def test_narrowing_survives_the_stages_re_exec():
 def test_own_gpu_needs_an_index_and_the_setting():
     assert stage_has_own_gpu(0, "auto") and not stage_has_own_gpu(0, "off") and not stage_has_own_gpu(None, "auto")
     assert settings.read("GPU_PER_STAGE", {}) == "auto"
+
+
+def test_stages_turn_off_mlx_cuda_graphs_and_cudnn_attention_unless_the_environment_sets_them():
+    from stage_worker.process_setup import serving_mlx_environment
+
+    assert serving_mlx_environment({}) == {"MLX_CUDA_USE_CUDNN_SDPA": "0", "MLX_USE_CUDA_GRAPHS": "0"}
+    # A user who measured otherwise keeps their choice.
+    assert serving_mlx_environment({"MLX_USE_CUDA_GRAPHS": "1"}) == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+    assert serving_mlx_environment({"MLX_USE_CUDA_GRAPHS": "1", "MLX_CUDA_USE_CUDNN_SDPA": "1"}) == {}
+
+
+def test_a_stage_process_runs_with_the_serving_mlx_settings(tmp_path):
+    """The real entry point (``prepare``, then the BLAS re-exec) leaves them in the process MLX runs in."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "launch.json"
+    path.write_text(_launch(StageOptions()).to_json())
+    (tmp_path / "envprobe.py").write_text(
+        "import os, sys\n"
+        "from stage_worker.process_setup import prepare\n"
+        "prepare('envprobe', sys.argv[1:], sys.argv[1])\n"
+        "print(os.environ['MLX_USE_CUDA_GRAPHS'], os.environ['MLX_CUDA_USE_CUDNN_SDPA'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sys.path])
+    out = subprocess.run([sys.executable, "-m", "envprobe", str(path)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "0"]

@@ -39,11 +39,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per request")
     parser.add_argument("--streams", type=int, default=16, help="requests at once in the second run")
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--mixed", type=int, default=0, metavar="N",
+                        help="also run N requests of random prompt (1..--mixed-max-prompt) and output (1..--tokens) "
+                             "lengths, --streams in flight")
+    parser.add_argument("--mixed-max-prompt", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --mixed lengths")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries of both runs")
     parser.add_argument("--out", default=None, help="also write the JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    from stage_worker.process_setup import serving_mlx_environment
+
+    # As a stage sets MLX's CUDA backend (before its first GPU work); a variable already set wins.
+    os.environ.update(serving_mlx_environment(os.environ))
     import mlx.core as mx
 
     from stage_worker.default_model import resolve_model_path
@@ -51,10 +62,13 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.engine import step_ahead_pays
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
+    from stage_worker.warmup import warm_up, warmup_plan
     from stagemesh.core.layer_split import LayerRange
+    from stagemesh.core.plan import StageOptions
 
-    if min(args.tokens, args.streams, args.prompt_len) < 1:
-        print("bench-engine: --tokens, --streams and --prompt-len must be positive", file=sys.stderr)
+    if min(args.tokens, args.streams, args.prompt_len, args.mixed_max_prompt) < 1 or args.mixed < 0:
+        print("bench-engine: --tokens, --streams, --prompt-len and --mixed-max-prompt must be positive, "
+              "--mixed not negative", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-engine-") as tmp:
         if args.shape:
@@ -69,9 +83,15 @@ def run(args: argparse.Namespace) -> int:
         dtype = resolve_compute_dtype(args.dtype, backend)
         model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
         step_ahead = step_ahead_pays(backend)
-        _drive(model, 1, 8, args.prompt_len, step_ahead, profile=False)  # warm the kernels
+        # The stage's own warm-up at load, sized as serve sizes it by default: what a user's first
+        # requests find (anything it leaves cold shows in the first run below).
+        defaults = StageOptions()
+        warm_up(model, warmup_plan(backend, max_num_seqs=defaults.max_num_seqs, micro_batches=1,
+                                   max_batch_tokens=defaults.max_batch_tokens, max_model_len=4096))
         single = _drive(model, 1, args.tokens, args.prompt_len, step_ahead, args.profile)
         many = _drive(model, args.streams, args.tokens, args.prompt_len, step_ahead, args.profile)
+        mixed = (_drive_mixed(model, args.mixed, args.streams, args.mixed_max_prompt, args.tokens, args.seed,
+                              step_ahead, args.profile) if args.mixed else None)
     from stage_worker.blas import loaded_blas
     from stage_worker.wire import dtype_name
 
@@ -79,10 +99,12 @@ def run(args: argparse.Namespace) -> int:
               "quantized": model.quantized, "blas": loaded_blas(), "step_ahead": step_ahead,
               "mlx": getattr(mx, "__version__", "unknown"),
               "single_stream": {k: v for k, v in single.items() if k != "profile"},
-              "streams": {k: v for k, v in many.items() if k != "profile"}}
+              "streams": {k: v for k, v in many.items() if k != "profile"},
+              **({"mixed": {k: v for k, v in mixed.items() if k != "profile"}} if mixed else {})}
     text = json.dumps(result, indent=1)
     print(text)
-    for label, run_result in (("one stream", single), (f"{args.streams} streams", many)):
+    for label, run_result in (("one stream", single), (f"{args.streams} streams", many),
+                              (f"{args.mixed} mixed requests", mixed or {})):
         if run_result.get("profile"):
             print(f"--- engine thread, {label}:\n{run_result['profile']}")
     if args.out:
@@ -90,22 +112,96 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: bool, profile: bool) -> dict:
+def _engine(model: Any, seats: int, max_model_len: int, step_ahead: bool) -> Any:
     from stage_worker.engine import EntryEngine
-    from stage_worker.scheduler import GenerationRequest, Scheduler
+    from stage_worker.scheduler import Scheduler
     from stage_worker.stage_runtime import EntryPipeline, StageCompute
     from stage_worker.stage_status import StageStatus
 
-    pipeline = EntryPipeline(StageCompute(model, max(64, streams)), None, None, is_last=True)
-    scheduler = Scheduler(max_num_seqs=max(64, streams), max_model_len=prompt_len + tokens + 1,
-                          max_waiting=max(64, streams))
-    engine = EntryEngine(pipeline, scheduler, StageStatus(), step_ahead=step_ahead)
+    pipeline = EntryPipeline(StageCompute(model, seats), None, None, is_last=True)
+    scheduler = Scheduler(max_num_seqs=seats, max_model_len=max_model_len, max_waiting=seats)
+    return EntryEngine(pipeline, scheduler, StageStatus(), step_ahead=step_ahead)
+
+
+def _drive_mixed(model: Any, requests: int, streams: int, max_prompt: int, max_tokens: int, seed: int,
+                 step_ahead: bool, profile: bool) -> dict:
+    """``requests`` of seeded random lengths, ``streams`` in flight, one submitted as one ends."""
+    import random
+
+    from stage_worker.engine import RequestFailed
+    from stage_worker.scheduler import GenerationRequest
+
+    rng = random.Random(seed)
+    lengths = [(rng.randint(1, max_prompt), rng.randint(1, max_tokens)) for _ in range(requests)]
+    engine = _engine(model, max(64, streams), max_prompt + max_tokens + 1, step_ahead)
+    outcome: dict[str, Any] = {"failures": [], "ttft_s": [], "tokens": 0}
+
+    def one(index: int, prompt_len: int, out_len: int) -> None:
+        start = 1000 + 7 * index
+        sent = time.perf_counter()
+        handle = engine.submit(GenerationRequest(f"m{index}", tuple(range(start, start + prompt_len)), out_len,
+                                                 ignore_eos=True))
+        first = True
+        while True:
+            event = handle.events.get(timeout=300)
+            if isinstance(event, RequestFailed):
+                outcome["failures"].append(event.message)
+                return
+            if first and event.token_ids:
+                outcome["ttft_s"].append(time.perf_counter() - sent)
+                first = False
+            outcome["tokens"] += len(event.token_ids)
+            if event.finish is not None:
+                return
+
+    def client() -> None:
+        try:
+            started = time.perf_counter()
+            pending = list(enumerate(lengths))
+            lock = threading.Lock()
+
+            def worker() -> None:
+                while True:
+                    with lock:
+                        if not pending:
+                            return
+                        index, (prompt_len, out_len) = pending.pop(0)
+                    one(index, prompt_len, out_len)
+
+            workers = [threading.Thread(target=worker) for _ in range(streams)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            outcome["seconds"] = time.perf_counter() - started
+        finally:
+            engine.stop()
+
+    profile_text = None
+    try:
+        profile_text = _run_engine(engine, client, profile)
+    except Exception as exc:  # noqa: BLE001 - reported: a crash of the loop is the finding
+        outcome["failures"].append(f"engine loop: {type(exc).__name__}: {exc}")
+    ttft = sorted(outcome["ttft_s"])
+    return {"requests": requests, "streams": streams, "max_prompt": max_prompt, "max_tokens": max_tokens,
+            "tokens": outcome["tokens"], "failed": len(outcome["failures"]),
+            "failures": sorted(set(outcome["failures"]))[:5],
+            "tokens_per_s": round(outcome["tokens"] / outcome["seconds"], 1) if "seconds" in outcome else None,
+            "ttft_p50_ms": round(ttft[len(ttft) // 2] * 1e3, 1) if ttft else None,
+            "ttft_p90_ms": round(ttft[int(len(ttft) * 0.9)] * 1e3, 1) if ttft else None,
+            **({"profile": profile_text} if profile_text else {})}
+
+
+def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: bool, profile: bool) -> dict:
+    from stage_worker.scheduler import GenerationRequest
+
+    engine = _engine(model, max(64, streams), prompt_len + tokens + 1, step_ahead)
     stamps: list[float] = []
     outcome: dict[str, Any] = {}
 
     def client() -> None:
         try:
-            started = time.perf_counter()
+            started = outcome["started"] = time.perf_counter()
             handles = [engine.submit(GenerationRequest(f"r{i}", tuple(range(100 + i, 100 + i + prompt_len)), tokens,
                                                        ignore_eos=True)) for i in range(streams)]
             for handle in handles:
@@ -118,15 +214,7 @@ def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: b
         finally:
             engine.stop()
 
-    thread = threading.Thread(target=client, name="bench-client")
-    thread.start()
-    profiler = cProfile.Profile() if profile else None
-    if profiler is not None:
-        profiler.enable()
-    engine.run()
-    if profiler is not None:
-        profiler.disable()
-    thread.join()
+    profile_text = _run_engine(engine, client, profile)
     if "seconds" not in outcome:
         raise RuntimeError("the engine stopped before every request finished")
     result: dict[str, Any] = {"streams": streams, "tokens": streams * tokens,
@@ -134,8 +222,31 @@ def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: b
     if streams == 1:
         gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
         result["ms_per_token_p50"] = round(gaps[len(gaps) // 2] * 1e3, 3) if gaps else None
-    if profiler is not None:
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
-        result["profile"] = text.getvalue()
+        # Kernels the warm-up left cold show here: the first token and the slowest gap.
+        result["first_token_ms"] = round((stamps[0] - outcome["started"]) * 1e3, 1) if stamps else None
+        result["slowest_gap_ms"] = round(gaps[-1] * 1e3, 1) if gaps else None
+    if profile_text:
+        result["profile"] = profile_text
     return result
+
+
+def _run_engine(engine: Any, client: Any, profile: bool) -> str | None:
+    """Run ``engine`` on this thread while ``client`` drives it from another; cProfile's top entries
+    of the engine thread when ``profile``. A crash of the loop propagates after the client ends."""
+    thread = threading.Thread(target=client, name="bench-client")
+    thread.start()
+    profiler = cProfile.Profile() if profile else None
+    try:
+        if profiler is not None:
+            profiler.enable()
+        engine.run()
+    finally:
+        if profiler is not None:
+            profiler.disable()
+        engine.stop()
+        thread.join()
+    if profiler is None:
+        return None
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
