@@ -12,7 +12,12 @@ with its norm, head and sampling, as in serving. The batches go through
 ``StageCompute.forward`` / ``sample`` themselves, so the warm-up takes the
 paths serving takes (a lone decode on plain caches, a group on its batch
 cache), with a throwaway ``StageCompute``: the stage's real one does not
-exist yet, and nothing here touches it.
+exist yet, and nothing here touches it. A single-stage pipeline (first and
+last) runs its decode groups through a throwaway ``EntryPipeline`` instead,
+as the engine does: the prompts, then a decode step fed the tokens they
+sampled still on the device (``Chunk.carried``: its own gather kernel, which
+NVRTC took 3 s to compile for the first request when the warm-up skipped it,
+measured on an H200), submitted before the first step is read.
 
 ``warmup_plan`` (pure) chooses the sizes: on the CPU one tiny prompt and one
 decode step of it (nothing to compile there; tests and CI start many stages), on a
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from stage_worker.stage_model import StageModel
-from stage_worker.stage_runtime import StageCompute
+from stage_worker.stage_runtime import Chunk, EntryPipeline, StageCompute
 from stage_worker.wire import RecordFlag, SequenceRecord
 
 _DECODE_PROMPT_TOKENS = 4  # prompt of each sequence in a decode warm-up group
@@ -76,12 +81,26 @@ def warm_up(model: StageModel, plan: WarmupPlan) -> None:
         _batch(compute, [SequenceRecord(seq, 0, tokens, fresh)])
         compute.kv.release(seq)
     prompt = plan.prompt_tokens
+    single_stage = model.role.is_first and model.role.is_last
     for size in plan.decode_batches:
         group = [next(seq_ids) for _ in range(size)]
-        _batch(compute, [SequenceRecord(seq, 0, prompt, fresh) for seq in group])
-        _batch(compute, [SequenceRecord(seq, prompt, 1, RecordFlag.SAMPLE) for seq in group])
+        if single_stage:
+            _entry_decode(compute, group, prompt)
+        else:
+            _batch(compute, [SequenceRecord(seq, 0, prompt, fresh) for seq in group])
+            _batch(compute, [SequenceRecord(seq, prompt, 1, RecordFlag.SAMPLE) for seq in group])
         compute.kv.release_many(group)
     mx.clear_cache()  # the throwaway buffers go back; serving allocates its own
+
+
+def _entry_decode(compute: StageCompute, group: list[int], prompt: int) -> None:
+    """A single-stage pipeline's way: prompts, then a carried decode step queued before they are read."""
+    pipeline = EntryPipeline(compute, None, None, is_last=True)
+    fresh = RecordFlag.NEW_SEQUENCE | RecordFlag.SAMPLE
+    pipeline.submit([Chunk(SequenceRecord(seq, 0, prompt, fresh), (0,) * prompt) for seq in group])
+    pipeline.submit([Chunk(SequenceRecord(seq, prompt, 1, RecordFlag.SAMPLE), (), carried=True) for seq in group])
+    pipeline.collect()
+    pipeline.collect()
 
 
 def _batch(compute: StageCompute, records: list[SequenceRecord]) -> None:
