@@ -40,11 +40,15 @@ def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
 def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
     out = tmp_path / "engine.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", "4", "--streams", "2",
-                           "--prompt-len", "4", "--profile", "--out", str(out)],
+                           "--prompt-len", "4", "--mixed", "3", "--mixed-max-prompt", "6", "--profile",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["backend"] == "cpu" and result["step_ahead"] is False
     assert result["single_stream"]["tokens"] == 4 and result["single_stream"]["ms_per_token_p50"] > 0
     assert result["streams"]["tokens"] == 8 and result["streams"]["tokens_per_s"] > 0
-    assert "engine thread, one stream" in done.stdout and "tottime" in done.stdout
+    assert result["single_stream"]["first_token_ms"] > 0
+    mixed = result["mixed"]
+    assert mixed["requests"] == 3 and mixed["failed"] == 0 and 3 <= mixed["tokens"] <= 12 and mixed["ttft_p50_ms"] > 0
+    assert "engine thread, one stream" in done.stdout and "engine thread, 3 mixed requests" in done.stdout
