@@ -1,6 +1,6 @@
 """Completion prompts to token ids.
 
-Contract: ``completion_prompts(prompt, tokenizer)`` accepts OpenAI's four
+Contract: ``completion_prompts(prompt, tokenizer, vocab)`` accepts OpenAI's four
 prompt shapes (a string, a list of token ids, a list of strings, a list of
 lists of token ids) and returns one non-empty tuple of token ids per prompt,
 or raises a 400 ``APIError`` with ``param="prompt"``. Strings are encoded with
@@ -19,7 +19,7 @@ from .errors import bad_request
 MAX_PROMPTS = 32  # a batch of prompts times n choices are all concurrent calls
 
 
-def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Any, *,
+def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]], tokenizer: Any, vocab: int, *,
                        add_special_tokens: bool = True) -> list[tuple[int, ...]]:
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
@@ -31,7 +31,6 @@ def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]], to
         raise bad_request("prompt must not be empty.", "prompt")
     if len(items) > MAX_PROMPTS:
         raise bad_request(f"At most {MAX_PROMPTS} prompts per request, got {len(items)}.", "prompt")
-    vocab = len(tokenizer)
     out: list[tuple[int, ...]] = []
     for item in items:
         ids = tuple(tokenizer.encode(item, add_special_tokens=add_special_tokens)) if isinstance(item, str) \

@@ -60,6 +60,9 @@ class OpenAIServing:
         self._config = config
         self._client = client
         self._tokenizer = tokenizer
+        # Once: ``len()`` of a Hugging Face tokenizer walks its added tokens on every call (11 ms for a
+        # vocabulary extended by 79k tokens), which would run per request on the event loop.
+        self._vocab_size = len(tokenizer)
         self._eos = frozenset(eos_token_ids)
         self._metrics = metrics
         self._logprobs = LogprobFormatter(tokenizer)
@@ -78,7 +81,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         settings = self._settings(req)
         add_special = True if settings.add_special_tokens is None else settings.add_special_tokens
-        prompts = completion_prompts(req.prompt, self._tokenizer, add_special_tokens=add_special)
+        prompts = completion_prompts(req.prompt, self._tokenizer, self._vocab_size, add_special_tokens=add_special)
         echo = echo_texts(req.prompt, prompts, self._tokenizer) if settings.echo else None
         return await self._serve("completion", model, prompts, settings, "prompt", arrived, echo)
 
@@ -97,7 +100,7 @@ class OpenAIServing:
         return await self._serve("chat", model, [prompt], settings, "messages", arrived, tools=tools)
 
     def _settings(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingSettings:
-        return settings_from_request(req, self._config.openai.generation, len(self._tokenizer))
+        return settings_from_request(req, self._config.openai.generation, self._vocab_size)
 
     async def _serve(self, kind: Kind, model: str, prompts: list[tuple[int, ...]], settings: SamplingSettings,
                      prompt_param: str, arrived: float, echo: list[str] | None = None,

@@ -55,6 +55,7 @@ class DetokenizeRequest(_Strict):
 
 def router(tokenizer: Any, config: GatewayConfig) -> APIRouter:
     routes = APIRouter()
+    vocab = len(tokenizer)  # once: a tokenizer's len() walks its added tokens
 
     def check_model(model: str | None) -> None:
         if model and model != config.served_model_name:
@@ -80,7 +81,6 @@ def router(tokenizer: Any, config: GatewayConfig) -> APIRouter:
     @routes.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
-        vocab = len(tokenizer)
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise errors.bad_request(f"Token id {bad} is out of the vocabulary (size {vocab}).", "tokens")
