@@ -391,7 +391,7 @@ def _group(records: list, key) -> dict:
 
 def workload_from_args(args: argparse.Namespace, tokenizer):
     """The ``Workload`` the flags ask for; a prompt too short to be distinct is a setup error."""
-    from stagemesh.bench.types import MultiTurn, Workload
+    from stagemesh.bench.types import EndpointType, MultiTurn, Workload
     from stagemesh.bench.workload import MIN_FILLER_TOKENS, min_input_tokens
 
     shortest = min_input_tokens(tokenizer)
@@ -410,7 +410,7 @@ def workload_from_args(args: argparse.Namespace, tokenizer):
                                   f"after the system prompt; got {multi_turn.user_tokens}")
         # The warmup's synthetic prompts are as long as a first turn.
         input_len = max(multi_turn.system_tokens + multi_turn.user_tokens, shortest)
-        endpoint_type = "chat"
+        endpoint_type: EndpointType = "chat"
     else:
         input_len = DEFAULT_INPUT_LEN if args.input_len is None else args.input_len
         if input_len < shortest:
