@@ -63,7 +63,6 @@ DEFAULT_SIZES = (32, 48, 32)
 PREFIX_OUTPUT_LEN = 16
 
 
-
 @dataclass(frozen=True)
 class Endpoint:
     """A server under test."""
@@ -182,7 +181,8 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             reference = _dense_f32_dir(q4_dir, tmp)
             env = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": str(ncpu)} if blas else {}
         return [
-            stack.enter_context(_stagemesh(model, next(ports), ["--no-enable-prefix-caching", *serve_args],
+            # The flag last: it wins over anything --serve-args says about the cache.
+            stack.enter_context(_stagemesh(model, next(ports), [*serve_args, "--no-enable-prefix-caching"],
                                            "stagemesh-cache-off")),
             stack.enter_context(_stagemesh(model, next(ports), serve_args, "stagemesh")),
             stack.enter_context(_mlx_lm_server(reference, next(ports), env, "mlx_lm")),
