@@ -21,10 +21,9 @@ turns each adding a user message of ``--user-len`` tokens and re-sending the
 whole history with the replies actually streamed. At ``--concurrency N``, N
 conversations are in flight (``--num-conversations`` per level and round,
 default N: all start together); the report adds the TTFT p50 of every turn,
-which shows what a prefix cache saves. Each level and round has
-its own system prompt (the same for every endpoint), and the warmup sends
-synthetic prompts, so every run
-starts with nothing of its conversations cached.
+which shows what a prefix cache saves. Each level and round has its own
+system prompt (the same for every endpoint), and the warmup sends synthetic
+prompts, so every run starts with nothing of its conversations cached.
 
 Output: a table on stdout, progress on stderr, ``--output results.json``
 (config, machine, per-level and per-round metrics, ratios, every request's
