@@ -1,7 +1,7 @@
 """The multi-turn chat workload of ``stagemesh bench``: what every turn of a conversation sends. Pure, no I/O.
 
-A run (one endpoint, level and round) holds conversations that share one
-system prompt; every turn of a conversation adds a new user message and
+The conversations of one level and round share one system prompt (the same
+for every endpoint); every turn of a conversation adds a new user message and
 re-sends the whole history, the replies the server actually streamed
 included, as chat clients do. What a server can reuse is therefore exactly
 what a real chat deployment offers its prefix cache.
@@ -10,11 +10,12 @@ Contract:
 - ``system_prompt(key, tokens, tokenizer)`` is the run's shared system prompt:
   a synthetic prompt (``workload.make_prompt``: filler words, then the
   counting instruction, so replies tend to run to ``max_tokens``) keyed by the
-  run, so every level and round starts with nothing cached.
+  level and round, so each starts with nothing of it cached.
 - ``user_message(key, conversation, turn, tokens, tokenizer)`` is filler words
-  only, drawn with (key, conversation, turn): conversations differ from their
-  first user token, so what they share is the system prompt (and the chat
-  template's own tokens) and nothing more.
+  only, drawn with (key, conversation, turn): conversations part within their
+  first user words (two may share a word or two by chance), so what they
+  share is the system prompt and the chat template's own tokens, not a block
+  of their own histories.
 - ``turn_prompt(system, exchanges, user)`` is the ``Prompt`` of one turn:
   messages system, then a (user, assistant) pair for every earlier exchange,
   then the new user message. Its ``tokens`` adds up the contents' token
