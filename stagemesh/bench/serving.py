@@ -124,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"--comparisons: unknown {sorted(unknown)}; choose from {', '.join(COMPARISONS)}", file=sys.stderr)
         return 2
+    if "prefix" in chosen:  # before any server starts (stagemesh bench checks the rest, e.g. the lengths)
+        for flag, value in (("--conversations", args.conversations), ("--system-len", args.system_len),
+                            ("--user-len", args.user_len), ("--turns", args.turns)):
+            if value < 1:
+                print(f"{flag} must be at least 1; got {value}", file=sys.stderr)
+                return 2
     failures = 0
     serve_args = args.serve_args.split()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-serving-") as tmp:
