@@ -115,26 +115,42 @@ class KVStore:
         if held is None or held < tokens or entry_id in self._prefixes:
             raise WireMismatchError(f"prefix entry {entry_id}: sequence {seq_id} holds {held} positions, "
                                     f"{tokens} to keep (entry known already: {entry_id in self._prefixes})")
-        caches = self._standalone.get(seq_id)
-        if caches is None:
-            group = self._group_of.get(seq_id)
-            if group is None:
-                raise WireMismatchError(f"sequence {seq_id} continues but this stage holds no KV for it")
-            caches = self._extract(group, seq_id)
+        sources = self._retained_views(seq_id, tokens)
         kept = []
-        for cache in caches:
+        for keys, values in sources:
             entry = KVCache()
-            if cache.keys is not None and cache.values is not None:
+            if keys is not None and values is not None:
                 # A copy of its own: a view would keep the sequence's (or its group's) whole buffer alive and
                 # stop MLX from updating that buffer in place. Evaluated asynchronously, never waited for here.
-                entry.keys = mx.contiguous(cache.keys[..., :tokens, :])
-                entry.values = mx.contiguous(cache.values[..., :tokens, :])
+                entry.keys, entry.values = mx.contiguous(keys), mx.contiguous(values)
                 entry.offset = tokens
                 mx.async_eval(entry.keys, entry.values)
             kept.append(entry)
         self._prefixes[entry_id] = kept
         self.prefix_cached_tokens += tokens
         self.tokens_held += tokens
+
+    def _retained_views(self, seq_id: int, tokens: int) -> list[tuple[mx.array | None, mx.array | None]]:
+        """Per layer, views of the first ``tokens`` positions of ``seq_id``'s keys and values: sliced
+        straight out of its decode group's buffer when it is in one (extracting it first would copy
+        all its positions once more, for every finishing sequence)."""
+        caches = self._standalone.get(seq_id)
+        if caches is not None:
+            return [(None, None) if c.keys is None or c.values is None
+                    else (c.keys[..., :tokens, :], c.values[..., :tokens, :]) for c in caches]
+        group = self._group_of.get(seq_id)
+        if group is None:
+            raise WireMismatchError(f"sequence {seq_id} continues but this stage holds no KV for it")
+        index, held = group.members.index(seq_id), self._positions[seq_id]
+        views: list[tuple[mx.array | None, mx.array | None]] = []
+        for batch in group.caches:
+            if batch.keys is None or batch.values is None or not tokens:
+                views.append((None, None))
+                continue
+            start = batch._idx - held  # the member's keys are its last ``held`` columns before ``_idx``
+            views.append((batch.keys[index:index + 1, :, start:start + tokens],
+                          batch.values[index:index + 1, :, start:start + tokens]))
+        return views
 
     def evict(self, entry_id: int) -> None:
         caches = self._prefixes.pop(entry_id, None)

@@ -14,6 +14,17 @@ distinct error. With several endpoints, levels alternate between them
 endpoint order) so machine noise hits all alike, and the report gives each
 endpoint's ratio to the first.
 
+``--workload multi-turn`` replaces the synthetic prompts with chat
+conversations (``stagemesh.bench.conversation``): a system prompt of
+``--system-len`` tokens shared by every conversation of a run, ``--turns``
+turns each adding a user message of ``--user-len`` tokens and re-sending the
+whole history with the replies actually streamed. At ``--concurrency N``, N
+conversations are in flight (``--num-conversations`` per level and round,
+default N: all start together); the report adds the TTFT p50 of every turn,
+which shows what a prefix cache saves. Each level and round has its own
+system prompt (the same for every endpoint), and the warmup sends synthetic
+prompts, so every run starts with nothing of its conversations cached.
+
 Output: a table on stdout, progress on stderr, ``--output results.json``
 (config, machine, per-level and per-round metrics, ratios, every request's
 record) and ``--plot results.png``. Exits 0 when every request succeeded,
@@ -23,6 +34,7 @@ Examples:
   stagemesh bench --concurrency 1,4,16 --num-prompts 64 --plot bench.png
   stagemesh bench --base-url http://127.0.0.1:8000 --label stagemesh \\
       --base-url http://127.0.0.1:8080 --label mlx_lm --rounds 3 --output cmp.json
+  stagemesh bench --workload multi-turn --concurrency 8 --system-len 128 --user-len 16 --turns 3
 """
 
 from __future__ import annotations
@@ -36,6 +48,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_INPUT_LEN = 128
+DEFAULT_SYSTEM_LEN = 128
+DEFAULT_USER_LEN = 32
+DEFAULT_TURNS = 3
+_MULTI_TURN_FLAGS = (("--system-len", "system_len"), ("--user-len", "user_len"), ("--turns", "turns"),
+                     ("--num-conversations", "num_conversations"))
 
 
 class BenchSetupError(Exception):
@@ -57,10 +75,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ep.add_argument("--api-key", action="append", default=None,
                     help="sent as Authorization: Bearer KEY ('' for none; default $STAGEMESH_API_KEY, if set)")
     wl = parser.add_argument_group("workload")
-    wl.add_argument("--endpoint-type", choices=("completions", "chat"), default="completions",
-                    help="/v1/completions or /v1/chat/completions (default %(default)s)")
-    wl.add_argument("--input-len", type=int, default=128, help="prompt tokens (default %(default)s)")
+    wl.add_argument("--workload", choices=("synthetic", "multi-turn"), default="synthetic",
+                    help="synthetic: distinct prompts of --input-len; multi-turn: chat conversations sharing a "
+                         "system prompt, every turn re-sending the history (default %(default)s)")
+    wl.add_argument("--endpoint-type", choices=("completions", "chat"), default=None,
+                    help="/v1/completions or /v1/chat/completions (default: completions; chat for multi-turn)")
+    wl.add_argument("--input-len", type=int, default=None,
+                    help=f"synthetic: prompt tokens (default {DEFAULT_INPUT_LEN})")
     wl.add_argument("--output-len", type=int, default=128, help="max_tokens of every request (default %(default)s)")
+    wl.add_argument("--system-len", type=int, default=None,
+                    help=f"multi-turn: tokens of the shared system prompt (default {DEFAULT_SYSTEM_LEN})")
+    wl.add_argument("--user-len", type=int, default=None,
+                    help=f"multi-turn: tokens of every user message (default {DEFAULT_USER_LEN})")
+    wl.add_argument("--turns", type=int, default=None,
+                    help=f"multi-turn: turns per conversation (default {DEFAULT_TURNS})")
+    wl.add_argument("--num-conversations", type=int, default=None,
+                    help="multi-turn: conversations per level and round (default: the level's concurrency, so "
+                         "all start together)")
     wl.add_argument("--tokenizer", default=None, metavar="PATH",
                     help="GGUF file or model/tokenizer directory to size prompts exactly (default: words ~ tokens)")
     wl.add_argument("--ignore-eos", action="store_true",
@@ -178,8 +209,34 @@ def default_num_prompts(level, num_prompts: int | None, duration: float | None) 
     return 64 if math.isinf(level.value) else max(16, math.ceil(10 * level.value))
 
 
+def check_workload_args(args: argparse.Namespace) -> None:
+    """Flags of the other workload, and loads the multi-turn workload cannot run, are errors (pure)."""
+    if args.workload == "synthetic":
+        given = [flag for flag, name in _MULTI_TURN_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise BenchSetupError(f"{', '.join(given)} belong(s) to the multi-turn workload; add --workload multi-turn")
+        return
+    for flag, value in (("--input-len", args.input_len), ("--num-prompts", args.num_prompts)):
+        if value is not None:
+            hint = "--system-len and --user-len size" if flag == "--input-len" else "--num-conversations counts"
+            raise BenchSetupError(f"{flag} belongs to the synthetic workload; with --workload multi-turn {hint} "
+                                  "the requests")
+    if args.endpoint_type == "completions":
+        raise BenchSetupError("--workload multi-turn sends chat messages: drop --endpoint-type completions "
+                              "(or give --endpoint-type chat)")
+    if args.request_rate:
+        raise BenchSetupError("--workload multi-turn runs conversations closed-loop: give --concurrency N "
+                              "(conversations in flight) instead of --request-rate")
+    for flag, name in _MULTI_TURN_FLAGS:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise BenchSetupError(f"{flag} must be at least 1; got {value}")
+
+
 def check_args(args: argparse.Namespace) -> None:
-    for flag, value, low in (("--input-len", args.input_len, 1), ("--output-len", args.output_len, 1),
+    check_workload_args(args)
+    input_len = DEFAULT_INPUT_LEN if args.input_len is None else args.input_len
+    for flag, value, low in (("--input-len", input_len, 1), ("--output-len", args.output_len, 1),
                              ("--max-concurrency", args.max_concurrency, 1), ("--warmup", args.warmup, 0),
                              ("--rounds", args.rounds, 1)):
         if value < low:
@@ -218,37 +275,54 @@ async def resolve_model(client, endpoint):
 
 
 async def _run_one(client, endpoint, workload, level, round_: int, plan, tokenizer, title: str,
-                   key_prefix: str) -> list:
-    """One (endpoint, level, round): its records, with progress on stderr."""
+                   key_prefix: str, *, warmup: bool = False) -> list:
+    """One (endpoint, level, round): its records, with progress on stderr. The warmup of the multi-turn
+    workload sends synthetic prompts (it must not leave the conversations' system prompt cached)."""
     import asyncio
     import random
     import time
 
-    from stagemesh.bench.load import Progress, closed_loop, open_loop, send
+    from stagemesh.bench.conversation import system_prompt, user_message
+    from stagemesh.bench.load import Progress, closed_loop, converse, open_loop, send
     from stagemesh.bench.workload import make_prompt
 
-    prompts: dict[int, Any] = {}
+    multi_turn = None if warmup else workload.multi_turn
+    jobs: dict[int, Any] = {}
 
-    def prompt(i: int):
-        if i not in prompts:
-            prompts[i] = make_prompt(f"{key_prefix}:{i}", workload.input_tokens, tokenizer)
-        return prompts[i]
+    def job(i: int):
+        """Request i's prompt, or conversation i's user messages (one per turn)."""
+        if i not in jobs:
+            if multi_turn is None:
+                jobs[i] = make_prompt(f"{key_prefix}:{i}", workload.input_tokens, tokenizer)
+            else:
+                jobs[i] = [user_message(key_prefix, i, turn, multi_turn.user_tokens, tokenizer)
+                           for turn in range(1, multi_turn.turns + 1)]
+        return jobs[i]
 
+    # One system prompt per level and round (the same for every endpoint): each run starts with none of it cached.
+    system = None if multi_turn is None else system_prompt(key_prefix, multi_turn.system_tokens, tokenizer)
     for i in range(plan.num_prompts or 0):  # before the clock starts: tokenizing is not the server's time
-        prompt(i)
-    progress = Progress(title, plan.num_prompts)
+        job(i)
+    turns = 1 if multi_turn is None else multi_turn.turns
+    progress = Progress(title, None if plan.num_prompts is None else plan.num_prompts * turns)
     run_start = time.perf_counter()
 
-    async def send_indexed(i: int, queued: float):
-        rec = await send(client, endpoint, workload, prompt(i), plan.timeout, level=level.name, round_=round_,
-                         index=i, run_start=run_start, queued=queued, on_chunk=progress.chunk)
+    async def send_indexed(i: int, queued: float, prompt=None, turn: int = 0, reply=None):
+        rec = await send(client, endpoint, workload, job(i) if prompt is None else prompt, plan.timeout,
+                         level=level.name, round_=round_, index=i, run_start=run_start, queued=queued,
+                         on_chunk=progress.chunk, turn=turn, reply=reply)
         progress.record(rec)
         return rec
+
+    async def run_indexed(i: int) -> list:
+        if system is None:
+            return [await send_indexed(i, 0.0)]
+        return await converse(lambda prompt, turn, reply: send_indexed(i, 0.0, prompt, turn, reply), system, job(i))
 
     ticker = asyncio.create_task(progress.tick())
     try:
         if level.kind == "concurrency":
-            records = await closed_loop(send_indexed, int(level.value), plan)
+            records = await closed_loop(run_indexed, int(level.value), plan)
         else:
             # The same arrival times for every endpoint at this level and round.
             rng = random.Random(f"{key_prefix}:arrivals")
@@ -257,6 +331,17 @@ async def _run_one(client, endpoint, workload, level, round_: int, plan, tokeniz
         ticker.cancel()
     progress.finish()
     return records
+
+
+def level_plan(level, workload, args: argparse.Namespace):
+    """How many requests (synthetic) or conversations (multi-turn) one run of ``level`` starts."""
+    from stagemesh.bench.types import RunPlan
+
+    if workload.multi_turn is not None:
+        count = workload.multi_turn.conversations or int(level.value)
+    else:
+        count = default_num_prompts(level, args.num_prompts, args.duration)
+    return RunPlan(count, args.duration, args.max_concurrency, args.timeout)
 
 
 async def run_benchmark(endpoints, levels, workload, args, tokenizer) -> tuple[list, list, list]:
@@ -279,14 +364,13 @@ async def run_benchmark(endpoints, levels, workload, args, tokenizer) -> tuple[l
             plan = RunPlan(args.warmup, None, args.max_concurrency, args.timeout)
             for e in endpoints:
                 warm_records += await _run_one(clients[e.label], e, workload, warm_level, 0, plan, tokenizer,
-                                               f"{e.label} warmup", f"{args.seed}:warmup")
+                                               f"{e.label} warmup", f"{args.seed}:warmup", warmup=True)
         records: list = []
         for round_ in range(1, args.rounds + 1):
             # Reverse the order every other round so no endpoint always runs right after another.
             order = endpoints if round_ % 2 else endpoints[::-1]
             for level in levels:
-                plan = RunPlan(default_num_prompts(level, args.num_prompts, args.duration), args.duration,
-                               args.max_concurrency, args.timeout)
+                plan = level_plan(level, workload, args)
                 for e in order:
                     title = f"{e.label} {level.name}" + (f" round {round_}/{args.rounds}" if args.rounds > 1 else "")
                     records += await _run_one(clients[e.label], e, workload, level, round_, plan, tokenizer, title,
@@ -304,13 +388,55 @@ def _group(records: list, key) -> dict:
     return out
 
 
+def workload_from_args(args: argparse.Namespace, tokenizer):
+    """The ``Workload`` the flags ask for; a prompt too short to be distinct is a setup error."""
+    from stagemesh.bench.types import EndpointType, MultiTurn, Workload
+    from stagemesh.bench.workload import MIN_FILLER_TOKENS, min_input_tokens
+
+    shortest = min_input_tokens(tokenizer)
+    multi_turn = None
+    if args.workload == "multi-turn":
+        multi_turn = MultiTurn(
+            system_tokens=DEFAULT_SYSTEM_LEN if args.system_len is None else args.system_len,
+            user_tokens=DEFAULT_USER_LEN if args.user_len is None else args.user_len,
+            turns=DEFAULT_TURNS if args.turns is None else args.turns,
+            conversations=args.num_conversations)
+        if multi_turn.system_tokens < shortest:
+            raise BenchSetupError(f"--system-len {multi_turn.system_tokens} is shorter than the counting "
+                                  f"instruction plus a few words; give at least {shortest}")
+        if multi_turn.user_tokens < MIN_FILLER_TOKENS:
+            raise BenchSetupError(f"--user-len must be at least {MIN_FILLER_TOKENS} so conversations differ "
+                                  f"after the system prompt; got {multi_turn.user_tokens}")
+        # The warmup's synthetic prompts are as long as a first turn.
+        input_len = max(multi_turn.system_tokens + multi_turn.user_tokens, shortest)
+        endpoint_type: EndpointType = "chat"
+    else:
+        input_len = DEFAULT_INPUT_LEN if args.input_len is None else args.input_len
+        if input_len < shortest:
+            raise BenchSetupError(
+                f"--input-len {input_len} is shorter than the counting instruction plus a few distinct "
+                f"words; give at least {shortest} (shorter prompts would all be the same "
+                f"text, which a server's prompt cache answers for free)")
+        endpoint_type = args.endpoint_type or "completions"
+    return Workload(endpoint_type, input_len, args.output_len, args.seed, args.ignore_eos, not args.no_usage,
+                    args.temperature, multi_turn)
+
+
+def workload_summary(workload) -> str:
+    mt = workload.multi_turn
+    if mt is None:
+        return f"{workload.endpoint_type}, {workload.input_tokens} tokens in, max {workload.output_tokens} out"
+    conversations = mt.conversations or "concurrency"
+    return (f"multi-turn chat: {conversations} conversations x {mt.turns} turns, system {mt.system_tokens} + "
+            f"{mt.user_tokens} tokens per user turn, max {workload.output_tokens} out")
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
     from stagemesh.bench.report import build_document, format_report, machine_info
     from stagemesh.bench.stats import level_metrics, ratios
-    from stagemesh.bench.types import Workload
 
     try:
         check_args(args)
@@ -324,15 +450,7 @@ def run(args: argparse.Namespace) -> int:
                 tokenizer = load_tokenizer(args.tokenizer)
             except (ModelFormatError, OSError, ValueError) as exc:
                 raise BenchSetupError(f"cannot load --tokenizer {args.tokenizer}: {exc}") from None
-        from stagemesh.bench.workload import min_input_tokens
-
-        if args.input_len < min_input_tokens(tokenizer):
-            raise BenchSetupError(
-                f"--input-len {args.input_len} is shorter than the counting instruction plus a few distinct "
-                f"words; give at least {min_input_tokens(tokenizer)} (shorter prompts would all be the same "
-                f"text, which a server's prompt cache answers for free)")
-        workload = Workload(args.endpoint_type, args.input_len, args.output_len, args.seed, args.ignore_eos,
-                            not args.no_usage, args.temperature)
+        workload = workload_from_args(args, tokenizer)
         endpoints, warm_records, records = asyncio.run(run_benchmark(endpoints, levels, workload, args, tokenizer))
     except BenchSetupError as exc:
         print(f"stagemesh bench: error: {exc}", file=sys.stderr)
@@ -351,12 +469,12 @@ def run(args: argparse.Namespace) -> int:
     config = {
         "endpoints": [{"label": e.label, "base_url": e.base_url, "model": e.model, "api_key": bool(e.api_key)}
                       for e in endpoints],
-        "workload": asdict(workload),
-        "workload_summary": f"{workload.endpoint_type}, {workload.input_tokens} tokens in, "
-                            f"max {workload.output_tokens} out",
+        "workload": {"kind": workload.kind, **asdict(workload)},
+        "workload_summary": workload_summary(workload),
         "tokenizer": args.tokenizer,
         "levels": [lv.name for lv in levels],
-        "num_prompts": {lv.name: default_num_prompts(lv, args.num_prompts, args.duration) for lv in levels},
+        # Per level and round: requests (synthetic) or conversations (multi-turn).
+        "num_prompts": {lv.name: level_plan(lv, workload, args).num_prompts for lv in levels},
         "duration": args.duration,
         "max_concurrency": args.max_concurrency,
         "warmup": args.warmup,

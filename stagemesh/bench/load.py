@@ -8,12 +8,19 @@ Contract:
   with the HTTP status and the server's message. Nothing is retried.
 - Output tokens come from the stream's ``usage`` when the server sends it,
   otherwise from the number of chunks with text; prompt tokens likewise from
-  ``usage``, otherwise from the prompt's own estimate.
-- ``closed_loop`` keeps N requests in flight (each worker sends its next request
-  as soon as the last one ends); ``open_loop`` starts requests at Poisson
+  ``usage``, otherwise from the prompt's own estimate. Given a ``reply`` list,
+  ``send`` appends the streamed text to it (a conversation's next turn re-sends it).
+- ``closed_loop`` keeps N jobs in flight (each worker starts its next job as
+  soon as the last one ends; a job is one request, or one whole conversation
+  of the multi-turn workload); ``open_loop`` starts requests at Poisson
   arrival times (seeded) and lets at most ``max_concurrency`` run at once.
-  Both stop after ``num_prompts`` requests, or start no new one after
-  ``duration`` seconds, whichever comes first, and return records in send order.
+  Both stop after ``num_prompts`` jobs, or start no new one after
+  ``duration`` seconds, whichever comes first, and return records in send
+  order (by index, then turn).
+- ``converse(send_turn, system, users)`` runs one conversation: turn after
+  turn, each re-sending the system prompt, every earlier exchange with the
+  reply received, and the next user message; a failed turn ends it (later
+  turns would re-send a history the server never produced).
 - ``Progress`` prints a compact status line per run on stderr (requests done
   and failed, chunks streamed per second): rewritten in place on a terminal,
   every few seconds otherwise.
@@ -27,11 +34,12 @@ import json
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TextIO
 
 import httpx
 
+from stagemesh.bench.conversation import Exchange, turn_prompt
 from stagemesh.bench.types import Endpoint, Prompt, RequestRecord, RunPlan, Workload
 from stagemesh.bench.workload import request_body
 
@@ -75,7 +83,8 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload, prompt: Prompt,
                timeout: float, *, level: str, round_: int, index: int, run_start: float,
-               queued: float = 0.0, on_chunk: Callable[[], None] | None = None) -> RequestRecord:
+               queued: float = 0.0, on_chunk: Callable[[], None] | None = None, turn: int = 0,
+               reply: list[str] | None = None) -> RequestRecord:
     assert endpoint.model is not None, "resolve the model name before sending"
     body = request_body(workload, endpoint.model, prompt)
     if endpoint.extra_body:
@@ -112,8 +121,10 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload
                             break
                         if chunk.get("usage"):
                             usage = chunk["usage"]
-                        if _chunk_text(chunk):
+                        if text := _chunk_text(chunk):
                             chunk_times.append(now - t0)
+                            if reply is not None:
+                                reply.append(text)
                             if on_chunk is not None:
                                 on_chunk()
                         if any(c.get("finish_reason") for c in chunk.get("choices") or []):
@@ -137,12 +148,16 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload
         output_tokens_source="usage" if usage_out is not None else "chunks",
         prompt_tokens=int(usage_in) if usage_in is not None else prompt.tokens,
         prompt_tokens_source="usage" if usage_in is not None else prompt.tokens_source,
-        ok=error is None, status=status, error=error, queued=queued,
+        ok=error is None, status=status, error=error, queued=queued, turn=turn,
     )
 
 
 # send_indexed(index, queued) -> record; the runner fills in everything else.
 SendFn = Callable[[int, float], Awaitable[RequestRecord]]
+# run_indexed(index) -> the records of one job (one request, or every turn of one conversation).
+JobFn = Callable[[int], Awaitable[Sequence[RequestRecord]]]
+# send_turn(prompt, turn, reply) -> record, the streamed text appended to ``reply``.
+TurnFn = Callable[[Prompt, int, list[str]], Awaitable[RequestRecord]]
 
 
 def _more(i: int, plan: RunPlan, deadline: float | None) -> bool:
@@ -151,17 +166,30 @@ def _more(i: int, plan: RunPlan, deadline: float | None) -> bool:
     return deadline is None or time.perf_counter() < deadline
 
 
-async def closed_loop(send_indexed: SendFn, concurrency: int, plan: RunPlan) -> list[RequestRecord]:
+async def closed_loop(run_indexed: JobFn, concurrency: int, plan: RunPlan) -> list[RequestRecord]:
     deadline = time.perf_counter() + plan.duration if plan.duration else None
     counter = itertools.count()
     records: list[RequestRecord] = []
 
     async def worker() -> None:
         while _more(i := next(counter), plan, deadline):
-            records.append(await send_indexed(i, 0.0))
+            records.extend(await run_indexed(i))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return sorted(records, key=lambda r: r.index)
+    return sorted(records, key=lambda r: (r.index, r.turn))
+
+
+async def converse(send_turn: TurnFn, system: Prompt, users: Sequence[Prompt]) -> list[RequestRecord]:
+    exchanges: list[Exchange] = []
+    records = []
+    for turn, user in enumerate(users, 1):
+        reply: list[str] = []
+        record = await send_turn(turn_prompt(system, exchanges, user), turn, reply)
+        records.append(record)
+        if not record.ok:
+            break
+        exchanges.append(Exchange(user, "".join(reply), record.output_tokens))
+    return records
 
 
 async def open_loop(send_indexed: SendFn, rate: float, plan: RunPlan, rng: random.Random) -> list[RequestRecord]:

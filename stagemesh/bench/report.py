@@ -8,7 +8,8 @@ Contract:
   record. Times are seconds.
 - ``format_report(doc)`` renders a document as text for stdout: the metrics
   table (latencies in ms), then failures (every distinct error with its HTTP
-  status and count) and, with several endpoints, the ratios to the first.
+  status and count), for the multi-turn workload the TTFT p50 of every turn,
+  and, with several endpoints, the ratios to the first.
   It reads only the document, so a saved ``results.json`` renders the same.
 - ``machine_info()`` describes the machine that ran the benchmark.
 """
@@ -116,6 +117,20 @@ def format_table(levels: Sequence[dict[str, Any]]) -> list[str]:
     return _table(rows, right_from=2)
 
 
+def format_turns(doc: dict[str, Any]) -> list[str]:
+    """TTFT p50 (ms) of every turn of the multi-turn workload; nothing for the synthetic one."""
+    levels = [m for m in doc["levels"] if m.get("ttft_by_turn")]
+    if not levels:
+        return []
+    turns = max(len(m["ttft_by_turn"]) for m in levels)
+    rows = [("endpoint", "level", *(f"turn {t}" for t in range(1, turns + 1)))]
+    for m in levels:
+        cells = [_ms(d["p50"]) for d in m["ttft_by_turn"]]
+        rows.append((m["endpoint"], m["level"], *cells, *("-" for _ in range(turns - len(cells)))))
+    return ["TTFT p50 by turn (ms; turn 1 shares only the system prompt, later turns their history)",
+            *_table(rows, right_from=2)]
+
+
 def format_failures(doc: dict[str, Any]) -> list[str]:
     lines = []
     summary = doc["summary"]
@@ -142,20 +157,24 @@ def format_ratios(doc: dict[str, Any]) -> list[str]:
         return []
     base = doc["ratios"][0]["baseline"]
     rounds = max(len(r["output_tokens_per_s_by_round"]) for r in doc["ratios"])
-    header = ("level", "endpoint", "out tok/s", "TTFT p50", "ITL p50") + (("tok/s by round",) if rounds > 1 else ())
+    turns = any(r.get("ttft_p50_by_turn") for r in doc["ratios"])
+    header = ("level", "endpoint", "out tok/s", "TTFT p50", "ITL p50") + (("tok/s by round",) if rounds > 1 else ()) \
+        + (("TTFT p50 by turn",) if turns else ())
     rows = [header]
     for r in doc["ratios"]:
         row: tuple[str, ...] = (r["level"], r["endpoint"], _x(r["output_tokens_per_s"]), _x(r["ttft_p50"]),
                                 _x(r["itl_p50"]))
         if rounds > 1:
             row += (" ".join(_x(x) for x in r["output_tokens_per_s_by_round"]),)
+        if turns:
+            row += (" ".join(_x(x) for x in r.get("ttft_p50_by_turn") or ()),)
         rows.append(row)
     return [f"ratios to {base} (out tok/s > 1: faster; TTFT/ITL > 1: slower)", *_table(rows, right_from=2)]
 
 
 def format_report(doc: dict[str, Any]) -> str:
     lines = format_table(doc["levels"])
-    for section in (format_failures(doc), format_ratios(doc)):
+    for section in (format_turns(doc), format_failures(doc), format_ratios(doc)):
         if section:
             lines += ["", *section]
     s = doc["summary"]

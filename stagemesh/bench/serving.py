@@ -15,7 +15,20 @@ writes one JSON + PNG per comparison under ``--out``:
 * ``mlx-lm``: stagemesh serve (defaults) vs ``mlx_lm.server`` on the same
   checkpoint, nothing preloaded: the GPU comparison;
 * ``gpus``: on a host with two GPUs, PP=1 (one GPU) vs PP=2 and DP=2 (each
-  stage on its own GPU): what a second GPU adds as a stage or as a replica.
+  stage on its own GPU): what a second GPU adds as a stage or as a replica;
+* ``prefix``: stagemesh serve with the prefix cache off
+  (``--no-enable-prefix-caching``, the baseline), on (the default), and
+  ``mlx_lm.server`` with its prompt cache (on by default) on the same
+  weights (here dense float32 with our optimized BLAS preloaded, as for
+  ``matched``; the ``--shape`` checkpoint as it is on a GPU), on two
+  workloads: ``--conversations`` multi-turn chat conversations at once
+  (``stagemesh bench --workload multi-turn``: ``--system-len``,
+  ``--user-len``, ``--turns``) and as many streams of distinct prompts (what
+  the cache costs when it never hits). Writes ``prefix-multi-turn.json``,
+  ``prefix-distinct.json`` (+ PNG) and ``prefix-summary.json``: the issue's
+  ratios (TTFT p50 on / off and on / mlx_lm.server, distinct-prompt tok/s
+  on / off) against their targets, and the prefix-cache counters each
+  stagemesh server's ``/metrics`` reported after each workload.
 
 ``--shape NAME`` serves a model of a real size with random weights instead of
 the embedded one (``random_checkpoint``: Llama 3.2 1B, Llama 3.1 8B, Qwen3 8B),
@@ -43,7 +56,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus")
+COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "prefix")
+# Sizes when a flag is not given: (input, output, prompts per level) for most comparisons; for ``prefix``
+# a first turn's length in, few tokens out (its point is the time to first token), two prompts per stream.
+DEFAULT_SIZES = (32, 48, 32)
+PREFIX_OUTPUT_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -62,9 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comparisons", default=",".join(COMPARISONS),
                         help=f"which to run, comma-separated from {', '.join(COMPARISONS)}")
     parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--num-prompts", type=int, default=32, help="requests per level and endpoint")
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=48)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"requests per level and endpoint (default {DEFAULT_SIZES[2]}; prefix: 2 x "
+                             "--conversations)")
+    parser.add_argument("--input-len", type=int, default=None,
+                        help=f"prompt tokens (default {DEFAULT_SIZES[0]}; prefix: --system-len + --user-len)")
+    parser.add_argument("--output-len", type=int, default=None,
+                        help=f"tokens out (default {DEFAULT_SIZES[1]}; prefix: {PREFIX_OUTPUT_LEN})")
+    pf = parser.add_argument_group("prefix comparison")
+    pf.add_argument("--conversations", type=int, default=8,
+                    help="multi-turn conversations at once, and distinct-prompt streams (default %(default)s)")
+    pf.add_argument("--system-len", type=int, default=128, help="shared system prompt tokens (default %(default)s)")
+    pf.add_argument("--user-len", type=int, default=16, help="tokens of each user turn (default %(default)s)")
+    pf.add_argument("--turns", type=int, default=3, help="turns per conversation (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port-base", type=int, default=28000, help="ports for the servers under test")
     parser.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
@@ -97,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"--comparisons: unknown {sorted(unknown)}; choose from {', '.join(COMPARISONS)}", file=sys.stderr)
         return 2
+    if "prefix" in chosen:  # before any server starts (stagemesh bench checks the rest, e.g. the lengths)
+        for flag, value in (("--conversations", args.conversations), ("--system-len", args.system_len),
+                            ("--user-len", args.user_len), ("--turns", args.turns)):
+            if value < 1:
+                print(f"{flag} must be at least 1; got {value}", file=sys.stderr)
+                return 2
     failures = 0
     serve_args = args.serve_args.split()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-serving-") as tmp:
@@ -114,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
         ports = iter(range(args.port_base, args.port_base + 1000, 10))
         for name in chosen:
             with contextlib.ExitStack() as stack:
-                endpoints = _start_comparison(name, stack, model, tokenizer_dir, tmp, blas, ports, serve_args)
+                endpoints = _start_comparison(name, stack, model, tokenizer_dir, tmp, blas, ports, serve_args,
+                                              shape=bool(args.shape))
+                if name == "prefix":
+                    failures += _bench_prefix(args, endpoints, out, tokenizer_dir)
+                    continue
                 failures += _bench(args, name, endpoints, out, tokenizer_dir)
                 if _profile_levels(args):
                     _profile(args, name, endpoints, out, tokenizer_dir)
@@ -128,16 +165,34 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> None:
     from stagemesh.bench.pipeline import bare_forward
 
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    bare = {f"batch{n}": bare_forward(model, n, 32, "auto", args.input_len, args.output_len) for n in levels}
+    input_len, output_len, _ = _sizes(args, "bare")
+    bare = {f"batch{n}": bare_forward(model, n, 32, "auto", input_len, output_len) for n in levels}
     (out / "bare.json").write_text(json.dumps(bare, indent=1))
     for key, value in bare.items():
         print(f"bare {key}: decode {value['decode_tokens_per_s']:.1f} tok/s, whole workload "
               f"{value['workload_tokens_per_s']:.1f} tok/s", file=sys.stderr)
 
 
-def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=()) -> list[Endpoint]:
+def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), shape=False) -> list[Endpoint]:
     ncpu = os.cpu_count() or 1
     serve_args = list(serve_args)
+    if name == "prefix":
+        # Cache off first: the baseline every ratio is taken against. mlx_lm.server reads an mlx-lm
+        # directory: the --shape checkpoint itself; else, as for ``matched``, the same dense float32
+        # weights with the same BLAS as our stages (stock mlx_lm here is many times slower for reasons
+        # that have nothing to do with caching, which would make "no worse than mlx_lm" say nothing).
+        if shape:
+            reference, env = model, {}
+        else:
+            reference = _dense_f32_dir(q4_dir, tmp)
+            env = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": str(ncpu)} if blas else {}
+        return [
+            # The flag last: it wins over anything --serve-args says about the cache.
+            stack.enter_context(_stagemesh(model, next(ports), [*serve_args, "--no-enable-prefix-caching"],
+                                           "stagemesh-cache-off")),
+            stack.enter_context(_stagemesh(model, next(ports), serve_args, "stagemesh")),
+            stack.enter_context(_mlx_lm_server(reference, next(ports), env, "mlx_lm")),
+        ]
     if name == "mlx-lm":
         return [
             stack.enter_context(_stagemesh(model, next(ports), serve_args, "stagemesh")),
@@ -149,14 +204,11 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             stack.enter_context(_mlx_lm_server(q4_dir, next(ports), {}, "mlx_lm-q4-refblas")),
         ]
     if name == "matched":
-        f32_dir = str(Path(tmp) / "f32")
-        if not Path(f32_dir).exists():
-            subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", q4_dir, "--mlx-path", f32_dir,
-                            "--dequantize", "--dtype", "float32"], check=True, capture_output=True)
         env = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": str(ncpu)} if blas else {}
         return [
             stack.enter_context(_stagemesh(model, next(ports), [], "stagemesh")),
-            stack.enter_context(_mlx_lm_server(f32_dir, next(ports), env, "mlx_lm-f32-same-blas")),
+            stack.enter_context(_mlx_lm_server(_dense_f32_dir(q4_dir, tmp), next(ports), env,
+                                               "mlx_lm-f32-same-blas")),
         ]
     if name == "pp":
         return [
@@ -178,6 +230,15 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2"], "two-hosts", pin="per-stage")),
         ]
     raise ValueError(name)
+
+
+def _dense_f32_dir(q4_dir: str, tmp: str) -> str:
+    """The converted checkpoint dequantized to float32 (what our stages compute with here), made once."""
+    f32_dir = str(Path(tmp) / "f32")
+    if not Path(f32_dir).exists():
+        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", q4_dir, "--mlx-path", f32_dir,
+                        "--dequantize", "--dtype", "float32"], check=True, capture_output=True)
+    return f32_dir
 
 
 @contextlib.contextmanager
@@ -248,10 +309,27 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
                 process.wait()
 
 
-def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> int:
-    command = [sys.executable, "-m", "stagemesh.cli", "bench", "--concurrency", args.concurrency,
-               "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-               "--output-len", str(args.output_len), "--rounds", str(args.rounds), "--warmup", "2",
+def _sizes(args: argparse.Namespace, name: str) -> tuple[int, int, int]:
+    """(input, output, prompts per level) of a comparison: the flags, else its defaults."""
+    if name == "prefix":
+        defaults = (args.system_len + args.user_len, PREFIX_OUTPUT_LEN, 2 * args.conversations)
+    else:
+        defaults = DEFAULT_SIZES
+    given = (args.input_len, args.output_len, args.num_prompts)
+    input_len, output_len, num_prompts = (d if g is None else g for g, d in zip(given, defaults))
+    return input_len, output_len, num_prompts
+
+
+def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str,
+           workload: list[str] | None = None) -> int:
+    """One ``stagemesh bench`` run over ``endpoints`` into ``out/NAME.json`` (+ PNG); ``workload``: its
+    workload and load flags (default: the synthetic prompts at ``--concurrency``)."""
+    input_len, output_len, num_prompts = _sizes(args, name)
+    if workload is None:
+        workload = ["--concurrency", args.concurrency, "--num-prompts", str(num_prompts),
+                    "--input-len", str(input_len)]
+    command = [sys.executable, "-m", "stagemesh.cli", "bench", *workload, "--output-len", str(output_len),
+               "--rounds", str(args.rounds), "--warmup", "2",
                "--tokenizer", tokenizer_dir, "--output", str(out / f"{name}.json"), "--plot", str(out / f"{name}.png")]
     for endpoint in endpoints:
         command += ["--base-url", endpoint.url, "--label", endpoint.label, "--model", endpoint.model]
@@ -261,6 +339,49 @@ def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir:
     if summary.exists():
         print(json.dumps(json.loads(summary.read_text()).get("ratios", {}), indent=1)[:2000])
     return 0 if result.returncode == 0 else 1
+
+
+def _bench_prefix(args, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> int:
+    """The ``prefix`` comparison: multi-turn conversations, then distinct prompts, then the summary."""
+    from stagemesh.bench.prefix_summary import summarize
+
+    conversations = str(args.conversations)
+    failures = _bench(args, "prefix-multi-turn", endpoints, out, tokenizer_dir, [
+        "--workload", "multi-turn", "--concurrency", conversations, "--system-len", str(args.system_len),
+        "--user-len", str(args.user_len), "--turns", str(args.turns)])
+    # Counters are cumulative since each server started: after the distinct run they include the multi-turn one.
+    counters = {"multi-turn": {e.label: prefix_cache_counters(e.url) for e in endpoints if e.stagemesh}}
+    input_len, _, num_prompts = _sizes(args, "prefix")
+    failures += _bench(args, "prefix-distinct", endpoints, out, tokenizer_dir, [
+        "--concurrency", conversations, "--num-prompts", str(num_prompts), "--input-len", str(input_len)])
+    counters["distinct"] = {e.label: prefix_cache_counters(e.url) for e in endpoints if e.stagemesh}
+    docs = [out / f"prefix-{part}.json" for part in ("multi-turn", "distinct")]
+    if all(doc.exists() for doc in docs):
+        summary = summarize(*(json.loads(doc.read_text()) for doc in docs), counters=counters,
+                            baseline="stagemesh-cache-off", cached="stagemesh", reference="mlx_lm")
+        (out / "prefix-summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary["targets"], indent=1))
+    return failures
+
+
+def prefix_cache_counters(url: str) -> dict[str, float]:
+    """The prefix-cache counters a stagemesh gateway's ``/metrics`` reports, summed over its stages
+    (empty when it cannot be read: the summary then lacks them, the run goes on)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        print(f"cannot read {url}/metrics: {exc}", file=sys.stderr)
+        return {}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("stagemesh_stage_prefix_cache_"):
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 def _profile_levels(args: argparse.Namespace) -> list[int]:
@@ -276,9 +397,10 @@ def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_di
     """Each stagemesh server alone at one level: per-stage compute / ring wait / send / other."""
     from stagemesh.bench.profile import profile_endpoint
 
+    input_len, output_len, num_prompts = _sizes(args, name)
     profiles = [profile_endpoint(e.url, e.label, e.model, e.pid, concurrency=level,
-                                 num_prompts=args.num_prompts, input_len=args.input_len,
-                                 output_len=args.output_len, tokenizer_dir=tokenizer_dir)
+                                 num_prompts=num_prompts, input_len=input_len,
+                                 output_len=output_len, tokenizer_dir=tokenizer_dir)
                 for level in _profile_levels(args) for e in endpoints if e.stagemesh]
     if profiles:
         (out / f"{name}-profile.json").write_text(json.dumps(profiles, indent=1))

@@ -11,8 +11,12 @@ Contract:
 - ``level_metrics(records)`` pools records of one (endpoint, level), possibly
   from several rounds: distributions pool every request (ITL: every gap), and
   throughputs divide tokens of successful requests by the summed wall time of
-  the rounds. Failed requests are counted and sampled, never dropped.
-- ``ratios(metrics, labels)`` compares every endpoint to the first, level by level.
+  the rounds. Failed requests are counted and sampled, never dropped. For
+  the multi-turn workload ``ttft_by_turn[t - 1]`` is the TTFT of turn t's
+  successful requests (empty otherwise): turn 1 finds at most the system
+  prompt cached, later turns their conversation's history.
+- ``ratios(metrics, labels)`` compares every endpoint to the first, level by
+  level (TTFT p50 per turn too).
 Nothing here does I/O or reads a clock.
 """
 
@@ -65,6 +69,7 @@ class LevelMetrics:
     tpot: Distribution
     e2el: Distribution
     errors: tuple[ErrorSample, ...]
+    ttft_by_turn: tuple[Distribution, ...] = ()  # multi-turn: index t - 1 holds turn t
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +119,17 @@ def error_samples(records: Iterable[RequestRecord], limit: int = ERROR_SAMPLES) 
     return tuple(ErrorSample(status, message, n) for (status, message), n in counts.most_common(limit))
 
 
+def ttft_by_turn(records: Iterable[RequestRecord]) -> tuple[Distribution, ...]:
+    """TTFT of successful requests, turn by turn (1, 2, ...); empty when no record has a turn."""
+    by_turn: dict[int, list[float]] = {}
+    last = 0
+    for r in records:
+        last = max(last, r.turn)
+        if r.ok and r.turn and r.ttft is not None:
+            by_turn.setdefault(r.turn, []).append(r.ttft)
+    return tuple(distribution(by_turn.get(turn, [])) for turn in range(1, last + 1))
+
+
 def level_metrics(records: Sequence[RequestRecord]) -> LevelMetrics:
     """Metrics of one (endpoint, level) from all its records (every round)."""
     if not records:
@@ -145,6 +161,7 @@ def level_metrics(records: Sequence[RequestRecord]) -> LevelMetrics:
         tpot=distribution(tpots),
         e2el=distribution([r.latency for r in good]),
         errors=error_samples(records),
+        ttft_by_turn=ttft_by_turn(records),
     )
 
 
@@ -165,6 +182,7 @@ class Ratio:
     ttft_p50: float | None
     itl_p50: float | None
     output_tokens_per_s_by_round: tuple[float | None, ...]
+    ttft_p50_by_turn: tuple[float | None, ...] = ()  # multi-turn: index t - 1 holds turn t
 
 
 def ratios(pooled: Sequence[LevelMetrics], per_round: Sequence[LevelMetrics], labels: Sequence[str]) -> list[Ratio]:
@@ -190,6 +208,8 @@ def ratios(pooled: Sequence[LevelMetrics], per_round: Sequence[LevelMetrics], la
                 _ratio(a.output_tokens_per_s, b.output_tokens_per_s)
                 for a, b in zip(round_at.get((label, level), []), round_at.get((baseline, level), []))
             )
+            by_turn = tuple(_ratio(a.p50, b.p50) for a, b in zip(other.ttft_by_turn, base.ttft_by_turn))
             out.append(Ratio(level, label, baseline, _ratio(other.output_tokens_per_s, base.output_tokens_per_s),
-                             _ratio(other.ttft.p50, base.ttft.p50), _ratio(other.itl.p50, base.itl.p50), by_round))
+                             _ratio(other.ttft.p50, base.ttft.p50), _ratio(other.itl.p50, base.itl.p50), by_round,
+                             by_turn))
     return out

@@ -13,6 +13,7 @@ from typing import Literal
 
 EndpointType = Literal["completions", "chat"]
 LoadKind = Literal["concurrency", "rate"]
+WorkloadKind = Literal["synthetic", "multi-turn"]
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,23 @@ class Level:
 
 
 @dataclass(frozen=True)
+class MultiTurn:
+    """The multi-turn chat workload: ``conversations`` per level (None: as many as the level's
+    concurrency), each of ``turns`` turns after a shared system prompt of ``system_tokens``; every turn
+    adds a user message of ``user_tokens`` and re-sends the whole history with the replies received."""
+
+    system_tokens: int
+    user_tokens: int
+    turns: int
+    conversations: int | None
+
+
+@dataclass(frozen=True)
 class Workload:
-    """What every request looks like (the same for every endpoint, so they are compared on equal terms)."""
+    """What every request looks like (the same for every endpoint, so they are compared on equal terms).
+
+    ``multi_turn`` set: the multi-turn chat workload (``input_tokens`` then sizes the warmup prompts,
+    which share nothing with the conversations); None: synthetic prompts of ``input_tokens``."""
 
     endpoint_type: EndpointType
     input_tokens: int
@@ -50,15 +66,24 @@ class Workload:
     ignore_eos: bool
     include_usage: bool
     temperature: float
+    multi_turn: MultiTurn | None = None
+
+    @property
+    def kind(self) -> WorkloadKind:
+        return "synthetic" if self.multi_turn is None else "multi-turn"
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """A synthetic prompt and how long we believe it is (the server's ``usage`` wins when it reports one)."""
+    """A prompt and how long we believe it is (the server's ``usage`` wins when it reports one).
+
+    ``messages`` (role, content) pairs, when set, are the chat messages to send instead of one user
+    message holding ``text`` (a multi-turn conversation's history); ``tokens`` then counts their contents."""
 
     text: str
     tokens: int
     tokens_source: Literal["tokenizer", "words"]
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,3 +116,4 @@ class RequestRecord:
     status: int | None  # HTTP status; None when no response arrived
     error: str | None
     queued: float = 0.0  # open loop: time spent waiting for the concurrency cap before sending
+    turn: int = 0  # multi-turn workload: the turn (1 = first) of conversation ``index``; 0 otherwise

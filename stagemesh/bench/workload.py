@@ -13,8 +13,12 @@ Contract:
   leaves ``MIN_FILLER_TOKENS`` of filler; ``stagemesh bench`` refuses a shorter
   ``--input-len``. Distinct keys give distinct prompts from the first word, so
   a server's prefix cache cannot make one request cheaper than another.
+- ``sized_text(key, tokens, tokenizer, suffix)`` is that sizing alone: seeded
+  filler words, then ``suffix`` (``make_prompt``'s suffix is the instruction;
+  the multi-turn workload's user messages have none).
 - ``request_body(workload, model, prompt)`` is the JSON body for
-  ``/v1/completions`` or ``/v1/chat/completions``, streaming; ``ignore_eos`` and
+  ``/v1/completions`` or ``/v1/chat/completions`` (a prompt's ``messages``,
+  when it has them, else one user message), streaming; ``ignore_eos`` and
   ``stream_options`` appear only when asked for (strict servers reject unknown
   fields with a 400).
 - ``load_tokenizer(path)`` reads a GGUF file or a model/tokenizer directory, offline.
@@ -74,23 +78,29 @@ def min_input_tokens(tokenizer: Tokenizer | None = None) -> int:
 
 
 def make_prompt(key: str, input_tokens: int, tokenizer: Tokenizer | None = None) -> Prompt:
+    return sized_text(key, input_tokens, tokenizer, COUNT_INSTRUCTION)
+
+
+def sized_text(key: str, tokens: int, tokenizer: Tokenizer | None = None, suffix: str = "") -> Prompt:
+    """Filler words drawn with ``key``, then ``suffix``: ``tokens`` long as ``tokenizer`` counts it
+    (words ~ tokens without one); just the suffix when it alone is that long."""
     if tokenizer is None:
-        n = max(0, input_tokens - approx_tokens(COUNT_INSTRUCTION))
-        text = _words(key, n) + COUNT_INSTRUCTION if n else COUNT_INSTRUCTION.lstrip()
+        n = max(0, tokens - approx_tokens(suffix))
+        text = _words(key, n) + suffix if n else suffix.lstrip()
         return Prompt(text, approx_tokens(text), "words")
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text))
 
-    # Every word is at least one token, so input_tokens words are enough filler to cut from.
-    filler_ids = tokenizer.encode(_words(key, max(input_tokens, 1)), add_special_tokens=False)
-    want = input_tokens - count(COUNT_INSTRUCTION)
-    text = COUNT_INSTRUCTION.lstrip()
+    # Every word is at least one token, so ``tokens`` words are enough filler to cut from.
+    filler_ids = tokenizer.encode(_words(key, max(tokens, 1)), add_special_tokens=False)
+    want = tokens - (count(suffix) if suffix else 0)
+    text = suffix.lstrip()
     for _ in range(4):  # cutting and re-encoding can shift a token at the seam; correct a few times
         if want <= 0:
             break
-        text = tokenizer.decode(filler_ids[:want]) + COUNT_INSTRUCTION
-        off = count(text) - input_tokens
+        text = tokenizer.decode(filler_ids[:want]) + suffix
+        off = count(text) - tokens
         if off == 0:
             break
         want -= off
@@ -100,7 +110,9 @@ def make_prompt(key: str, input_tokens: int, tokenizer: Tokenizer | None = None)
 def request_body(workload: Workload, model: str, prompt: Prompt) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": workload.output_tokens, "stream": True,
                             "temperature": workload.temperature}
-    if workload.endpoint_type == "chat":
+    if prompt.messages is not None:
+        body["messages"] = [{"role": role, "content": content} for role, content in prompt.messages]
+    elif workload.endpoint_type == "chat":
         body["messages"] = [{"role": "user", "content": prompt.text}]
     else:
         body["prompt"] = prompt.text
