@@ -116,16 +116,18 @@ class KVStore:
             raise WireMismatchError(f"prefix entry {entry_id}: sequence {seq_id} holds {held} positions, "
                                     f"{tokens} to keep (entry known already: {entry_id in self._prefixes})")
         sources = self._retained_views(seq_id, tokens)
-        kept = []
+        kept, copies = [], []
         for keys, values in sources:
             entry = KVCache()
             if keys is not None and values is not None:
                 # A copy of its own: a view would keep the sequence's (or its group's) whole buffer alive and
-                # stop MLX from updating that buffer in place. Evaluated asynchronously, never waited for here.
+                # stop MLX from updating that buffer in place.
                 entry.keys, entry.values = mx.contiguous(keys), mx.contiguous(values)
                 entry.offset = tokens
-                mx.async_eval(entry.keys, entry.values)
+                copies += [entry.keys, entry.values]
             kept.append(entry)
+        if copies:
+            mx.async_eval(*copies)  # every layer's copy in one submission, never waited for here
         self._prefixes[entry_id] = kept
         self.prefix_cached_tokens += tokens
         self.tokens_held += tokens
