@@ -3,7 +3,8 @@
 Continuous batching: requests join (admitted from a bounded waiting queue while
 fewer than ``max_num_seqs`` run) and leave (finished, aborted) at every step.
 Each batch holds, in this order, one decode token for every running sequence
-whose last sampled token has not been fed yet, then prompt chunks of at most
+whose last sampled token has not been fed yet (in the order their prompts
+finished, which is the order the stages' decode groups hold them), then prompt chunks of at most
 ``prefill_chunk_tokens`` per sequence while the batch has fewer than
 ``max_batch_tokens`` rows, so a long prompt is prefilled over several steps
 instead of stalling the running decodes. Only a prompt's last chunk asks the
@@ -32,6 +33,7 @@ continued step's token discarded by ``on_sampled``; nothing else changes.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,6 +91,7 @@ class _Sequence:
     in_flight_steps: int = 0  # batches holding this sequence now (2 with a continuation)
     aborted: bool = False
     prefix_entry: int = 0  # the prefix entry its first chunk copies (a reference held until it is sent)
+    decode_rank: int = 0  # when its last prompt chunk was scheduled: its place in the decode order
 
     @property
     def in_flight(self) -> bool:
@@ -137,6 +140,7 @@ class Scheduler:
         self._by_request: dict[str, _Sequence] = {}
         self._releases: list[SequenceRecord] = []
         self._next_seq_id = 1
+        self._decode_ranks = itertools.count(1)
         self.finished_count = 0
         self.generated_count = 0  # tokens sampled for requests, all time (the replica's output)
         # Every running sequence reserves prompt + max_tokens tokens of KV on every stage, so
@@ -223,8 +227,12 @@ class Scheduler:
         self._releases = []
         budget = self.max_batch_tokens
         seats = -(-len(self._running) // max(1, micro_batches))  # ceil: sequences this batch may take
-        for seq in self._running.values():  # decodes first: they are latency bound
-            if seq.in_flight or seq.aborted or not seq.prefill_done or budget <= 0 or seats <= 0:
+        # Decodes first: they are latency bound. In the order sequences finished their prompts, which is
+        # the order they joined the stages' decode groups (kv_store): listed in admission order instead,
+        # a short prompt admitted after a long one would make every stage rebuild its whole group.
+        decoding = sorted((s for s in self._running.values() if s.prefill_done), key=lambda s: s.decode_rank)
+        for seq in decoding:
+            if seq.in_flight or seq.aborted or budget <= 0 or seats <= 0:
                 continue
             token = seq.generated[-1]
             record = SequenceRecord(seq.seq_id, seq.position, 1, RecordFlag.SAMPLE, seq.request.sampling)
@@ -239,6 +247,7 @@ class Scheduler:
             flags = RecordFlag.NONE if seq.holds_kv else RecordFlag.NEW_SEQUENCE
             if seq.prefilled + size == len(seq.request.prompt):
                 flags |= RecordFlag.SAMPLE
+                seq.decode_rank = next(self._decode_ranks)
             tokens = seq.request.prompt[seq.prefilled : seq.prefilled + size]
             # The request's options ride its first chunk (NEW_SEQUENCE), which starts past a cached prefix.
             options = seq.request.options if flags & RecordFlag.NEW_SEQUENCE else None

@@ -87,6 +87,27 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes():
     assert sizes[3] == [(1, 5, 1, True), (2, 9, 1, True)]  # last chunk samples
 
 
+def test_decodes_are_listed_in_the_order_prompts_finished_not_the_order_requests_came():
+    """The stages' decode groups hold sequences in the order they joined (after their last prompt chunk);
+    a batch listing them otherwise makes every stage rebuild its group (kv_store._regroup)."""
+    s = _scheduler(max_num_seqs=3, max_batch_tokens=8, prefill_chunk_tokens=4)
+    s.add(_request("long", prompt_len=10, max_tokens=20))
+    s.add(_request("short", prompt_len=2, max_tokens=20))
+    order = []
+    for _ in range(5):
+        batch = s.next_batch()
+        order.append([c.record.seq_id for c in batch.chunks if c.record.num_tokens == 1 and
+                      not c.record.has(RecordFlag.NEW_SEQUENCE)])
+        s.on_sampled(batch, _sample(batch))
+    assert order[1] == [2]  # short finished its prompt in the first batch; long is still prefilling
+    assert order[-1] == [2, 1]  # then long joins after it, although it was admitted first
+    s.add(_request("third", prompt_len=2, max_tokens=20))
+    batch = s.next_batch()
+    s.on_sampled(batch, _sample(batch))
+    batch = s.next_batch()
+    assert [c.record.seq_id for c in batch.chunks] == [2, 1, 3]
+
+
 def test_admission_is_bounded_by_running_slots_and_the_waiting_queue():
     s = _scheduler(max_num_seqs=1, max_waiting=1)
     s.add(_request("a"))
