@@ -33,8 +33,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .tool_parsers import ARGUMENT_KEYS, ToolFormat, arguments_text, call_from_members, new_call_id, \
-    object_members, skip_ws
+from .tool_parsers import (
+    ARGUMENT_KEYS,
+    ToolFormat,
+    arguments_text,
+    call_from_members,
+    new_call_id,
+    object_members,
+    skip_ws,
+)
 
 
 @dataclass(frozen=True)
