@@ -65,7 +65,8 @@ RUNTIME_RULES = {
     "min-tokens-within-max-tokens": "min_tokens is at most the max_tokens (max_completion_tokens) sent.",
     "grammar-compiles": "guided_json, guided_regex, guided_grammar, structured_outputs, response_format's "
                         "json_schema and, with a forced tool_choice, the tools' parameters compile with llguidance.",
-    "chat-template-renders": "A chat_template renders these messages (and its rendered prompt is not empty).",
+    "chat-template-renders": "A chat_template renders these messages (and its rendered prompt is not empty); "
+                             "with continue_final_message, what it renders holds the final message's content.",
     "tool-names-distinct": "The tools' function names are distinct.",
     "tool-choice-names-a-tool": "A named tool_choice names one of the tools.",
     "continue-final-message-after-assistant": "continue_final_message needs the last message to be the "
@@ -125,7 +126,9 @@ class _CommonRequest(_Strict):
     temperature: float | None = _doc(minimum=0, maximum=2)
     top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
     n: int | None = _doc(minimum=1, maximum=16)
-    seed: int | None = _doc(minimum=-(2**63), maximum=2**63 - 1)
+    # 2**63 - 1024: the largest double below 2**63, so a JSON number the schema admits is a signed 64-bit
+    # integer however the client's JSON reads it (2**63 - 1 as a double is 2**63, out of range).
+    seed: int | None = _doc(minimum=-(2**63), maximum=2**63 - 1024)
     stop: str | list[str] | None = _doc(anyOf=[{"type": "string", "minLength": 1},
                                                {"type": "array", "maxItems": 4,
                                                 "items": {"type": "string", "minLength": 1}},
