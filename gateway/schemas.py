@@ -33,7 +33,7 @@ def _doc(**schema: Any) -> Any:
     return Field(default=None, json_schema_extra=schema)
 
 
-TOKEN_IDS = {"x-token-ids": True}
+TOKEN_IDS: dict[str, Any] = {"x-token-ids": True}
 _ROLES = ["system", "developer", "user", "assistant", "tool"]
 _NULL = {"type": "null"}
 
@@ -87,10 +87,10 @@ _RESERVED_KWARGS = ["conversation", "messages", "tools", "documents", "chat_temp
 def _one_constraint_at_most(with_response_format: bool) -> dict[str, Any]:
     """``gateway.structured_output``: one output constraint at most; ``gateway.sampling_params`` and
     ``gateway.serving``: none with ``ignore_eos``, ``min_tokens`` >= 1 or a forced ``tool_choice``."""
-    free = {f: _NULL for f in _CONSTRAINTS}
+    free: dict[str, dict[str, Any]] = {f: _NULL for f in _CONSTRAINTS}
     if with_response_format:
         free["response_format"] = {"anyOf": [_NULL, {"type": "object", "properties": {"type": {"const": "text"}}}]}
-    unforced = {"ignore_eos": {"enum": [False, None]}, "min_tokens": {"maximum": 0},
+    unforced: dict[str, dict[str, Any]] = {"ignore_eos": {"enum": [False, None]}, "min_tokens": {"maximum": 0},
                 "tool_choice": {"enum": ["none", "auto", None]}}
     only = [_fields(**{**free, **{k: {} for k in free if k == kept}}, **unforced) for kept in free]
     return _either(_fields(**free), *only)

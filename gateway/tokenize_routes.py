@@ -64,7 +64,7 @@ class TokenizeChatRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int] = Field(json_schema_extra=TOKEN_IDS)
+    tokens: list[int] = Field(json_schema_extra=dict(TOKEN_IDS))
 
 
 def router(tokenizer: Any, config: GatewayConfig) -> APIRouter:

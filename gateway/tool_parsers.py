@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]  # public in json.decoder, untyped
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
