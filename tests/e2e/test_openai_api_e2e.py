@@ -362,7 +362,7 @@ def test_required_tool_calls_stream_argument_deltas_equal_to_the_unstreamed_call
 
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     ask = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
-               tool_choice="required")
+               tool_choice="required", logprobs=True)
 
     def run(client):
         whole = client.chat.completions.create(**ask)
@@ -380,10 +380,15 @@ def test_required_tool_calls_stream_argument_deltas_equal_to_the_unstreamed_call
         pieces = sum(1 for d in deltas if d.id is None)
         message = whole.choices[0].message
         unstreamed = [[c.function.name, c.function.arguments] for c in message.tool_calls]
+        # Every token's logprobs arrive, those of the JSON around the arguments too.
+        tokens = [e.token for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                  for e in chunk.choices[0].logprobs.content]
+        assert tokens == [e.token for e in whole.choices[0].logprobs.content]
         return (whole.choices[0].finish_reason, unstreamed, finishes[-1], [streamed[i] for i in sorted(streamed)],
-                pieces)
+                pieces, "".join(tokens))
 
-    finish, unstreamed, streamed_finish, streamed, pieces = both(clients, run)
+    finish, unstreamed, streamed_finish, streamed, pieces, text = both(clients, run)
+    assert json.loads(text) == [{"name": name, "parameters": json.loads(args)} for name, args in streamed]
     assert finish == streamed_finish == "tool_calls"
     assert streamed == unstreamed and pieces > 2  # the arguments arrive in pieces that add up to the call's
     for name, arguments in streamed:
