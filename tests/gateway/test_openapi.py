@@ -60,11 +60,7 @@ def test_request_schemas_are_as_tight_as_the_validation(document):
 def test_rules_between_fields_are_json_schema(document):
     """A validator reading /openapi.json alone refuses what the gateway refuses for breaking a rule between
     fields (and accepts its neighbours)."""
-    import jsonschema_rs
-
-    definitions = json.loads(json.dumps(document["components"]["schemas"]).replace("#/components/schemas/",
-                                                                                   "#/$defs/"))
-    chat = jsonschema_rs.validator_for({"$defs": definitions, **definitions["ChatCompletionRequest"]})
+    chat = _validator(document, {"$ref": "#/components/schemas/ChatCompletionRequest"})
     messages = [{"role": "user", "content": "Hi"}]
     refused = [{"stream_options": {"include_usage": True}},
                {"guided_regex": "a+", "guided_choice": ["a"]},
@@ -232,15 +228,20 @@ def test_schemathesis_finds_no_server_error_no_undocumented_status_and_accepts_v
         run()
 
 
+def _validator(document: dict, schema: dict) -> Any:
+    """A JSON Schema (2020-12) validator of ``schema``, whose references point into the document's components."""
+    from jsonschema import Draft202012Validator
+
+    def local(node: Any) -> Any:
+        return json.loads(json.dumps(node).replace("#/components/schemas/", "#/$defs/"))
+
+    return Draft202012Validator({"$defs": local(document["components"]["schemas"]), **local(schema)})
+
+
 def _valid_for(document: dict, path: str) -> Callable:
     """Keeps a request body valid for the document's schema of ``path``, its rules between fields included."""
-    import jsonschema_rs
-
-    definitions = json.loads(json.dumps(document["components"]["schemas"]).replace("#/components/schemas/",
-                                                                                   "#/$defs/"))
-    body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    validator = jsonschema_rs.validator_for({"$defs": definitions, **json.loads(
-        json.dumps(body).replace("#/components/schemas/", "#/$defs/"))})
+    validator = _validator(document, document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+                           ["schema"])
 
     def filter_case(_context, case) -> bool:
         return validator.is_valid(case.body)
