@@ -74,14 +74,32 @@ RUNTIME_RULES = {
 }
 _CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _JSON_SCHEMA = {"type": ["object", "boolean"]}
-_TOOL_NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+TOOL_NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # gateway.tools checks it
+_TOOL_NAME = {"type": "string", "pattern": TOOL_NAME_PATTERN}
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": _TOOL_NAME, "description": {"type": ["string", "null"]}, "parameters": {"type": "object"}}}}}
-_RESERVED_KWARGS = ["conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                    "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict", "padding",
-                    "truncation", "max_length", "tokenizer_kwargs"]  # gateway.chat_template refuses them
+# Names apply_chat_template itself takes: a template variable of that name would be ambiguous (gateway.chat_template
+# refuses them in chat_template_kwargs).
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                            "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict",
+                            "padding", "truncation", "max_length", "tokenizer_kwargs")
+# vLLM fields accepted only at their default: field -> (default, why); gateway.sampling_params refuses the rest.
+DEFAULT_ONLY: dict[str, tuple[object, str]] = {
+    "spaces_between_special_tokens": (True, "Special tokens are decoded without extra spaces."),
+    "use_beam_search": (False, "Beam search is not implemented."),
+    "length_penalty": (1.0, "It applies to beam search, which is not implemented."),
+    "prompt_logprobs": (None, "The prompt's logprobs are not computed."),
+    "truncate_prompt_tokens": (None, "Prompts are never truncated; shorten the prompt."),
+    "priority": (0, "Requests are served in arrival order."),
+    "return_tokens_as_token_ids": (False, "Logprobs name tokens by their text."),
+}
+
+
+def _default_only(field: str) -> Any:
+    default = DEFAULT_ONLY[field][0]
+    return _doc(type="null") if default is None else _doc(enum=[default, None])
 
 
 def _one_constraint_at_most(with_response_format: bool) -> dict[str, Any]:
@@ -107,7 +125,8 @@ CONTINUE_FINAL_RULE = _either(_fields(continue_final_message={"enum": [False, No
 TOOLS_NEEDED_RULE = _either(_fields(tool_choice=_NULL, parallel_tool_calls=_NULL),
                             _set_to("tools", {"type": "array", "minItems": 1}))
 CHAT_TEMPLATE_SCHEMA = _nullable({"type": "string", "pattern": "\\S"})
-CHAT_TEMPLATE_KWARGS_SCHEMA = _nullable({"type": "object", "propertyNames": {"not": {"enum": _RESERVED_KWARGS}}})
+CHAT_TEMPLATE_KWARGS_SCHEMA = _nullable({"type": "object",
+                                         "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})
 TOOLS_SCHEMA = _nullable({"type": "array", "items": _TOOL})
 
 
@@ -154,12 +173,12 @@ class _CommonRequest(_Strict):
     add_special_tokens: bool | None = None
     request_id: str | None = None  # metadata only
     # vLLM's fields accepted only at their defaults (checked in sampling_params).
-    spaces_between_special_tokens: bool | None = _doc(enum=[True, None])
-    use_beam_search: bool | None = _doc(enum=[False, None])
-    length_penalty: float | None = _doc(enum=[1, None])
-    prompt_logprobs: int | None = _doc(type="null")
-    truncate_prompt_tokens: int | None = _doc(type="null")
-    priority: int | None = _doc(enum=[0, None])
+    spaces_between_special_tokens: bool | None = _default_only("spaces_between_special_tokens")
+    use_beam_search: bool | None = _default_only("use_beam_search")
+    length_penalty: float | None = _default_only("length_penalty")
+    prompt_logprobs: int | None = _default_only("prompt_logprobs")
+    truncate_prompt_tokens: int | None = _default_only("truncate_prompt_tokens")
+    priority: int | None = _default_only("priority")
     bad_words: list[str] | None = _doc(maxItems=0)
     guided_json: Any = _doc(**_nullable(_JSON_SCHEMA, {"type": "string", "contentMediaType": "application/json"}))
     guided_regex: str | None = None
@@ -172,7 +191,7 @@ class _CommonRequest(_Strict):
         "properties": {"json": {"anyOf": [_JSON_SCHEMA, {"type": "string", "contentMediaType": "application/json"}]},
                        "regex": {"type": "string"}, "grammar": {"type": "string"},
                        "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}}}}))
-    return_tokens_as_token_ids: bool | None = _doc(enum=[False, None])
+    return_tokens_as_token_ids: bool | None = _default_only("return_tokens_as_token_ids")
 
 
 class CompletionRequest(_CommonRequest):

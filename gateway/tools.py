@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import bad_request
-from .schemas import ChatCompletionRequest, ChatMessage
+from .schemas import TOOL_NAME_PATTERN, ChatCompletionRequest, ChatMessage
 from .tool_parsers import FORCED, ToolCall, new_call_id
 
 Mode = Literal["none", "auto", "required", "named"]
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_NAME = re.compile(TOOL_NAME_PATTERN)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
