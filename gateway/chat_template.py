@@ -28,7 +28,7 @@ from jinja2 import TemplateError
 
 from .errors import bad_request
 from .openai_defaults import OpenAIDefaults
-from .schemas import ChatCompletionRequest, ChatMessage
+from .schemas import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_messages, template_supports_tools
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -71,10 +71,7 @@ def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-# Names apply_chat_template itself takes: a template variable of that name would be ambiguous.
-_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                              "add_generation_prompt", "continue_final_message", "return_tensors",
-                              "return_dict", "padding", "truncation", "max_length", "tokenizer_kwargs"})
+_RESERVED_KWARGS = frozenset(RESERVED_TEMPLATE_KWARGS)
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,14 @@ FastAPI's generated document with one where
   (``#/components/schemas/ErrorResponse``);
 - ``/v1/completions`` and ``/v1/chat/completions`` answer ``application/json``
   or ``text/event-stream``; ``/metrics`` answers Prometheus ``text/plain``;
-- token ids in requests are bounded by the vocabulary (``vocab_size``) and
-  ``max_tokens`` by the context (``max_model_len``), on top of the ranges the
-  request models declare (``gateway.schemas``).
-What JSON Schema cannot say (prompt + max_tokens within the context, a chat
-template's own rules) is still checked at run time with a 400 naming the field.
+- token ids in requests (``logit_bias``'s keys too) are bounded by the
+  vocabulary (``vocab_size``) and ``max_tokens`` / ``min_tokens`` by the context
+  (``max_model_len``), on top of the ranges and cross-field rules the request
+  models declare (``gateway.schemas``).
+What JSON Schema cannot say (``gateway.schemas.RUNTIME_RULES``: prompt +
+max_tokens within the context, a grammar that must compile, ...) is named in
+each request schema's ``x-runtime-rules`` and checked at run time with a 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -58,6 +61,23 @@ def _statuses(path: str, method: str) -> list[int]:
     return sorted(out)
 
 
+def decimal_below(n: int) -> str:
+    """A regex for the decimal numbers 0 .. n-1 written without leading zeros (token ids as JSON object keys)."""
+    top = str(n - 1)
+    options = ["0"] if n > 0 else []
+    if len(top) > 1:
+        options.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")  # the shorter numbers
+    for i, digit in enumerate(top):  # same length: equal up to i, smaller at i, anything after
+        low = "1" if i == 0 else "0"
+        if digit > low:
+            high = chr(ord(digit) - 1)
+            rest = len(top) - i - 1
+            options.append(top[:i] + (f"[{low}-{high}]" if high > low else low) + (f"[0-9]{{{rest}}}" if rest else ""))
+    if top != "0":
+        options.append(top)
+    return "^(?:" + "|".join(options) + ")$"
+
+
 def _bound_token_ids(node: Any, vocab_size: int, max_model_len: int) -> None:
     """Walk the request schemas: ``x-token-ids`` arrays get the vocabulary, ``x-max-tokens`` the context."""
     if isinstance(node, dict):
@@ -66,6 +86,8 @@ def _bound_token_ids(node: Any, vocab_size: int, max_model_len: int) -> None:
             node["items"]["maximum"] = vocab_size - 1
         if node.pop("x-token-id", False):
             node["minimum"], node["maximum"] = 0, vocab_size - 1
+        if node.pop("x-token-id-keys", False):
+            node["propertyNames"] = {"pattern": decimal_below(vocab_size)}
         if node.pop("x-max-tokens", False):
             node["maximum"] = max_model_len - 1
         for value in node.values():

@@ -30,7 +30,7 @@ from stagemesh.core.v1 import stage_pb2
 
 from .errors import APIError, bad_request, unsupported
 from .openai_defaults import GenerationDefaults
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import DEFAULT_ONLY, ChatCompletionRequest, CompletionRequest
 from .structured_output import grammar_for
 
 MAX_N = 16
@@ -244,21 +244,9 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-# vLLM fields accepted only at their default: (field, default, why).
-_DEFAULT_ONLY: tuple[tuple[str, object, str], ...] = (
-    ("spaces_between_special_tokens", True, "Special tokens are decoded without extra spaces."),
-    ("use_beam_search", False, "Beam search is not implemented."),
-    ("length_penalty", 1.0, "It applies to beam search, which is not implemented."),
-    ("prompt_logprobs", None, "The prompt's logprobs are not computed."),
-    ("truncate_prompt_tokens", None, "Prompts are never truncated; shorten the prompt."),
-    ("priority", 0, "Requests are served in arrival order."),
-    ("return_tokens_as_token_ids", False, "Logprobs name tokens by their text."),
-)
-
-
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """400 for every field set to something the stages cannot do."""
-    for field, default, why in _DEFAULT_ONLY:
+    for field, (default, why) in DEFAULT_ONLY.items():
         value = getattr(req, field)
         if value is not None and value != default:
             raise unsupported(field, why)

@@ -172,6 +172,7 @@ class OpenAIServing:
         completion = [0] * len(jobs)
         offsets = [0] * len(jobs)  # completions' text_offset, per choice
         streams = [ToolStream(tools, self._tool_parser) for _ in jobs] if tools.active else None
+        unsent: list[list[TokenLogprobs]] = [[] for _ in jobs]  # logprobs of tool-stream text not sent yet
         try:
             if header.kind == "chat":
                 for job in jobs:  # OpenAI opens each choice with the assistant role
@@ -186,7 +187,7 @@ class OpenAIServing:
                     break
                 completion[ev.index] = ev.completion_tokens
                 if streams is not None:
-                    for chunk in self._tool_chunks(header, streams[ev.index], ev, inc):
+                    for chunk in self._tool_chunks(header, streams[ev.index], ev, inc, unsent[ev.index]):
                         yield sse(chunk)
                     continue
                 if ev.text or ev.finish_reason:
@@ -209,22 +210,32 @@ class OpenAIServing:
         yield SSE_DONE
 
 
-    def _tool_chunks(self, header: ResponseHeader, stream: ToolStream, ev: ChoiceEvent,
-                     inc: bool) -> list[dict[str, Any]]:
-        """A chat event as content or tool-call deltas (logprobs ride the first chunk sent)."""
+    def _tool_chunks(self, header: ResponseHeader, stream: ToolStream, ev: ChoiceEvent, inc: bool,
+                     unsent: list[TokenLogprobs]) -> list[dict[str, Any]]:
+        """A chat event as content or tool-call deltas. Logprobs ride the first chunk sent; those of text the
+        stream holds (a partial marker, a call's JSON around its arguments) wait in ``unsent`` for the next one."""
         deltas = stream.feed(ev.text)
         finish = None
         if ev.finish_reason:
             last, finish = stream.finish(ev.finish_reason)
             deltas += last
-        logprobs = {"content": self._logprobs.chat(list(ev.logprobs)), "refusal": None} if ev.logprobs else None
+        unsent.extend(ev.logprobs)
         chunks = []
         for delta in deltas:
-            chunks.append(header.chunk(ev.index, None, None, include_usage=inc, delta=delta, logprobs=logprobs))
-            logprobs = None
+            chunks.append(header.chunk(ev.index, None, None, include_usage=inc, delta=delta,
+                                       logprobs=self._chat_logprobs(unsent)))
         if finish:
-            chunks.append(header.chunk(ev.index, None, finish, include_usage=inc, logprobs=logprobs))
+            chunks.append(header.chunk(ev.index, None, finish, include_usage=inc,
+                                       logprobs=self._chat_logprobs(unsent)))
         return chunks
+
+    def _chat_logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        """The entries as a chunk's chat logprobs (None when there are none), emptying the list."""
+        if not entries:
+            return None
+        out = {"content": self._logprobs.chat(list(entries)), "refusal": None}
+        entries.clear()
+        return out
 
 
 def _prompt_tokens(jobs: list[ChoiceJob], n: int) -> int:

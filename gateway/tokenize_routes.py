@@ -18,14 +18,25 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from stagemesh.core.settings import stagemesh_version
 
 from . import errors
 from .chat_template import ChatOptions, chat_options, render_chat
 from .config import GatewayConfig
-from .schemas import ChatCompletionRequest, ChatMessage, _Strict
+from .schemas import (
+    CHAT_TEMPLATE_KWARGS_SCHEMA,
+    CHAT_TEMPLATE_SCHEMA,
+    CONTINUE_FINAL_RULE,
+    TOKEN_IDS,
+    TOOLS_SCHEMA,
+    ChatCompletionRequest,
+    ChatMessage,
+    _doc,
+    _Strict,
+    request_rules,
+)
 from .tools import tool_plan
 
 
@@ -42,15 +53,18 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     add_special_tokens: bool | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = _doc(**CHAT_TEMPLATE_SCHEMA)
+    chat_template_kwargs: dict[str, Any] | None = _doc(**CHAT_TEMPLATE_KWARGS_SCHEMA)
+    tools: list[dict[str, Any]] | None = _doc(**TOOLS_SCHEMA)
     return_token_strs: bool = False
+
+    model_config = ConfigDict(json_schema_extra=request_rules(CONTINUE_FINAL_RULE, runtime=(
+        "chat-template-renders", "tool-names-distinct", "continue-final-message-after-assistant")))
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(json_schema_extra=dict(TOKEN_IDS))
 
 
 def router(tokenizer: Any, config: GatewayConfig) -> APIRouter:

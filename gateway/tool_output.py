@@ -1,76 +1,80 @@
 """A chat choice's generated text as OpenAI's message or stream deltas when tools are in play.
 
 Contract:
-- ``final_message(text, finish, plan, parser)`` -> ``(content, tool_calls, finish)``:
+- ``final_message(text, finish, plan, fmt)`` -> ``(content, tool_calls, finish)``:
   a forced call (``required`` / ``named``) is read from its constrained JSON;
-  with ``auto`` the parser finds the calls in the text; any call makes the
-  finish reason ``tool_calls``. Without calls the text stays content.
-- ``ToolStream(plan, parser)`` does the same incrementally for one streamed
-  choice: ``feed(text)`` returns the deltas to send now and ``finish(reason)``
-  the last ones and the finish reason. A ``named`` call streams its argument
-  text as it comes (after a first delta with the call's id and name); ``auto``
-  streams content at once unless it may be a call (the parser's marker), in
-  which case it holds the text and sends the parsed calls at the end;
-  ``required`` sends its calls at the end.
+  with ``auto`` the tool-call format ``fmt`` finds the calls in the text; any
+  call makes the finish reason ``tool_calls``. Without calls the text stays
+  content.
+- ``ToolStream(plan, fmt)`` does the same incrementally for one streamed
+  choice: ``feed(text)`` returns the OpenAI deltas to send now and
+  ``finish(reason)`` the last ones and the finish reason. Every call streams:
+  a first delta with its ``index``, ``id``, ``type``, ``function.name`` and
+  ``arguments: ""``, then ``function.arguments`` pieces as the model writes
+  them (their concatenation is the non-streamed call's ``arguments``). A
+  ``named`` call's arguments are the whole output; ``required`` output is read
+  as the ``FORCED`` format and ``auto`` output as ``fmt``, by
+  ``gateway.tool_call_stream``, which streams the text before any call as
+  content. The finish reason is ``tool_calls`` when calls were made whole.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .tool_parsers import ToolCall, ToolParser
+from .tool_call_stream import ArgumentsDelta, CallStart, ContentDelta, Event, ToolCallStream
+from .tool_parsers import FORCED, ToolCall, ToolFormat, new_call_id
 from .tools import ToolPlan
 
 
 def final_message(text: str, finish: str | None, plan: ToolPlan,
-                  parser: ToolParser) -> tuple[str | None, list[ToolCall], str | None]:
+                  fmt: ToolFormat) -> tuple[str | None, list[ToolCall], str | None]:
     if plan.mode in ("named", "required"):
         calls = plan.forced_calls(text)
         return (None, calls, "tool_calls") if calls else (text, [], finish)
     if plan.mode == "auto":
-        content, calls = parser.parse(text)
+        content, calls = fmt.parse(text)
         if calls:
             return content, calls, "tool_calls"
     return text, [], finish
 
 
+def _delta(event: Event) -> dict[str, Any]:
+    if isinstance(event, ContentDelta):
+        return {"content": event.text}
+    if isinstance(event, CallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+
+
 class ToolStream:
-    def __init__(self, plan: ToolPlan, parser: ToolParser) -> None:
+    def __init__(self, plan: ToolPlan, fmt: ToolFormat) -> None:
         self._plan = plan
-        self._parser = parser
-        self._held = ""
-        self._streaming_content = plan.mode == "none"
-        self._named: ToolCall | None = None
+        self._parser: ToolCallStream | None = None
+        self._named = ""  # a named call's arguments so far
+        self._named_id = new_call_id()
+        if plan.mode == "auto":
+            self._parser = fmt.stream()
+        elif plan.mode == "required":
+            self._parser = FORCED.stream()
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []
-        if self._streaming_content:
-            return [{"content": text}]
+        if self._parser is not None:
+            return [_delta(e) for e in self._parser.feed(text)]
         if self._plan.mode == "named" and self._plan.name is not None:
-            out = []
-            if self._named is None:
-                self._named = ToolCall.new(self._plan.name, "")
-                out.append({"tool_calls": [self._named.to_json(index=0)]})
-            self._held += text
-            out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
-            return out
-        self._held += text
-        if self._plan.mode == "auto" and not self._parser.may_start_call(self._held):
-            self._streaming_content = True
-            held, self._held = self._held, ""
-            return [{"content": held}]
-        return []
+            first = not self._named
+            self._named += text
+            deltas = [_delta(ArgumentsDelta(0, text))]
+            return [_delta(CallStart(0, self._named_id, self._plan.name)), *deltas] if first else deltas
+        return [{"content": text}]
 
     def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        if self._streaming_content:
-            return [], reason
-        if self._named is not None:
-            return [], "tool_calls" if self._plan.forced_calls(self._held) else reason
-        content, calls, reason = final_message(self._held, reason, self._plan, self._parser)
-        out: list[dict[str, Any]] = []
-        if content:
-            out.append({"content": content})
-        if calls:
-            out.append({"tool_calls": [c.to_json(index=i) for i, c in enumerate(calls)]})
-        return out, reason
+        if self._parser is not None:
+            deltas = [_delta(e) for e in self._parser.finish()]
+            return deltas, "tool_calls" if self._parser.complete else reason
+        if self._named:
+            return [], "tool_calls" if self._plan.forced_calls(self._named) else reason
+        return [], reason

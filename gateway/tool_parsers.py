@@ -1,17 +1,27 @@
-"""A model's text back into OpenAI ``tool_calls``: one parser per tool-call format.
+"""A model's text back into OpenAI ``tool_calls``: what each tool-call format looks like, and the whole-text parser.
 
 Contract:
+- ``ToolFormat`` is the one description of a format, read by both the
+  whole-text parser here and the streaming one (``gateway.tool_call_stream``):
+  where the calls open (``marker``, or the start of the text), what wraps each
+  call (``call_open`` / ``call_close``), whether the calls are a JSON array,
+  what separates them, and which key holds the arguments.
 - ``PARSERS`` names the formats (vLLM's ``--tool-call-parser`` names):
   ``hermes`` (Hermes, Qwen 2.5/3, and the format stagemesh writes into
   templates without their own: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``),
   ``llama3_json`` (Llama 3.1+: a JSON object ``{"name": ..., "parameters": {...}}``,
   optionally after ``<|python_tag|>``, several separated by ``;``) and
   ``mistral`` (``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``).
-- ``parser.parse(text)`` returns ``(content, calls)``: the text outside the calls
-  (None when there is none) and each call as a ``ToolCall``; text that does not
-  parse as calls is all content (no call is invented or lost silently).
-- ``parser.may_start_call(text)``: whether streamed text could still be (or is)
-  a tool call, so the stream holds it back instead of sending it as content.
+  ``FORCED`` is the shape ``tool_choice: "required"`` constrains the output to
+  (``gateway.tools``): a JSON array of ``{"name", "parameters"}``.
+- ``fmt.parse(text)`` returns ``(content, calls)``: the text before the calls
+  (trailing whitespace dropped; None when nothing is left) and each call as a
+  ``ToolCall``. A call's ``arguments`` is the model's own JSON text of the
+  arguments object (exactly what a stream sends piece by piece; a JSON string
+  holding an object counts as that object's text). Text that does not parse
+  as calls is all content (no call is invented or lost silently); text after
+  the last call is not part of the reply.
+- ``fmt.stream()``: an incremental parser for one streamed reply.
 - ``pick_parser(flag, chat_template)``: the flag when given, else the format
   the model's chat template writes, else ``hermes``.
 """
@@ -19,10 +29,20 @@ Contract:
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from json.decoder import scanstring  # type: ignore[attr-defined]  # public in json.decoder, untyped
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .tool_call_stream import ToolCallStream
+
+_WS = " \t\n\r"
+_DECODER = json.JSONDecoder()
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
@@ -34,7 +54,7 @@ class ToolCall:
     @staticmethod
     def new(name: str, arguments: Any) -> ToolCall:
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return ToolCall(name, text, f"call_{uuid.uuid4().hex[:24]}")
+        return ToolCall(name, text, new_call_id())
 
     def to_json(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "type": "function",
@@ -44,110 +64,144 @@ class ToolCall:
         return out
 
 
-class ToolParser(Protocol):
-    marker: str
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]: ...
-
-    def may_start_call(self, text: str) -> bool: ...
+def skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
 
 
-def _call(obj: Any, args_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    if isinstance(args, str):
+def object_members(text: str, i: int) -> tuple[list[tuple[str, Any, str]], int]:
+    """The JSON object at ``text[i]`` as ``(key, value, value's raw text)`` members, and where it ends.
+
+    Raises ValueError (json.JSONDecodeError) when it is not one well-formed object.
+    """
+    if not text.startswith("{", i):
+        raise ValueError("not an object")
+    members: list[tuple[str, Any, str]] = []
+    i = skip_ws(text, i + 1)
+    if text.startswith("}", i):
+        return members, i + 1
+    while True:
+        if not text.startswith('"', i):
+            raise ValueError("expected a key")
+        key, i = scanstring(text, i + 1)
+        i = skip_ws(text, i)
+        if not text.startswith(":", i):
+            raise ValueError("expected ':'")
+        start = skip_ws(text, i + 1)
+        value, end = _DECODER.raw_decode(text, start)
+        members.append((key, value, text[start:end]))
+        i = skip_ws(text, end)
+        if text.startswith(",", i):
+            i = skip_ws(text, i + 1)
+        elif text.startswith("}", i):
+            return members, i + 1
+        else:
+            raise ValueError("expected ',' or '}'")
+
+
+ARGUMENT_KEYS = ("arguments", "parameters")  # models mix them up; every format reads either
+
+
+def arguments_text(value: Any, raw: str) -> str | None:
+    """A call's arguments as the JSON text of an object, or None when they are not one."""
+    if isinstance(value, dict):
+        return raw
+    if isinstance(value, str):
         try:
-            args = json.loads(args)
+            return value if isinstance(json.loads(value), dict) else None
         except json.JSONDecodeError:
             return None
-    if not isinstance(args, dict):
+    return None
+
+
+def call_from_members(members: list[tuple[str, Any, str]]) -> tuple[str, str] | None:
+    """``(name, arguments text)`` of a call object's members: a string ``name`` and an object of arguments
+    (the first of ``arguments`` / ``parameters``; none is ``{}``); None when it is not a call."""
+    name = next((v for k, v, _ in members if k == "name"), None)
+    if not isinstance(name, str):
         return None
-    return ToolCall.new(obj["name"], args)
+    args = next(((v, raw) for k, v, raw in members if k in ARGUMENT_KEYS), None)
+    if args is None:
+        return name, "{}"
+    text = arguments_text(*args)
+    return None if text is None else (name, text)
 
 
-def _content(text: str) -> str | None:
-    return text.strip() or None
-
-
-def _may_start(text: str, marker: str) -> bool:
-    head = text.lstrip()
-    return head.startswith(marker) or marker.startswith(head)
-
-
-class HermesParser:
-    marker = "<tool_call>"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.marker not in text:
-            return text, []
-        calls = []
-        for body in self._CALL.findall(text):
-            try:
-                call = _call(json.loads(body), "arguments")
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return text, []  # not a well-formed call: the client gets the text as it is
-            calls.append(call)
-        return _content(text[:text.index(self.marker)]), calls
-
-    def may_start_call(self, text: str) -> bool:
-        return _may_start(text, self.marker)
-
-
-class Llama3JsonParser:
-    marker = "{"
-    _TAG = "<|python_tag|>"
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    marker: str = ""  # opens the calls after any content; "" : the calls (after ``tag``) must open the text
+    tag: str = ""  # optional text before calls that open the text (llama3's <|python_tag|>)
+    call_open: str = ""  # before each call object (hermes; the marker is the first one)
+    call_close: str = ""  # after each call object (optional at the very end)
+    array: bool = False  # the calls are a JSON array (a lone object is accepted too)
+    separator: str = ""  # between calls that are neither wrapped nor in an array
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip().removeprefix(self._TAG).strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = []
-        decoder = json.JSONDecoder()
-        rest = body
-        while rest:
-            try:
-                obj, end = decoder.raw_decode(rest)
-            except json.JSONDecodeError:
+        if self.marker:
+            at = text.find(self.marker)
+            if at < 0:
                 return text, []
-            call = _call(obj, "parameters")
-            if call is None:
-                return text, []
-            calls.append(call)
-            rest = rest[end:].strip().removeprefix(";").strip()
-        return None, calls
-
-    def may_start_call(self, text: str) -> bool:
-        head = text.lstrip()
-        return _may_start(head, self._TAG) or head.startswith("{") or not head
-
-
-class MistralParser:
-    marker = "[TOOL_CALLS]"
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.marker not in text:
-            return text, []
-        head, _, body = text.partition(self.marker)
+            content = text[:at].rstrip() or None
+            i = at if self.call_open else at + len(self.marker)
+        else:
+            i = skip_ws(text, 0)
+            if self.tag and text.startswith(self.tag, i):
+                i = skip_ws(text, i + len(self.tag))
+            content = None
         try:
-            items = json.loads(body.strip())
-        except json.JSONDecodeError:
+            calls = [ToolCall(name, args, new_call_id()) for name, args in self._calls(text, i)]
+        except ValueError:
             return text, []
-        items = items if isinstance(items, list) else [items]
-        calls = [_call(item, "arguments") for item in items]
-        if not calls or any(c is None for c in calls):
-            return text, []
-        return _content(head), [c for c in calls if c is not None]
+        return (content, calls) if calls else (text, [])
 
-    def may_start_call(self, text: str) -> bool:
-        return _may_start(text, self.marker)
+    def _calls(self, text: str, i: int) -> list[tuple[str, str]]:
+        """The calls from ``text[i]`` on; ValueError when any is malformed."""
+        found: list[tuple[str, str]] = []
+
+        def one(j: int) -> int:
+            members, end = object_members(text, skip_ws(text, j))
+            call = call_from_members(members)
+            if call is None:
+                raise ValueError("not a call")
+            found.append(call)
+            return end
+
+        if self.call_open:
+            while (at := text.find(self.call_open, i)) >= 0:
+                i = skip_ws(text, one(at + len(self.call_open)))
+                if self.call_close and text.startswith(self.call_close, i):
+                    i += len(self.call_close)
+                elif i < len(text):
+                    raise ValueError(f"expected {self.call_close}")
+            return found
+        if self.array and text.startswith("[", skip_ws(text, i)):
+            i = skip_ws(text, skip_ws(text, i) + 1)
+            while not text.startswith("]", i):
+                i = skip_ws(text, one(i))
+                if text.startswith(",", i):
+                    i += 1
+                elif not text.startswith("]", i):
+                    raise ValueError("expected ',' or ']'")
+            return found
+        i = skip_ws(text, one(i))
+        while self.separator and text.startswith(self.separator, i):
+            i = skip_ws(text, one(i + len(self.separator)))
+        return found
+
+    def stream(self) -> ToolCallStream:
+        from .tool_call_stream import ToolCallStream
+
+        return ToolCallStream(self)
 
 
-PARSERS: dict[str, ToolParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(),
-                                  "mistral": MistralParser()}
+PARSERS: dict[str, ToolFormat] = {
+    "hermes": ToolFormat("hermes", marker="<tool_call>", call_open="<tool_call>", call_close="</tool_call>"),
+    "llama3_json": ToolFormat("llama3_json", tag="<|python_tag|>", separator=";"),
+    "mistral": ToolFormat("mistral", marker="[TOOL_CALLS]", array=True),
+}
+FORCED = ToolFormat("required", array=True)
 
 
 def pick_parser(flag: str | None, chat_template: str | None) -> str:

@@ -13,7 +13,8 @@ Contract:
   constrains the output to the function's arguments object; ``required`` to a
   JSON array of ``{"name", "parameters"}`` objects (one item unless
   ``parallel_tool_calls``), vLLM's shape. ``ToolPlan.forced_calls(text)`` turns
-  that output back into ``ToolCall``s.
+  that output back into ``ToolCall``s (``required``: the ``FORCED`` format of
+  ``gateway.tool_parsers``, which a stream reads incrementally too).
 - ``template_messages(messages, plan, template)`` are the messages as the chat
   template gets them: assistant ``tool_calls`` with their arguments as objects
   (the Hugging Face convention) and ``tool`` messages with their
@@ -32,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import bad_request
-from .schemas import ChatCompletionRequest, ChatMessage
-from .tool_parsers import ToolCall
+from .schemas import TOOL_NAME_PATTERN, ChatCompletionRequest, ChatMessage
+from .tool_parsers import FORCED, ToolCall, new_call_id
 
 Mode = Literal["none", "auto", "required", "named"]
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_NAME = re.compile(TOOL_NAME_PATTERN)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -76,14 +77,16 @@ class ToolPlan:
         return schema
 
     def forced_calls(self, text: str) -> list[ToolCall]:
-        """The calls a forced (constrained) output holds; [] if it was cut short (finish "length")."""
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return []
+        """The calls a forced (constrained) output holds; [] if it was cut short (finish "length").
+
+        The arguments are the model's JSON text as generated, as a stream sends them."""
         if self.mode == "named" and self.name is not None:
-            return [ToolCall.new(self.name, value)]
-        return [ToolCall.new(item["name"], item["parameters"]) for item in value]
+            try:
+                whole = isinstance(json.loads(text), dict)
+            except json.JSONDecodeError:
+                whole = False
+            return [ToolCall(self.name, text, new_call_id())] if whole else []
+        return FORCED.parse(text)[1]
 
 
 def _tool(raw: dict[str, Any], i: int) -> Tool:

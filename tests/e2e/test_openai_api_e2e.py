@@ -351,6 +351,48 @@ def test_named_tool_call_streams_argument_deltas(clients):
     assert len(deltas) > 2  # the arguments arrive in pieces
     arguments = "".join(d.function.arguments or "" for d in deltas)
     assert json.loads(arguments)["unit"] in ("celsius", "fahrenheit")
+    whole = clients[0].chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert whole.choices[0].message.tool_calls[0].function.arguments == arguments
+
+
+def test_required_tool_calls_stream_argument_deltas_equal_to_the_unstreamed_call(clients):
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    ask = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
+               tool_choice="required", logprobs=True)
+
+    def run(client):
+        whole = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        deltas = [d for chunk in chunks if chunk.choices for d in (chunk.choices[0].delta.tool_calls or [])]
+        finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+        streamed: dict[int, list[str]] = {}
+        for d in deltas:
+            if d.id is not None:  # a call's first delta: id, type, name and empty arguments
+                assert d.index == len(streamed) and d.type == "function" and d.function.arguments == ""
+                streamed[d.index] = [d.function.name, ""]
+            else:
+                assert d.function.name is None
+                streamed[d.index][1] += d.function.arguments
+        pieces = sum(1 for d in deltas if d.id is None)
+        message = whole.choices[0].message
+        unstreamed = [[c.function.name, c.function.arguments] for c in message.tool_calls]
+        # Every token's logprobs arrive, those of the JSON around the arguments too.
+        tokens = [e.token for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                  for e in chunk.choices[0].logprobs.content]
+        assert tokens == [e.token for e in whole.choices[0].logprobs.content]
+        return (whole.choices[0].finish_reason, unstreamed, finishes[-1], [streamed[i] for i in sorted(streamed)],
+                pieces, "".join(tokens))
+
+    finish, unstreamed, streamed_finish, streamed, pieces, text = both(clients, run)
+    assert json.loads(text) == [{"name": name, "parameters": json.loads(args)} for name, args in streamed]
+    assert finish == streamed_finish == "tool_calls"
+    assert streamed == unstreamed and pieces > 2  # the arguments arrive in pieces that add up to the call's
+    for name, arguments in streamed:
+        jsonschema.validate(json.loads(arguments), schemas[name])
 
 
 def test_tool_round_trip_call_result_answer(clients):
