@@ -8,10 +8,11 @@ layer holding all of them (left-padded), so a decode step appends to and
 attends over the whole group in a few ops instead of a few ops per sequence.
 
 Groups follow the batches: when a decode batch lists a different set of
-sequences than the group its first sequence is in, the store filters out the
-ones that left (extracting them back to standalone caches first) and extends
-the group with the newcomers' caches merged — the same way mlx-lm's
-BatchGenerator grows and shrinks its batch. Every stage sees the same records
+sequences than the group its first grouped sequence is in, the store filters
+out the ones that left (extracting them back to standalone caches first),
+extends the group with the newcomers' caches merged — the same way mlx-lm's
+BatchGenerator grows and shrinks its batch — and, if the batch lists them in
+another order, reorders the group with one gather per layer. Every stage sees the same records
 in the same order, so all stages make the same changes.
 
 Positions are tracked here too: a chunk must continue its sequence exactly
@@ -187,7 +188,8 @@ class KVStore:
         for seq_id, position in zip(seq_ids, positions):
             self._check_position(seq_id, position)
         wanted = list(seq_ids)
-        group = self._group_of.get(wanted[0])
+        # The group of the first member that is in one (a newcomer may come first after a reorder).
+        group = next((self._group_of[m] for m in wanted if m in self._group_of), None)
         if group is None or group.members != wanted:
             group = self._regroup(wanted, group)
         for seq_id in wanted:
@@ -196,18 +198,21 @@ class KVStore:
         return group.caches
 
     def _regroup(self, wanted: list[int], group: _Group | None) -> _Group:
+        """Make ``group`` (the first wanted member's, if any) hold exactly ``wanted``, in that order:
+        members not wanted go back to standalone caches, newcomers are merged in at the end, and a batch
+        that lists the members in another order costs one gather per layer, not a rebuild."""
         wanted_set = set(wanted)
-        kept = [m for m in group.members if m in wanted_set] if group is not None else []
-        if group is None or kept != wanted[: len(kept)]:
-            group, kept = None, []
-        else:
+        kept: list[int] = []
+        if group is not None:
+            kept = [m for m in group.members if m in wanted_set]
             leaving = [m for m in group.members if m not in wanted_set]
             for member in leaving:
                 self._standalone[member] = self._extract(group, member)
                 del self._group_of[member]
             if leaving:
                 self._filter(group, kept)
-        newcomers = wanted[len(kept):]
+        kept_set = set(kept)
+        newcomers = [m for m in wanted if m not in kept_set]
         newcomer_caches = []
         for m in newcomers:
             standalone = self._standalone.pop(m, None)
@@ -222,6 +227,8 @@ class KVStore:
                     cache.extend(extra)
                 group.members += newcomers
         assert group is not None
+        if group.members != wanted:
+            self._filter(group, wanted)  # the same members in the batch's order
         for member in group.members:
             self._group_of[member] = group
         return group

@@ -54,6 +54,19 @@ def test_groups_follow_the_batches_and_keep_every_sequences_history():
         assert mx.array_equal(_history(store, seq_id), expected).item(), seq_id
 
 
+def test_a_batch_listing_the_group_in_another_order_reorders_it_in_place():
+    store = _store()
+    for seq_id, n in ((1, 3), (2, 5), (3, 2)):
+        _prefill(store, seq_id, n)
+    group = _decode(store, [1, 2], [3, 5])
+    # 3 joins and the batch lists 2 before 1: the same group, reordered, not rebuilt from copies.
+    assert _decode(store, [3, 2, 1], [2, 6, 4]) is group
+    assert store._group_of[1].members == [3, 2, 1]
+    assert _decode(store, [1, 3, 2], [5, 3, 7]) is group
+    for seq_id, length in ((1, 6), (2, 8), (3, 4)):
+        assert mx.array_equal(_history(store, seq_id), _kv(seq_id, length)[0]).item(), seq_id
+
+
 def test_release_frees_grouped_and_standalone_sequences():
     store = _store()
     _prefill(store, 1, 2)
