@@ -48,6 +48,11 @@ class GatewayConfig:
         # Notice a dead stage host within ~30 s even on an idle long stream.
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
+        # A restarted stage comes back on the same port: reconnect within a second instead of gRPC's
+        # default backoff (up to 120 s, 10 s after ~20 s down), during which every call to a replica
+        # the mesh already reports healthy again fails fast with UNAVAILABLE (503s after recovery).
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
     )
     mesh_token: str = field(default="", repr=False)
     allowed_origins: tuple[str, ...] = ()
