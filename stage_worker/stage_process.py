@@ -170,6 +170,10 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     wired = apply_wired_limit(device)
     if wired is not None:
         log.info("Metal wired limit %.1f GB (the GPU's recommended working set)", wired / 1e9)
+    if device.backend == "cuda":  # set before MLX ran (process_setup.serving_mlx_environment)
+        log.info("MLX CUDA: graphs %s, cuDNN attention %s",
+                 *("on" if os.environ.get(name, "1") != "0" else "off"
+                   for name in ("MLX_USE_CUDA_GRAPHS", "MLX_CUDA_USE_CUDNN_SDPA")))
     started = time.monotonic()
     model = StageModel.load(spec, StageRole(me.layers, launch.is_first, launch.is_last), ctx.dtype)
     sharing = launch.stages_sharing_host()
