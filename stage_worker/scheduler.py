@@ -33,7 +33,6 @@ continued step's token discarded by ``on_sampled``; nothing else changes.
 from __future__ import annotations
 
 import enum
-import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,7 +90,6 @@ class _Sequence:
     in_flight_steps: int = 0  # batches holding this sequence now (2 with a continuation)
     aborted: bool = False
     prefix_entry: int = 0  # the prefix entry its first chunk copies (a reference held until it is sent)
-    decode_rank: int = 0  # when its last prompt chunk was scheduled: its place in the decode order
 
     @property
     def in_flight(self) -> bool:
@@ -140,7 +138,6 @@ class Scheduler:
         self._by_request: dict[str, _Sequence] = {}
         self._releases: list[SequenceRecord] = []
         self._next_seq_id = 1
-        self._decode_ranks = itertools.count(1)
         self.finished_count = 0
         self.generated_count = 0  # tokens sampled for requests, all time (the replica's output)
         # Every running sequence reserves prompt + max_tokens tokens of KV on every stage, so
@@ -227,12 +224,11 @@ class Scheduler:
         self._releases = []
         budget = self.max_batch_tokens
         seats = -(-len(self._running) // max(1, micro_batches))  # ceil: sequences this batch may take
-        # Decodes first: they are latency bound. In the order sequences finished their prompts, which is
-        # the order they joined the stages' decode groups (kv_store): listed in admission order instead,
-        # a short prompt admitted after a long one would make every stage rebuild its whole group.
-        decoding = sorted((s for s in self._running.values() if s.prefill_done), key=lambda s: s.decode_rank)
-        for seq in decoding:
-            if seq.in_flight or seq.aborted or budget <= 0 or seats <= 0:
+        # Decodes first: they are latency bound. ``_running`` lists them in the order their prompts
+        # finished (see the end), the order they joined the stages' decode groups (kv_store): listed in
+        # admission order, a short prompt admitted after a long one would make every stage regroup.
+        for seq in self._running.values():
+            if seq.in_flight or seq.aborted or not seq.prefill_done or budget <= 0 or seats <= 0:
                 continue
             token = seq.generated[-1]
             record = SequenceRecord(seq.seq_id, seq.position, 1, RecordFlag.SAMPLE, seq.request.sampling)
@@ -240,6 +236,7 @@ class Scheduler:
             seq.in_flight_steps += 1
             budget -= 1
             seats -= 1
+        finished_prompts: list[int] = []
         for seq in self._running.values():
             if seq.in_flight or seq.aborted or seq.prefill_done or budget <= 0 or seats <= 0:
                 continue
@@ -247,7 +244,7 @@ class Scheduler:
             flags = RecordFlag.NONE if seq.holds_kv else RecordFlag.NEW_SEQUENCE
             if seq.prefilled + size == len(seq.request.prompt):
                 flags |= RecordFlag.SAMPLE
-                seq.decode_rank = next(self._decode_ranks)
+                finished_prompts.append(seq.seq_id)
             tokens = seq.request.prompt[seq.prefilled : seq.prefilled + size]
             # The request's options ride its first chunk (NEW_SEQUENCE), which starts past a cached prefix.
             options = seq.request.options if flags & RecordFlag.NEW_SEQUENCE else None
@@ -259,6 +256,8 @@ class Scheduler:
             seq.in_flight_steps += 1
             budget -= size
             seats -= 1
+        for seq_id in finished_prompts:  # prompts still prefilling keep their admission order
+            self._running.move_to_end(seq_id)
         return Batch(tuple(chunks))
 
     def continuation(self, batch: Batch) -> Batch:

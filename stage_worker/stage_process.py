@@ -51,6 +51,7 @@ from stage_worker.memory import (
 )
 from stage_worker.model_spec import ModelFormatError, ModelSpec, read_model_spec
 from stage_worker.prefix_cache import PrefixCache
+from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
 from stage_worker.scheduler import Scheduler
 from stage_worker.stage_model import (
     StageModel,
@@ -171,9 +172,8 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     if wired is not None:
         log.info("Metal wired limit %.1f GB (the GPU's recommended working set)", wired / 1e9)
     if device.backend == "cuda":  # set before MLX ran (process_setup.serving_mlx_environment)
-        log.info("MLX CUDA: graphs %s, cuDNN attention %s",
-                 *("on" if os.environ.get(name, "1") != "0" else "off"
-                   for name in ("MLX_USE_CUDA_GRAPHS", "MLX_CUDA_USE_CUDNN_SDPA")))
+        log.info("MLX CUDA settings: %s",
+                 " ".join(f"{name}={os.environ.get(name, 'unset')}" for name in SERVING_MLX_CUDA_DEFAULTS))
     started = time.monotonic()
     model = StageModel.load(spec, StageRole(me.layers, launch.is_first, launch.is_last), ctx.dtype)
     sharing = launch.stages_sharing_host()

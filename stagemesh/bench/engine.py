@@ -27,6 +27,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,59 +136,49 @@ def _drive_mixed(model: Any, requests: int, streams: int, max_prompt: int, max_t
     rng = random.Random(seed)
     lengths = [(rng.randint(1, max_prompt), rng.randint(1, max_tokens)) for _ in range(requests)]
     engine = _engine(model, max(64, streams), max_prompt + max_tokens + 1, step_ahead)
-    outcome: dict[str, Any] = {"failures": [], "ttft_s": [], "tokens": 0}
+    outcome: dict[str, Any] = {"failures": [], "ttft_s": [], "tokens": []}  # lists: appends are thread-safe
 
     def one(index: int, prompt_len: int, out_len: int) -> None:
         start = 1000 + 7 * index
         sent = time.perf_counter()
         handle = engine.submit(GenerationRequest(f"m{index}", tuple(range(start, start + prompt_len)), out_len,
                                                  ignore_eos=True))
-        first = True
+        received = 0
         while True:
             event = handle.events.get(timeout=300)
             if isinstance(event, RequestFailed):
                 outcome["failures"].append(event.message)
-                return
-            if first and event.token_ids:
+                break
+            if not received and event.token_ids:
                 outcome["ttft_s"].append(time.perf_counter() - sent)
-                first = False
-            outcome["tokens"] += len(event.token_ids)
+            received += len(event.token_ids)
             if event.finish is not None:
+                break
+        outcome["tokens"].append(received)
+
+    pending = deque(enumerate(lengths))
+
+    def worker() -> None:
+        while pending:
+            try:
+                index, (prompt_len, out_len) = pending.popleft()
+            except IndexError:  # another worker took the last one
                 return
+            one(index, prompt_len, out_len)
 
     def client() -> None:
-        try:
-            started = time.perf_counter()
-            pending = list(enumerate(lengths))
-            lock = threading.Lock()
-
-            def worker() -> None:
-                while True:
-                    with lock:
-                        if not pending:
-                            return
-                        index, (prompt_len, out_len) = pending.pop(0)
-                    one(index, prompt_len, out_len)
-
-            workers = [threading.Thread(target=worker) for _ in range(streams)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            outcome["seconds"] = time.perf_counter() - started
-        finally:
-            engine.stop()
+        outcome["seconds"] = run_threads(worker, streams)
 
     profile_text = None
     try:
-        profile_text = _run_engine(engine, client, profile)
+        profile_text = drive_engine(engine, client, profile)
     except Exception as exc:  # noqa: BLE001 - reported: a crash of the loop is the finding
         outcome["failures"].append(f"engine loop: {type(exc).__name__}: {exc}")
     ttft = sorted(outcome["ttft_s"])
     return {"requests": requests, "streams": streams, "max_prompt": max_prompt, "max_tokens": max_tokens,
-            "tokens": outcome["tokens"], "failed": len(outcome["failures"]),
+            "tokens": sum(outcome["tokens"]), "failed": len(outcome["failures"]),
             "failures": sorted(set(outcome["failures"]))[:5],
-            "tokens_per_s": round(outcome["tokens"] / outcome["seconds"], 1) if "seconds" in outcome else None,
+            "tokens_per_s": round(sum(outcome["tokens"]) / outcome["seconds"], 1) if "seconds" in outcome else None,
             "ttft_p50_ms": round(ttft[len(ttft) // 2] * 1e3, 1) if ttft else None,
             "ttft_p90_ms": round(ttft[int(len(ttft) * 0.9)] * 1e3, 1) if ttft else None,
             **({"profile": profile_text} if profile_text else {})}
@@ -200,21 +192,18 @@ def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: b
     outcome: dict[str, Any] = {}
 
     def client() -> None:
-        try:
-            started = outcome["started"] = time.perf_counter()
-            handles = [engine.submit(GenerationRequest(f"r{i}", tuple(range(100 + i, 100 + i + prompt_len)), tokens,
-                                                       ignore_eos=True)) for i in range(streams)]
-            for handle in handles:
-                while True:
-                    event = handle.events.get(timeout=120)
-                    stamps.append(time.perf_counter())
-                    if getattr(event, "finish", True) is not None:
-                        break
-            outcome["seconds"] = time.perf_counter() - started
-        finally:
-            engine.stop()
+        started = outcome["started"] = time.perf_counter()
+        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(range(100 + i, 100 + i + prompt_len)), tokens,
+                                                   ignore_eos=True)) for i in range(streams)]
+        for handle in handles:
+            while True:
+                event = handle.events.get(timeout=120)
+                stamps.append(time.perf_counter())
+                if getattr(event, "finish", True) is not None:
+                    break
+        outcome["seconds"] = time.perf_counter() - started
 
-    profile_text = _run_engine(engine, client, profile)
+    profile_text = drive_engine(engine, client, profile)
     if "seconds" not in outcome:
         raise RuntimeError("the engine stopped before every request finished")
     result: dict[str, Any] = {"streams": streams, "tokens": streams * tokens,
@@ -230,10 +219,29 @@ def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: b
     return result
 
 
-def _run_engine(engine: Any, client: Any, profile: bool) -> str | None:
-    """Run ``engine`` on this thread while ``client`` drives it from another; cProfile's top entries
-    of the engine thread when ``profile``. A crash of the loop propagates after the client ends."""
-    thread = threading.Thread(target=client, name="bench-client")
+def run_threads(target: Callable[[], None], count: int) -> float:
+    """Run ``target`` on ``count`` threads at once; the seconds until the last one returned."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def drive_engine(engine: Any, client: Callable[[], None], profile: bool = False) -> str | None:
+    """Run ``engine`` on this thread (MLX's streams belong to the thread that made them) while ``client``
+    drives it from another, and stop it once ``client`` returns; cProfile's top entries of the engine
+    thread when ``profile``. A crash of the loop propagates after the client ends."""
+
+    def client_then_stop() -> None:
+        try:
+            client()
+        finally:
+            engine.stop()
+
+    thread = threading.Thread(target=client_then_stop, name="bench-client")
     thread.start()
     profiler = cProfile.Profile() if profile else None
     try:

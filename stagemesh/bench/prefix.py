@@ -90,6 +90,7 @@ def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, 
     from stage_worker.scheduler import GenerationRequest, Scheduler
     from stage_worker.stage_runtime import EntryPipeline, StageCompute
     from stage_worker.stage_status import StageStatus
+    from stagemesh.bench.engine import drive_engine, run_threads
 
     turns = args.turns if workload == "multi_turn" else 1
     longest = args.system_len + turns * (args.user_len + args.tokens) + 1
@@ -129,22 +130,12 @@ def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, 
 
     outcome: dict[str, float] = {}
 
-    def clients() -> None:
-        try:
-            started = time.perf_counter()
-            threads = [threading.Thread(target=conversation, args=(i,)) for i in range(conversations)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            outcome["seconds"] = time.perf_counter() - started
-        finally:
-            engine.stop()
+    indexes = iter(range(conversations))  # each client thread takes the next conversation
 
-    thread = threading.Thread(target=clients, name="bench-clients")
-    thread.start()
-    engine.run()  # on this thread: MLX's streams belong to the thread that made them
-    thread.join()
+    def clients() -> None:
+        outcome["seconds"] = run_threads(lambda: conversation(next(indexes)), conversations)
+
+    drive_engine(engine, clients)
     if "seconds" not in outcome:
         raise RuntimeError("the engine stopped before every conversation finished")
     later = [s for turn, s in ttfts if turn > 0]
