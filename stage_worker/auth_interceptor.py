@@ -1,6 +1,7 @@
 """The one check between a stage's gRPC port and its handlers: the mesh token.
 
-Contract: ``MeshTokenInterceptor(token)`` is a ``grpc.ServerInterceptor``. A call
+Contract: ``MeshTokenInterceptor(token)`` is a ``grpc.aio.ServerInterceptor`` (the
+stage's server is grpc.aio, ``stage_worker.grpc_service``). A call
 to a method that ``stagemesh.core.mesh_token.requires_token`` names (every
 method but health, reflection and ``GetStageInfo``; default deny, so a method
 added later is guarded without touching this file) goes to its handler only
@@ -12,7 +13,7 @@ token. Refusals are logged with the peer's address only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -28,9 +29,9 @@ REFUSAL = (f"this stage requires the mesh token: send gRPC metadata '{METADATA_K
 def _refusing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that ends the call UNAUTHENTICATED."""
 
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
         log.warning("refused %s from %s: no valid mesh token", method, context.peer())
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
     deserialize, serialize = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
@@ -42,7 +43,7 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMe
     return grpc.unary_unary_rpc_method_handler(refuse, deserialize, serialize)
 
 
-class MeshTokenInterceptor(grpc.ServerInterceptor):
+class MeshTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("a stage needs a mesh token to guard its gRPC methods")
@@ -51,11 +52,11 @@ class MeshTokenInterceptor(grpc.ServerInterceptor):
     def __repr__(self) -> str:  # never the token
         return "MeshTokenInterceptor()"
 
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or not requires_token(method):
             return handler  # unknown methods stay UNIMPLEMENTED; open ones need nothing

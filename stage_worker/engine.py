@@ -1,8 +1,13 @@
 """The entry stage's engine: requests in from gRPC threads, batches through the pipeline.
 
-gRPC handler threads call ``submit`` / ``abort`` and read events from the
-returned ``RequestHandle``; the engine loop runs on the thread that loaded the
-model (MLX streams are per thread) and is the only one touching the pipeline.
+gRPC handlers call ``submit`` / ``abort`` (from any thread) and read events
+from the returned ``RequestHandle``; the engine loop runs on the thread that
+loaded the model (MLX streams are per thread) and is the only one touching the
+pipeline. Every event reaches its handle's queue through one place,
+``_deliver``, which then calls the ``on_delivered`` hook once with the ids of
+the requests that got events: a reader on an event loop (the stage's aio gRPC
+server) wakes once per step for all its streams instead of parking a thread
+per stream on its queue.
 When there is no work the loop sleeps on a condition variable, never spinning.
 A pipeline failure fails every request at once with the reason and ends the
 loop with ``PipelineBroken`` so the process can exit and be replaced.
@@ -14,6 +19,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from stage_worker import wire
@@ -62,7 +68,8 @@ class RequestFailed:
 
 
 class RequestHandle:
-    """A request's event stream: ``RequestEvent`` items, or a final ``RequestFailed``."""
+    """A request's event stream: ``RequestEvent`` items, or a final ``RequestFailed``. The queue is
+    the one channel of a request's events; ``on_delivered`` only says that something arrived."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -72,7 +79,7 @@ class RequestHandle:
 class EntryEngine:
     def __init__(
         self, pipeline: EntryPipeline, scheduler: Scheduler, status: StageStatus, micro_batches: int = 1,
-        step_ahead: bool = False,
+        step_ahead: bool = False, on_delivered: Callable[[list[str]], None] | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._step_ahead = step_ahead
@@ -84,6 +91,7 @@ class EntryEngine:
         self._handles: dict[str, RequestHandle] = {}
         self._stopping = False
         self._accepting = True
+        self._on_delivered = on_delivered
 
     # -- called from gRPC threads ------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -107,7 +115,7 @@ class EntryEngine:
             self._publish_load()
             self._cond.notify()
         if handle is not None:
-            handle.events.put(event)
+            self._deliver([(handle, event)])
         return True
 
     def drain(self) -> tuple[int, int]:
@@ -174,9 +182,7 @@ class EntryEngine:
                         if event.finish is not None:
                             self._handles.pop(event.request_id, None)
                     self._publish_load()
-                for handle, event in handles:
-                    if handle is not None:
-                        handle.events.put(event)
+                self._deliver([(handle, event) for handle, event in handles if handle is not None])
         except (LinkError, wire.WireMismatchError) as exc:
             self._fail_all(f"the pipeline failed: {exc}")
             raise PipelineBroken(str(exc)) from exc
@@ -193,15 +199,20 @@ class EntryEngine:
             self._scheduler.fail_all()
             handles, self._handles = list(self._handles.values()), {}
         self._status.set_state(StageState.FAILED, message)
-        for handle in handles:
-            handle.events.put(RequestFailed(message))
+        self._deliver([(handle, RequestFailed(message)) for handle in handles])
 
     def _finish_all_aborted(self) -> None:
         with self._cond:
             self._scheduler.fail_all()
             handles, self._handles = list(self._handles.values()), {}
-        for handle in handles:
-            handle.events.put(RequestEvent(handle.request_id, (), Finish.ABORT, 0, 0))
+        self._deliver([(handle, RequestEvent(handle.request_id, (), Finish.ABORT, 0, 0)) for handle in handles])
+
+    def _deliver(self, events: list[tuple[RequestHandle, RequestEvent | RequestFailed]]) -> None:
+        """Queue each event on its handle, then tell ``on_delivered`` once which requests got one."""
+        for handle, event in events:
+            handle.events.put(event)
+        if events and self._on_delivered is not None:
+            self._on_delivered([handle.request_id for handle, _ in events])
 
 
 __all__ = ["EntryEngine", "NotAccepting", "PipelineBroken", "QueueFullError", "RequestError",

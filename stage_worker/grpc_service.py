@@ -3,19 +3,30 @@
 Every stage serves ``GetStageInfo`` and ``Drain``; only the entry stage has an
 engine and serves ``Generate`` and ``Abort`` (others answer
 FAILED_PRECONDITION). Health (service ``""`` and ``stagemesh.v1.Stage``)
-mirrors the stage's state: SERVING only while the stage is serving.
-Handlers run on the server's thread pool and never touch MLX. Every method
-but health, reflection and ``GetStageInfo`` requires the mesh token
+mirrors the stage's state: SERVING only while the stage is serving. Every
+method but health, reflection and ``GetStageInfo`` requires the mesh token
 (``stage_worker.auth_interceptor``).
+
+The server is grpc.aio on an event loop of its own thread (``StageGrpcServer``),
+because the process's main thread runs the engine (MLX streams belong to the
+thread that made them). Why aio: on a GPU a step takes a few ms and every
+token of every stream is a gRPC message. grpcio's thread-pool server hands
+each message between a handler thread and its polling thread under
+conditions, three GIL hand-offs per token, all contending with the engine's
+thread for the one GIL (py-spy on an H200: a third of the stage's GIL time at
+16 streams). Here the engine wakes the loop once per step for every stream
+that got tokens (``StageServicer.on_delivered``), and each stream's handler
+sends from the loop itself. Handlers never touch MLX.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
+import threading
 import uuid
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from stage_worker.auth_interceptor import MeshTokenInterceptor
-from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed
+from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed, RequestHandle
 from stage_worker.memory import peak_rss_bytes
 from stage_worker.row_options import MAX_TOP_LOGPROBS, NO_LOGPROBS, RowOptions
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, RequestEvent
@@ -42,6 +53,7 @@ _FINISH = {
     Finish.LENGTH: stage_pb2.FINISH_REASON_LENGTH,
     Finish.ABORT: stage_pb2.FINISH_REASON_ABORT,
 }
+_START_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -68,12 +80,27 @@ class StageDescription:
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, description: StageDescription, status: StageStatus) -> None:
+    """The Stage service; its coroutines run on the server's event loop (``loop``)."""
+
+    def __init__(self, description: StageDescription, status: StageStatus, loop: asyncio.AbstractEventLoop) -> None:
         self._description = description
         self._status = status
+        self._loop = loop
+        self._wakeups: dict[str, asyncio.Event] = {}  # request id -> set when its handle got events
         self.engine: EntryEngine | None = None  # set on the entry stage once it serves
 
-    def GetStageInfo(self, request, context):
+    def on_delivered(self, request_ids: list[str]) -> None:
+        """The engine's hook (``EntryEngine(on_delivered=...)``), from any thread: one wake-up of the loop
+        for every stream that got events this step."""
+        self._loop.call_soon_threadsafe(self._wake, request_ids)
+
+    def _wake(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            wakeup = self._wakeups.get(request_id)
+            if wakeup is not None:
+                wakeup.set()
+
+    async def GetStageInfo(self, request, context):
         d, stats = self._description, self._status.stats()
         return stage_pb2.StageInfo(
             replica=d.replica, rank=d.rank, world_size=d.world_size, layer_start=d.layers[0],
@@ -86,8 +113,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             stats=stats.to_proto(), blas=self._status.blas, backend=d.backend, device=d.device,
         )
 
-    def Generate(self, request, context):
-        engine = self._require_engine(context)
+    async def Generate(self, request, context):
+        engine = await self._require_engine(context)
         sampling = request.sampling
         try:
             options = _row_options(request)
@@ -101,62 +128,87 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 options=None if options.is_default else options,
             ))
         except RequestError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NotAccepting as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # A cancelled call (client gone, deadline) frees the sequence on every stage.
-        context.add_callback(lambda: engine.abort(handle.request_id))
-        while True:
-            event = _coalesce(handle.events)
-            if isinstance(event, RequestFailed):
-                context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
-            yield stage_pb2.GenerateResponse(
-                token_ids=event.token_ids,
-                finish_reason=_FINISH[event.finish] if event.finish else stage_pb2.FINISH_REASON_UNSPECIFIED,
-                prompt_tokens=event.prompt_tokens,
-                completion_tokens=event.completion_tokens,
-                logprobs=[_logprob_proto(t, lp) for t, lp in zip(event.token_ids, event.logprobs, strict=False)],
-            )
-            if event.finish is not None:
-                return
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        wakeup = self._wakeups[handle.request_id] = asyncio.Event()
+        finished = False
+        try:
+            while not finished:
+                event = await _next_event(handle, wakeup)
+                if isinstance(event, RequestFailed):
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
+                assert isinstance(event, RequestEvent)
+                finished = event.finish is not None
+                yield stage_pb2.GenerateResponse(
+                    token_ids=event.token_ids,
+                    finish_reason=_FINISH[event.finish] if event.finish else stage_pb2.FINISH_REASON_UNSPECIFIED,
+                    prompt_tokens=event.prompt_tokens,
+                    completion_tokens=event.completion_tokens,
+                    logprobs=[_logprob_proto(t, lp) for t, lp in zip(event.token_ids, event.logprobs, strict=False)],
+                )
+        finally:
+            # A cancelled call (client gone, deadline) ends here too: free the sequence on every stage.
+            self._wakeups.pop(handle.request_id, None)
+            if not finished:
+                engine.abort(handle.request_id)
 
-    def Abort(self, request, context):
-        engine = self._require_engine(context)
+    async def Abort(self, request, context):
+        engine = await self._require_engine(context)
         return stage_pb2.AbortResponse(found=engine.abort(request.request_id))
 
-    def Drain(self, request, context):
+    async def Drain(self, request, context):
         if self.engine is not None:
             running, waiting = self.engine.drain()
             return stage_pb2.DrainResponse(running=running, waiting=waiting)
         self._status.set_state(StageState.DRAINING)
         return stage_pb2.DrainResponse()
 
-    def _require_engine(self, context) -> EntryEngine:
+    async def _require_engine(self, context) -> EntryEngine:
         if self._description.rank != 0:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"stage {self._description.rank} is not an entry stage; send Generate to rank 0")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"stage {self._description.rank} is not an entry stage; send Generate to rank 0")
         if self.engine is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"the entry stage is {self._status.state.value}, not serving yet")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"the entry stage is {self._status.state.value}, not serving yet")
         assert self.engine is not None  # context.abort raises: it never returns
         return self.engine
 
 
-def _coalesce(events: queue.SimpleQueue) -> RequestEvent | RequestFailed:
-    """The next event, merged with every event already queued behind it (up to a finish or a failure).
+async def _next_event(handle: RequestHandle, wakeup: asyncio.Event) -> RequestEvent | RequestFailed:
+    """The handle's next event, merged with what is queued behind it; waits for a wake-up when there is none.
 
-    One message per token is the common case; but when this stream's thread falls behind the engine
-    (many streams, one GIL, a fast GPU step), each extra message costs the stage and the gateway a
-    full gRPC round of work for one token. Sending what has piled up as one message lets a busy
-    stream catch up instead of falling further behind. ``token_ids`` already means "tokens since
-    the previous message" (and ``logprobs`` holds one entry per token when asked for), so clients
-    see the same tokens, with the same logprobs, in the same order.
+    Clearing the wake-up and looking again before waiting closes the race with the engine's thread:
+    it queues an event first and wakes the loop after, so an event is either seen here or followed
+    by a ``set`` this coroutine then awaits.
     """
-    event = events.get()
+    while True:
+        try:
+            return _coalesce(handle.events.get_nowait(), handle.events)
+        except queue.Empty:
+            pass
+        wakeup.clear()
+        try:
+            return _coalesce(handle.events.get_nowait(), handle.events)
+        except queue.Empty:
+            await wakeup.wait()
+
+
+def _coalesce(event: RequestEvent | RequestFailed, events: queue.SimpleQueue) -> RequestEvent | RequestFailed:
+    """``event`` merged with every event already queued behind it (up to a finish or a failure).
+
+    One message per token is the common case; but when a stream falls behind the engine (many
+    streams, a fast GPU step), each extra message costs the stage and the gateway a full gRPC round
+    of work for one token. Sending what has piled up as one message lets a busy stream catch up
+    instead of falling further behind. ``token_ids`` already means "tokens since the previous
+    message" (and ``logprobs`` holds one entry per token when asked for), so clients see the same
+    tokens, with the same logprobs, in the same order.
+    """
     while isinstance(event, RequestEvent) and event.finish is None:
         try:
             following = events.get_nowait()
@@ -225,31 +277,63 @@ def _logprob_proto(token_id: int, logprob) -> stage_pb2.TokenLogprob:
     )
 
 
+class StageGrpcServer:
+    """The stage's aio gRPC server and the thread whose event loop runs it."""
+
+    def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        self._server, self._loop, self._thread = server, loop, thread
+
+    def stop(self, grace: float | None) -> None:
+        """Stop serving (calls in flight get ``grace`` seconds), then end the loop's thread."""
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result((grace or 0) + 10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+
 def start_grpc_server(
-    description: StageDescription, status: StageStatus, max_workers: int, *, mesh_token: str,
-    tls: TlsFiles | None = None,
-) -> tuple[grpc.Server, StageServicer]:
-    """Bind ``host:grpc_port`` (only that interface), serve Stage + health + reflection; every
-    method but health, reflection and GetStageInfo requires ``mesh_token`` (``auth_interceptor``); with
-    ``tls`` the port is mutual TLS and refuses any client without a certificate from the mesh's CA."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         interceptors=[MeshTokenInterceptor(mesh_token)], options=[("grpc.so_reuseport", 0)])
-    servicer = StageServicer(description, status)
+    description: StageDescription, status: StageStatus, *, mesh_token: str, tls: TlsFiles | None = None,
+) -> tuple[StageGrpcServer, StageServicer]:
+    """Bind ``host:grpc_port`` (only that interface), serve Stage + health + reflection from a new event-loop
+    thread; every method but health, reflection and GetStageInfo requires ``mesh_token``
+    (``auth_interceptor``); with ``tls`` the port is mutual TLS and refuses any client without a certificate
+    from the mesh's CA. Raises OSError when the port cannot be bound."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="grpc-aio", daemon=True)
+    thread.start()
+    try:
+        server, servicer, health_servicer = asyncio.run_coroutine_threadsafe(
+            _start(description, status, mesh_token, tls, loop), loop).result(_START_TIMEOUT_S)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        raise
+
+    def mirror(state: StageState) -> None:
+        # From any thread, the loop's own included (Drain): schedule, never wait.
+        serving = health_pb2.HealthCheckResponse.SERVING if state == StageState.SERVING \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            asyncio.run_coroutine_threadsafe(health_servicer.set(name, serving), loop)
+
+    status.on_state(mirror)
+    return StageGrpcServer(server, loop, thread), servicer
+
+
+async def _start(description: StageDescription, status: StageStatus, mesh_token: str, tls: TlsFiles | None,
+                 loop: asyncio.AbstractEventLoop) -> tuple[grpc.aio.Server, StageServicer, health.aio.HealthServicer]:
+    server = grpc.aio.server(interceptors=[MeshTokenInterceptor(mesh_token)], options=[("grpc.so_reuseport", 0)])
+    servicer = StageServicer(description, status, loop)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-
-    def mirror(state: StageState) -> None:
-        serving = health_pb2.HealthCheckResponse.SERVING if state == StageState.SERVING \
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, serving)
-
-    status.on_state(mirror)
     address = f"{description.host}:{description.grpc_port}"
     try:
         bound = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
@@ -257,5 +341,5 @@ def start_grpc_server(
         raise OSError(f"cannot bind gRPC on {address}: {exc}") from exc
     if bound == 0:
         raise OSError(f"cannot bind gRPC on {address}: the port is busy; choose another --grpc-base-port")
-    server.start()
-    return server, servicer
+    await server.start()
+    return server, servicer, health_servicer

@@ -289,7 +289,7 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
                           prefix_cache=prefix_cache_for(ctx))
     # As many micro-batches in flight as there are stages keeps every stage busy.
     engine = EntryEngine(pipeline, scheduler, status, micro_batches=options.micro_batches or ctx.launch.plan.size,
-                         step_ahead=step_ahead_pays(ctx.device.backend))
+                         step_ahead=step_ahead_pays(ctx.device.backend), on_delivered=servicer.on_delivered)
     servicer.engine = engine
     on_stop_signal(engine.stop)
     status.set_state(StageState.SERVING)
@@ -367,11 +367,8 @@ def serve(launch: StageLaunch) -> int:
     if ctx is None:
         return ExitCode.CONFIG
     status = StageStatus()
-    options = launch.options
     try:
-        server, servicer = start_grpc_server(describe(ctx), status,
-                                             max_workers=options.max_num_seqs + options.max_waiting + 16,
-                                             mesh_token=token, tls=tls)
+        server, servicer = start_grpc_server(describe(ctx), status, mesh_token=token, tls=tls)
     except OSError as exc:
         log.error("%s", exc)
         return ExitCode.CONFIG
@@ -387,4 +384,4 @@ def serve(launch: StageLaunch) -> int:
     try:
         return run_stage(ctx, status, body)
     finally:
-        server.stop(grace=1.0).wait()
+        server.stop(grace=1.0)

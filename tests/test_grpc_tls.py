@@ -55,7 +55,7 @@ def tls_stage(pki):
         ring_port=0, lane_port=0, node_id="", model="m", compute_dtype="float32", max_num_seqs=4,
         max_model_len=64, version="test")
     status = StageStatus()
-    server, _ = start_grpc_server(description, status, max_workers=4, mesh_token=TOKEN, tls=pki["mesh"])
+    server, _ = start_grpc_server(description, status, mesh_token=TOKEN, tls=pki["mesh"])
     status.set_state(StageState.SERVING)
     yield f"127.0.0.1:{port}"
     server.stop(grace=None)

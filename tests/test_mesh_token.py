@@ -70,7 +70,7 @@ def stage_server():
         ring_port=0, lane_port=0, node_id="", model="m", compute_dtype="float32", max_num_seqs=4,
         max_model_len=64, version="test")
     status = StageStatus()
-    server, _ = start_grpc_server(description, status, max_workers=4, mesh_token=TOKEN)
+    server, _ = start_grpc_server(description, status, mesh_token=TOKEN)
     status.set_state(StageState.SERVING)  # health SERVING; no engine: Generate then answers UNAVAILABLE
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield f"127.0.0.1:{port}", channel

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         for name in chosen:
             with contextlib.ExitStack() as stack:
                 endpoints = _start_comparison(name, stack, model, tokenizer_dir, tmp, blas, ports, serve_args,
-                                              shape=bool(args.shape))
+                                              shape=bool(args.shape), log_dir=out / "logs")
                 if name == "prefix":
                     failures += _bench_prefix(args, endpoints, out, tokenizer_dir)
                     continue
@@ -173,9 +174,12 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> None:
               f"{value['workload_tokens_per_s']:.1f} tok/s", file=sys.stderr)
 
 
-def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), shape=False) -> list[Endpoint]:
+def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), shape=False,
+                      log_dir: Path | None = None) -> list[Endpoint]:
     ncpu = os.cpu_count() or 1
     serve_args = list(serve_args)
+    _stagemesh = functools.partial(_stagemesh_server, log_dir=log_dir)
+    _mlx_lm_server = functools.partial(_mlx_lm, log_dir=log_dir)
     if name == "prefix":
         # Cache off first: the baseline every ratio is taken against. mlx_lm.server reads an mlx-lm
         # directory: the --shape checkpoint itself; else, as for ``matched``, the same dense float32
@@ -242,8 +246,8 @@ def _dense_f32_dir(q4_dir: str, tmp: str) -> str:
 
 
 @contextlib.contextmanager
-def _stagemesh(
-    model: str, port: int, flags: list[str], label: str, pin: str | None = None
+def _stagemesh_server(
+    model: str, port: int, flags: list[str], label: str, pin: str | None = None, log_dir: Path | None = None,
 ) -> Iterator[Endpoint]:
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
@@ -256,36 +260,43 @@ def _stagemesh(
                "--grpc-base-port", str(port + 1), "--ring-base-port", str(port + 5), *flags]
     if pin is not None:
         command = ["taskset", "-c", "0", *command]  # the gateway, coordinator and Ray live on host A's core
-    with _server(command, env, f"http://127.0.0.1:{port}", label, "stagemesh-bench", stagemesh=True) as endpoint:
+    with _server(command, env, f"http://127.0.0.1:{port}", label, "stagemesh-bench", stagemesh=True,
+                 log_dir=log_dir) as endpoint:
         yield endpoint
 
 
 @contextlib.contextmanager
-def _mlx_lm_server(model_dir: str, port: int, extra_env: dict, label: str) -> Iterator[Endpoint]:
+def _mlx_lm(model_dir: str, port: int, extra_env: dict, label: str, log_dir: Path | None = None) -> Iterator[Endpoint]:
     env = {**os.environ, **extra_env}
     command = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--port", str(port)]
     # mlx_lm.server lists only Hugging Face cache entries; it serves its --model under that path.
-    with _server(command, env, f"http://127.0.0.1:{port}", label, model_dir) as endpoint:
+    with _server(command, env, f"http://127.0.0.1:{port}", label, model_dir, log_dir=log_dir) as endpoint:
         yield endpoint
 
 
 @contextlib.contextmanager
 def _server(command: list[str], env: dict, url: str, label: str, model: str,
-            stagemesh: bool = False) -> Iterator[Endpoint]:
-    with server_process(command, label, f"{url}/health", env=env, startup_s=300, poll_s=1) as process:
+            stagemesh: bool = False, log_dir: Path | None = None) -> Iterator[Endpoint]:
+    with server_process(command, label, f"{url}/health", env=env, startup_s=300, poll_s=1,
+                        log_dir=log_dir) as process:
         print(f"{label} up at {url}", file=sys.stderr)
         yield Endpoint(url, label, model, process.pid, stagemesh)
 
 
 @contextlib.contextmanager
 def server_process(command: list[str], label: str, health_url: str | None, *, env: dict | None = None,
-                   startup_s: float = 300, poll_s: float = 1, stop_s: float = 60) -> Iterator[subprocess.Popen]:
-    """A benchmark's server in its own process group, logged to a temporary file: yielded once
+                   startup_s: float = 300, poll_s: float = 1, stop_s: float = 60,
+                   log_dir: Path | None = None) -> Iterator[subprocess.Popen]:
+    """A benchmark's server in its own process group, logged to a file in ``log_dir`` (kept with the
+    results, so a server's own error explains failed requests; default a temporary file): yielded once
     ``health_url`` answers 200 (at once when None), stopped with its children afterwards (SIGTERM,
     then SIGKILL after ``stop_s``). A server that exits or stays down ``startup_s`` ends the run."""
     import httpx
 
-    log = tempfile.NamedTemporaryFile("w", prefix=f"bench-{label}-", suffix=".log", delete=False)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    log = tempfile.NamedTemporaryFile("w", prefix=f"bench-{label}-", suffix=".log", delete=False,
+                                      dir=log_dir)
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + startup_s
