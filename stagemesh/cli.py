@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                      "time the entry stage alone (engine, scheduler, model): ms per token, streams, profile"),
     "bench-gateway": ("stagemesh.bench.gateway",
                       "the gateway alone, fed tokens at a GPU mesh's rate: its CPU per token, where it caps"),
+    "bench-stack": ("stagemesh.bench.stack",
+                    "the same load at the engine, the entry stage's gRPC and the gateway: what each layer costs"),
     "bench-prefix": ("stagemesh.bench.prefix",
                      "what the prefix cache is worth: multi-turn chat and distinct prompts, cache off against on"),
     "bench-hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),

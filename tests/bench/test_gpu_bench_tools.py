@@ -1,5 +1,6 @@
 """The GPU benchmarks' tools, run small on the CPU: a random-weight checkpoint both servers load,
-and bench-hop timing a real two-process hop (MLX ring and TCP lane)."""
+bench-hop timing a real two-process hop (MLX ring and TCP lane), bench-engine, and bench-stack loading a
+real serve at its stage's gRPC and at its gateway."""
 
 import json
 import subprocess
@@ -52,3 +53,21 @@ def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
     mixed = result["mixed"]
     assert mixed["requests"] == 3 and mixed["failed"] == 0 and 3 <= mixed["tokens"] <= 12 and mixed["ttft_p50_ms"] > 0
     assert "engine thread, one stream" in done.stdout and "engine thread, 3 mixed requests" in done.stdout
+
+
+def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_real_serve(tmp_path):
+    out = tmp_path / "stack.json"
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-stack", "--tokens", "4", "--streams", "2",
+                           "--prompt-len", "24", "--rounds", "1", "--port", str(free_port_base(8)), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["streams"] for row in result["levels"]] == [1, 2]
+    for row in result["levels"]:
+        assert set(row["layers"]) == {"engine", "stage_grpc", "gateway"}
+        for layer in row["layers"].values():
+            assert layer["failed"] == 0 and layer["tokens_per_s"] > 0
+        assert row["stage_grpc_over_engine"] > 0 and row["gateway_over_stage_grpc"] > 0
+        # Straight at the stage every token arrives: 4 per stream, so gaps and a first token exist.
+        assert row["layers"]["stage_grpc"]["ttft_p50_ms"] > 0 and row["layers"]["stage_grpc"]["itl_p50_ms"] > 0
+    assert "stage_grpc" in done.stderr and "gateway" in done.stderr  # the table

@@ -1,0 +1,225 @@
+"""``stagemesh bench-stack``: the same load at three depths of the stack, to say what each layer costs.
+
+One workload (``--prompt-len`` tokens in, ``--tokens`` out, greedy, no stop),
+at one stream and at ``--streams`` streams, measured
+
+1. **engine**: the entry stage's engine alone, no gRPC (``stagemesh bench-engine``,
+   in its own process);
+2. **stage gRPC**: a PP=1 ``stagemesh serve`` of the same model, loaded straight
+   at its entry stage's ``Generate`` (the mesh token from this command), the
+   client an asyncio gRPC client in this process;
+3. **gateway**: the same server through its OpenAI API (``stagemesh bench``,
+   completions, streaming).
+
+Tokens per second, the first token's and the inter-token time (p50) per layer,
+and each layer's throughput over the one below it. The drop from 1 to 2 is the
+stage's gRPC delivery of tokens (on the engine's process and GIL); from 2 to
+3, the gateway (HTTP, tokenization, detokenization, SSE) and its own gRPC
+client. Every figure comes from the same invocation, so the ratios hold on any
+machine; on a GPU, where a step takes a few ms, they show which layer caps the
+mesh. (On the CPU backend the engine layer runs without the optimized BLAS a
+stage preloads, as ``bench-engine`` says, so there only the gateway's ratio to
+the stage's gRPC means anything.)
+
+``--shape NAME`` serves a real-sized random-weight model (as ``bench-serving``);
+otherwise the embedded default model. Exits 1 when any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default=None, help="a random-weight shape (llama-3.2-1b, llama-3.1-8b, qwen3-8b); "
+                                                      "default: the embedded model")
+    parser.add_argument("--shape-tokenizer", default=None, help="tokenizer directory for --shape")
+    parser.add_argument("--streams", type=int, default=16, help="streams at once in the second level")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens out per request")
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens in per request")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per level at the gRPC and gateway layers")
+    parser.add_argument("--port", type=int, default=28700, help="the gateway's port; the stage's gRPC on +1")
+    parser.add_argument("--serve-args", default="", help="extra flags for stagemesh serve, space-separated")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.streams, args.tokens, args.prompt_len, args.rounds) < 1:
+        print("bench-stack: --streams, --tokens, --prompt-len and --rounds must be positive", file=sys.stderr)
+        return 2
+    from stagemesh.bench.serving import server_process
+    from stagemesh.core.mesh_token import generate_token
+
+    levels = sorted({1, args.streams})
+    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-stack-") as tmp:
+        model = _model(args, Path(tmp))
+        from stagemesh.bench.workload import load_tokenizer, min_input_tokens
+
+        shortest = min_input_tokens(load_tokenizer(model))
+        if args.prompt_len < shortest:  # the gateway layer's prompts are text: they need room to differ
+            print(f"bench-stack: --prompt-len {args.prompt_len} is too short for distinct text prompts at the "
+                  f"gateway; give at least {shortest}", file=sys.stderr)
+            return 2
+        engine = _engine_layer(args, model, Path(tmp))
+        token = generate_token()
+        env = {**os.environ, "STAGEMESH_MESH_TOKEN": token}
+        env.pop("RAY_ADDRESS", None)
+        grpc_port = args.port + 1
+        command = [sys.executable, "-m", "stagemesh.cli", "serve", model, "--served-model-name", "bench-stack",
+                   "--port", str(args.port), "--grpc-base-port", str(grpc_port),
+                   "--ring-base-port", str(args.port + 5), "-pp", "1", *args.serve_args.split()]
+        with server_process(command, "bench-stack serve", f"http://127.0.0.1:{args.port}/health", env=env,
+                            log_dir=Path(tmp) / "logs"):
+            direct = {level: asyncio.run(_direct_level(f"127.0.0.1:{grpc_port}", token, level, args))
+                      for level in levels}
+            gateway = {level: _gateway_level(f"http://127.0.0.1:{args.port}", level, args, Path(tmp), model)
+                       for level in levels}
+    result = stack_report(engine, direct, gateway, args)
+    for line in _table(result):
+        print(line, file=sys.stderr)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 1 if any(layer["failed"] for row in result["levels"] for layer in row["layers"].values()) else 0
+
+
+def _model(args: argparse.Namespace, tmp: Path) -> str:
+    if args.shape:
+        from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
+
+        return str(write_random_checkpoint(shape_config(args.shape), tmp / args.shape,
+                                           tokenizer_dir=args.shape_tokenizer))
+    from stage_worker.default_model import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+def _engine_layer(args: argparse.Namespace, model: str, tmp: Path) -> dict[int, dict[str, Any]]:
+    """``bench-engine`` on the same checkpoint (its own process: MLX's streams, a clean heap)."""
+    out = tmp / "engine.json"
+    command = [sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", str(args.tokens),
+               "--streams", str(args.streams), "--prompt-len", str(args.prompt_len), "--out", str(out)]
+    if args.shape:  # the same random weights: bench-engine writes its own from the same seed
+        command += ["--shape", args.shape] + (["--shape-tokenizer", args.shape_tokenizer]
+                                              if args.shape_tokenizer else [])
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    data = json.loads(out.read_text())
+    single, many = data["single_stream"], data["streams"]
+    layer = {1: {"tokens_per_s": single["tokens_per_s"], "itl_p50_ms": single["ms_per_token_p50"],
+                 "ttft_p50_ms": single["first_token_ms"], "failed": 0}}
+    layer[args.streams] = {"tokens_per_s": many["tokens_per_s"], "itl_p50_ms": None, "ttft_p50_ms": None,
+                           "failed": 0}
+    return layer
+
+
+async def _direct_level(target: str, token: str, streams: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``streams`` Generate calls at once, ``args.rounds`` times after one warm-up round; pooled figures."""
+    import grpc
+
+    from stagemesh.core.mesh_token import call_metadata
+    from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+
+    metadata = call_metadata(token)
+
+    async def one(stub: Any, index: int) -> tuple[float, list[float], str | None]:
+        prompt = [1000 + (index * 7919 + i * 104729) % 20000 for i in range(args.prompt_len)]
+        request = stage_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=args.tokens, ignore_eos=True,
+                                            sampling=stage_pb2.SamplingParams(temperature=0.0))
+        started, stamps = time.perf_counter(), list[float]()
+        try:
+            async for message in stub.Generate(request, metadata=metadata, timeout=600):
+                now = time.perf_counter()
+                stamps.extend(now for _ in message.token_ids)
+        except grpc.aio.AioRpcError as exc:
+            return started, stamps, f"{exc.code().name}: {exc.details()}"
+        return started, stamps, None
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = stage_pb2_grpc.StageStub(channel)
+        await asyncio.gather(*(one(stub, i) for i in range(streams)))  # warm-up round
+        tokens, wall, failed = 0, 0.0, 0
+        ttfts: list[float] = []
+        gaps: list[float] = []
+        for round_index in range(args.rounds):
+            started = time.perf_counter()
+            results = await asyncio.gather(*(one(stub, (round_index + 1) * streams + i) for i in range(streams)))
+            wall += time.perf_counter() - started
+            for begun, stamps, error in results:
+                failed += error is not None
+                tokens += len(stamps)
+                if stamps:
+                    ttfts.append(stamps[0] - begun)
+                    gaps.extend(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
+    return {"tokens_per_s": round(tokens / wall, 1) if wall else None, "ttft_p50_ms": _p50_ms(ttfts),
+            "itl_p50_ms": _p50_ms(gaps), "failed": failed}
+
+
+def _gateway_level(url: str, streams: int, args: argparse.Namespace, tmp: Path, model: str) -> dict[str, Any]:
+    out = tmp / f"gateway-{streams}.json"
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "--base-url", url, "--label", "gateway",
+                    "--concurrency", str(streams), "--num-prompts", str(streams * args.rounds),
+                    "--input-len", str(args.prompt_len), "--output-len", str(args.tokens), "--ignore-eos",
+                    "--warmup", str(streams), "--tokenizer", model, "--output", str(out)],
+                   check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if not out.exists():
+        print(f"bench-stack: stagemesh bench at {streams} streams wrote nothing:\n{done.stderr[-2000:]}",
+              file=sys.stderr)
+        return {"tokens_per_s": None, "ttft_p50_ms": None, "itl_p50_ms": None, "failed": streams * args.rounds}
+    level = json.loads(out.read_text())["levels"][0]
+    return {"tokens_per_s": round(float(level["output_tokens_per_s"]), 1),
+            "ttft_p50_ms": _ms(level["ttft"]["p50"]), "itl_p50_ms": _ms(level["itl"]["p50"]),
+            "failed": int(level["failed"])}
+
+
+def stack_report(engine: dict[int, dict], direct: dict[int, dict], gateway: dict[int, dict],
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """The three layers per level and each one's throughput over the layer below (pure)."""
+    rows = []
+    for level in sorted(direct):
+        layers = {"engine": engine[level], "stage_grpc": direct[level], "gateway": gateway[level]}
+        rows.append({"streams": level, "layers": layers,
+                     "stage_grpc_over_engine": _ratio(direct[level], engine[level]),
+                     "gateway_over_stage_grpc": _ratio(gateway[level], direct[level]),
+                     "gateway_over_engine": _ratio(gateway[level], engine[level])})
+    return {"model": args.shape or "default", "prompt_len": args.prompt_len, "tokens": args.tokens,
+            "rounds": args.rounds, "levels": rows}
+
+
+def _ratio(upper: dict, lower: dict) -> float | None:
+    a, b = upper.get("tokens_per_s"), lower.get("tokens_per_s")
+    return round(a / b, 3) if a and b else None
+
+
+def _p50_ms(values: list[float]) -> float | None:
+    return round(statistics.median(values) * 1e3, 3) if values else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _table(result: dict[str, Any]) -> list[str]:
+    lines = ["streams  layer       tok/s    TTFT p50 ms  ITL p50 ms  failed  / layer below"]
+    for row in result["levels"]:
+        below = {"engine": None, "stage_grpc": row["stage_grpc_over_engine"],
+                 "gateway": row["gateway_over_stage_grpc"]}
+        for name, layer in row["layers"].items():
+            lines.append(f"{row['streams']:>7}  {name:<10}  {_cell(layer['tokens_per_s']):>7}  "
+                         f"{_cell(layer['ttft_p50_ms']):>11}  {_cell(layer['itl_p50_ms']):>10}  "
+                         f"{layer['failed']:>6}  {_cell(below[name], 'x')}")
+    return lines
+
+
+def _cell(value: float | None, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.2f}{suffix}" if suffix else f"{value:.1f}"
