@@ -60,7 +60,7 @@ from pathlib import Path
 COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "prefix")
 # Sizes when a flag is not given: (input, output, prompts per level) for most comparisons; for ``prefix``
 # a first turn's length in, few tokens out (its point is the time to first token), two prompts per stream.
-DEFAULT_SIZES = (32, 48, 32)
+DEFAULT_SIZES = (32, 48, None)  # None: stagemesh bench's own per level, 4 x its concurrency (at least 16)
 PREFIX_OUTPUT_LEN = 16
 
 
@@ -81,8 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"which to run, comma-separated from {', '.join(COMPARISONS)}")
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--num-prompts", type=int, default=None,
-                        help=f"requests per level and endpoint (default {DEFAULT_SIZES[2]}; prefix: 2 x "
-                             "--conversations)")
+                        help="requests per level and endpoint (default 4 x the level's concurrency, at least 16, "
+                             "so a level is several waves of requests rather than one whose first token and tail "
+                             "dominate; prefix: 2 x --conversations)")
     parser.add_argument("--input-len", type=int, default=None,
                         help=f"prompt tokens (default {DEFAULT_SIZES[0]}; prefix: --system-len + --user-len)")
     parser.add_argument("--output-len", type=int, default=None,
@@ -320,14 +321,17 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
                 process.wait()
 
 
-def _sizes(args: argparse.Namespace, name: str) -> tuple[int, int, int]:
-    """(input, output, prompts per level) of a comparison: the flags, else its defaults."""
+def _sizes(args: argparse.Namespace, name: str) -> tuple[int, int, int | None]:
+    """(input, output, prompts per level) of a comparison: the flags, else its defaults (prompts None:
+    ``stagemesh bench`` picks them per level)."""
+    defaults: tuple[int, int, int | None]
     if name == "prefix":
         defaults = (args.system_len + args.user_len, PREFIX_OUTPUT_LEN, 2 * args.conversations)
     else:
         defaults = DEFAULT_SIZES
-    given = (args.input_len, args.output_len, args.num_prompts)
-    input_len, output_len, num_prompts = (d if g is None else g for g, d in zip(given, defaults))
+    input_len = defaults[0] if args.input_len is None else args.input_len
+    output_len = defaults[1] if args.output_len is None else args.output_len
+    num_prompts = defaults[2] if args.num_prompts is None else args.num_prompts
     return input_len, output_len, num_prompts
 
 
@@ -337,8 +341,8 @@ def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir:
     workload and load flags (default: the synthetic prompts at ``--concurrency``)."""
     input_len, output_len, num_prompts = _sizes(args, name)
     if workload is None:
-        workload = ["--concurrency", args.concurrency, "--num-prompts", str(num_prompts),
-                    "--input-len", str(input_len)]
+        workload = ["--concurrency", args.concurrency, "--input-len", str(input_len),
+                    *(["--num-prompts", str(num_prompts)] if num_prompts is not None else [])]
     command = [sys.executable, "-m", "stagemesh.cli", "bench", *workload, "--output-len", str(output_len),
                "--rounds", str(args.rounds), "--warmup", "2",
                "--tokenizer", tokenizer_dir, "--output", str(out / f"{name}.json"), "--plot", str(out / f"{name}.png")]
@@ -410,7 +414,8 @@ def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_di
 
     input_len, output_len, num_prompts = _sizes(args, name)
     profiles = [profile_endpoint(e.url, e.label, e.model, e.pid, concurrency=level,
-                                 num_prompts=num_prompts, input_len=input_len,
+                                 num_prompts=num_prompts if num_prompts is not None else max(16, 4 * level),
+                                 input_len=input_len,
                                  output_len=output_len, tokenizer_dir=tokenizer_dir)
                 for level in _profile_levels(args) for e in endpoints if e.stagemesh]
     if profiles:

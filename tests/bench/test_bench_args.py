@@ -94,3 +94,17 @@ def test_report_shows_failures_with_status_and_message_and_the_ratios():
     assert "1 x HTTP 503: overloaded" in text
     assert "ratios to a" in text and "0.50x" in text and "2.00x" in text
     assert text.splitlines()[0].split()[:3] == ["endpoint", "level", "ok"]
+
+
+def test_bench_serving_levels_default_to_several_waves_and_flags_win():
+    from stagemesh.bench.serving import _sizes
+
+    def args(**given):
+        base = dict(input_len=None, output_len=None, num_prompts=None, system_len=1024, user_len=64, conversations=8)
+        return argparse.Namespace(**{**base, **given})
+
+    # No --num-prompts: stagemesh bench picks 4 x each level's concurrency, so no level is a single wave.
+    assert _sizes(args(), "gpus") == (32, 48, None)
+    assert _sizes(args(num_prompts=96, output_len=64), "gpus") == (32, 64, 96)
+    # The prefix comparison's prompts follow its conversations; its prompt is the system prompt plus a turn.
+    assert _sizes(args(), "prefix") == (1088, 16, 16)
