@@ -1,8 +1,11 @@
-"""``stagemesh bench-stack``: the same load at three depths of the stack, to say what each layer costs.
+"""``stagemesh bench-stack``: the same load at four depths of the stack, to say what each layer costs.
 
 One workload (``--prompt-len`` tokens in, ``--tokens`` out, greedy, no stop),
 at one stream and at ``--streams`` streams, measured
 
+0. **bare**: mlx-lm's layers on the same weights with nothing else, every
+   prompt prefilled together then decoded in lockstep (``bench-pipeline``'s
+   bare batched workload, MLX's default settings): the device's limit;
 1. **engine**: the entry stage's engine alone, no gRPC (``stagemesh bench-engine``,
    in its own process);
 2. **stage gRPC**: a PP=1 ``stagemesh serve`` of the same model, loaded straight
@@ -12,14 +15,15 @@ at one stream and at ``--streams`` streams, measured
    completions, streaming).
 
 Tokens per second, the first token's and the inter-token time (p50) per layer,
-and each layer's throughput over the one below it. The drop from 1 to 2 is the
-stage's gRPC delivery of tokens (on the engine's process and GIL); from 2 to
-3, the gateway (HTTP, tokenization, detokenization, SSE) and its own gRPC
-client. Every figure comes from the same invocation, so the ratios hold on any
+and each layer's throughput over the one below it. The drop from 0 to 1 is the
+engine (scheduling, continuous batching, sampling, MLX's serving settings);
+from 1 to 2, the stage's gRPC delivery of tokens (on the engine's process and
+GIL); from 2 to 3, the gateway (HTTP, tokenization, detokenization, SSE) and
+its own gRPC client. Every figure comes from the same invocation, so the ratios hold on any
 machine; on a GPU, where a step takes a few ms, they show which layer caps the
 mesh. (On the CPU backend the engine layer runs without the optimized BLAS a
-stage preloads, as ``bench-engine`` says, so there only the gateway's ratio to
-the stage's gRPC means anything.)
+stage and the bare arm preload, as ``bench-engine`` says, so there the engine's
+ratios mean nothing.)
 
 ``--shape NAME`` serves a real-sized random-weight model (as ``bench-serving``);
 otherwise the embedded default model. Exits 1 when any request failed.
@@ -70,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench-stack: --prompt-len {args.prompt_len} is too short for distinct text prompts at the "
                   f"gateway; give at least {shortest}", file=sys.stderr)
             return 2
+        bare = _bare_layer(args, model, levels)
         engine = _engine_layer(args, model, Path(tmp))
         token = generate_token()
         env = {**os.environ, "STAGEMESH_MESH_TOKEN": token}
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                       for level in levels}
             gateway = {level: _gateway_level(f"http://127.0.0.1:{args.port}", level, args, Path(tmp), model)
                        for level in levels}
-    result = stack_report(engine, direct, gateway, args)
+    result = stack_report(bare, engine, direct, gateway, args)
     for line in _table(result):
         print(line, file=sys.stderr)
     text = json.dumps(result, indent=1)
@@ -103,6 +108,17 @@ def _model(args: argparse.Namespace, tmp: Path) -> str:
     from stage_worker.default_model import resolve_model_path
 
     return resolve_model_path(None)
+
+
+def _bare_layer(args: argparse.Namespace, model: str, levels: list[int]) -> dict[int, dict[str, Any]]:
+    from stagemesh.bench.pipeline import bare_forward
+
+    layer = {}
+    for level in levels:
+        figures = bare_forward(model, level, args.tokens, "auto", args.prompt_len, args.tokens)
+        layer[level] = {"tokens_per_s": round(figures["workload_tokens_per_s"], 1), "ttft_p50_ms": None,
+                        "itl_p50_ms": round(level * 1e3 / figures["decode_tokens_per_s"], 3), "failed": 0}
+    return layer
 
 
 def _engine_layer(args: argparse.Namespace, model: str, tmp: Path) -> dict[int, dict[str, Any]]:
@@ -182,16 +198,19 @@ def _gateway_level(url: str, streams: int, args: argparse.Namespace, tmp: Path, 
             "failed": int(level["failed"])}
 
 
-def stack_report(engine: dict[int, dict], direct: dict[int, dict], gateway: dict[int, dict],
-                 args: argparse.Namespace) -> dict[str, Any]:
-    """The three layers per level and each one's throughput over the layer below (pure)."""
+def stack_report(bare: dict[int, dict], engine: dict[int, dict], direct: dict[int, dict],
+                 gateway: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]:
+    """The four layers per level and each one's throughput over the layer below (pure)."""
     rows = []
     for level in sorted(direct):
-        layers = {"engine": engine[level], "stage_grpc": direct[level], "gateway": gateway[level]}
+        layers = {"bare": bare[level], "engine": engine[level], "stage_grpc": direct[level],
+                  "gateway": gateway[level]}
         rows.append({"streams": level, "layers": layers,
+                     "engine_over_bare": _ratio(engine[level], bare[level]),
                      "stage_grpc_over_engine": _ratio(direct[level], engine[level]),
                      "gateway_over_stage_grpc": _ratio(gateway[level], direct[level]),
-                     "gateway_over_engine": _ratio(gateway[level], engine[level])})
+                     "gateway_over_engine": _ratio(gateway[level], engine[level]),
+                     "gateway_over_bare": _ratio(gateway[level], bare[level])})
     return {"model": args.shape or "default", "prompt_len": args.prompt_len, "tokens": args.tokens,
             "rounds": args.rounds, "levels": rows}
 
@@ -212,7 +231,7 @@ def _ms(seconds: float | None) -> float | None:
 def _table(result: dict[str, Any]) -> list[str]:
     lines = ["streams  layer       tok/s    TTFT p50 ms  ITL p50 ms  failed  / layer below"]
     for row in result["levels"]:
-        below = {"engine": None, "stage_grpc": row["stage_grpc_over_engine"],
+        below = {"bare": None, "engine": row["engine_over_bare"], "stage_grpc": row["stage_grpc_over_engine"],
                  "gateway": row["gateway_over_stage_grpc"]}
         for name, layer in row["layers"].items():
             lines.append(f"{row['streams']:>7}  {name:<10}  {_cell(layer['tokens_per_s']):>7}  "

@@ -1,6 +1,6 @@
 """The GPU benchmarks' tools, run small on the CPU: a random-weight checkpoint both servers load,
-bench-hop timing a real two-process hop (MLX ring and TCP lane), bench-engine, and bench-stack loading a
-real serve at its stage's gRPC and at its gateway."""
+bench-hop timing a real two-process hop (MLX ring and TCP lane), bench-engine, and bench-stack: the bare
+forward, the engine, and a real serve loaded at its stage's gRPC and at its gateway."""
 
 import json
 import subprocess
@@ -64,10 +64,11 @@ def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_r
     result = json.loads(out.read_text())
     assert [row["streams"] for row in result["levels"]] == [1, 2]
     for row in result["levels"]:
-        assert set(row["layers"]) == {"engine", "stage_grpc", "gateway"}
+        assert set(row["layers"]) == {"bare", "engine", "stage_grpc", "gateway"}
         for layer in row["layers"].values():
             assert layer["failed"] == 0 and layer["tokens_per_s"] > 0
         assert row["stage_grpc_over_engine"] > 0 and row["gateway_over_stage_grpc"] > 0
+        assert row["engine_over_bare"] > 0 and row["gateway_over_bare"] > 0
         # Straight at the stage every token arrives: 4 per stream, so gaps and a first token exist.
         assert row["layers"]["stage_grpc"]["ttft_p50_ms"] > 0 and row["layers"]["stage_grpc"]["itl_p50_ms"] > 0
     assert "stage_grpc" in done.stderr and "gateway" in done.stderr  # the table
