@@ -183,15 +183,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 async def _next_event(handle: RequestHandle, wakeup: asyncio.Event) -> RequestEvent | RequestFailed:
     """The handle's next event, merged with what is queued behind it; waits for a wake-up when there is none.
 
-    Clearing the wake-up and looking again before waiting closes the race with the engine's thread:
-    it queues an event first and wakes the loop after, so an event is either seen here or followed
-    by a ``set`` this coroutine then awaits.
+    Clearing the wake-up before looking closes the race with the engine's thread: it queues an event
+    first and wakes the loop after, so an event is either seen here or followed by a ``set`` this
+    coroutine then awaits.
     """
     while True:
-        try:
-            return _coalesce(handle.events.get_nowait(), handle.events)
-        except queue.Empty:
-            pass
         wakeup.clear()
         try:
             return _coalesce(handle.events.get_nowait(), handle.events)

@@ -1,6 +1,6 @@
 """``stagemesh bench-engine``: the entry stage alone (engine, scheduler, model), no gRPC and no gateway.
 
-Loads a whole model as one stage (the embedded default model, or ``--shape``:
+Loads a whole model as one stage (MODEL, the embedded default model, or ``--shape``:
 a real-sized random-weight checkpoint from ``random_checkpoint``) and drives
 its ``EntryEngine`` directly from a client thread, as the stage's gRPC
 handlers would: one stream of ``--tokens`` tokens (time per token, p50), then
@@ -34,8 +34,10 @@ from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default=None, help="a random-weight shape (llama-3.2-1b, llama-3.1-8b, qwen3-8b); "
-                                                     "default: the embedded model")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a model stagemesh serve reads (default: the embedded model, or --shape)")
+    parser.add_argument("--shape", default=None, help="a random-weight shape (llama-3.2-1b, llama-3.1-8b, qwen3-8b) "
+                                                     "instead of MODEL")
     parser.add_argument("--shape-tokenizer", default=None, help="tokenizer directory for --shape")
     parser.add_argument("--dtype", default="auto", help="compute dtype (auto: the backend's)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per request")
@@ -72,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         print("bench-engine: --tokens, --streams, --prompt-len and --mixed-max-prompt must be positive, "
               "--mixed not negative", file=sys.stderr)
         return 2
+    if args.shape and args.model:
+        print("bench-engine: give MODEL or --shape, not both", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-engine-") as tmp:
         if args.shape:
             from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             model_path = str(write_random_checkpoint(shape_config(args.shape), Path(tmp) / args.shape,
                                                      tokenizer_dir=args.shape_tokenizer))
         else:
-            model_path = resolve_model_path(None)
+            model_path = resolve_model_path(args.model)
         spec = read_model_spec(model_path)
         backend = current_backend()
         dtype = resolve_compute_dtype(args.dtype, backend)

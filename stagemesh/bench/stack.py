@@ -35,13 +35,14 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from stagemesh.bench.stats import percentile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,11 +125,8 @@ def _bare_layer(args: argparse.Namespace, model: str, levels: list[int]) -> dict
 def _engine_layer(args: argparse.Namespace, model: str, tmp: Path) -> dict[int, dict[str, Any]]:
     """``bench-engine`` on the same checkpoint (its own process: MLX's streams, a clean heap)."""
     out = tmp / "engine.json"
-    command = [sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", str(args.tokens),
+    command = [sys.executable, "-m", "stagemesh.cli", "bench-engine", model, "--tokens", str(args.tokens),
                "--streams", str(args.streams), "--prompt-len", str(args.prompt_len), "--out", str(out)]
-    if args.shape:  # the same random weights: bench-engine writes its own from the same seed
-        command += ["--shape", args.shape] + (["--shape-tokenizer", args.shape_tokenizer]
-                                              if args.shape_tokenizer else [])
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     data = json.loads(out.read_text())
     single, many = data["single_stream"], data["streams"]
@@ -221,7 +219,7 @@ def _ratio(upper: dict, lower: dict) -> float | None:
 
 
 def _p50_ms(values: list[float]) -> float | None:
-    return round(statistics.median(values) * 1e3, 3) if values else None
+    return _ms(percentile(values, 50))
 
 
 def _ms(seconds: float | None) -> float | None:
