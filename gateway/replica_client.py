@@ -8,9 +8,13 @@ Contract:
   with ``tls`` the channels are mutual TLS (``stagemesh.core.grpc_tls``).
 - ``generate(request)`` is an async generator of ``GenerateResponse``
   messages from one healthy replica chosen by least outstanding requests
-  (ties round-robin), under a per-request deadline. Close it (``aclosing``)
-  or cancel the task consuming it and the gRPC call is cancelled, which makes
-  the stage abort the sequence and free its slot.
+  (ties round-robin), under a per-request deadline. Requests to one entry
+  stage share one ``GenerateStream`` call (``gateway.stage_streams``: one
+  message per engine step for all of them); a stage that does not serve it
+  (UNIMPLEMENTED: an older stagemesh) gets one ``Generate`` call per request
+  from then on. Close the generator (``aclosing``) or cancel the task
+  consuming it and the request is cancelled, which makes the stage abort the
+  sequence and free its slot.
 - If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token
   arrived, another healthy replica is tried (up to ``failover_attempts``
   more); nothing was generated yet, so this cannot duplicate output.
@@ -38,6 +42,7 @@ from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 
 from . import errors
 from .balancer import LeastOutstandingBalancer
+from .stage_streams import StageStream, StreamedGeneration
 
 _RETRY_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -65,6 +70,8 @@ class ReplicaClient:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
+        self._streams: dict[str, StageStream] = {}  # entry target -> its GenerateStream call
+        self._generate_only: set[str] = set()  # targets that answered GenerateStream UNIMPLEMENTED
         self.balancer = LeastOutstandingBalancer()
         self._serving: dict[str, int] = {}  # request id -> the replica its call runs on, while it runs
         self.failures: dict[int, int] = {}  # replica -> Generate calls that failed there
@@ -85,6 +92,9 @@ class ReplicaClient:
         return stub
 
     async def close(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         for channel in channels:
             await channel.close()
@@ -113,15 +123,19 @@ class ReplicaClient:
             tried.add(key)
             self.balancer.acquire(key)
             self._serving[request.request_id] = key[0]
-            call: grpc.aio.UnaryStreamCall | None = None
+            call: grpc.aio.UnaryStreamCall | StreamedGeneration | None = None
             received = False
             try:
-                call = self._stub(key[1]).Generate(request, timeout=self._timeout, metadata=self._metadata)
+                call = await self._call(key[1], request)
                 async for response in call:
                     received = True
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and key[1] not in self._generate_only:
+                    self._generate_only.add(key[1])  # an older stage: Generate per request from now on
+                    tried.discard(key)
+                    continue
                 # The replica's failures only: not a client that left, nor a request the stage refused as invalid.
                 if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT):
                     self.failures[key[0]] = self.failures.get(key[0], 0) + 1
@@ -136,6 +150,15 @@ class ReplicaClient:
                     call.cancel()
                 self.balancer.release(key)
                 self._serving.pop(request.request_id, None)
+
+    async def _call(self, target: str,
+                    request: stage_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall | StreamedGeneration:
+        if target in self._generate_only:
+            return self._stub(target).Generate(request, timeout=self._timeout, metadata=self._metadata)
+        stream = self._streams.get(target)
+        if stream is None or stream.closed:
+            stream = self._streams[target] = StageStream(self._stub(target), self._metadata)
+        return await stream.start(request, self._timeout)
 
     def _api_error(self, e: grpc.aio.AioRpcError, received: bool) -> errors.APIError:
         code, details = e.code(), e.details() or e.code().name

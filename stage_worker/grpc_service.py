@@ -115,26 +115,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def Generate(self, request, context):
         engine = await self._require_engine(context)
-        sampling = request.sampling
         try:
-            options = _row_options(request)
-            handle = engine.submit(GenerationRequest(
-                request_id=request.request_id or uuid.uuid4().hex,
-                prompt=tuple(request.prompt_token_ids),
-                max_tokens=request.max_tokens,
-                sampling=_sampling(sampling),
-                stop_token_ids=frozenset(request.stop_token_ids),
-                ignore_eos=request.ignore_eos,
-                options=None if options.is_default else options,
-            ))
-        except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except NotAccepting as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            handle = _submit(engine, request, request.request_id or uuid.uuid4().hex)
+        except _Refused as exc:
+            await context.abort(exc.code, exc.message)
         wakeup = self._wakeups[handle.request_id] = asyncio.Event()
         finished = False
         try:
@@ -145,18 +129,33 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
                 assert isinstance(event, RequestEvent)
                 finished = event.finish is not None
-                yield stage_pb2.GenerateResponse(
-                    token_ids=event.token_ids,
-                    finish_reason=_FINISH[event.finish] if event.finish else stage_pb2.FINISH_REASON_UNSPECIFIED,
-                    prompt_tokens=event.prompt_tokens,
-                    completion_tokens=event.completion_tokens,
-                    logprobs=[_logprob_proto(t, lp) for t, lp in zip(event.token_ids, event.logprobs, strict=False)],
-                )
+                yield _response(event)
         finally:
             # A cancelled call (client gone, deadline) ends here too: free the sequence on every stage.
             self._wakeups.pop(handle.request_id, None)
             if not finished:
                 engine.abort(handle.request_id)
+
+    async def GenerateStream(self, request_iterator, context):
+        """Many prompts over one call (the gateway's path): one wake-up per engine step for all of them,
+        answered by one message holding every prompt's news (``stage.proto``'s contract)."""
+        engine = await self._require_engine(context)
+        call = _StreamCall(engine, self._wakeups)
+        reading = asyncio.ensure_future(call.read(request_iterator))
+        reading.add_done_callback(call.reader_done)
+        try:
+            while True:
+                call.wakeup.clear()  # before looking: see _next_event
+                updates = call.collect()
+                if updates:
+                    yield stage_pb2.GenerateStreamResponse(updates=updates)
+                elif reading.done() and not call.running:
+                    return
+                else:
+                    await call.wakeup.wait()
+        finally:
+            reading.cancel()
+            call.abort_all()
 
     async def Abort(self, request, context):
         engine = await self._require_engine(context)
@@ -216,6 +215,117 @@ def _coalesce(event: RequestEvent | RequestFailed, events: queue.SimpleQueue) ->
                              following.prompt_tokens, following.completion_tokens,
                              event.logprobs + following.logprobs)
     return event
+
+
+class _Refused(Exception):
+    """A request the engine would not take, with the status code Generate answers it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _submit(engine: EntryEngine, request: stage_pb2.GenerateRequest, request_id: str) -> RequestHandle:
+    """Hand ``request`` to the engine; ``_Refused`` says why it would not take it."""
+    try:
+        options = _row_options(request)
+        return engine.submit(GenerationRequest(
+            request_id=request_id,
+            prompt=tuple(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            sampling=_sampling(request.sampling),
+            stop_token_ids=frozenset(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            options=None if options.is_default else options,
+        ))
+    except QueueFullError as exc:
+        raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+    except NotAccepting as exc:
+        raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+    except ValueError as exc:  # RequestError included: a bad field, named
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+def _response(event: RequestEvent) -> stage_pb2.GenerateResponse:
+    return stage_pb2.GenerateResponse(
+        token_ids=event.token_ids,
+        finish_reason=_FINISH[event.finish] if event.finish else stage_pb2.FINISH_REASON_UNSPECIFIED,
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        logprobs=[_logprob_proto(t, lp) for t, lp in zip(event.token_ids, event.logprobs, strict=False)],
+    )
+
+
+class _StreamCall:
+    """The prompts of one ``GenerateStream`` call and the one wake-up they share.
+
+    Everything here runs on the server's event loop; the engine's thread only queues events on the
+    handles and sets ``wakeup`` through ``StageServicer.on_delivered``.
+    """
+
+    def __init__(self, engine: EntryEngine, wakeups: dict[str, asyncio.Event]) -> None:
+        self._engine = engine
+        self._wakeups = wakeups  # the servicer's: request id -> the event the engine's wake-up sets
+        self.wakeup = asyncio.Event()
+        self.running: dict[str, RequestHandle] = {}
+        self._refused: list[stage_pb2.GenerateUpdate] = []  # errors not sent yet
+
+    async def read(self, request_iterator) -> None:
+        async for message in request_iterator:
+            if message.WhichOneof("action") == "start":
+                self._start(message.start)
+            elif message.WhichOneof("action") == "cancel":
+                self._cancel(message.cancel)
+        self.wakeup.set()  # the client closed its side: the call may end once nothing runs
+
+    def reader_done(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("GenerateStream: reading the client's side failed: %s", task.exception())
+        self.wakeup.set()
+
+    def _start(self, request: stage_pb2.GenerateRequest) -> None:
+        request_id = request.request_id
+        try:
+            if not request_id:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "GenerateStream: start.request_id is required")
+            handle = _submit(self._engine, request, request_id)
+        except _Refused as exc:
+            self._refused.append(stage_pb2.GenerateUpdate(request_id=request_id, error_code=exc.code.value[0],
+                                                          error_message=exc.message))
+            self.wakeup.set()
+            return
+        self.running[request_id] = handle
+        self._wakeups[request_id] = self.wakeup
+
+    def _cancel(self, request_id: str) -> None:
+        if self.running.pop(request_id, None) is not None:
+            self._wakeups.pop(request_id, None)
+            self._engine.abort(request_id)
+
+    def collect(self) -> list[stage_pb2.GenerateUpdate]:
+        """Every prompt's events queued since the last look, one update each; finished prompts leave."""
+        updates, self._refused = self._refused, []
+        for request_id, handle in list(self.running.items()):
+            try:
+                event = _coalesce(handle.events.get_nowait(), handle.events)
+            except queue.Empty:
+                continue
+            if isinstance(event, RequestFailed):
+                updates.append(stage_pb2.GenerateUpdate(
+                    request_id=request_id, error_code=grpc.StatusCode.UNAVAILABLE.value[0],
+                    error_message=event.message))
+            else:
+                updates.append(stage_pb2.GenerateUpdate(request_id=request_id, response=_response(event)))
+                if event.finish is None:
+                    continue
+            del self.running[request_id]
+            self._wakeups.pop(request_id, None)
+        return updates
+
+    def abort_all(self) -> None:
+        """The call ended (the client cancelled it or went away): free every prompt still running."""
+        for request_id in list(self.running):
+            self._cancel(request_id)
 
 
 def _sampling(params: stage_pb2.SamplingParams) -> SamplingParams:

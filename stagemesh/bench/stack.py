@@ -9,8 +9,12 @@ at one stream and at ``--streams`` streams, measured
 1. **engine**: the entry stage's engine alone, no gRPC (``stagemesh bench-engine``,
    in its own process);
 2. **stage gRPC**: a PP=1 ``stagemesh serve`` of the same model, loaded straight
-   at its entry stage's ``Generate`` (the mesh token from this command), the
-   client an asyncio gRPC client in this process;
+   at its entry stage over ``GenerateStream``, every stream of a round on one
+   call as the gateway sends them (the mesh token from this command), the
+   client an asyncio gRPC client in this process; and beside it, not a layer,
+   **stage gRPC per request**: the same load with one ``Generate`` call per
+   stream (what the gateway falls back to for an older stage), so one
+   invocation says what one message per step instead of one per token saves;
 3. **gateway**: the same server through its OpenAI API (``stagemesh bench``,
    completions, streaming).
 
@@ -86,18 +90,22 @@ def run(args: argparse.Namespace) -> int:
                    "--ring-base-port", str(args.port + 5), "-pp", "1", *args.serve_args.split()]
         with server_process(command, "bench-stack serve", f"http://127.0.0.1:{args.port}/health", env=env,
                             log_dir=Path(tmp) / "logs"):
-            direct = {level: asyncio.run(_direct_level(f"127.0.0.1:{grpc_port}", token, level, args))
+            target = f"127.0.0.1:{grpc_port}"
+            direct = {level: asyncio.run(_direct_level(target, token, level, args, per_request=False))
                       for level in levels}
+            per_request = {level: asyncio.run(_direct_level(target, token, level, args, per_request=True))
+                           for level in levels}
             gateway = {level: _gateway_level(f"http://127.0.0.1:{args.port}", level, args, Path(tmp), model)
                        for level in levels}
-    result = stack_report(bare, engine, direct, gateway, args)
+    result = stack_report(bare, engine, direct, gateway, args, per_request)
     for line in _table(result):
         print(line, file=sys.stderr)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 1 if any(layer["failed"] for row in result["levels"] for layer in row["layers"].values()) else 0
+    measured = [layer for row in result["levels"] for layer in (*row["layers"].values(), row["stage_grpc_per_request"])]
+    return 1 if any(layer["failed"] for layer in measured) else 0
 
 
 def _model(args: argparse.Namespace, tmp: Path) -> str:
@@ -137,8 +145,13 @@ def _engine_layer(args: argparse.Namespace, model: str, tmp: Path) -> dict[int, 
     return layer
 
 
-async def _direct_level(target: str, token: str, streams: int, args: argparse.Namespace) -> dict[str, Any]:
-    """``streams`` Generate calls at once, ``args.rounds`` times after one warm-up round; pooled figures."""
+Outcome = tuple[float, list[float], str | None]  # a stream's start, its tokens' arrival times, its error
+
+
+async def _direct_level(target: str, token: str, streams: int, args: argparse.Namespace,
+                        per_request: bool) -> dict[str, Any]:
+    """``streams`` requests at once over one GenerateStream call (``per_request``: one Generate call
+    each), ``args.rounds`` times after one warm-up round; pooled figures."""
     import grpc
 
     from stagemesh.core.mesh_token import call_metadata
@@ -146,28 +159,61 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
 
     metadata = call_metadata(token)
 
-    async def one(stub: Any, index: int) -> tuple[float, list[float], str | None]:
+    def request(index: int) -> Any:
         prompt = [1000 + (index * 7919 + i * 104729) % 20000 for i in range(args.prompt_len)]
-        request = stage_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=args.tokens, ignore_eos=True,
-                                            sampling=stage_pb2.SamplingParams(temperature=0.0))
+        return stage_pb2.GenerateRequest(request_id=f"stack-{streams}-{index}", prompt_token_ids=prompt,
+                                         max_tokens=args.tokens, ignore_eos=True,
+                                         sampling=stage_pb2.SamplingParams(temperature=0.0))
+
+    async def one(stub: Any, index: int) -> Outcome:
         started, stamps = time.perf_counter(), list[float]()
         try:
-            async for message in stub.Generate(request, metadata=metadata, timeout=600):
+            async for message in stub.Generate(request(index), metadata=metadata, timeout=600):
                 now = time.perf_counter()
                 stamps.extend(now for _ in message.token_ids)
         except grpc.aio.AioRpcError as exc:
             return started, stamps, f"{exc.code().name}: {exc.details()}"
         return started, stamps, None
 
+    async def together(stub: Any, indices: range) -> list[Outcome]:
+        started = time.perf_counter()
+        stamps: dict[str, list[float]] = {request(i).request_id: [] for i in indices}
+        errors: dict[str, str] = {}
+        open_ids = set(stamps)
+        call = stub.GenerateStream(metadata=metadata, timeout=600)
+        for i in indices:
+            await call.write(stage_pb2.GenerateStreamRequest(start=request(i)))
+        await call.done_writing()
+        try:
+            async for message in call:
+                now = time.perf_counter()
+                for update in message.updates:
+                    if update.error_code:
+                        errors[update.request_id] = f"{update.error_code}: {update.error_message}"
+                        open_ids.discard(update.request_id)
+                        continue
+                    stamps[update.request_id].extend(now for _ in update.response.token_ids)
+                    if update.response.finish_reason:
+                        open_ids.discard(update.request_id)
+        except grpc.aio.AioRpcError as exc:
+            errors.update({i: f"{exc.code().name}: {exc.details()}" for i in open_ids})
+        return [(started, stamps[i], errors.get(i)) for i in stamps]
+
+    async def round_of(stub: Any, first: int) -> list[Outcome]:
+        indices = range(first, first + streams)
+        if per_request:
+            return list(await asyncio.gather(*(one(stub, i) for i in indices)))
+        return await together(stub, indices)
+
     async with grpc.aio.insecure_channel(target) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
-        await asyncio.gather(*(one(stub, i) for i in range(streams)))  # warm-up round
+        await round_of(stub, 0)  # warm-up round
         tokens, wall, failed = 0, 0.0, 0
         ttfts: list[float] = []
         gaps: list[float] = []
         for round_index in range(args.rounds):
             started = time.perf_counter()
-            results = await asyncio.gather(*(one(stub, (round_index + 1) * streams + i) for i in range(streams)))
+            results = await round_of(stub, (round_index + 1) * streams)
             wall += time.perf_counter() - started
             for begun, stamps, error in results:
                 failed += error is not None
@@ -197,13 +243,17 @@ def _gateway_level(url: str, streams: int, args: argparse.Namespace, tmp: Path, 
 
 
 def stack_report(bare: dict[int, dict], engine: dict[int, dict], direct: dict[int, dict],
-                 gateway: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]:
-    """The four layers per level and each one's throughput over the layer below (pure)."""
+                 gateway: dict[int, dict], args: argparse.Namespace,
+                 per_request: dict[int, dict] | None = None) -> dict[str, Any]:
+    """The four layers per level and each one's throughput over the layer below, and the stage's
+    GenerateStream over one Generate call per request (pure)."""
     rows = []
     for level in sorted(direct):
         layers = {"bare": bare[level], "engine": engine[level], "stage_grpc": direct[level],
                   "gateway": gateway[level]}
-        rows.append({"streams": level, "layers": layers,
+        beside = (per_request or {}).get(level)
+        rows.append({"streams": level, "layers": layers, "stage_grpc_per_request": beside,
+                     "stage_grpc_over_per_request": _ratio(direct[level], beside) if beside else None,
                      "engine_over_bare": _ratio(engine[level], bare[level]),
                      "stage_grpc_over_engine": _ratio(direct[level], engine[level]),
                      "gateway_over_stage_grpc": _ratio(gateway[level], direct[level]),
@@ -235,6 +285,12 @@ def _table(result: dict[str, Any]) -> list[str]:
             lines.append(f"{row['streams']:>7}  {name:<10}  {_cell(layer['tokens_per_s']):>7}  "
                          f"{_cell(layer['ttft_p50_ms']):>11}  {_cell(layer['itl_p50_ms']):>10}  "
                          f"{layer['failed']:>6}  {_cell(below[name], 'x')}")
+        beside = row.get("stage_grpc_per_request")
+        if beside:
+            lines.append(f"{row['streams']:>7}  {'(per req.)':<10}  {_cell(beside['tokens_per_s']):>7}  "
+                         f"{_cell(beside['ttft_p50_ms']):>11}  {_cell(beside['itl_p50_ms']):>10}  "
+                         f"{beside['failed']:>6}  stage_grpc over it: "
+                         f"{_cell(row['stage_grpc_over_per_request'], 'x')}")
     return lines
 
 

@@ -1,9 +1,11 @@
 """Serving behaviour of a real pipeline (stage processes over the ring, gRPC, no Ray): batched
 generation equals one-at-a-time at temperature 0, a full stage answers RESOURCE_EXHAUSTED at
-once, and idle or waiting stages do not burn CPU."""
+once, idle or waiting stages do not burn CPU, and ``GenerateStream`` (many prompts over one call,
+the gateway's path) gives each prompt what ``Generate`` would, errors and cancellations per prompt."""
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import threading
 import time
@@ -90,3 +92,136 @@ def test_idle_stages_do_not_spin(pipeline):
     time.sleep(3)
     burned = [sum(s.cpu_times()[:2]) - b for s, b in zip(stages, before)]
     assert all(b < 0.5 for b in burned), burned  # a spinning ring receive would burn ~3 s each
+
+
+class _Requests:
+    """The client's side of a GenerateStream call: put messages, ``close()`` to end it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[stage_pb2.GenerateStreamRequest | None] = queue.Queue()
+
+    def start(self, prompt: list[int], request_id: str | None = None, max_tokens: int = 16,
+              **sampling: float) -> str:
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        self._queue.put(stage_pb2.GenerateStreamRequest(start=stage_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
+            sampling=stage_pb2.SamplingParams(**sampling))))
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        self._queue.put(stage_pb2.GenerateStreamRequest(cancel=request_id))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def __iter__(self):
+        while (message := self._queue.get()) is not None:
+            yield message
+
+
+def _stream(stub, requests: _Requests):
+    return stub.GenerateStream(iter(requests), timeout=300, metadata=call_metadata(TOKEN))
+
+
+def _running(stub) -> int:
+    return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=10).stats.running_sequences
+
+
+def _until(predicate, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_prompts_over_one_generate_stream_get_what_generate_gives_them(pipeline):
+    stub, _ = pipeline
+    alone = [_generate(stub, p) for p in PROMPTS[4:8]]
+    requests = _Requests()
+    ids = [requests.start(p) for p in PROMPTS[4:8]]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    finished: set[str] = set()
+    widest = 0
+    for message in _stream(stub, requests):
+        widest = max(widest, len(message.updates))
+        for update in message.updates:
+            assert not update.error_code, update.error_message
+            tokens[update.request_id] += list(update.response.token_ids)
+            if update.response.finish_reason:
+                assert update.response.finish_reason == stage_pb2.FINISH_REASON_LENGTH
+                finished.add(update.request_id)
+        if finished == set(ids):
+            requests.close()
+    assert [tokens[i] for i in ids] == alone
+    assert widest > 1  # one message carried several prompts' tokens of one step
+
+
+def test_a_bad_prompt_fails_alone_and_the_others_on_the_call_finish(pipeline):
+    stub, _ = pipeline
+    requests = _Requests()
+    good = requests.start(PROMPTS[0])
+    bad = requests.start(PROMPTS[1], temperature=5.0)
+    requests.start(PROMPTS[2], request_id="")
+    outcome: dict[str, str] = {}
+    for message in _stream(stub, requests):
+        for update in message.updates:
+            if update.error_code:
+                outcome[update.request_id] = f"{grpc.StatusCode.INVALID_ARGUMENT.value[0] == update.error_code}:" \
+                                             f"{update.error_message}"
+            elif update.response.finish_reason:
+                outcome[update.request_id] = f"finished {update.response.completion_tokens}"
+        if len(outcome) == 3:
+            requests.close()
+    assert outcome[good] == "finished 16"
+    assert outcome[bad].startswith("True:") and "sampling.temperature" in outcome[bad]
+    assert outcome[""].startswith("True:") and "request_id is required" in outcome[""]
+
+
+def test_cancelling_a_prompt_or_the_whole_call_frees_its_sequences(pipeline):
+    stub, _ = pipeline
+    requests = _Requests()
+    long_one = requests.start(PROMPTS[3], max_tokens=400)
+    responses = _stream(stub, requests)
+    seen_after_cancel: list[str] = []
+    cancelled = False
+    short = None
+    for message in responses:
+        ids = [u.request_id for u in message.updates]
+        if cancelled:
+            seen_after_cancel += ids
+        elif long_one in ids:
+            requests.cancel(long_one)
+            cancelled = True
+            short = requests.start(PROMPTS[4], max_tokens=4)
+        if any(u.request_id == short and u.response.finish_reason for u in message.updates):
+            break
+    # The cancel raced at most one step already on its way; after that the long prompt is gone.
+    assert seen_after_cancel.count(long_one) <= 1
+    assert _until(lambda: _running(stub) == 0), "the cancelled prompt still holds its sequence"
+
+    another = requests.start(PROMPTS[5], max_tokens=400)
+    for message in responses:
+        if any(u.request_id == another for u in message.updates):
+            break
+    responses.cancel()  # the client gives up the whole call
+    assert _until(lambda: _running(stub) == 0), "cancelling the call left its prompt running"
+
+
+def test_a_full_stage_refuses_prompts_of_a_stream_with_resource_exhausted(pipeline):
+    stub, _ = pipeline
+    requests = _Requests()
+    ids = [requests.start(PROMPTS[i % 8], max_tokens=40) for i in range(14)]  # 8 running + 2 waiting fit
+    outcome: dict[str, str] = {}
+    for message in _stream(stub, requests):
+        for update in message.updates:
+            if update.error_code:
+                outcome[update.request_id] = f"{update.error_code}:{update.error_message}"
+            elif update.response.finish_reason:
+                outcome[update.request_id] = "ok"
+        if len(outcome) == len(ids):
+            requests.close()
+    refused = [v for v in outcome.values() if v != "ok"]
+    assert list(outcome.values()).count("ok") == 10 and len(refused) == 4
+    assert refused[0].startswith(f"{grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}:") and "--max-num-seqs 8" in refused[0]

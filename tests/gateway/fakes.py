@@ -96,6 +96,76 @@ class FakeStage(stage_pb2_grpc.StageServicer):
             raise
 
 
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _StartContext:
+    """What the fake's Generate needs of a context, for one prompt of a GenerateStream call."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+class StreamingFakeStage(FakeStage):
+    """The fake stage with ``GenerateStream`` too, answered like the real entry stage: each prompt runs
+    the scripted ``Generate`` and its messages travel as updates of the one call (everything queued
+    when the call wakes goes out as one message). ``generate_stream=False``: an older stage, UNIMPLEMENTED."""
+
+    def __init__(self, eos_id: int, generate_stream: bool = True) -> None:
+        super().__init__(eos_id)
+        self.generate_stream = generate_stream
+        self.stream_calls = 0
+
+    async def GenerateStream(self, request_iterator, context):  # noqa: N802 - gRPC name
+        if not self.generate_stream:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        self.stream_calls += 1
+        updates: asyncio.Queue[stage_pb2.GenerateUpdate | None] = asyncio.Queue()
+        prompts: dict[str, asyncio.Task] = {}
+
+        async def run(request: stage_pb2.GenerateRequest) -> None:
+            try:
+                async for response in self.Generate(request, _StartContext()):
+                    updates.put_nowait(stage_pb2.GenerateUpdate(request_id=request.request_id, response=response))
+            except _Aborted as exc:
+                updates.put_nowait(stage_pb2.GenerateUpdate(request_id=request.request_id,
+                                                            error_code=exc.code.value[0], error_message=exc.details))
+            finally:
+                prompts.pop(request.request_id, None)
+
+        async def read() -> None:
+            async for message in request_iterator:
+                if message.WhichOneof("action") == "start":
+                    prompts[message.start.request_id] = asyncio.ensure_future(run(message.start))
+                elif (task := prompts.pop(message.cancel, None)) is not None:
+                    task.cancel()
+            updates.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            closed = False
+            while not (closed and not prompts and updates.empty()):
+                first = await updates.get()
+                batch = [first] if first is not None else []
+                closed = closed or first is None
+                while not updates.empty():
+                    item = updates.get_nowait()
+                    closed = closed or item is None
+                    if item is not None:
+                        batch.append(item)
+                if batch:
+                    yield stage_pb2.GenerateStreamResponse(updates=batch)
+                if closed and prompts:
+                    await asyncio.gather(*prompts.values(), return_exceptions=True)
+        finally:
+            reader.cancel()
+            for task in list(prompts.values()):
+                task.cancel()
+
+
 class StageServer:
     """A grpc.aio server on 127.0.0.1 in its own thread and event loop."""
 

@@ -44,6 +44,11 @@ class StageStub:
                 request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/stagemesh.v1.Stage/GenerateStream',
+                request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/stagemesh.v1.Stage/Abort',
                 request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.AbortRequest.SerializeToString,
@@ -79,6 +84,23 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Generate for many prompts over one call: the gateway's path to a replica.
+        The client writes one GenerateStreamRequest per prompt to start (its
+        request_id is required and names the prompt in both directions) or to
+        cancel one. The stage answers with one message per engine step holding,
+        for every prompt of this call that got tokens in that step, what Generate
+        would have sent it: a busy stage sends one message a step instead of one
+        per prompt, and the client reads one. A prompt's error ends that prompt
+        only, with Generate's status codes (as error_code). The call ends when the
+        client has closed its side and every prompt has finished; cancelling it
+        aborts every prompt of it still running. Entry stage only (others answer
+        FAILED_PRECONDITION), like Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Abort a running or waiting request by id. Entry stage only.
         """
@@ -106,6 +128,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateRequest.FromString,
                     response_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -172,6 +199,33 @@ class Stage:
             '/stagemesh.v1.Stage/Generate',
             stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateRequest.SerializeToString,
             stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stagemesh.v1.Stage/GenerateStream',
+            stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamRequest.SerializeToString,
+            stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
