@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import grpc.aio
@@ -33,7 +33,7 @@ from stagemesh.core.v1 import stage_pb2
 log = logging.getLogger(__name__)
 
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-_Item = stage_pb2.GenerateResponse | grpc.aio.AioRpcError
+_Item: TypeAlias = "stage_pb2.GenerateResponse | grpc.aio.AioRpcError"
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
