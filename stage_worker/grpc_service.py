@@ -87,6 +87,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._status = status
         self._loop = loop
         self._wakeups: dict[str, asyncio.Event] = {}  # request id -> set when its handle got events
+        self._streams: set[_StreamCall] = set()  # GenerateStream calls in progress
+        self._closing = False  # the server is stopping: a GenerateStream call ends once nothing runs on it
         self.engine: EntryEngine | None = None  # set on the entry stage once it serves
 
     def on_delivered(self, request_ids: list[str]) -> None:
@@ -141,6 +143,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         answered by one message holding every prompt's news (``stage.proto``'s contract)."""
         engine = await self._require_engine(context)
         call = _StreamCall(engine, self._wakeups)
+        self._streams.add(call)
         reading = asyncio.ensure_future(call.read(request_iterator))
         reading.add_done_callback(call.reader_done)
         try:
@@ -149,13 +152,22 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 updates = call.collect()
                 if updates:
                     yield stage_pb2.GenerateStreamResponse(updates=updates)
-                elif reading.done() and not call.running:
+                elif (reading.done() or self._closing) and not call.running:
+                    # The client's side is closed, or the server is stopping: a gateway keeps its call
+                    # open for the next request, and the server's grace period should not wait for that.
                     return
                 else:
                     await call.wakeup.wait()
         finally:
+            self._streams.discard(call)
             reading.cancel()
             call.abort_all()
+
+    def close_streams(self) -> None:
+        """On the loop, as the server stops: every GenerateStream call ends as soon as its requests have."""
+        self._closing = True
+        for call in self._streams:
+            call.wakeup.set()
 
     async def Abort(self, request, context):
         engine = await self._require_engine(context)
@@ -386,14 +398,16 @@ def _logprob_proto(token_id: int, logprob) -> stage_pb2.TokenLogprob:
 class StageGrpcServer:
     """The stage's aio gRPC server and the thread whose event loop runs it."""
 
-    def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-        self._server, self._loop, self._thread = server, loop, thread
+    def __init__(self, server: grpc.aio.Server, servicer: StageServicer, loop: asyncio.AbstractEventLoop,
+                 thread: threading.Thread) -> None:
+        self._server, self._servicer, self._loop, self._thread = server, servicer, loop, thread
 
     def stop(self, grace: float | None) -> None:
         """Stop serving (calls in flight get ``grace`` seconds), then end the loop's thread."""
         if not self._thread.is_alive():
             return
         try:
+            self._loop.call_soon_threadsafe(self._servicer.close_streams)
             asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result((grace or 0) + 10)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -426,7 +440,7 @@ def start_grpc_server(
             asyncio.run_coroutine_threadsafe(health_servicer.set(name, serving), loop)
 
     status.on_state(mirror)
-    return StageGrpcServer(server, loop, thread), servicer
+    return StageGrpcServer(server, servicer, loop, thread), servicer
 
 
 async def _start(description: StageDescription, status: StageStatus, mesh_token: str, tls: TlsFiles | None,
