@@ -45,9 +45,12 @@ class GatewayConfig:
     failover_attempts: int = 1
     openai: OpenAIDefaults = field(default_factory=OpenAIDefaults)
     grpc_channel_options: tuple[tuple[str, Any], ...] = (
-        # Notice a dead stage host within ~30 s even on an idle long stream.
+        # Notice a dead stage host within ~30 s even on an idle GenerateStream call: ping every 20 s
+        # (the stage accepts one every 10 s: stage_worker.grpc_service.SERVER_OPTIONS), and keep pinging
+        # while no data flows (gRPC's client stops after two pings without data by default).
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
         # A restarted stage comes back on the same port: reconnect within a second instead of gRPC's
         # default backoff (up to 120 s, 10 s after ~20 s down), during which every call to a replica
         # the mesh already reports healthy again fails fast with UNAVAILABLE (503s after recovery).

@@ -103,8 +103,20 @@ class StageStream:
         self._error: grpc.aio.AioRpcError | None = None
         self.closed = False
         self._reader = asyncio.ensure_future(self._read())
+        self._accepted = asyncio.ensure_future(self._call.initial_metadata())
 
     async def start(self, request: stage_pb2.GenerateRequest, timeout_s: float) -> StreamedGeneration:
+        # Write only once the stage has accepted the call: a write racing a call it already ended (an
+        # older stage's UNIMPLEMENTED, a stage that is not serving) makes grpc.aio report INTERNAL in
+        # place of the stage's status (grpc/grpc#36066), and the client could not fall back or fail over.
+        if not self._accepted.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._accepted), timeout_s)
+            except TimeoutError:
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded: the entry stage did not "
+                                f"accept the call in {timeout_s:g} s") from None
+        if self._call.done():
+            raise rpc_error(await self._call.code(), await self._call.details() or "")
         if self._error is not None:
             raise self._error
         if request.request_id in self._generations:
@@ -132,6 +144,7 @@ class StageStream:
     def close(self) -> None:
         self._call.cancel()
         self._reader.cancel()
+        self._accepted.cancel()
 
     async def _write(self, message: stage_pb2.GenerateStreamRequest) -> None:
         async with self._write_lock:
@@ -153,6 +166,12 @@ class StageStream:
                         generation.deliver(update)
         except grpc.aio.AioRpcError as exc:
             error = exc
+            if exc.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (exc.debug_error_string() or ""):
+                # grpc/grpc#36066: a write raced the stage ending the call, and grpc.aio replaced the
+                # stage's status with INTERNAL. The call ended on the stage's side: say so, so requests
+                # that got nothing yet fail over.
+                error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the entry stage ended the generation stream "
+                                                               f"({exc.details()})")
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the generation stream")
             raise

@@ -54,6 +54,14 @@ _FINISH = {
     Finish.ABORT: stage_pb2.FINISH_REASON_ABORT,
 }
 _START_TIMEOUT_S = 30.0
+# The gateway keeps one GenerateStream call open to each entry stage, idle between requests, and
+# pings it every 20 s (gateway.config) to notice a dead host. gRPC's server default answers pings
+# closer than 5 min apart without data with GOAWAY "too_many_pings" after two, which killed an
+# idle call (and any request waiting out a long prefill) after about a minute. Accept one every 10 s.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+)
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """Many prompts over one call (the gateway's path): one wake-up per engine step for all of them,
         answered by one message holding every prompt's news (``stage.proto``'s contract)."""
         engine = await self._require_engine(context)
+        await context.send_initial_metadata(())  # accepted: the client may write (stage.proto)
         call = _StreamCall(engine, self._wakeups)
         self._streams.add(call)
         reading = asyncio.ensure_future(call.read(request_iterator))
@@ -445,7 +454,7 @@ def start_grpc_server(
 
 async def _start(description: StageDescription, status: StageStatus, mesh_token: str, tls: TlsFiles | None,
                  loop: asyncio.AbstractEventLoop) -> tuple[grpc.aio.Server, StageServicer, health.aio.HealthServicer]:
-    server = grpc.aio.server(interceptors=[MeshTokenInterceptor(mesh_token)], options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(interceptors=[MeshTokenInterceptor(mesh_token)], options=list(SERVER_OPTIONS))
     servicer = StageServicer(description, status, loop)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -203,6 +203,7 @@ async def _serve_source(port: int, step_ms: float, generate_stream: bool) -> Non
         async def GenerateStream(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
             if not generate_stream:
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, "bench-gateway --stage-rpc generate")
+            await context.send_initial_metadata(())  # accepted (stage.proto: clients wait for it)
             updates: asyncio.Queue[Any] = asyncio.Queue()
             running: dict[str, asyncio.Task] = {}
 

@@ -181,6 +181,7 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
         errors: dict[str, str] = {}
         open_ids = set(stamps)
         call = stub.GenerateStream(metadata=metadata, timeout=600)
+        await call.initial_metadata()  # the stage accepted the call (stage.proto: write after it)
         for i in indices:
             await call.write(stage_pb2.GenerateStreamRequest(start=request(i)))
         await call.done_writing()

@@ -122,6 +122,7 @@ class StreamingFakeStage(FakeStage):
     async def GenerateStream(self, request_iterator, context):  # noqa: N802 - gRPC name
         if not self.generate_stream:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        await context.send_initial_metadata(())  # accepted (stage.proto: clients wait for it)
         self.stream_calls += 1
         updates: asyncio.Queue[stage_pb2.GenerateUpdate | None] = asyncio.Queue()
         prompts: dict[str, asyncio.Task] = {}

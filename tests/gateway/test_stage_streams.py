@@ -11,7 +11,7 @@ import pytest
 from gateway.app import GatewayConfig, create_app
 
 from .conftest import MODEL
-from .fakes import AppServer, FakeMesh, StageServer, StreamingFakeStage
+from .fakes import AppServer, FakeMesh, FakeStage, StageServer, StreamingFakeStage
 
 
 def _chat(client: openai.OpenAI, text: str) -> str:
@@ -24,8 +24,9 @@ def own_gateway(tokenizer, eos_ids):
     """A fresh fake stage (``generate_stream`` as asked) behind a fresh gateway app."""
     made: list[tuple[StageServer, AppServer]] = []
 
-    def make(generate_stream: bool) -> tuple[StreamingFakeStage, openai.OpenAI]:
-        servicer = StreamingFakeStage(eos_id=2, generate_stream=generate_stream)
+    def make(generate_stream: bool) -> tuple[FakeStage, openai.OpenAI]:
+        # Without GenerateStream: the fake of an older stage, which registers no such method at all.
+        servicer = StreamingFakeStage(eos_id=2) if generate_stream else FakeStage(eos_id=2)
         servicer.reset(reply_ids=tokenizer.encode("Hello there!", add_special_tokens=False))
         stage = StageServer(servicer).start()
         app = AppServer(create_app(GatewayConfig(served_model_name=MODEL, max_model_len=2048, request_timeout_s=30),
@@ -42,6 +43,7 @@ def own_gateway(tokenizer, eos_ids):
 
 def test_concurrent_requests_to_one_stage_share_one_generate_stream(own_gateway):
     stage, client = own_gateway(generate_stream=True)
+    assert isinstance(stage, StreamingFakeStage)
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda i: _chat(client, f"question {i}"), range(16)))
     assert replies == ["Hello there!"] * 16
@@ -53,4 +55,15 @@ def test_a_stage_without_generate_stream_is_served_one_generate_call_per_request
     stage, client = own_gateway(generate_stream=False)
     assert [_chat(client, "hi"), _chat(client, "again")] == ["Hello there!"] * 2
     assert len(stage.requests) == 2  # both reached the scripted Generate
-    assert stage.stream_calls == 0
+
+
+def test_the_stage_accepts_the_keepalive_pings_the_gateway_sends_on_an_idle_stream():
+    """gRPC's server default answers pings closer than 5 min apart on a call without data with GOAWAY
+    (too_many_pings), which killed the gateway's idle GenerateStream call after about a minute (seen
+    with 1 s pings against a default server); the stage must accept the gateway's cadence."""
+    from stage_worker.grpc_service import SERVER_OPTIONS
+
+    client = dict(GatewayConfig(served_model_name=MODEL, max_model_len=2048).grpc_channel_options)
+    server = dict(SERVER_OPTIONS)
+    assert client["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+    assert client["grpc.http2.max_pings_without_data"] == 0  # keep pinging an idle call: a dead host shows

@@ -95,7 +95,10 @@ class StageServicer:
         only, with Generate's status codes (as error_code). The call ends when the
         client has closed its side and every prompt has finished; cancelling it
         aborts every prompt of it still running. Entry stage only (others answer
-        FAILED_PRECONDITION), like Generate.
+        FAILED_PRECONDITION), like Generate. The stage sends its initial metadata
+        as soon as it accepts the call, and clients wait for it before the first
+        write: a write racing a call the server already ended makes grpc.aio
+        report INTERNAL instead of the server's status (grpc/grpc#36066).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
