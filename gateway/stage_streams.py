@@ -115,10 +115,13 @@ class StageStream:
             except TimeoutError:
                 raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded: the entry stage did not "
                                 f"accept the call in {timeout_s:g} s") from None
-        if self._call.done():
-            raise rpc_error(await self._call.code(), await self._call.details() or "")
         if self._error is not None:
             raise self._error
+        if self._call.done():  # ended before this stream's reader saw it
+            code = await self._call.code()
+            if code == grpc.StatusCode.OK:  # a stopping stage ends its calls cleanly: it serves no more
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the entry stage ended the generation stream")
+            raise rpc_error(code, await self._call.details() or code.name)
         if request.request_id in self._generations:
             raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {request.request_id!r} is already running")
         generation = self._generations[request.request_id] = StreamedGeneration(self, request.request_id, timeout_s)
