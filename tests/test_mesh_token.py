@@ -83,10 +83,17 @@ def _generate(channel, metadata=None):
     return list(stage_pb2_grpc.StageStub(channel).Generate(request, timeout=10, metadata=metadata))
 
 
+def _generate_stream(channel, metadata=None):
+    start = stage_pb2.GenerateStreamRequest(start=stage_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2],
+                                                                            max_tokens=2))
+    return list(stage_pb2_grpc.StageStub(channel).GenerateStream(iter([start]), timeout=10, metadata=metadata))
+
+
 def test_state_changing_calls_without_the_token_are_unauthenticated(stage_server):
     _, channel = stage_server
     stub = stage_pb2_grpc.StageStub(channel)
     for call in (lambda md: _generate(channel, md),
+                 lambda md: _generate_stream(channel, md),
                  lambda md: stub.Abort(stage_pb2.AbortRequest(request_id="r"), timeout=10, metadata=md),
                  lambda md: stub.Drain(stage_pb2.DrainRequest(), timeout=10, metadata=md)):
         for metadata in (None, call_metadata("not-the-token-" + "x" * 20)):
@@ -95,9 +102,10 @@ def test_state_changing_calls_without_the_token_are_unauthenticated(stage_server
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "mesh token" in refused.value.details() and TOKEN not in refused.value.details()
     # With the token the call reaches the handler: no engine here, so it says the stage is not serving yet.
-    with pytest.raises(grpc.RpcError) as reached:
-        _generate(channel, call_metadata(TOKEN))
-    assert reached.value.code() == grpc.StatusCode.UNAVAILABLE and "not serving yet" in reached.value.details()
+    for call_with_token in (_generate, _generate_stream):
+        with pytest.raises(grpc.RpcError) as reached:
+            call_with_token(channel, call_metadata(TOKEN))
+        assert reached.value.code() == grpc.StatusCode.UNAVAILABLE and "not serving yet" in reached.value.details()
 
 
 def test_health_and_stage_info_answer_without_the_token(stage_server):
