@@ -12,9 +12,10 @@ Contract:
   stage share one ``GenerateStream`` call (``gateway.stage_streams``: one
   message per engine step for all of them); a stage that does not serve it
   (UNIMPLEMENTED: an older stagemesh) gets one ``Generate`` call per request
-  from then on. Close the generator (``aclosing``) or cancel the task
-  consuming it and the request is cancelled, which makes the stage abort the
-  sequence and free its slot.
+  for as long as that stage process (its pid in the snapshot) serves the
+  target. Close the generator (``aclosing``) or cancel the task consuming it
+  and the request is cancelled, which makes the stage abort the sequence and
+  free its slot.
 - If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token
   arrived, another healthy replica is tried (up to ``failover_attempts``
   more); nothing was generated yet, so this cannot duplicate output.
@@ -71,7 +72,10 @@ class ReplicaClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
         self._streams: dict[str, StageStream] = {}  # entry target -> its GenerateStream call
-        self._generate_only: set[str] = set()  # targets that answered GenerateStream UNIMPLEMENTED
+        # Entry targets whose stage process (by pid) answered GenerateStream UNIMPLEMENTED; a new process
+        # at the target (an upgraded stage) is tried with GenerateStream again.
+        self._generate_only: dict[str, int | None] = {}
+        self._entry_pids: dict[str, int | None] = {}  # entry target -> its stage's pid, from the snapshot
         self.balancer = LeastOutstandingBalancer()
         self._serving: dict[str, int] = {}  # request id -> the replica its call runs on, while it runs
         self.failures: dict[int, int] = {}  # replica -> Generate calls that failed there
@@ -101,7 +105,11 @@ class ReplicaClient:
 
     def _healthy_keys(self) -> list[ReplicaKey]:
         healthy: tuple[ReplicaSnapshot, ...] = self._mesh.snapshot().healthy_replicas
+        self._entry_pids = {r.entry.grpc_target: r.entry.pid for r in healthy}
         return [(r.replica, r.entry.grpc_target) for r in healthy]
+
+    def _generate_only_now(self, target: str) -> bool:
+        return target in self._generate_only and self._generate_only[target] == self._entry_pids.get(target)
 
     def _pick(self, tried: set[ReplicaKey]) -> ReplicaKey:
         keys = self._healthy_keys()
@@ -132,8 +140,9 @@ class ReplicaClient:
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED and key[1] not in self._generate_only:
-                    self._generate_only.add(key[1])  # an older stage: Generate per request from now on
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self._generate_only_now(key[1]):
+                    # An older stage: Generate per request for as long as this process serves the target.
+                    self._generate_only[key[1]] = self._entry_pids.get(key[1])
                     tried.discard(key)
                     continue
                 # The replica's failures only: not a client that left, nor a request the stage refused as invalid.
@@ -153,7 +162,7 @@ class ReplicaClient:
 
     async def _call(self, target: str,
                     request: stage_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall | StreamedGeneration:
-        if target in self._generate_only:
+        if self._generate_only_now(target):
             return self._stub(target).Generate(request, timeout=self._timeout, metadata=self._metadata)
         stream = self._streams.get(target)
         if stream is None or stream.closed:

@@ -199,18 +199,20 @@ class StageServer:
 
 @dataclass
 class FakeMesh:
-    """A MeshView: one single-stage replica per port; flip ``healthy`` per replica."""
+    """A MeshView: one single-stage replica per port; flip ``healthy`` per replica; ``pid_base`` + the
+    replica is each stage's pid (change it: a new process serves the port)."""
 
     ports: list[int]
     model: str = "SmolLM2-135M-Instruct"
     healthy: dict[int, bool] = field(default_factory=dict)
+    pid_base: int = 1000
 
     def snapshot(self) -> MeshSnapshot:
         replicas = []
         for r, port in enumerate(self.ports):
             ok = self.healthy.get(r, True)
             stage = StageSnapshot(
-                rank=0, layers=(0, 30), host="127.0.0.1", grpc_port=port, ring_port=0, pid=1000 + r,
+                rank=0, layers=(0, 30), host="127.0.0.1", grpc_port=port, ring_port=0, pid=self.pid_base + r,
                 node_id=f"node-{r}", compute_dtype="float32", quantized=False, healthy=ok, backend="cpu",
                 device="fake CPU",
                 state=StageState.SERVING if ok else StageState.FAILED,

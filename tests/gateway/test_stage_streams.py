@@ -21,19 +21,20 @@ def _chat(client: openai.OpenAI, text: str) -> str:
 
 @pytest.fixture
 def own_gateway(tokenizer, eos_ids):
-    """A fresh fake stage (``generate_stream`` as asked) behind a fresh gateway app."""
+    """A fresh fake stage behind a fresh gateway app: ``stage`` is the servicer to serve (default: one
+    with GenerateStream); returns it, the gateway's client and the gateway's mesh view."""
     made: list[tuple[StageServer, AppServer]] = []
 
-    def make(generate_stream: bool) -> tuple[FakeStage, openai.OpenAI]:
-        # Without GenerateStream: the fake of an older stage, which registers no such method at all.
-        servicer = StreamingFakeStage(eos_id=2) if generate_stream else FakeStage(eos_id=2)
+    def make(stage: FakeStage | None = None) -> tuple[FakeStage, openai.OpenAI, FakeMesh]:
+        servicer = stage if stage is not None else StreamingFakeStage(eos_id=2)
         servicer.reset(reply_ids=tokenizer.encode("Hello there!", add_special_tokens=False))
-        stage = StageServer(servicer).start()
+        server = StageServer(servicer).start()
+        mesh = FakeMesh(ports=[server.port])
         app = AppServer(create_app(GatewayConfig(served_model_name=MODEL, max_model_len=2048, request_timeout_s=30),
-                                   mesh=FakeMesh(ports=[stage.port]), tokenizer=tokenizer,
-                                   eos_token_ids=eos_ids)).start()
-        made.append((stage, app))
-        return servicer, openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=20)
+                                   mesh=mesh, tokenizer=tokenizer, eos_token_ids=eos_ids)).start()
+        made.append((server, app))
+        client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=20)
+        return servicer, client, mesh
 
     yield make
     for stage, app in made:
@@ -42,7 +43,7 @@ def own_gateway(tokenizer, eos_ids):
 
 
 def test_concurrent_requests_to_one_stage_share_one_generate_stream(own_gateway):
-    stage, client = own_gateway(generate_stream=True)
+    stage, client, _ = own_gateway()
     assert isinstance(stage, StreamingFakeStage)
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda i: _chat(client, f"question {i}"), range(16)))
@@ -52,9 +53,22 @@ def test_concurrent_requests_to_one_stage_share_one_generate_stream(own_gateway)
 
 
 def test_a_stage_without_generate_stream_is_served_one_generate_call_per_request(own_gateway):
-    stage, client = own_gateway(generate_stream=False)
+    stage, client, _ = own_gateway(FakeStage(eos_id=2))  # an older stage: no GenerateStream method at all
     assert [_chat(client, "hi"), _chat(client, "again")] == ["Hello there!"] * 2
     assert len(stage.requests) == 2  # both reached the scripted Generate
+
+
+def test_a_new_stage_process_at_the_target_is_tried_with_generate_stream_again(own_gateway):
+    stage, client, mesh = own_gateway(StreamingFakeStage(eos_id=2, generate_stream=False))
+    assert isinstance(stage, StreamingFakeStage)
+    assert _chat(client, "hi") == "Hello there!"
+    assert stage.stream_calls == 0 and len(stage.requests) == 1  # UNIMPLEMENTED, then Generate
+    stage.generate_stream = True  # the same process learns nothing new: it stays on Generate
+    assert _chat(client, "again") == "Hello there!"
+    assert stage.stream_calls == 0 and len(stage.requests) == 2
+    mesh.pid_base += 100  # an upgraded stage process now serves the port
+    assert _chat(client, "and again") == "Hello there!"
+    assert stage.stream_calls == 1 and len(stage.requests) == 3
 
 
 def test_the_stage_accepts_the_keepalive_pings_the_gateway_sends_on_an_idle_stream():
