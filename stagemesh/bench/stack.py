@@ -15,8 +15,11 @@ at one stream and at ``--streams`` streams, measured
    **stage gRPC per request**: the same load with one ``Generate`` call per
    stream (what the gateway falls back to for an older stage), so one
    invocation says what one message per step instead of one per token saves;
-3. **gateway**: the same server through its OpenAI API (``stagemesh bench``,
-   completions, streaming).
+3. **gateway**: the same server through its OpenAI API: streaming
+   completions of the same token-id prompts, sent in the same waves as the
+   stage layer (every stream of a round at once), from an asyncio HTTP client
+   in this process; tokens counted from each response's usage, times from
+   its chunks.
 
 Tokens per second, the first token's and the inter-token time (p50) per layer,
 and each layer's throughput over the one below it. The drop from 0 to 1 is the
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +76,6 @@ def run(args: argparse.Namespace) -> int:
     levels = sorted({1, args.streams})
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-stack-") as tmp:
         model = _model(args, Path(tmp))
-        from stagemesh.bench.workload import load_tokenizer, min_input_tokens
-
-        shortest = min_input_tokens(load_tokenizer(model))
-        if args.prompt_len < shortest:  # the gateway layer's prompts are text: they need room to differ
-            print(f"bench-stack: --prompt-len {args.prompt_len} is too short for distinct text prompts at the "
-                  f"gateway; give at least {shortest}", file=sys.stderr)
-            return 2
         bare = _bare_layer(args, model, levels)
         engine = _engine_layer(args, model, Path(tmp))
         token = generate_token()
@@ -95,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                       for level in levels}
             per_request = {level: asyncio.run(_direct_level(target, token, level, args, per_request=True))
                            for level in levels}
-            gateway = {level: _gateway_level(f"http://127.0.0.1:{args.port}", level, args, Path(tmp), model)
+            gateway = {level: asyncio.run(_gateway_level(f"http://127.0.0.1:{args.port}", level, args))
                        for level in levels}
     result = stack_report(bare, engine, direct, gateway, args, per_request)
     for line in _table(result):
@@ -160,8 +157,8 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
     metadata = call_metadata(token)
 
     def request(index: int) -> Any:
-        prompt = [1000 + (index * 7919 + i * 104729) % 20000 for i in range(args.prompt_len)]
-        return stage_pb2.GenerateRequest(request_id=f"stack-{streams}-{index}", prompt_token_ids=prompt,
+        return stage_pb2.GenerateRequest(request_id=f"stack-{streams}-{index}",
+                                         prompt_token_ids=_prompt(index, args.prompt_len),
                                          max_tokens=args.tokens, ignore_eos=True,
                                          sampling=stage_pb2.SamplingParams(temperature=0.0))
 
@@ -208,39 +205,70 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
-        await round_of(stub, 0)  # warm-up round
-        tokens, wall, failed = 0, 0.0, 0
-        ttfts: list[float] = []
-        gaps: list[float] = []
-        for round_index in range(args.rounds):
-            started = time.perf_counter()
-            results = await round_of(stub, (round_index + 1) * streams)
-            wall += time.perf_counter() - started
-            for begun, stamps, error in results:
-                failed += error is not None
-                tokens += len(stamps)
-                if stamps:
-                    ttfts.append(stamps[0] - begun)
-                    gaps.extend(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
+        return await _waves(lambda first: round_of(stub, first), streams, args.rounds)
+
+
+def _prompt(index: int, length: int) -> list[int]:
+    """The ``index``-th request's prompt: distinct token ids, the same at every layer."""
+    return [1000 + (index * 7919 + i * 104729) % 20000 for i in range(length)]
+
+
+async def _waves(round_of: Callable[[int], Awaitable[list[Outcome]]], streams: int, rounds: int) -> dict[str, Any]:
+    """One warm-up round, then ``rounds`` rounds of ``streams`` requests at once; pooled figures."""
+    await round_of(0)
+    tokens, wall, failed = 0, 0.0, 0
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    for round_index in range(rounds):
+        started = time.perf_counter()
+        results = await round_of((round_index + 1) * streams)
+        wall += time.perf_counter() - started
+        for begun, stamps, error in results:
+            failed += error is not None
+            tokens += len(stamps)
+            if stamps:
+                ttfts.append(stamps[0] - begun)
+                gaps.extend(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
     return {"tokens_per_s": round(tokens / wall, 1) if wall else None, "ttft_p50_ms": _p50_ms(ttfts),
             "itl_p50_ms": _p50_ms(gaps), "failed": failed}
 
 
-def _gateway_level(url: str, streams: int, args: argparse.Namespace, tmp: Path, model: str) -> dict[str, Any]:
-    out = tmp / f"gateway-{streams}.json"
-    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "--base-url", url, "--label", "gateway",
-                    "--concurrency", str(streams), "--num-prompts", str(streams * args.rounds),
-                    "--input-len", str(args.prompt_len), "--output-len", str(args.tokens), "--ignore-eos",
-                    "--warmup", str(streams), "--tokenizer", model, "--output", str(out)],
-                   check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if not out.exists():
-        print(f"bench-stack: stagemesh bench at {streams} streams wrote nothing:\n{done.stderr[-2000:]}",
-              file=sys.stderr)
-        return {"tokens_per_s": None, "ttft_p50_ms": None, "itl_p50_ms": None, "failed": streams * args.rounds}
-    level = json.loads(out.read_text())["levels"][0]
-    return {"tokens_per_s": round(float(level["output_tokens_per_s"]), 1),
-            "ttft_p50_ms": _ms(level["ttft"]["p50"]), "itl_p50_ms": _ms(level["itl"]["p50"]),
-            "failed": int(level["failed"])}
+async def _gateway_level(url: str, streams: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The stage layer's load through the OpenAI API: streaming completions of the same token-id prompts,
+    each round's ``streams`` requests at once. A request's tokens are its usage's completion tokens; its
+    chunks give the times (a chunk can hold several tokens, whose times are then the chunk's)."""
+    import httpx
+
+    async def one(client: httpx.AsyncClient, index: int) -> Outcome:
+        body = {"model": "bench-stack", "prompt": _prompt(index, args.prompt_len), "max_tokens": args.tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        started, chunks, completion = time.perf_counter(), list[float](), 0
+        try:
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    return started, [], f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if chunk.get("usage"):
+                        completion = int(chunk["usage"]["completion_tokens"])
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        chunks.append(time.perf_counter())
+        except httpx.HTTPError as exc:
+            return started, [], f"{type(exc).__name__}: {exc}"
+        if not chunks:
+            return started, [], "no text arrived"
+        # Spread the count over the chunks' times: the last chunks' times stand for any tokens held back.
+        stamps = chunks + [chunks[-1]] * max(0, completion - len(chunks))
+        return started, stamps[:completion] if completion else stamps, None
+
+    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def round_of(first: int) -> list[Outcome]:
+            return list(await asyncio.gather(*(one(client, i) for i in range(first, first + streams))))
+
+        return await _waves(round_of, streams, args.rounds)
 
 
 def stack_report(bare: dict[int, dict], engine: dict[int, dict], direct: dict[int, dict],
