@@ -100,8 +100,7 @@ class StageStream:
         self._generations: dict[str, StreamedGeneration] = {}
         self._write_lock = asyncio.Lock()  # one write in flight at a time on a call
         self._pending: set[asyncio.Future] = set()  # cancel writes under way (kept from the GC)
-        self._error: grpc.aio.AioRpcError | None = None
-        self.closed = False
+        self._error: grpc.aio.AioRpcError | None = None  # how the call ended, once it has
         self._reader = asyncio.ensure_future(self._read())
         self._accepted = asyncio.ensure_future(self._call.initial_metadata())
 
@@ -132,6 +131,10 @@ class StageStream:
             if self._error is not None:
                 generation.fail(self._error)  # the reader ended before this generation joined
         return generation
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
 
     def send_cancel(self, request_id: str) -> None:
         self.forget(request_id)
@@ -179,7 +182,6 @@ class StageStream:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the generation stream")
             raise
         finally:
-            self.closed = True
             self._error = error
             for generation in list(self._generations.values()):
                 generation.fail(error)

@@ -293,9 +293,10 @@ class _StreamCall:
 
     async def read(self, request_iterator) -> None:
         async for message in request_iterator:
-            if message.WhichOneof("action") == "start":
+            action = message.WhichOneof("action")
+            if action == "start":
                 self._start(message.start)
-            elif message.WhichOneof("action") == "cancel":
+            elif action == "cancel":
                 self._cancel(message.cancel)
         self.wakeup.set()  # the client closed its side: the call may end once nothing runs
 

@@ -410,11 +410,19 @@ def _profile_levels(args: argparse.Namespace) -> list[int]:
 
 def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> None:
     """Each stagemesh server alone at one level: per-stage compute / ring wait / send / other."""
+    from stagemesh.bench.command import default_num_prompts
     from stagemesh.bench.profile import profile_endpoint
+    from stagemesh.bench.types import Level
 
     input_len, output_len, num_prompts = _sizes(args, name)
+
+    def prompts_at(level: int) -> int:
+        count = default_num_prompts(Level("concurrency", level), num_prompts, None)
+        assert count is not None  # without a duration there is always a count
+        return count
+
     profiles = [profile_endpoint(e.url, e.label, e.model, e.pid, concurrency=level,
-                                 num_prompts=num_prompts if num_prompts is not None else max(16, 4 * level),
+                                 num_prompts=prompts_at(level),
                                  input_len=input_len,
                                  output_len=output_len, tokenizer_dir=tokenizer_dir)
                 for level in _profile_levels(args) for e in endpoints if e.stagemesh]

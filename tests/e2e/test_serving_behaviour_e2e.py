@@ -19,6 +19,7 @@ from stagemesh.core.mesh_token import call_metadata, generate_token
 from stagemesh.core.plan import StageOptions, make_local_plan
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
+from tests.coordinator.helpers import wait_until
 from tests.e2e.stage_processes import start_stages
 
 pytestmark = pytest.mark.e2e
@@ -127,15 +128,6 @@ def _running(stub) -> int:
     return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=10).stats.running_sequences
 
 
-def _until(predicate, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_prompts_over_one_generate_stream_get_what_generate_gives_them(pipeline):
     stub, _ = pipeline
     alone = [_generate(stub, p) for p in PROMPTS[4:8]]
@@ -199,14 +191,14 @@ def test_cancelling_a_prompt_or_the_whole_call_frees_its_sequences(pipeline):
             break
     # The cancel raced at most one step already on its way; after that the long prompt is gone.
     assert seen_after_cancel.count(long_one) <= 1
-    assert _until(lambda: _running(stub) == 0), "the cancelled prompt still holds its sequence"
+    wait_until(lambda: _running(stub) == 0, 60, "the cancelled prompt freeing its sequence")
 
     another = requests.start(PROMPTS[5], max_tokens=400)
     for message in responses:
         if any(u.request_id == another for u in message.updates):
             break
     responses.cancel()  # the client gives up the whole call
-    assert _until(lambda: _running(stub) == 0), "cancelling the call left its prompt running"
+    wait_until(lambda: _running(stub) == 0, 60, "cancelling the call freeing its prompt's sequence")
 
 
 def test_a_full_stage_refuses_prompts_of_a_stream_with_resource_exhausted(pipeline):
