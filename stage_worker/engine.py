@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5
 
 
+def step_ahead_wanted(setting: str, backend: str) -> bool:
+    """``STAGEMESH_STEP_AHEAD`` (auto, on, off) on ``backend`` (pure): auto follows ``step_ahead_pays``."""
+    return setting == "on" or (setting == "auto" and step_ahead_pays(backend))
+
+
 def step_ahead_pays(backend: str) -> bool:
     """Whether a single-stage pipeline should queue each decode step before reading the last (pure).
 
@@ -93,6 +98,11 @@ class EntryEngine:
         self._accepting = True
         self._on_delivered = on_delivered
 
+    @property
+    def steps_ahead(self) -> bool:
+        """Decode steps are queued before the tokens they continue from are read (see ``run``)."""
+        return self._step_ahead and self._pipeline.can_carry
+
     # -- called from gRPC threads ------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises RequestError, QueueFullError or NotAccepting."""
@@ -138,16 +148,20 @@ class EntryEngine:
         work, it submits (stage 0 computes its part and hands it on); otherwise
         it collects the oldest batch's tokens.
 
-        With ``step_ahead`` (``step_ahead_pays``), a single-stage pipeline
-        keeps the device busy across steps instead: with one batch in flight
-        it submits that batch's continuation (the next decode step of its
-        sequences, fed the tokens still on the device, plus any new work), and
-        only then reads the older batch's tokens, so building a step's graph,
-        reading tokens back and delivering them overlap the device's compute,
-        as ``mlx_lm.generate_step`` does for one sequence.
+        With ``step_ahead`` (``step_ahead_pays``) and a pipeline that can
+        carry (``EntryPipeline.can_carry``), the stages are kept busy across
+        steps instead: once every micro-batch slot is taken (or no new work
+        waits for one), it submits the oldest batch's continuation (the next
+        decode step of its sequences, fed the tokens that batch is about to
+        sample, plus any new work), and only then reads the oldest batch's
+        tokens. On a single stage the continuation runs on the device at once,
+        so building a step's graph, reading tokens back and delivering them
+        overlap the device's compute, as ``mlx_lm.generate_step`` does for one
+        sequence; on a longer pipeline it is built and announced while the
+        other stages compute, and runs as soon as the tokens are back.
         """
         in_flight: deque[Batch] = deque()
-        continuous = self._step_ahead and self._pipeline.single_stage
+        continuous = self.steps_ahead
         try:
             while True:
                 with self._cond:
@@ -157,10 +171,11 @@ class EntryEngine:
                         break
                     batch = None
                     collect_after = False
-                    if continuous and len(in_flight) == 1:
+                    if continuous and in_flight and (len(in_flight) >= self._micro_batches
+                                                     or not self._scheduler.has_work()):
                         batch = self._scheduler.continuation(in_flight[0])
                         if self._scheduler.has_work():
-                            batch = Batch(batch.chunks + self._scheduler.next_batch(1).chunks)
+                            batch = Batch(batch.chunks + self._scheduler.next_batch(self._micro_batches).chunks)
                         self._publish_load()
                         collect_after = True
                     elif len(in_flight) < self._micro_batches and self._scheduler.has_work():
@@ -215,5 +230,5 @@ class EntryEngine:
             self._on_delivered([handle.request_id for handle, _ in events])
 
 
-__all__ = ["EntryEngine", "NotAccepting", "PipelineBroken", "QueueFullError", "RequestError",
-           "RequestFailed", "RequestHandle"]
+__all__ = ["EntryEngine", "NotAccepting", "PipelineBroken", "QueueFullError", "RequestError", "RequestFailed",
+           "RequestHandle", "step_ahead_pays", "step_ahead_wanted"]

@@ -123,7 +123,7 @@ def _recv_exact(sock: socket.socket, count: int, peer: str) -> bytes:
     return bytes(chunks)
 
 
-def recv_exactly_into(sock: socket.socket, buffer: bytearray, peer: str) -> None:
+def recv_exactly_into(sock: socket.socket, buffer: bytearray | memoryview, peer: str) -> None:
     """Fill ``buffer`` from ``sock``; ``LinkError`` naming ``peer`` if it closes or fails first."""
     view, got = memoryview(buffer), 0
     while got < len(buffer):
@@ -147,6 +147,15 @@ def _send_all(sock: socket.socket, head: bytes, tail: memoryview) -> None:
         sock.sendall(tail[sent - len(head):])
 
 
+def _payload_shape(payload: mx.array | None) -> tuple[int, int, mx.Dtype | None]:
+    """(rows, row width, dtype) of a payload as its header states them."""
+    if payload is None:
+        return 0, 0, None
+    if payload.ndim == 1:
+        return payload.shape[0], 1, payload.dtype
+    return payload.shape[0], payload.shape[1], payload.dtype
+
+
 class OutboundLink:
     """Sends messages to the next stage; connects with retries until a deadline."""
 
@@ -157,6 +166,7 @@ class OutboundLink:
         self._sock: socket.socket | None = None
         self._message_no = 0
         self._lane_watchdog: RingWatchdog | None = None  # set: payloads travel on the lane
+        self._owed_bytes: int | None = None  # an announced message's payload, not sent yet
 
     def attach_ring(self, ring: Ring) -> None:
         """The ring forms after the handshake, so links learn of it late."""
@@ -206,6 +216,11 @@ class OutboundLink:
             raise LinkError(f"{self.peer_name} refused this stage: {reply.get('error')}")
         return reply
 
+    @property
+    def can_announce(self) -> bool:
+        """Whether a header can go ahead of its payload (lane payloads; the ring's receive is sized then posted)."""
+        return self._lane_watchdog is not None
+
     def send(
         self,
         kind: wire.FrameKind,
@@ -216,34 +231,67 @@ class OutboundLink:
         in_flight: int = 0,
     ) -> None:
         data = wire.encode_body(body) if body is not None else b""
+        shape = _payload_shape(payload)
         if payload is not None and payload.size > 0 and self._lane_watchdog is not None:
             raw = wire.payload_bytes(payload)  # the device sync; then only host bytes move
             with self._lane_watchdog.guard(f"send {raw.nbytes} payload bytes to {self.peer_name}"):
-                self._send_frame(kind, records, body=data, payload=payload, batch_id=batch_id,
-                                 in_flight=in_flight, tail=raw)
+                self._send_frame(kind, records, shape, body=data, batch_id=batch_id, in_flight=in_flight, tail=raw)
             return
-        self._send_frame(kind, records, body=data, payload=payload, batch_id=batch_id, in_flight=in_flight)
+        self._send_frame(kind, records, shape, body=data, batch_id=batch_id, in_flight=in_flight)
         if payload is not None and payload.size > 0:
             assert self._ring is not None, "a payload needs the ring or the lane"
             self._ring.send(payload, self._peer_rank)
+
+    def announce(
+        self,
+        kind: wire.FrameKind,
+        records: Sequence[wire.SequenceRecord],
+        rows: int,
+        width: int,
+        dtype: mx.Dtype,
+        batch_id: int = 0,
+        body: dict | None = None,
+        in_flight: int = 0,
+    ) -> None:
+        """Send a message's header now and its ``[rows, width]`` payload later (``send_announced``).
+
+        The peer reads exactly the bytes ``send`` would have sent, only earlier: it can build the
+        batch's graph while this stage computes the payload. Nothing else may be sent in between.
+        """
+        if not self.can_announce:
+            raise RuntimeError("only lane payloads can be announced ahead of their bytes")
+        data = wire.encode_body(body) if body is not None else b""
+        self._send_frame(kind, records, (rows, width, dtype), body=data, batch_id=batch_id, in_flight=in_flight)
+        self._owed_bytes = rows * width * dtype.size
+
+    def send_announced(self, payload: mx.array) -> None:
+        """The payload of the message ``announce`` sent the header of."""
+        owed, self._owed_bytes = self._owed_bytes, None
+        if owed is None or self._lane_watchdog is None:
+            raise RuntimeError("no announced message is waiting for its payload")
+        raw = wire.payload_bytes(payload)  # the device sync
+        if raw.nbytes != owed:
+            raise wire.WireMismatchError(f"announced {owed} payload bytes to {self.peer_name}, have {raw.nbytes}")
+        with self._lane_watchdog.guard(f"send {raw.nbytes} payload bytes to {self.peer_name}"):
+            try:
+                self._require_sock().sendall(raw)
+            except OSError as exc:
+                raise LinkError(f"{self.peer_name} control lane broke ({exc}): the stage exited or crashed") from exc
 
     def _send_frame(
         self,
         kind: wire.FrameKind,
         records: Sequence[wire.SequenceRecord],
+        shape: tuple[int, int, mx.Dtype | None] = (0, 0, None),
         *,
         body: bytes = b"",
-        payload: mx.array | None = None,
         batch_id: int = 0,
         in_flight: int = 0,
         tail: memoryview | None = None,
     ) -> None:
-        if payload is None:
-            rows, width, dtype = 0, 0, None
-        elif payload.ndim == 1:
-            rows, width, dtype = payload.shape[0], 1, payload.dtype
-        else:
-            rows, width, dtype = payload.shape[0], payload.shape[1], payload.dtype
+        if self._owed_bytes is not None:
+            raise RuntimeError(f"the payload announced to {self.peer_name} must be sent before another message")
+        rows, width, dtype = shape
         header = wire.FrameHeader(
             kind=kind,
             message_no=self._message_no,
@@ -350,6 +398,11 @@ class InboundLink:
             raise LinkError(f"refused {self.peer_name}: {problem}")
         return message.body
 
+    @property
+    def lane_payloads(self) -> bool:
+        """Payloads follow their header on the lane (so ``recv_payload_into`` can take them)."""
+        return self._lane_payloads
+
     def recv(
         self,
         check: Callable[[wire.FrameHeader], None] | None = None,
@@ -361,9 +414,20 @@ class InboundLink:
         ``timeout_s`` bounds the wait for a reply that is owed (a batch in
         flight); waiting for new work has no deadline.
         """
-        sock = self._sock
-        if sock is None:
-            raise LinkError(f"link from {self.peer_name} is not connected")
+        message = self.recv_head(check, timeout_s)
+        if not message.header.has_payload:
+            return message
+        return wire.Message(header=message.header, records=message.records, body=message.body,
+                            payload=self.recv_payload(message.header))
+
+    def recv_head(
+        self,
+        check: Callable[[wire.FrameHeader], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> wire.Message:
+        """The next message's header, records and body; its payload, if any, is left for
+        ``recv_payload_into`` (or for ``recv``, which takes both)."""
+        sock = self._require_sock()
         sock.settimeout(timeout_s)
         try:
             header = wire.unpack_header(_recv_exact(sock, wire.HEADER_BYTES, self.peer_name))
@@ -389,18 +453,33 @@ class InboundLink:
             body = wire.decode_body(_recv_exact(sock, header.body_bytes, self.peer_name))
         if check is not None:
             check(header)
-        payload = None
-        if header.has_payload and self._lane_payloads:
-            assert header.dtype is not None
+        return wire.Message(header=header, records=records, body=body)
+
+    def recv_payload(self, header: wire.FrameHeader) -> mx.array:
+        """The payload ``header`` announced (``recv_head``), from the lane or the ring."""
+        assert header.dtype is not None
+        if self._lane_payloads:
             buffer = bytearray(wire.payload_nbytes(header))
-            recv_exactly_into(sock, buffer, self.peer_name)
-            payload = wire.payload_from_bytes(buffer, header)
-        elif header.has_payload:
-            if self._ring is None:
-                raise wire.WireMismatchError(f"{self.peer_name} sent a ring payload on a ring-less link")
-            assert header.dtype is not None
-            payload = self._ring.recv(header.payload_shape, header.dtype, self._peer_rank)
-        return wire.Message(header=header, records=records, body=body, payload=payload)
+            recv_exactly_into(self._require_sock(), buffer, self.peer_name)
+            return wire.payload_from_bytes(buffer, header)
+        if self._ring is None:
+            raise wire.WireMismatchError(f"{self.peer_name} sent a ring payload on a ring-less link")
+        return self._ring.recv(header.payload_shape, header.dtype, self._peer_rank)
+
+    def recv_payload_into(self, header: wire.FrameHeader, buffer: memoryview) -> None:
+        """The lane payload ``header`` announced, written into ``buffer`` (a placeholder's bytes)."""
+        if not self._lane_payloads:
+            raise RuntimeError("only lane payloads can be received into a buffer")
+        if buffer.nbytes != wire.payload_nbytes(header):
+            raise wire.WireMismatchError(
+                f"{self.peer_name} announced {wire.payload_nbytes(header)} payload bytes; "
+                f"the buffer holds {buffer.nbytes}")
+        recv_exactly_into(self._require_sock(), buffer, self.peer_name)
+
+    def _require_sock(self) -> socket.socket:
+        if self._sock is None:
+            raise LinkError(f"link from {self.peer_name} is not connected")
+        return self._sock
 
     def close(self) -> None:
         for sock in (self._sock, self._listener):

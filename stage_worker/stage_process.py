@@ -36,8 +36,9 @@ import mlx.core as mx
 
 from stage_worker import wire
 from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
+from stage_worker.build_ahead import build_ahead_enabled
 from stage_worker.device import StageDevice, apply_wired_limit, probe
-from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_pays
+from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_wanted
 from stage_worker.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.handshake import StageIdentity, connect_neighbours, init_ring
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
@@ -126,9 +127,12 @@ class RunningStage:
     links: StageLinks
 
     def entry_pipeline(self, status: StageStatus) -> EntryPipeline:
-        return EntryPipeline(self.compute, self.links.outbound, self.links.inbound, self.context.launch.is_last,
+        outbound = self.links.outbound
+        return EntryPipeline(self.compute, outbound, self.links.inbound, self.context.launch.is_last,
                              reply_timeout_s=self.context.ring_timeout_s, on_batch=status.record_batch,
-                             on_wait=status.record_wait)
+                             on_wait=status.record_wait,
+                             build_ahead=outbound is not None and outbound.can_announce
+                             and build_ahead_enabled(settings.STEP_AHEAD))
 
 
 def resolve(launch: StageLaunch) -> StageContext:
@@ -289,12 +293,14 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
                           prefix_cache=prefix_cache_for(ctx))
     # As many micro-batches in flight as there are stages keeps every stage busy.
     engine = EntryEngine(pipeline, scheduler, status, micro_batches=options.micro_batches or ctx.launch.plan.size,
-                         step_ahead=step_ahead_pays(ctx.device.backend), on_delivered=servicer.on_delivered)
+                         step_ahead=step_ahead_wanted(settings.STEP_AHEAD, ctx.device.backend),
+                         on_delivered=servicer.on_delivered)
     servicer.engine = engine
     on_stop_signal(engine.stop)
     status.set_state(StageState.SERVING)
-    log.info("serving (max_num_seqs=%d max_model_len=%d, pipeline KV capacity %d tokens, %d micro-batches)",
-             options.max_num_seqs, ctx.max_model_len, capacity, engine.micro_batches)
+    log.info("serving (max_num_seqs=%d max_model_len=%d, pipeline KV capacity %d tokens, %d micro-batches, "
+             "steps ahead: %s, graphs built ahead: %s)", options.max_num_seqs, ctx.max_model_len, capacity,
+             engine.micro_batches, engine.steps_ahead, pipeline.builds_ahead)
     engine.run()
 
 
@@ -324,7 +330,8 @@ def run_relay(stage: RunningStage, status: StageStatus) -> None:
     on_stop_signal(_raise_stop)
     try:
         relay_loop(stage.compute, inbound, outbound, stage.context.launch.is_last, on_batch=status.record_batch,
-                   kv_token_capacity=stage.loaded.kv_capacity)
+                   kv_token_capacity=stage.loaded.kv_capacity,
+                   build_ahead=inbound.lane_payloads and build_ahead_enabled(settings.STEP_AHEAD))
     except _StopRequested:
         log.info("stop requested")
 

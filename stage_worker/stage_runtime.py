@@ -30,6 +30,7 @@ import numpy as np
 
 from stage_worker import wire
 from stage_worker.blas import AdaptiveBlasThreads
+from stage_worker.build_ahead import Placeholder
 from stage_worker.kv_store import KVStore
 from stage_worker.links import InboundLink, LinkError, OutboundLink
 from stage_worker.packed_forward import DecodeRows, Segment
@@ -57,7 +58,7 @@ class Chunk:
     """Tokens of one sequence entering the pipeline in one batch.
 
     ``carried``: a decode step whose one input token is the one sampled for the same sequence in
-    the batch submitted just before, still on the device (``token_ids`` is empty).
+    the oldest batch in flight, not read back yet (``token_ids`` is empty).
     """
 
     record: SequenceRecord
@@ -180,6 +181,12 @@ class StageCompute:
         ``wait=False`` only starts that evaluation (``mx.async_eval``): the tokens are read later,
         while the device already runs what was queued after them.
         """
+        sampling = self.build_sample(records, hidden)
+        self.evaluate_sample(sampling, wait)
+        return sampling.records, sampling.tokens, sampling.logprobs
+
+    def build_sample(self, records: Sequence[SequenceRecord], hidden: mx.array) -> PendingSample:
+        """``sample``'s graph, built but not evaluated (its input may still be a placeholder)."""
         picks, chosen = [], []
         row = 0
         for record in records:
@@ -187,10 +194,8 @@ class StageCompute:
             if record.has(RecordFlag.SAMPLE) and record.num_tokens > 0:
                 picks.append(row - 1)
                 chosen.append(record)
-        evaluate = mx.eval if wait or self._recorder is not None else mx.async_eval
         if not chosen:
-            evaluate(hidden)
-            return [], mx.zeros((0,), dtype=mx.int32), None
+            return PendingSample([], mx.zeros((0,), dtype=mx.int32), None, (hidden,), [], None)
         logits = self.model.logits(hidden[mx.array(picks)])
         positions = [r.start_pos + r.num_tokens for r in chosen]
         seq_ids = [r.seq_id for r in chosen]
@@ -199,14 +204,18 @@ class StageCompute:
         logprobs = self.rows.logprobs(logits, tokens, seq_ids)
         self.rows.observe(seq_ids, tokens)
         extra = self.rows.pending() + (logprobs.arrays() if logprobs is not None else [])
-        evaluate(tokens, logits, hidden, *extra)
-        if self._recorder is not None:
-            self._recorder.add(chosen, logits)
         out_records = [
             SequenceRecord(seq_id=r.seq_id, start_pos=r.start_pos + r.num_tokens, num_tokens=1)
             for r in chosen
         ]
-        return out_records, tokens, logprobs
+        return PendingSample(out_records, tokens, logprobs, (tokens, logits, hidden, *extra), chosen, logits)
+
+    def evaluate_sample(self, sampling: PendingSample, wait: bool = True) -> None:
+        """Evaluate what ``build_sample`` built (``wait=False``: only start it), recording logits if asked."""
+        evaluate = mx.eval if wait or self._recorder is not None else mx.async_eval
+        evaluate(*sampling.evaluate)
+        if self._recorder is not None and sampling.logits is not None:
+            self._recorder.add(sampling.chosen, sampling.logits)
 
     def accept(self, sampled: Sequence[SampledToken]) -> None:
         """Advance constrained sequences' grammars with their sampled ids (nothing to do without one)."""
@@ -218,6 +227,48 @@ class StageCompute:
         self.kv.release_many(released)
         if len(self.rows):
             self.rows.release(released)
+
+
+@dataclass(frozen=True)
+class PendingSample:
+    """The last stage's sampling graph for one batch, built and not yet evaluated."""
+
+    records: list[SequenceRecord]  # the TOKENS records: one per sampled row, in row order
+    tokens: mx.array
+    logprobs: LogprobRows | None
+    evaluate: tuple[mx.array, ...]  # what one evaluation must cover (the batch's KV writes included)
+    chosen: list[SequenceRecord]  # the FORWARD records sampled from
+    logits: mx.array | None
+
+
+@dataclass(frozen=True)
+class _RemoteBatch:
+    """A batch handed to the next stage: its id, and the sequences the last stage samples, in reply order."""
+
+    batch_id: int
+    sampled_seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _CarrySource:
+    """Where carried decode steps take their input token: ``tokens[index[seq_id]]``."""
+
+    tokens: mx.array
+    index: dict[int, int]
+    slots: Placeholder | None = None  # multi-stage: ``tokens`` is this placeholder, written on the reply
+    after: int = 0  # multi-stage: the batch whose reply writes it
+
+
+@dataclass(frozen=True)
+class _PendingLaunch:
+    """A batch announced and built on the entry stage, waiting for the tokens of batch ``after``."""
+
+    batch_id: int
+    after: int
+    hidden: mx.array  # this stage's output, lazy
+    token_slots: Placeholder  # ``after``'s sampled tokens, in its reply order
+    rows: int
+    build_s: float
 
 
 @dataclass(frozen=True)
@@ -249,6 +300,7 @@ class EntryPipeline:
         reply_timeout_s: float = 30.0,
         on_batch: BatchTimer | None = None,
         on_wait: Callable[[float], None] | None = None,
+        build_ahead: bool = False,
     ) -> None:
         self._compute = compute
         self._reply_timeout_s = reply_timeout_s
@@ -257,8 +309,10 @@ class EntryPipeline:
         self._outbound = outbound
         self._inbound = inbound
         self._is_last = is_last
+        self._build_ahead = build_ahead and not is_last and outbound is not None and outbound.can_announce
         self._batch_id = 0
-        self._in_flight: deque[tuple[int, float]] = deque()  # (batch id, when submitted)
+        self._in_flight: deque[_RemoteBatch] = deque()  # batches handed on (or announced), oldest first
+        self._pending: _PendingLaunch | None = None
         # Single-stage pipelines: each batch's sampled tokens, still on the device until ``collect``
         # reads them; the newest also feeds ``Chunk.carried`` decode steps.
         self._local_results: deque[_LocalBatch] = deque()
@@ -267,9 +321,21 @@ class EntryPipeline:
     def single_stage(self) -> bool:
         """This stage is also the last: tokens are sampled here (and can feed the next step on the device)."""
         return self._is_last
+
+    @property
+    def builds_ahead(self) -> bool:
+        """Headers go to the next stage before this stage computes (``OutboundLink.announce``)."""
+        return self._build_ahead
+
+    @property
+    def can_carry(self) -> bool:
+        """Whether ``submit`` takes ``Chunk.carried`` decode steps of the oldest batch in flight: on a
+        single stage fed from the device, on a longer pipeline built ahead and fed from its reply."""
+        return self._is_last or self._build_ahead
+
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        return len(self._local_results) if self._is_last else len(self._in_flight)
 
     def step(self, chunks: Sequence[Chunk]) -> list[SampledToken]:
         """One batch through the whole pipeline (nothing else may be in flight)."""
@@ -277,56 +343,110 @@ class EntryPipeline:
         return self.collect()
 
     def submit(self, chunks: Sequence[Chunk]) -> int:
+        """Compute this stage's part of a batch and hand it on; a batch with carried steps is only
+        built and announced, and runs once ``collect`` has the tokens it continues from."""
         records = [_with_seed(c.record) for c in chunks]
         for chunk in chunks:
             expected = 0 if chunk.carried else chunk.record.num_tokens
             if len(chunk.token_ids) != expected or (chunk.carried and chunk.record.num_tokens != 1):
                 raise ValueError(f"sequence {chunk.record.seq_id}: record says "
                                  f"{chunk.record.num_tokens} tokens, chunk has {len(chunk.token_ids)}")
+        if self._pending is not None:
+            raise RuntimeError("a batch built ahead must run (collect) before another is submitted")
         self._batch_id += 1
-        in_flight = len(self._in_flight) + 1
+        in_flight = self.in_flight + 1
         model = self._compute.model
         started = time.perf_counter()
-        ids = self._input_ids(chunks)
         options = {c.record.seq_id: c.options for c in chunks if c.options is not None}
-        hidden = model.embed(ids) if ids.size else mx.zeros((0, model.hidden_size), dtype=model.dtype)
-        hidden = self._compute.forward(records, hidden, in_flight, evaluate=not self._is_last)
         if self._is_last:
+            ids = self._input_ids(chunks, self._local_carry_source(chunks))
+            hidden = self._embed(ids)
+            hidden = self._compute.forward(records, hidden, in_flight, evaluate=False)
             if options:
                 self._compute.rows.register(options)
             out_records, tokens, logprobs = self._compute.sample(records, hidden, wait=False)
             # Its compute is counted in ``collect``, once the device has finished it.
             self._local_results.append(_LocalBatch(out_records, tokens, int(ids.size), time.perf_counter() - started,
                                                    logprobs))
-            sent = time.perf_counter()
+            self._compute.release_finished(records)
+            return self._batch_id
+        assert self._outbound is not None
+        source = self._remote_carry_source(chunks)
+        ids = self._input_ids(chunks, source)
+        hidden = self._compute.forward(records, self._embed(ids), in_flight, evaluate=False)
+        body = rows_body({s: o for s, o in options.items() if not o.is_default})
+        sampled = tuple(r.seq_id for r in records if r.has(RecordFlag.SAMPLE) and r.num_tokens > 0)
+        self._in_flight.append(_RemoteBatch(self._batch_id, sampled))
+        rows = int(ids.size)
+        if self._build_ahead and rows:
+            # The next stage builds its part while this one computes (or waits for the tokens it continues from).
+            self._outbound.announce(FrameKind.FORWARD, records, rows, model.hidden_size, model.dtype,
+                                    batch_id=self._batch_id, body=body, in_flight=in_flight)
+            if source is not None and source.slots is not None:
+                self._pending = _PendingLaunch(self._batch_id, source.after, hidden, source.slots, rows,
+                                               time.perf_counter() - started)
+            else:
+                self._run_announced(hidden, rows, started, time.perf_counter() - started)
         else:
-            assert self._outbound is not None
+            mx.eval(hidden)  # also commits the batch's KV writes
             computed = time.perf_counter()
             self._outbound.send(FrameKind.FORWARD, records, hidden, batch_id=self._batch_id, in_flight=in_flight,
-                                body=rows_body({s: o for s, o in options.items() if not o.is_default}))
-            sent = time.perf_counter()
+                                body=body)
             if self._on_batch is not None:
-                self._on_batch(int(ids.size), computed - started, 0.0, sent - computed)
+                self._on_batch(rows, computed - started, 0.0, time.perf_counter() - computed)
         self._compute.release_finished(records)
-        self._in_flight.append((self._batch_id, sent))
         return self._batch_id
 
-    def _input_ids(self, chunks: Sequence[Chunk]) -> mx.array:
-        """The batch's token ids in row order; a carried chunk's comes from the newest batch's tokens,
-        gathered on the device without reading them back."""
+    def _embed(self, ids: mx.array) -> mx.array:
+        model = self._compute.model
+        return model.embed(ids) if ids.size else mx.zeros((0, model.hidden_size), dtype=model.dtype)
+
+    def _run_announced(self, hidden: mx.array, rows: int, started: float, build_s: float) -> None:
+        """Evaluate an announced batch and send its payload."""
+        assert self._outbound is not None
+        running = time.perf_counter()
+        mx.eval(hidden)  # also commits the batch's KV writes
+        computed = time.perf_counter()
+        self._outbound.send_announced(hidden)
+        if self._on_batch is not None:
+            self._on_batch(rows, build_s + computed - running, 0.0, time.perf_counter() - computed)
+
+    def _local_carry_source(self, chunks: Sequence[Chunk]) -> _CarrySource | None:
+        """Single stage: carried steps continue from the oldest batch's tokens, still on the device."""
         if not any(c.carried for c in chunks):
-            return mx.array([t for c in chunks for t in c.token_ids], dtype=mx.int32)
+            return None
         if not self._local_results:
             raise ValueError("a carried decode step needs a batch in flight before it on this stage")
-        previous = self._local_results[-1]
-        previous_tokens = previous.tokens
-        index = {r.seq_id: i for i, r in enumerate(previous.records)}
+        previous = self._local_results[0]
+        return _CarrySource(previous.tokens, {r.seq_id: i for i, r in enumerate(previous.records)})
+
+    def _remote_carry_source(self, chunks: Sequence[Chunk]) -> _CarrySource | None:
+        """Longer pipeline: carried steps continue from the oldest batch in flight, whose tokens the
+        last stage has not returned yet: a placeholder, written when they come (``collect``)."""
+        if not any(c.carried for c in chunks):
+            return None
+        if not self._build_ahead:
+            raise ValueError("carried decode steps on a multi-stage pipeline need it built ahead (lane payloads)")
+        if not self._in_flight:
+            raise ValueError("a carried decode step needs a batch in flight before it on this stage")
+        oldest = self._in_flight[0]
+        slots = Placeholder((len(oldest.sampled_seq_ids),), mx.int32)
+        return _CarrySource(slots.array, {seq_id: i for i, seq_id in enumerate(oldest.sampled_seq_ids)}, slots,
+                            oldest.batch_id)
+
+    @staticmethod
+    def _input_ids(chunks: Sequence[Chunk], source: _CarrySource | None) -> mx.array:
+        """The batch's token ids in row order; a carried chunk's is gathered from ``source`` on the
+        device, without reading it back."""
+        if source is None:
+            return mx.array([t for c in chunks for t in c.token_ids], dtype=mx.int32)
+        previous_tokens, index = source.tokens, source.index
         parts: list[mx.array] = []
         run: list[int] = []  # positions in the previous tokens of consecutive carried chunks: one gather each
         for chunk in chunks:
             if chunk.carried:
                 if chunk.record.seq_id not in index:
-                    raise ValueError(f"sequence {chunk.record.seq_id} sampled nothing in the batch before")
+                    raise ValueError(f"sequence {chunk.record.seq_id} sampled nothing in the batch it continues")
                 run.append(index[chunk.record.seq_id])
                 continue
             if run:
@@ -340,8 +460,8 @@ class EntryPipeline:
         return ids.astype(mx.int32)
 
     def collect(self) -> list[SampledToken]:
-        """Tokens of the oldest batch in flight (waits for them on the lane, not spinning)."""
-        batch_id, _ = self._in_flight.popleft()
+        """Tokens of the oldest batch in flight (waits for them on the lane, not spinning); a batch
+        built ahead to continue from them runs before they are returned."""
         if self._is_last:
             batch = self._local_results.popleft()
             reading = time.perf_counter()
@@ -355,16 +475,27 @@ class EntryPipeline:
                 self._on_batch(batch.rows, batch.build_s + time.perf_counter() - reading, 0.0, 0.0)
             return sampled
         assert self._inbound is not None
+        expected = self._in_flight.popleft()
         waited = time.perf_counter()
         reply = self._inbound.recv(timeout_s=self._reply_timeout_s)
-        if reply.kind != FrameKind.TOKENS or reply.header.batch_id != batch_id:
+        if reply.kind != FrameKind.TOKENS or reply.header.batch_id != expected.batch_id:
             raise wire.WireMismatchError(
-                f"expected TOKENS for batch {batch_id}, got {reply.kind.name} for batch {reply.header.batch_id}"
+                f"expected TOKENS for batch {expected.batch_id}, got {reply.kind.name} for batch "
+                f"{reply.header.batch_id}"
             )
         if self._on_wait is not None:
             self._on_wait(time.perf_counter() - waited)
         tokens = reply.payload if reply.payload is not None else mx.zeros((0,), mx.int32)
         sampled = _sampled(reply.records, tokens)
+        pending = self._pending
+        if pending is not None and pending.after == expected.batch_id:
+            self._pending = None
+            if tuple(t.seq_id for t in sampled) != expected.sampled_seq_ids:
+                raise wire.WireMismatchError(
+                    f"batch {expected.batch_id}'s tokens came back for sequences {[t.seq_id for t in sampled]}, "
+                    f"expected {list(expected.sampled_seq_ids)}")
+            pending.token_slots.write(np.array([t.token_id for t in sampled], dtype=np.int32))
+            self._run_announced(pending.hidden, pending.rows, time.perf_counter(), pending.build_s)
         logprobs = logprobs_from_body(reply.body)
         return _with_logprobs(sampled, logprobs) if logprobs else sampled
 
@@ -380,7 +511,7 @@ class EntryPipeline:
 
     def shutdown(self) -> None:
         """Drain what is in flight, send SHUTDOWN round the ring and wait for it to come back."""
-        while self._in_flight:
+        while self.in_flight:
             self.collect()
         if self._outbound is None or self._inbound is None:
             return
@@ -407,8 +538,15 @@ def relay_loop(
     is_last: bool,
     on_batch: BatchTimer | None = None,
     kv_token_capacity: int | None = None,
+    build_ahead: bool = False,
 ) -> None:
-    """Middle and last stages: receive, compute, pass on; return after SHUTDOWN."""
+    """Middle and last stages: receive, compute, pass on; return after SHUTDOWN.
+
+    With ``build_ahead`` (lane payloads, ``build_ahead.writes_reach_device``), a batch's graph is
+    built as soon as its header is in, on a placeholder its hidden states are received into: the
+    building overlaps the previous stage's compute (it sends headers ahead, ``OutboundLink.announce``),
+    and a middle stage announces its own header downstream before computing, for the same reason.
+    """
     model = compute.model
 
     def check(header: wire.FrameHeader) -> None:
@@ -419,8 +557,8 @@ def relay_loop(
 
     while True:
         waited = time.perf_counter()
-        message = inbound.recv(check=check)
-        started = time.perf_counter()
+        message = inbound.recv_head(check=check)
+        header = message.header
         if message.kind == FrameKind.SHUTDOWN:
             outbound.send(FrameKind.SHUTDOWN)
             return
@@ -432,31 +570,57 @@ def relay_loop(
             continue
         if message.kind != FrameKind.FORWARD:
             raise wire.WireMismatchError(f"{inbound.peer_name} sent unexpected {message.kind.name}")
-        hidden = message.payload
-        if hidden is None:  # a batch of zero-token records (releases only)
+        placeholder = None
+        if not header.has_payload:  # a batch of zero-token records (releases only)
             hidden = mx.zeros((0, model.hidden_size), dtype=model.dtype)
-        hidden = compute.forward(message.records, hidden, message.header.in_flight, evaluate=not is_last)
+        elif build_ahead:
+            placeholder = Placeholder(header.payload_shape, model.dtype)
+            hidden = placeholder.array
+        else:
+            hidden = inbound.recv_payload(header)
+        started = time.perf_counter()
+        announced = not is_last and placeholder is not None and outbound.can_announce
+        if announced:
+            outbound.announce(FrameKind.FORWARD, message.records, header.num_rows, model.hidden_size, model.dtype,
+                              batch_id=header.batch_id, body=message.body, in_flight=header.in_flight)
+        hidden = compute.forward(message.records, hidden, header.in_flight, evaluate=False)
+        sampling = None
         if is_last:
             if message.body:
                 compute.rows.register(rows_from_body(message.body))
-            out_records, tokens, logprobs = compute.sample(message.records, hidden)
+            sampling = compute.build_sample(message.records, hidden)
+        built = time.perf_counter()
+        if placeholder is not None:
+            inbound.recv_payload_into(header, placeholder.writable())
+        arrived = time.perf_counter()
+        if sampling is not None:
+            compute.evaluate_sample(sampling)
             if compute.rows.has_grammar:
-                compute.accept(_sampled(out_records, tokens))
+                compute.accept(_sampled(sampling.records, sampling.tokens))
             computed = time.perf_counter()
+            logprobs = sampling.logprobs
             outbound.send(
                 FrameKind.TOKENS,
-                out_records,
-                tokens if out_records else None,
-                batch_id=message.header.batch_id,
-                body=logprobs.to_body([r.seq_id for r in out_records]) if logprobs is not None else None,
+                sampling.records,
+                sampling.tokens if sampling.records else None,
+                batch_id=header.batch_id,
+                body=logprobs.to_body([r.seq_id for r in sampling.records]) if logprobs is not None else None,
             )
         else:
+            # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.
+            mx.eval(hidden)
             computed = time.perf_counter()
-            outbound.send(FrameKind.FORWARD, message.records, hidden, batch_id=message.header.batch_id,
-                          in_flight=message.header.in_flight, body=message.body)
+            if announced:
+                outbound.send_announced(hidden)
+            else:
+                outbound.send(FrameKind.FORWARD, message.records, hidden, batch_id=header.batch_id,
+                              in_flight=header.in_flight, body=message.body)
         compute.release_finished(message.records)
         if on_batch is not None:
-            on_batch(hidden.shape[0], computed - started, started - waited, time.perf_counter() - computed)
+            # Building ahead overlaps the wait for the payload; count it as compute all the same.
+            build_s = built - started
+            on_batch(hidden.shape[0], computed - arrived + build_s, arrived - waited - build_s,
+                     time.perf_counter() - computed)
 
 
 def _with_seed(record: SequenceRecord) -> SequenceRecord:

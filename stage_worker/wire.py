@@ -115,6 +115,14 @@ _HOST_DTYPES: dict[mx.Dtype, tuple[type, mx.Dtype | None]] = {
 }
 
 
+def host_dtype(dtype: mx.Dtype) -> tuple[type, mx.Dtype | None]:
+    """NumPy's dtype for ``dtype``'s bytes on the wire, and the MLX dtype to view them as first (None: same)."""
+    try:
+        return _HOST_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel on the wire") from None
+
+
 def payload_nbytes(header: FrameHeader) -> int:
     assert header.dtype is not None
     return math.prod(header.payload_shape) * header.dtype.size
@@ -122,10 +130,7 @@ def payload_nbytes(header: FrameHeader) -> int:
 
 def payload_bytes(array: mx.array) -> memoryview:
     """The array's bytes in host memory (evaluates it: the one device sync of a send)."""
-    try:
-        _, bits = _HOST_DTYPES[array.dtype]
-    except KeyError:
-        raise ValueError(f"dtype {array.dtype} cannot travel on the wire") from None
+    _, bits = host_dtype(array.dtype)
     host = np.asarray(array.view(bits) if bits is not None else array)
     # numpy's stubs declare ndarray's buffer protocol only for Python 3.12+; it has it on 3.11 too.
     return memoryview(np.ascontiguousarray(host)).cast("B")  # type: ignore[arg-type]
@@ -134,8 +139,8 @@ def payload_bytes(array: mx.array) -> memoryview:
 def payload_from_bytes(data: bytearray | memoryview, header: FrameHeader) -> mx.array:
     """The payload ``header`` announced, from the bytes that followed it on the lane."""
     assert header.dtype is not None
-    host_dtype, bits = _HOST_DTYPES[header.dtype]
-    array = mx.array(np.frombuffer(data, dtype=host_dtype).reshape(header.payload_shape))
+    numpy_dtype, bits = host_dtype(header.dtype)
+    array = mx.array(np.frombuffer(data, dtype=numpy_dtype).reshape(header.payload_shape))
     return array.view(header.dtype) if bits is not None else array
 
 

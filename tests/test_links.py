@@ -162,3 +162,35 @@ def test_a_header_the_stage_cannot_consume_is_refused_before_any_ring_receive():
 
     with pytest.raises(wire.WireMismatchError, match="width 960"):
         inbound.recv(check=check)
+
+
+def test_an_announced_header_arrives_before_its_payload_which_lands_in_the_given_buffer():
+    import mlx.core as mx
+    import numpy as np
+
+    from stage_worker.build_ahead import Placeholder
+    from stage_worker.links import RingWatchdog
+
+    inbound, outbound, thread, _ = _pair()
+    outbound.handshake({"hello": 1}, 5)
+    thread.join()
+    inbound.attach_lane_payloads()
+    outbound.attach_lane_payloads(RingWatchdog(5, "test"))
+    records = [SequenceRecord(3, 0, 2, RecordFlag.NEW_SEQUENCE)]
+    outbound.announce(FrameKind.FORWARD, records, 2, 3, mx.bfloat16, batch_id=7, body={"k": 1}, in_flight=2)
+    with pytest.raises(RuntimeError, match="must be sent before another message"):
+        outbound.send(FrameKind.SHUTDOWN)
+    head = inbound.recv_head()  # the payload has not been sent yet: the header is readable on its own
+    assert head.records == tuple(records) and head.body == {"k": 1} and head.payload is None
+    assert head.header.payload_shape == (2, 3) and head.header.in_flight == 2 and head.header.batch_id == 7
+    placeholder = Placeholder(head.header.payload_shape, mx.bfloat16)
+    doubled = placeholder.array * 2  # built before the bytes are there
+    payload = mx.array([[1.5, -2.0, 0.25], [4.0, 8.0, -0.5]], dtype=mx.bfloat16)
+    outbound.send_announced(payload)
+    inbound.recv_payload_into(head.header, placeholder.writable())
+    assert np.array(doubled.astype(mx.float32)).tolist() == [[3.0, -4.0, 0.5], [8.0, 16.0, -1.0]]
+    outbound.announce(FrameKind.FORWARD, records, 2, 3, mx.bfloat16, batch_id=8)
+    with pytest.raises(wire.WireMismatchError, match="announced 12 payload bytes"):
+        outbound.send_announced(mx.zeros((1, 3), dtype=mx.bfloat16))
+    inbound.close()
+    outbound.close()

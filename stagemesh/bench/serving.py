@@ -16,6 +16,9 @@ writes one JSON + PNG per comparison under ``--out``:
   checkpoint, nothing preloaded: the GPU comparison;
 * ``gpus``: on a host with two GPUs, PP=1 (one GPU) vs PP=2 and DP=2 (each
   stage on its own GPU): what a second GPU adds as a stage or as a replica;
+* ``gpus-pp``: PP=1 vs PP=2 over two GPUs, and PP=2 again with
+  ``STAGEMESH_STEP_AHEAD=off`` (each stage builds a step only once its input
+  is there): what building ahead is worth;
 * ``prefix``: stagemesh serve with the prefix cache off
   (``--no-enable-prefix-caching``, the baseline), on (the default), and
   ``mlx_lm.server`` with its prompt cache (on by default) on the same
@@ -57,7 +60,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "prefix")
+COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "prefix")
 # Sizes when a flag is not given: (input, output, prompts per level) for most comparisons; for ``prefix``
 # a first turn's length in, few tokens out (its point is the time to first token), two prompts per stream.
 DEFAULT_SIZES = (32, 48, None)  # None: stagemesh bench's own per level, 4 x its concurrency (at least 16)
@@ -226,6 +229,13 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
             stack.enter_context(_stagemesh(model, next(ports), ["-dp", "2", *serve_args], "dp2")),
         ]
+    if name == "gpus-pp":
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2-step-ahead-off",
+                                           env={"STAGEMESH_STEP_AHEAD": "off"})),
+        ]
     if name == "two-hosts":
         if not shutil.which("taskset") or ncpu < 2:
             raise SystemExit("two-hosts needs taskset and at least 2 cores")
@@ -249,8 +259,9 @@ def _dense_f32_dir(q4_dir: str, tmp: str) -> str:
 @contextlib.contextmanager
 def _stagemesh_server(
     model: str, port: int, flags: list[str], label: str, pin: str | None = None, log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Endpoint]:
-    env = {**os.environ}
+    env = {**os.environ, **(env or {})}
     env.pop("RAY_ADDRESS", None)
     if pin == "per-stage":
         env["STAGEMESH_PIN_CORES"] = "per-stage"

@@ -29,6 +29,7 @@ DEFAULT_GATEWAY_PORT = 8000
 LOOPBACK = "127.0.0.1"
 # The Ray resource a node advertises once per stage it can host (`ray start --resources='{"mlx": 1}'`).
 MLX_RESOURCE = "mlx"
+STEP_AHEAD_CHOICES = ("auto", "on", "off")
 
 
 def stagemesh_version() -> str:
@@ -160,6 +161,10 @@ VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v
     Variable("STAGEMESH_NODE_SPEED", _positive_float("STAGEMESH_NODE_SPEED", 1.0),
              "this node's speed relative to the others (e.g. its memory bandwidth in GB/s); the layer planner "
              "gives faster nodes more layers (default 1: all alike)"),
+    Variable("STAGEMESH_STEP_AHEAD", _choice("STAGEMESH_STEP_AHEAD", "auto", STEP_AHEAD_CHOICES),
+             "run ahead of the data: auto (stages build each batch's graph before its input arrives; decode "
+             "steps are queued before the last one's tokens are back on GPUs, where it pays), on (steps queued "
+             "ahead on the CPU too), off (neither)"),
     Variable("RAY_ADDRESS", _str("RAY_ADDRESS", None), "join this Ray cluster instead of starting a local one"),
 )}
 

@@ -35,7 +35,9 @@ def serve_pp1(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve_pp2(tmp_path_factory):
-    serve = start_serve(tmp_path_factory.mktemp("pp2"), pp=2, env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN})
+    # Step-ahead on (auto is off on the CPU), so PP=2 below also covers decode steps built ahead.
+    serve = start_serve(tmp_path_factory.mktemp("pp2"), pp=2,
+                        env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN, "STAGEMESH_STEP_AHEAD": "on"})
     yield serve
     serve.stop()
 

@@ -1,0 +1,127 @@
+"""A two-stage pipeline that builds ahead: the entry stage queues each decode step before the tokens it
+continues from are back (built on a placeholder, run when the reply comes), and the last stage builds each
+batch as soon as its header is in. Real model split in two, real control lanes over loopback, the relay in
+its own thread: the tokens equal step-by-step generation on one stage, stop tokens and micro-batches included.
+"""
+
+import socket
+import threading
+
+import mlx.core as mx
+import pytest
+
+from stage_worker.default_model import default_model_path
+from stage_worker.engine import EntryEngine, RequestFailed
+from stage_worker.generation_job import GenerationJob, run_generation
+from stage_worker.links import InboundLink, OutboundLink, RingWatchdog
+from stage_worker.model_spec import read_model_spec
+from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
+from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.stage_runtime import EntryPipeline, StageCompute, relay_loop
+from stage_worker.stage_status import StageStatus
+from stagemesh.core.layer_split import LayerRange
+
+PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1018, 28, 2270, 253],
+           [17, 42, 99, 1000]]
+SPLIT = 13
+
+
+@pytest.fixture(scope="module")
+def models():
+    spec = read_model_spec(str(default_model_path()))
+    whole = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
+    first = StageModel.load(spec, StageRole(LayerRange(0, SPLIT), True, False), mx.float32)
+    last = StageModel.load(spec, StageRole(LayerRange(SPLIT, spec.num_layers), False, True), mx.float32)
+    return whole, first, last
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    pipeline = EntryPipeline(StageCompute(models[0], 8), None, None, is_last=True)
+    return run_generation(pipeline, GenerationJob(tuple(tuple(p) for p in PROMPTS), 12)).outputs
+
+
+def _lane(name_in: str, name_out: str) -> tuple[InboundLink, OutboundLink]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inbound = InboundLink(None, 0, name_in)
+    inbound.listen("127.0.0.1", port)
+    accepted = threading.Thread(target=inbound.accept, args=(10, lambda body: None))
+    accepted.start()
+    outbound = OutboundLink(None, 1, name_out)
+    outbound.connect("127.0.0.1", port, 10)
+    outbound.handshake({"hello": 1}, 10)
+    accepted.join()
+    inbound.attach_lane_payloads()
+    outbound.attach_lane_payloads(RingWatchdog(120, name_out))
+    return inbound, outbound
+
+
+class _CountingPipeline(EntryPipeline):
+    """The real entry pipeline, counting the decode steps built before their input token was back."""
+
+    carried = 0
+
+    def submit(self, chunks):
+        self.carried += sum(c.carried for c in chunks)
+        return super().submit(chunks)
+
+
+def _serve(models, micro_batches, stop=frozenset(), build_ahead=True):
+    _, first, last = models
+    to_last_in, to_last_out = _lane("stage 0", "stage 1")
+    to_first_in, to_first_out = _lane("stage 1", "stage 0")
+    relay = threading.Thread(target=relay_loop, args=(StageCompute(last, 8), to_last_in, to_first_out, True),
+                             kwargs={"build_ahead": build_ahead})
+    relay.start()
+    pipeline = _CountingPipeline(StageCompute(first, 8), to_last_out, to_first_in, is_last=False,
+                                 build_ahead=build_ahead)
+    scheduler = Scheduler(max_num_seqs=8, max_model_len=256, max_waiting=8)
+    engine = EntryEngine(pipeline, scheduler, StageStatus(), micro_batches=micro_batches, step_ahead=True)
+    runner = threading.Thread(target=engine.run)
+    runner.start()
+    try:
+        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(p), 12, stop_token_ids=stop))
+                   for i, p in enumerate(PROMPTS)]
+        outputs, finishes = [], []
+        for handle in handles:
+            tokens: list[int] = []
+            while True:
+                event = handle.events.get(timeout=120)
+                assert not isinstance(event, RequestFailed), event
+                tokens += event.token_ids
+                if event.finish is not None:
+                    outputs.append(tokens)
+                    finishes.append(event.finish)
+                    break
+        return outputs, finishes, pipeline.carried
+    finally:
+        engine.stop()
+        runner.join(60)
+        relay.join(60)  # the engine's shutdown sends SHUTDOWN round the ring
+        for link in (to_last_in, to_last_out, to_first_in, to_first_out):
+            link.close()
+        assert not runner.is_alive() and not relay.is_alive()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_decode_steps_built_ahead_over_two_stages_match_step_by_step_generation(models, reference, micro_batches):
+    outputs, finishes, carried = _serve(models, micro_batches)
+    assert carried > 0  # steps really were built before the tokens they continue from came back
+    assert outputs == reference
+    assert finishes == [Finish.LENGTH] * len(PROMPTS)
+
+
+def test_a_stop_token_ends_the_request_where_step_by_step_generation_would(models, reference):
+    stop = reference[0][4]  # the fifth token of the first prompt's answer
+    outputs, finishes, _ = _serve(models, 2, stop=frozenset({stop}))
+    for out, ref, finish in zip(outputs, reference, finishes):
+        cut = ref.index(stop) + 1 if stop in ref else len(ref)
+        assert out == ref[:cut]
+        assert finish == (Finish.STOP if stop in ref else Finish.LENGTH)
+
+
+def test_without_building_ahead_a_longer_pipeline_does_not_carry_and_still_matches(models, reference):
+    outputs, _, carried = _serve(models, 2, build_ahead=False)
+    assert carried == 0 and outputs == reference
