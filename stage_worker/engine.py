@@ -59,6 +59,23 @@ def step_ahead_pays(backend: str) -> bool:
     return backend != "cpu"
 
 
+def continue_oldest(in_flight: int, micro_batches: int, has_work: bool, single_stage: bool) -> bool:
+    """Whether the engine should queue the oldest batch's continuation before reading its tokens (pure).
+
+    A single stage, or a pipeline run without micro-batches, has nothing else to overlap its host
+    work with: always, once its micro-batch slots are taken or nothing new waits for one. A pipeline
+    with micro-batches overlaps its stages with them already; a continuation only pays where a stage
+    would otherwise wait for the others: fewer batches in flight than slots, and no new work to fill one. Measured on two H200s (docs/performance.md):
+    one stream 1.36-1.50x faster built ahead; 16 streams over two full micro-batches no faster (0.94-1.02x)
+    and a later first token.
+    """
+    if in_flight == 0:
+        return False
+    if single_stage or micro_batches == 1:
+        return in_flight >= micro_batches or not has_work
+    return in_flight < micro_batches and not has_work
+
+
 class PipelineBroken(RuntimeError):
     """A neighbour failed; this process must exit so the replica is rebuilt."""
 
@@ -149,16 +166,15 @@ class EntryEngine:
         it collects the oldest batch's tokens.
 
         With ``step_ahead`` (``step_ahead_pays``) and a pipeline that can
-        carry (``EntryPipeline.can_carry``), the stages are kept busy across
-        steps instead: once every micro-batch slot is taken (or no new work
-        waits for one), it submits the oldest batch's continuation (the next
-        decode step of its sequences, fed the tokens that batch is about to
-        sample, plus any new work), and only then reads the oldest batch's
-        tokens. On a single stage the continuation runs on the device at once,
-        so building a step's graph, reading tokens back and delivering them
-        overlap the device's compute, as ``mlx_lm.generate_step`` does for one
-        sequence; on a longer pipeline it is built and announced while the
-        other stages compute, and runs as soon as the tokens are back.
+        carry (``EntryPipeline.can_carry``), it also submits the oldest
+        batch's continuation (the next decode step of its sequences, fed the
+        tokens that batch is about to sample, plus any new work) before
+        reading that batch's tokens, when ``continue_oldest`` says so. On a
+        single stage the continuation runs on the device at once, so building
+        a step's graph, reading tokens back and delivering them overlap the
+        device's compute, as ``mlx_lm.generate_step`` does for one sequence;
+        on a longer pipeline it is built and announced while the other stages
+        compute, and runs as soon as the tokens are back.
         """
         in_flight: deque[Batch] = deque()
         continuous = self.steps_ahead
@@ -171,8 +187,8 @@ class EntryEngine:
                         break
                     batch = None
                     collect_after = False
-                    if continuous and in_flight and (len(in_flight) >= self._micro_batches
-                                                     or not self._scheduler.has_work()):
+                    if continuous and continue_oldest(len(in_flight), self._micro_batches,
+                                                      self._scheduler.has_work(), self._pipeline.single_stage):
                         batch = self._scheduler.continuation(in_flight[0])
                         if self._scheduler.has_work():
                             batch = Batch(batch.chunks + self._scheduler.next_batch(self._micro_batches).chunks)
@@ -231,4 +247,4 @@ class EntryEngine:
 
 
 __all__ = ["EntryEngine", "NotAccepting", "PipelineBroken", "QueueFullError", "RequestError", "RequestFailed",
-           "RequestHandle", "step_ahead_pays", "step_ahead_wanted"]
+           "RequestHandle", "continue_oldest", "step_ahead_pays", "step_ahead_wanted"]

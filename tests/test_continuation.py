@@ -89,3 +89,15 @@ def test_steps_run_ahead_only_where_the_device_is_not_the_hosts_own_cores():
 
     assert step_ahead_pays("cuda") and step_ahead_pays("metal")
     assert not step_ahead_pays("cpu")
+
+
+def test_a_longer_pipeline_continues_only_where_a_micro_batch_slot_would_stay_empty():
+    from stage_worker.engine import continue_oldest
+
+    assert not continue_oldest(0, 2, False, single_stage=False)
+    assert continue_oldest(1, 2, has_work=False, single_stage=False)  # one stream on two stages
+    assert not continue_oldest(1, 2, has_work=True, single_stage=False)  # new work fills the slot instead
+    assert not continue_oldest(2, 2, has_work=False, single_stage=False)  # both stages busy already
+    assert continue_oldest(1, 1, has_work=True, single_stage=True)  # a single stage always overlaps
+    assert continue_oldest(1, 1, has_work=True, single_stage=False)  # so does a pipeline without micro-batches
+    assert not continue_oldest(0, 1, has_work=True, single_stage=True)
