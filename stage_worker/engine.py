@@ -65,9 +65,9 @@ def continue_oldest(in_flight: int, micro_batches: int, has_work: bool, single_s
     A single stage, or a pipeline run without micro-batches, has nothing else to overlap its host
     work with: always, once its micro-batch slots are taken or nothing new waits for one. A pipeline
     with micro-batches overlaps its stages with them already; a continuation only pays where a stage
-    would otherwise wait for the others: fewer batches in flight than slots, and no new work to fill one. Measured on two H200s (docs/performance.md):
-    one stream 1.36-1.50x faster built ahead; 16 streams over two full micro-batches no faster (0.94-1.02x)
-    and a later first token.
+    would otherwise wait for the others: fewer batches in flight than slots, and no new work to fill
+    one. Measured on two H200s (docs/performance.md): one stream 1.36-1.50x faster built ahead;
+    16 streams over two full micro-batches no faster (0.94-1.02x), and a later first token.
     """
     if in_flight == 0:
         return False

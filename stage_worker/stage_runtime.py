@@ -263,7 +263,6 @@ class _CarrySource:
 class _PendingLaunch:
     """A batch announced and built on the entry stage, waiting for the tokens of batch ``after``."""
 
-    batch_id: int
     after: int
     hidden: mx.array  # this stage's output, lazy
     token_slots: Placeholder  # ``after``'s sampled tokens, in its reply order
@@ -314,7 +313,7 @@ class EntryPipeline:
         self._in_flight: deque[_RemoteBatch] = deque()  # batches handed on (or announced), oldest first
         self._pending: _PendingLaunch | None = None
         # Single-stage pipelines: each batch's sampled tokens, still on the device until ``collect``
-        # reads them; the newest also feeds ``Chunk.carried`` decode steps.
+        # reads them; the oldest also feeds ``Chunk.carried`` decode steps.
         self._local_results: deque[_LocalBatch] = deque()
 
     @property
@@ -383,10 +382,10 @@ class EntryPipeline:
             self._outbound.announce(FrameKind.FORWARD, records, rows, model.hidden_size, model.dtype,
                                     batch_id=self._batch_id, body=body, in_flight=in_flight)
             if source is not None and source.slots is not None:
-                self._pending = _PendingLaunch(self._batch_id, source.after, hidden, source.slots, rows,
+                self._pending = _PendingLaunch(source.after, hidden, source.slots, rows,
                                                time.perf_counter() - started)
             else:
-                self._run_announced(hidden, rows, started, time.perf_counter() - started)
+                self._run_announced(hidden, rows, time.perf_counter() - started)
         else:
             mx.eval(hidden)  # also commits the batch's KV writes
             computed = time.perf_counter()
@@ -401,7 +400,7 @@ class EntryPipeline:
         model = self._compute.model
         return model.embed(ids) if ids.size else mx.zeros((0, model.hidden_size), dtype=model.dtype)
 
-    def _run_announced(self, hidden: mx.array, rows: int, started: float, build_s: float) -> None:
+    def _run_announced(self, hidden: mx.array, rows: int, build_s: float) -> None:
         """Evaluate an announced batch and send its payload."""
         assert self._outbound is not None
         running = time.perf_counter()
@@ -495,7 +494,7 @@ class EntryPipeline:
                     f"batch {expected.batch_id}'s tokens came back for sequences {[t.seq_id for t in sampled]}, "
                     f"expected {list(expected.sampled_seq_ids)}")
             pending.token_slots.write(np.array([t.token_id for t in sampled], dtype=np.int32))
-            self._run_announced(pending.hidden, pending.rows, time.perf_counter(), pending.build_s)
+            self._run_announced(pending.hidden, pending.rows, pending.build_s)
         logprobs = logprobs_from_body(reply.body)
         return _with_logprobs(sampled, logprobs) if logprobs else sampled
 
