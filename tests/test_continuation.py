@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from stage_worker.default_model import default_model_path
-from stage_worker.engine import EntryEngine, RequestFailed
+from stage_worker.engine import EntryEngine
 from stage_worker.generation_job import GenerationJob, run_generation
 from stage_worker.model_spec import read_model_spec
 from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
@@ -15,6 +15,7 @@ from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import EntryPipeline, StageCompute
 from stage_worker.stage_status import StageStatus
 from stagemesh.core.layer_split import LayerRange
+from tests.engine_helpers import CountingPipeline, read_until_finished
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1018, 28, 2270, 253]]
 
@@ -30,18 +31,8 @@ def _reference(model, max_tokens):
     return run_generation(pipeline, GenerationJob(tuple(tuple(p) for p in PROMPTS), max_tokens)).outputs
 
 
-class _CountingPipeline(EntryPipeline):
-    """The real pipeline, counting the decode steps that were fed a token still on the device."""
-
-    carried = 0
-
-    def submit(self, chunks):
-        self.carried += sum(c.carried for c in chunks)
-        return super().submit(chunks)
-
-
 def _engine(model, max_tokens, stop=frozenset()):
-    pipeline = _CountingPipeline(StageCompute(model, 8), None, None, is_last=True)
+    pipeline = CountingPipeline(StageCompute(model, 8), None, None, is_last=True)
     scheduler = Scheduler(max_num_seqs=8, max_model_len=256, max_waiting=8)
     engine = EntryEngine(pipeline, scheduler, StageStatus(), step_ahead=True)
     runner = threading.Thread(target=engine.run)
@@ -49,17 +40,7 @@ def _engine(model, max_tokens, stop=frozenset()):
     try:
         handles = [engine.submit(GenerationRequest(f"r{i}", tuple(p), max_tokens, stop_token_ids=stop))
                    for i, p in enumerate(PROMPTS)]
-        outputs, finishes = [], []
-        for handle in handles:
-            tokens: list[int] = []
-            while True:
-                event = handle.events.get(timeout=120)
-                assert not isinstance(event, RequestFailed), event
-                tokens += event.token_ids
-                if event.finish is not None:
-                    outputs.append(tokens)
-                    finishes.append(event.finish)
-                    break
+        outputs, finishes = read_until_finished(handles)
         assert pipeline.carried > 0  # the steps really ran ahead
         return outputs, finishes
     finally:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from stage_worker.default_model import default_model_path
-from stage_worker.engine import EntryEngine, RequestFailed
+from stage_worker.engine import EntryEngine
 from stage_worker.generation_job import GenerationJob, run_generation
 from stage_worker.links import InboundLink, OutboundLink, RingWatchdog
 from stage_worker.model_spec import read_model_spec
@@ -20,6 +20,7 @@ from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import EntryPipeline, StageCompute, relay_loop
 from stage_worker.stage_status import StageStatus
 from stagemesh.core.layer_split import LayerRange
+from tests.engine_helpers import CountingPipeline, read_until_finished
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1018, 28, 2270, 253],
            [17, 42, 99, 1000]]
@@ -58,16 +59,6 @@ def _lane(name_in: str, name_out: str) -> tuple[InboundLink, OutboundLink]:
     return inbound, outbound
 
 
-class _CountingPipeline(EntryPipeline):
-    """The real entry pipeline, counting the decode steps built before their input token was back."""
-
-    carried = 0
-
-    def submit(self, chunks):
-        self.carried += sum(c.carried for c in chunks)
-        return super().submit(chunks)
-
-
 def _serve(models, micro_batches, stop=frozenset(), build_ahead=True, prompts=PROMPTS):
     _, first, last = models
     to_last_in, to_last_out = _lane("stage 0", "stage 1")
@@ -75,7 +66,7 @@ def _serve(models, micro_batches, stop=frozenset(), build_ahead=True, prompts=PR
     relay = threading.Thread(target=relay_loop, args=(StageCompute(last, 8), to_last_in, to_first_out, True),
                              kwargs={"build_ahead": build_ahead})
     relay.start()
-    pipeline = _CountingPipeline(StageCompute(first, 8), to_last_out, to_first_in, is_last=False,
+    pipeline = CountingPipeline(StageCompute(first, 8), to_last_out, to_first_in, is_last=False,
                                  build_ahead=build_ahead)
     scheduler = Scheduler(max_num_seqs=8, max_model_len=256, max_waiting=8)
     engine = EntryEngine(pipeline, scheduler, StageStatus(), micro_batches=micro_batches, step_ahead=True)
@@ -84,17 +75,7 @@ def _serve(models, micro_batches, stop=frozenset(), build_ahead=True, prompts=PR
     try:
         handles = [engine.submit(GenerationRequest(f"r{i}", tuple(p), 12, stop_token_ids=stop))
                    for i, p in enumerate(prompts)]
-        outputs, finishes = [], []
-        for handle in handles:
-            tokens: list[int] = []
-            while True:
-                event = handle.events.get(timeout=120)
-                assert not isinstance(event, RequestFailed), event
-                tokens += event.token_ids
-                if event.finish is not None:
-                    outputs.append(tokens)
-                    finishes.append(event.finish)
-                    break
+        outputs, finishes = read_until_finished(handles)
         return outputs, finishes, pipeline.carried
     finally:
         engine.stop()
