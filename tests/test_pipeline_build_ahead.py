@@ -1,7 +1,8 @@
-"""A two-stage pipeline that builds ahead: the entry stage queues each decode step before the tokens it
-continues from are back (built on a placeholder, run when the reply comes), and the last stage builds each
-batch as soon as its header is in. Real model split in two, real control lanes over loopback, the relay in
-its own thread: the tokens equal step-by-step generation on one stage, stop tokens and micro-batches included.
+"""Pipelines that build ahead: the entry stage queues each decode step before the tokens it continues from
+are back (built on a placeholder, run when the reply comes), and every other stage builds each batch as soon
+as its header is in (a middle stage announcing its own downstream first). The real model split in two or
+three, real control lanes over loopback, each relay in its own thread: the tokens equal step-by-step
+generation on one stage, stop tokens and micro-batches included.
 """
 
 import socket
@@ -24,16 +25,20 @@ from tests.engine_helpers import CountingPipeline, read_until_finished
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1018, 28, 2270, 253],
            [17, 42, 99, 1000]]
-SPLIT = 13
+SPLITS = {2: (0, 13, 30), 3: (0, 9, 21, 30)}
 
 
 @pytest.fixture(scope="module")
 def models():
+    """The whole model, and its stages for each pipeline depth."""
     spec = read_model_spec(str(default_model_path()))
     whole = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
-    first = StageModel.load(spec, StageRole(LayerRange(0, SPLIT), True, False), mx.float32)
-    last = StageModel.load(spec, StageRole(LayerRange(SPLIT, spec.num_layers), False, True), mx.float32)
-    return whole, first, last
+    stages = {
+        depth: [StageModel.load(spec, StageRole(LayerRange(lo, hi), lo == 0, hi == spec.num_layers), mx.float32)
+                for lo, hi in zip(bounds, bounds[1:])]
+        for depth, bounds in SPLITS.items()
+    }
+    return whole, stages
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +64,17 @@ def _lane(name_in: str, name_out: str) -> tuple[InboundLink, OutboundLink]:
     return inbound, outbound
 
 
-def _serve(models, micro_batches, stop=frozenset(), build_ahead=True, prompts=PROMPTS):
-    _, first, last = models
-    to_last_in, to_last_out = _lane("stage 0", "stage 1")
-    to_first_in, to_first_out = _lane("stage 1", "stage 0")
-    relay = threading.Thread(target=relay_loop, args=(StageCompute(last, 8), to_last_in, to_first_out, True),
-                             kwargs={"build_ahead": build_ahead})
-    relay.start()
-    pipeline = CountingPipeline(StageCompute(first, 8), to_last_out, to_first_in, is_last=False,
-                                 build_ahead=build_ahead)
+def _serve(models, micro_batches, stop=frozenset(), build_ahead=True, prompts=PROMPTS, depth=2):
+    stages = models[1][depth]
+    # lanes[g]: from stage g to stage g+1 (the last one wraps round to the entry stage)
+    lanes = [_lane(f"stage {g}", f"stage {(g + 1) % depth}") for g in range(depth)]
+    relays = [threading.Thread(target=relay_loop,
+                               args=(StageCompute(stages[g], 8), lanes[g - 1][0], lanes[g][1], g == depth - 1),
+                               kwargs={"build_ahead": build_ahead}) for g in range(1, depth)]
+    for relay in relays:
+        relay.start()
+    pipeline = CountingPipeline(StageCompute(stages[0], 8), lanes[0][1], lanes[-1][0], is_last=False,
+                                build_ahead=build_ahead)
     scheduler = Scheduler(max_num_seqs=8, max_model_len=256, max_waiting=8)
     engine = EntryEngine(pipeline, scheduler, StageStatus(), micro_batches=micro_batches, step_ahead=True)
     runner = threading.Thread(target=engine.run)
@@ -80,17 +87,19 @@ def _serve(models, micro_batches, stop=frozenset(), build_ahead=True, prompts=PR
     finally:
         engine.stop()
         runner.join(60)
-        relay.join(60)  # the engine's shutdown sends SHUTDOWN round the ring
-        for link in (to_last_in, to_last_out, to_first_in, to_first_out):
-            link.close()
-        assert not runner.is_alive() and not relay.is_alive()
+        for relay in relays:
+            relay.join(60)  # the engine's shutdown sends SHUTDOWN round the ring
+        for inbound, outbound in lanes:
+            inbound.close()
+            outbound.close()
+        assert not runner.is_alive() and not any(relay.is_alive() for relay in relays)
 
 
-@pytest.mark.parametrize(("micro_batches", "prompts"), [(1, PROMPTS), (2, PROMPTS[:1])])
-def test_decode_steps_built_ahead_over_two_stages_match_step_by_step_generation(models, reference, micro_batches,
-                                                                                prompts):
-    # Two micro-batch slots and one sequence: the second slot stays empty, so steps are built ahead.
-    outputs, finishes, carried = _serve(models, micro_batches, prompts=prompts)
+@pytest.mark.parametrize(("depth", "micro_batches", "prompts"),
+                         [(2, 1, PROMPTS), (2, 2, PROMPTS[:1]), (3, 1, PROMPTS), (3, 3, PROMPTS[:2])])
+def test_decode_steps_built_ahead_match_step_by_step_generation(models, reference, depth, micro_batches, prompts):
+    # More micro-batch slots than sequences: a slot stays empty, so steps are built ahead there too.
+    outputs, finishes, carried = _serve(models, micro_batches, prompts=prompts, depth=depth)
     assert carried > 0  # steps really were built before the tokens they continue from came back
     assert outputs == reference[:len(prompts)]
     assert finishes == [Finish.LENGTH] * len(prompts)
