@@ -43,7 +43,8 @@ class Placeholder:
     def __init__(self, shape: Sequence[int], dtype: mx.Dtype) -> None:
         host_dtype, bits = wire.host_dtype(dtype)
         # Created from host memory: already evaluated, so writing its bytes needs no device sync first.
-        self._storage = mx.array(np.zeros(tuple(shape), dtype=host_dtype))
+        # Uninitialised: every byte is written before the graph on it is evaluated (a prefill's is megabytes).
+        self._storage = mx.array(np.empty(tuple(shape), dtype=host_dtype))
         self.array = self._storage.view(dtype) if bits is not None else self._storage
         self.nbytes = self._storage.nbytes
 

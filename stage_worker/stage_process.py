@@ -127,12 +127,9 @@ class RunningStage:
     links: StageLinks
 
     def entry_pipeline(self, status: StageStatus) -> EntryPipeline:
-        outbound = self.links.outbound
-        return EntryPipeline(self.compute, outbound, self.links.inbound, self.context.launch.is_last,
+        return EntryPipeline(self.compute, self.links.outbound, self.links.inbound, self.context.launch.is_last,
                              reply_timeout_s=self.context.ring_timeout_s, on_batch=status.record_batch,
-                             on_wait=status.record_wait,
-                             build_ahead=outbound is not None and outbound.can_announce
-                             and build_ahead_enabled(settings.STEP_AHEAD))
+                             on_wait=status.record_wait, build_ahead=build_ahead_enabled(settings.STEP_AHEAD))
 
 
 def resolve(launch: StageLaunch) -> StageContext:
@@ -331,7 +328,7 @@ def run_relay(stage: RunningStage, status: StageStatus) -> None:
     try:
         relay_loop(stage.compute, inbound, outbound, stage.context.launch.is_last, on_batch=status.record_batch,
                    kv_token_capacity=stage.loaded.kv_capacity,
-                   build_ahead=inbound.lane_payloads and build_ahead_enabled(settings.STEP_AHEAD))
+                   build_ahead=build_ahead_enabled(settings.STEP_AHEAD))
     except _StopRequested:
         log.info("stop requested")
 

@@ -541,12 +541,14 @@ def relay_loop(
 ) -> None:
     """Middle and last stages: receive, compute, pass on; return after SHUTDOWN.
 
-    With ``build_ahead`` (lane payloads, ``build_ahead.writes_reach_device``), a batch's graph is
+    With ``build_ahead`` (``build_ahead.build_ahead_enabled``; on lane payloads only: a ring receive is
+    sized and posted only once the header is in), a batch's graph is
     built as soon as its header is in, on a placeholder its hidden states are received into: the
     building overlaps the previous stage's compute (it sends headers ahead, ``OutboundLink.announce``),
     and a middle stage announces its own header downstream before computing, for the same reason.
     """
     model = compute.model
+    build_ahead = build_ahead and inbound.lane_payloads
 
     def check(header: wire.FrameHeader) -> None:
         if header.kind == FrameKind.FORWARD:

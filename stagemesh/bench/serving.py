@@ -234,7 +234,7 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2-step-ahead-off",
-                                           env={"STAGEMESH_STEP_AHEAD": "off"})),
+                                           extra_env={"STAGEMESH_STEP_AHEAD": "off"})),
         ]
     if name == "two-hosts":
         if not shutil.which("taskset") or ncpu < 2:
@@ -259,9 +259,9 @@ def _dense_f32_dir(q4_dir: str, tmp: str) -> str:
 @contextlib.contextmanager
 def _stagemesh_server(
     model: str, port: int, flags: list[str], label: str, pin: str | None = None, log_dir: Path | None = None,
-    env: dict[str, str] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[Endpoint]:
-    env = {**os.environ, **(env or {})}
+    env = {**os.environ, **(extra_env or {})}
     env.pop("RAY_ADDRESS", None)
     if pin == "per-stage":
         env["STAGEMESH_PIN_CORES"] = "per-stage"
