@@ -19,7 +19,8 @@ three shapes, each as few MLX ops as its sequences allow:
 
 The modules are mlx-lm's own (``TransformerBlock`` of llama / qwen2 / qwen3,
 with ``self_attn.{q,k,v,o}_proj``, optional ``q_norm`` / ``k_norm``, ``rope``,
-``mlp`` and the two RMS norms); this file only reorders their calls. Results
+``mlp`` and the two RMS norms), their projections possibly joined by
+``fused_projections``; this file only reorders their calls. Results
 depend on the batch's composition only through GEMM blocking, which is why
 parity compares runs with identical batches and batched-vs-unbatched checks
 compare greedy tokens.
@@ -32,8 +33,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from stage_worker.fused_projections import attention_projections, feed_forward
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def packed_layers(
     h = hidden
     for index, layer in enumerate(layers):
         h = h + _attention(layer.self_attn, layer.input_layernorm(h), fresh, others, decode, index, restore, shared)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + feed_forward(layer.mlp, layer.post_attention_layernorm(h))
     return h
 
 
@@ -141,10 +144,7 @@ class _DecodeShared:
 def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], others: Sequence[Segment],
                decode: DecodeRows | None, layer_index: int, restore: mx.array | None,
                shared: _DecodeShared | None = None) -> mx.array:
-    rows = x.shape[0]
-    queries = attn.q_proj(x).reshape(rows, attn.n_heads, -1)
-    keys = attn.k_proj(x).reshape(rows, attn.n_kv_heads, -1)
-    values = attn.v_proj(x).reshape(rows, attn.n_kv_heads, -1)
+    queries, keys, values = attention_projections(attn, x)
     if hasattr(attn, "q_norm"):  # qwen3 normalizes per head before RoPE
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
     outputs = []
@@ -156,16 +156,18 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], other
     for segment in others:
         start, end = segment.row_start, segment.row_start + segment.num_tokens
         cache = segment.caches[layer_index]
+        # Each op here is host time on a GPU's token path (a lone decode is this loop): a segment that is
+        # the whole batch takes its rows as they are, and the layout change is two ops, not three.
+        whole = start == 0 and end == x.shape[0]
         # [n, heads, dim] -> [1, heads, n, dim], mlx-lm's attention layout
-        q = queries[start:end].transpose(1, 0, 2)[None]
-        k = keys[start:end].transpose(1, 0, 2)[None]
-        v = values[start:end].transpose(1, 0, 2)[None]
-        mask = create_attention_mask(x[start:end][None], cache)
+        q, k, v = ((a if whole else a[start:end])[None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
+        # What mlx-lm's create_attention_mask asks a KVCache for, without slicing rows to pass their shape.
+        mask = cache.make_mask(segment.num_tokens, return_array=False, window_size=None)
         q = attn.rope(q, offset=cache.offset)
         k = attn.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-        outputs.append(out[0].transpose(1, 0, 2).reshape(segment.num_tokens, -1))
+        outputs.append(out.transpose(0, 2, 1, 3).reshape(segment.num_tokens, -1))
     out = mx.concatenate(outputs) if len(outputs) > 1 else outputs[0]
     if restore is not None:
         out = out[restore]

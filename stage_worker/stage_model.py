@@ -11,7 +11,9 @@ parameters to the compute dtype every stage of the pipeline agrees on. With
 
 Forward pieces are separate so a stage runs only its part: ``embed`` (first
 stage), ``run_packed`` (every stage: many sequences' rows at once, see
-``packed_forward``), ``logits`` (last stage, float32 for sampling).
+``packed_forward``), ``logits`` (last stage, float32 for sampling). A serving stage then joins each
+layer's q/k/v and gate/up projections (``fuse_projections``); after that its
+layers run only through ``run_packed``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model
 
+from stage_worker.fused_projections import FusedLayer, fuse_layer_projections
 from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stage_worker.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.stage_weights import load_stage_weights
@@ -171,6 +174,13 @@ class StageModel:
         self._module.set_dtype(self.dtype, lambda d: mx.issubdtype(d, mx.floating))
         mx.eval(self._module.parameters())
         self._measure()
+
+    def fuse_projections(self) -> FusedLayer:
+        """Join each layer's q/k/v and gate/up projections (``fused_projections``); after the dense-or-quantized
+        choice, since joined quantized layers would dequantize as one. What was joined in every layer."""
+        fused = [fuse_layer_projections(layer) for layer in self._module.layers]
+        self._measure()
+        return FusedLayer(qkv=all(f.qkv for f in fused), gate_up=all(f.gate_up for f in fused))
 
     @classmethod
     def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:

@@ -190,6 +190,11 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     if dense:
         model.dequantize()
     log.info("weights %s (%s)", "dequantized" if dense else ("quantized" if model.quantized else "dense"), why)
+    if settings.FUSE_PROJECTIONS == "on":
+        fused = model.fuse_projections()
+        log.info("projections joined: q/k/v %s, gate/up %s (%s=off keeps them apart)",
+                 "yes" if fused.qkv else "not in every layer", "yes" if fused.gate_up else "not in every layer",
+                 settings.env_name("FUSE_PROJECTIONS"))
     status.weight_bytes, status.quantized = model.weight_bytes, model.quantized
     head_dim = int(spec.args.get("head_dim") or spec.hidden_size // int(spec.args["num_attention_heads"]))
     kv_heads = int(spec.args.get("num_key_value_heads") or spec.args["num_attention_heads"])

@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stage_worker.warmup import warm_up, warmup_plan
+    from stagemesh.core import settings
     from stagemesh.core.layer_split import LayerRange
     from stagemesh.core.plan import StageOptions
 
@@ -89,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         backend = current_backend()
         dtype = resolve_compute_dtype(args.dtype, backend)
         model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
+        fused = settings.FUSE_PROJECTIONS == "on"  # as a stage does
+        if fused:
+            model.fuse_projections()
         step_ahead = step_ahead_pays(backend)
         # The stage's own warm-up at load, sized as serve sizes it by default: what a user's first
         # requests find (anything it leaves cold shows in the first run below).
@@ -104,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = {"model": args.shape or spec.default_served_name, "backend": backend, "dtype": dtype_name(dtype),
               "quantized": model.quantized, "blas": loaded_blas(), "step_ahead": step_ahead,
+              "fused_projections": fused,
               "mlx": getattr(mx, "__version__", "unknown"),
               "single_stream": {k: v for k, v in single.items() if k != "profile"},
               "streams": {k: v for k, v in many.items() if k != "profile"},

@@ -19,6 +19,9 @@ writes one JSON + PNG per comparison under ``--out``:
 * ``gpus-pp``: PP=1 vs PP=2 over two GPUs, and PP=2 again with
   ``STAGEMESH_STEP_AHEAD=off`` (each stage builds a step only once its input
   is there): what building ahead is worth;
+* ``fused``: stagemesh PP=1 as served (each layer's q/k/v and gate/up
+  projections joined) vs ``STAGEMESH_FUSE_PROJECTIONS=off`` (mlx-lm's
+  layers as they are): what joining them is worth;
 * ``prefix``: stagemesh serve with the prefix cache off
   (``--no-enable-prefix-caching``, the baseline), on (the default), and
   ``mlx_lm.server`` with its prompt cache (on by default) on the same
@@ -60,7 +63,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "prefix")
+COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix")
 # Sizes when a flag is not given: (input, output, prompts per level) for most comparisons; for ``prefix``
 # a first turn's length in, few tokens out (its point is the time to first token), two prompts per stream.
 DEFAULT_SIZES = (32, 48, None)  # None: stagemesh bench's own per level, 4 x its concurrency (at least 16)
@@ -235,6 +238,12 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2-step-ahead-off",
                                            extra_env={"STAGEMESH_STEP_AHEAD": "off"})),
+        ]
+    if name == "fused":
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1-unfused",
+                                           extra_env={"STAGEMESH_FUSE_PROJECTIONS": "off"})),
         ]
     if name == "two-hosts":
         if not shutil.which("taskset") or ncpu < 2:

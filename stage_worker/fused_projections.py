@@ -1,0 +1,120 @@
+"""Fused projections: a decoder layer's q/k/v as one matmul, and its MLP's gate/up as one.
+
+Contract:
+
+* ``fuse_layer_projections(layer)`` rewrites one loaded mlx-lm decoder layer
+  (llama, qwen2, qwen3) in place: ``self_attn.{q,k,v}_proj`` become one
+  ``self_attn.qkv_proj`` whose output is q's rows, then k's, then v's, and
+  ``mlp.{gate,up}_proj`` become one ``mlp.gate_up_proj`` (gate's rows, then
+  up's). Weights, quantization scales and biases are concatenated along the
+  output dimension, so the bytes held are the same. Projections that cannot
+  be joined (one quantized and one not, different bits or group sizes, a
+  bias on some only) stay as they are; the function says which it fused.
+* ``attention_projections(attn, x)`` and ``feed_forward(mlp, x)`` compute a
+  layer's projections whichever form it is in. Once fused, a layer runs only
+  through them (``packed_forward``); mlx-lm's own ``__call__`` would look for
+  the projections that are gone.
+
+Why: on a GPU a decode step is bound by the host, which builds its graph op by
+op in Python and launches a kernel per op: in the measurement below, building
+the next step took as long as the step. One projection instead of three, and
+one instead of two, removes three of a layer's seven matmuls, their launches
+and the Python that builds them, and hands the GPU wider matrices. Measured on
+an H200 with mlx-lm's Llama layers, random bf16 weights, decode steps queued
+ahead (the script is in docs/results/gpu-2026-12-01-session10/): 1B shape 2.48 -> 2.28
+ms a step at batch 1 and 3.42 -> 3.04 ms at batch 16; 8B shape 7.4 -> 6.45 ms at
+batch 16 (docs/performance.md, "Seventh GPU session").
+
+Numerics: each output element is the same dot product as before, but a GEMM
+library may block a wider matrix differently, so results can differ from the
+unfused layer in the last bits (seen on CUDA for the 8B shape; on the CPU
+backend and for the 1B shape they were identical). Every stage of a pipeline
+fuses alike, so a PP=N pipeline stays bit-identical to PP=1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """What ``fuse_layer_projections`` joined in one layer."""
+
+    qkv: bool
+    gate_up: bool
+
+
+def fuse_layer_projections(layer: nn.Module) -> FusedLayer:
+    """Join ``layer``'s q/k/v and gate/up projections in place (see the module's contract)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _joined([attn.q_proj, attn.k_proj, attn.v_proj])
+    if qkv is not None:
+        attn.qkv_proj = qkv
+        for name in ("q_proj", "k_proj", "v_proj"):
+            delattr(attn, name)
+    gate_up = _joined([mlp.gate_proj, mlp.up_proj])
+    if gate_up is not None:
+        mlp.gate_up_proj = gate_up
+        delattr(mlp, "gate_proj")
+        delattr(mlp, "up_proj")
+    # Materialised layer by layer, so the parts' memory is freed as we go: a stage's whole weights are
+    # never held twice.
+    mx.eval([m.parameters() for m in (qkv, gate_up) if m is not None])
+    return FusedLayer(qkv=qkv is not None, gate_up=gate_up is not None)
+
+
+def attention_projections(attn: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """``[rows, hidden]`` -> queries ``[rows, heads, dim]``, keys and values ``[rows, kv_heads, dim]``."""
+    rows, heads, kv_heads = x.shape[0], attn.n_heads, attn.n_kv_heads
+    if "qkv_proj" in attn:
+        # Split by heads after one reshape: the three are strided views of the one output, no copies.
+        joined = attn.qkv_proj(x).reshape(rows, heads + 2 * kv_heads, -1)
+        return joined[:, :heads], joined[:, heads : heads + kv_heads], joined[:, heads + kv_heads :]
+    return (attn.q_proj(x).reshape(rows, heads, -1), attn.k_proj(x).reshape(rows, kv_heads, -1),
+            attn.v_proj(x).reshape(rows, kv_heads, -1))
+
+
+def feed_forward(mlp: nn.Module, x: mx.array) -> mx.array:
+    """The layer's MLP on ``[rows, hidden]``: ``down(silu(gate(x)) * up(x))``, as mlx-lm's ``MLP``."""
+    if "gate_up_proj" in mlp:
+        joined = mlp.gate_up_proj(x)
+        half = joined.shape[-1] // 2
+        return mlp.down_proj(swiglu(joined[..., :half], joined[..., half:]))
+    return mlp(x)
+
+
+def _joined(parts: Sequence[nn.Module]) -> nn.Module | None:
+    """One linear layer computing ``parts`` one after the other along the output, or None if they differ
+    in kind (dense / quantized, bits, group size, mode, dtype, which biases they carry)."""
+    kinds = {type(p) for p in parts}
+    with_bias = {"bias" in p for p in parts}
+    dtypes = {p.weight.dtype for p in parts}
+    if len(kinds) != 1 or len(with_bias) != 1 or len(dtypes) != 1:
+        return None
+    kind, bias = kinds.pop(), with_bias.pop()
+    output_dims = sum(p.weight.shape[0] for p in parts)
+    joined: nn.Module
+    if kind is nn.Linear:
+        # MLX builds lazily: the random initial weight is replaced before anything evaluates it.
+        joined = nn.Linear(parts[0].weight.shape[1], output_dims, bias=bias)
+    elif kind is nn.QuantizedLinear:
+        formats = {(p.group_size, p.bits, p.mode, p.get("biases") is not None) for p in parts}
+        if len(formats) != 1:
+            return None
+        group_size, bits, mode, _ = formats.pop()
+        input_dims = parts[0].weight.shape[1] * 32 // bits
+        joined = nn.QuantizedLinear(input_dims, output_dims, bias=bias, group_size=group_size, bits=bits, mode=mode)
+        joined.scales = mx.concatenate([p.scales for p in parts])
+        joined.biases = None if parts[0].get("biases") is None else mx.concatenate([p.biases for p in parts])
+    else:
+        return None  # a layer type this module does not know (LoRA, say): leave it alone
+    joined.weight = mx.concatenate([p.weight for p in parts])
+    if bias:
+        joined.bias = mx.concatenate([p.bias for p in parts])
+    return joined
