@@ -39,6 +39,7 @@ from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
 from stage_worker.build_ahead import build_ahead_enabled
 from stage_worker.device import StageDevice, apply_wired_limit, probe
 from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_wanted
+from stage_worker.fused_projections import fusion_wanted
 from stage_worker.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.handshake import StageIdentity, connect_neighbours, init_ring
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
@@ -190,7 +191,7 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     if dense:
         model.dequantize()
     log.info("weights %s (%s)", "dequantized" if dense else ("quantized" if model.quantized else "dense"), why)
-    if settings.FUSE_PROJECTIONS == "on":
+    if fusion_wanted(settings.FUSE_PROJECTIONS, device.backend):
         fused = model.fuse_projections()
         log.info("projections joined: q/k/v %s, gate/up %s (%s=off keeps them apart)",
                  "yes" if fused.qkv else "not in every layer", "yes" if fused.gate_up else "not in every layer",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stage_worker.default_model import default_model_path
-from stage_worker.fused_projections import FusedLayer
+from stage_worker.fused_projections import FusedLayer, fusion_wanted
 from stage_worker.model_spec import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import StageCompute
@@ -112,3 +112,8 @@ def test_projections_of_different_kinds_stay_apart(tmp_path):
     assert {"q_proj", "k_proj", "v_proj"} <= set(first) and "qkv_proj" not in first
     assert "qkv_proj" in second  # the other layer's projections are alike, so they join
     _assert_same(_outputs(fused, 512), _outputs(separate, 512))
+
+
+def test_auto_joins_on_gpus_only():
+    assert [fusion_wanted("auto", b) for b in ("cpu", "cuda", "metal")] == [False, True, True]
+    assert fusion_wanted("on", "cpu") and not fusion_wanted("off", "cuda")

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.default_model import resolve_model_path
     from stage_worker.device import current_backend
     from stage_worker.engine import step_ahead_pays
+    from stage_worker.fused_projections import fusion_wanted
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stage_worker.warmup import warm_up, warmup_plan
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         backend = current_backend()
         dtype = resolve_compute_dtype(args.dtype, backend)
         model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
-        fused = settings.FUSE_PROJECTIONS == "on"  # as a stage does
+        fused = fusion_wanted(settings.FUSE_PROJECTIONS, backend)  # as a stage does
         if fused:
             model.fuse_projections()
         step_ahead = step_ahead_pays(backend)

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.blas import loaded_blas
     from stage_worker.default_model import resolve_model_path
     from stage_worker.device import current_backend
+    from stage_worker.fused_projections import fusion_wanted
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
     from stagemesh.core import settings
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                                     memory_budget=int(psutil.virtual_memory().total * 0.8))
     if dense:
         model.dequantize()
-    if settings.FUSE_PROJECTIONS == "on":  # as a stage does
+    if fusion_wanted(settings.FUSE_PROJECTIONS, backend):  # as a stage does
         model.fuse_projections()
     _drive(model, args, cache=False, workload="distinct", conversations=1)  # warm the kernels
     result: dict[str, Any] = {"backend": backend, "blas": loaded_blas(), "dense_weights": dense,

@@ -19,9 +19,9 @@ writes one JSON + PNG per comparison under ``--out``:
 * ``gpus-pp``: PP=1 vs PP=2 over two GPUs, and PP=2 again with
   ``STAGEMESH_STEP_AHEAD=off`` (each stage builds a step only once its input
   is there): what building ahead is worth;
-* ``fused``: stagemesh PP=1 as served (each layer's q/k/v and gate/up
-  projections joined) vs ``STAGEMESH_FUSE_PROJECTIONS=off`` (mlx-lm's
-  layers as they are): what joining them is worth;
+* ``fused``: stagemesh PP=1 with each layer's q/k/v and gate/up
+  projections joined (``STAGEMESH_FUSE_PROJECTIONS=on``) vs ``off``
+  (mlx-lm's layers as they are): what joining them is worth;
 * ``prefix``: stagemesh serve with the prefix cache off
   (``--no-enable-prefix-caching``, the baseline), on (the default), and
   ``mlx_lm.server`` with its prompt cache (on by default) on the same
@@ -241,7 +241,8 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
         ]
     if name == "fused":
         return [
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1",
+                                           extra_env={"STAGEMESH_FUSE_PROJECTIONS": "on"})),
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1-unfused",
                                            extra_env={"STAGEMESH_FUSE_PROJECTIONS": "off"})),
         ]

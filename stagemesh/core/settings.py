@@ -29,8 +29,8 @@ DEFAULT_GATEWAY_PORT = 8000
 LOOPBACK = "127.0.0.1"
 # The Ray resource a node advertises once per stage it can host (`ray start --resources='{"mlx": 1}'`).
 MLX_RESOURCE = "mlx"
-STEP_AHEAD_CHOICES = ("auto", "on", "off")
-ON_OFF = ("on", "off")
+AUTO_ON_OFF = ("auto", "on", "off")
+STEP_AHEAD_CHOICES = AUTO_ON_OFF
 
 
 def stagemesh_version() -> str:
@@ -166,10 +166,10 @@ VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v
              "run ahead of the data: auto (stages build each batch's graph before its input arrives; decode "
              "steps are queued before the last one's tokens are back on GPUs, where it pays), on (steps queued "
              "ahead on the CPU too), off (neither)"),
-    Variable("STAGEMESH_FUSE_PROJECTIONS", _choice("STAGEMESH_FUSE_PROJECTIONS", "on", ON_OFF),
-             "on: each stage joins every layer's q/k/v projections into one matmul and gate/up into another "
-             "(fewer, wider kernels; results may differ from the unjoined layers in the last bits on a GPU); "
-             "off: mlx-lm's layers as they are"),
+    Variable("STAGEMESH_FUSE_PROJECTIONS", _choice("STAGEMESH_FUSE_PROJECTIONS", "auto", AUTO_ON_OFF),
+             "join every layer's q/k/v projections into one matmul and gate/up into another (fewer, wider "
+             "kernels; on a GPU results may differ from mlx-lm's layers in the last bits): auto (on GPUs, where "
+             "it pays), on (on the CPU too), off (mlx-lm's layers as they are)"),
     Variable("RAY_ADDRESS", _str("RAY_ADDRESS", None), "join this Ray cluster instead of starting a local one"),
 )}
 

@@ -35,9 +35,12 @@ def serve_pp1(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve_pp2(tmp_path_factory):
-    # Step-ahead on (auto is off on the CPU), so PP=2 below also covers decode steps built ahead.
+    # Step-ahead and joined projections on (auto leaves both off on the CPU), so PP=2 below also covers
+    # decode steps built ahead and the GPU's layer form; on the CPU backend joined layers compute exactly
+    # what separate ones do, so PP=2 still equals PP=1 token for token.
     serve = start_serve(tmp_path_factory.mktemp("pp2"), pp=2,
-                        env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN, "STAGEMESH_STEP_AHEAD": "on"})
+                        env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN, "STAGEMESH_STEP_AHEAD": "on",
+                             "STAGEMESH_FUSE_PROJECTIONS": "on"})
     yield serve
     serve.stop()
 
