@@ -156,11 +156,9 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], other
     for segment in others:
         start, end = segment.row_start, segment.row_start + segment.num_tokens
         cache = segment.caches[layer_index]
-        # Each op here is host time on a GPU's token path (a lone decode is this loop): a segment that is
-        # the whole batch takes its rows as they are, and the layout change is two ops, not three.
-        whole = start == 0 and end == x.shape[0]
-        # [n, heads, dim] -> [1, heads, n, dim], mlx-lm's attention layout
-        q, k, v = ((a if whole else a[start:end])[None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
+        # [n, heads, dim] -> [1, heads, n, dim], mlx-lm's attention layout. Each op here is host time on a
+        # GPU's token path (a lone decode is this loop); a slice of every row is no op in MLX.
+        q, k, v = (a[start:end][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
         # What mlx-lm's create_attention_mask asks a KVCache for, without slicing rows to pass their shape.
         mask = cache.make_mask(segment.num_tokens, return_array=False, window_size=None)
         q = attn.rope(q, offset=cache.offset)
