@@ -11,9 +11,9 @@ parameters to the compute dtype every stage of the pipeline agrees on. With
 
 Forward pieces are separate so a stage runs only its part: ``embed`` (first
 stage), ``run_packed`` (every stage: many sequences' rows at once, see
-``packed_forward``), ``logits`` (last stage, float32 for sampling). A serving stage then joins each
-layer's q/k/v and gate/up projections (``fuse_projections``); after that its
-layers run only through ``run_packed``.
+``packed_forward``), ``logits`` (last stage, float32 for sampling). A GPU
+stage then joins each layer's q/k/v and gate/up projections
+(``fuse_projections``); after that its layers run only through ``run_packed``.
 """
 
 from __future__ import annotations
@@ -176,8 +176,9 @@ class StageModel:
         self._measure()
 
     def fuse_projections(self) -> FusedLayer:
-        """Join each layer's q/k/v and gate/up projections (``fused_projections``); after the dense-or-quantized
-        choice, since joined quantized layers would dequantize as one. What was joined in every layer."""
+        """Join each layer's q/k/v and gate/up projections (``fused_projections``); what was joined in every
+        layer. A stage calls it after choosing dense or quantized weights and before its warm-up, so the
+        kernels warmed are the ones it will run."""
         fused = [fuse_layer_projections(layer) for layer in self._module.layers]
         self._measure()
         return FusedLayer(qkv=all(f.qkv for f in fused), gate_up=all(f.gate_up for f in fused))

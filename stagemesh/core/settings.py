@@ -30,7 +30,6 @@ LOOPBACK = "127.0.0.1"
 # The Ray resource a node advertises once per stage it can host (`ray start --resources='{"mlx": 1}'`).
 MLX_RESOURCE = "mlx"
 AUTO_ON_OFF = ("auto", "on", "off")
-STEP_AHEAD_CHOICES = AUTO_ON_OFF
 
 
 def stagemesh_version() -> str:
@@ -162,7 +161,7 @@ VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v
     Variable("STAGEMESH_NODE_SPEED", _positive_float("STAGEMESH_NODE_SPEED", 1.0),
              "this node's speed relative to the others (e.g. its memory bandwidth in GB/s); the layer planner "
              "gives faster nodes more layers (default 1: all alike)"),
-    Variable("STAGEMESH_STEP_AHEAD", _choice("STAGEMESH_STEP_AHEAD", "auto", STEP_AHEAD_CHOICES),
+    Variable("STAGEMESH_STEP_AHEAD", _choice("STAGEMESH_STEP_AHEAD", "auto", AUTO_ON_OFF),
              "run ahead of the data: auto (stages build each batch's graph before its input arrives; decode "
              "steps are queued before the last one's tokens are back on GPUs, where it pays), on (steps queued "
              "ahead on the CPU too), off (neither)"),
