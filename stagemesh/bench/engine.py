@@ -10,6 +10,13 @@ host time goes (graph building, kernel launches inside ``mx.async_eval``, KV
 bookkeeping). The engine runs on this process's main thread because MLX's
 CUDA streams belong to the thread that made them, as in a stage.
 
+``--compare-projections N`` measures what joining each layer's projections
+is worth (``stage_worker.fused_projections``): N fresh loads, each running the
+same set with mlx-lm's separate projections, then again after joining them in
+place, with the joined / separate ratio of each run. On a GPU this one
+process is steadier than two servers sharing the device, which differed by
+up to 20% at 16 streams in an A/A run (docs/performance.md, seventh GPU session).
+
 It is a tool for GPU backends: the weights run as loaded (a quantized
 checkpoint stays quantized) and no BLAS is preloaded, so on the CPU backend it
 does not reproduce a stage's fast path (``stagemesh bench-pipeline --bare``
@@ -49,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-max-prompt", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0, help="seed of the --mixed lengths")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries of both runs")
+    parser.add_argument("--compare-projections", type=int, default=0, metavar="N",
+                        help="instead: N fresh loads, each run with mlx-lm's separate projections, then again "
+                             "after joining them in place (fused_projections), with the joined/separate ratios")
     parser.add_argument("--out", default=None, help="also write the JSON here")
 
 
@@ -79,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     if args.shape and args.model:
         print("bench-engine: give MODEL or --shape, not both", file=sys.stderr)
         return 2
+    if args.compare_projections < 0 or (args.compare_projections and args.profile):
+        print("bench-engine: --compare-projections takes a positive count of loads, without --profile",
+              file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-engine-") as tmp:
         if args.shape:
             from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
@@ -90,30 +104,58 @@ def run(args: argparse.Namespace) -> int:
         spec = read_model_spec(model_path)
         backend = current_backend()
         dtype = resolve_compute_dtype(args.dtype, backend)
-        model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
-        fused = fusion_wanted(settings.FUSE_PROJECTIONS, backend)  # as a stage does
-        if fused:
-            model.fuse_projections()
         step_ahead = step_ahead_pays(backend)
         # The stage's own warm-up at load, sized as serve sizes it by default: what a user's first
         # requests find (anything it leaves cold shows in the first run below).
         defaults = StageOptions()
-        warm_up(model, warmup_plan(backend, max_num_seqs=defaults.max_num_seqs, micro_batches=1,
-                                   max_batch_tokens=defaults.max_batch_tokens, max_model_len=4096))
-        single = _drive(model, 1, args.tokens, args.prompt_len, step_ahead, args.profile)
-        many = _drive(model, args.streams, args.tokens, args.prompt_len, step_ahead, args.profile)
-        mixed = (_drive_mixed(model, args.mixed, args.streams, args.mixed_max_prompt, args.tokens, args.seed,
-                              step_ahead, args.profile) if args.mixed else None)
+        warmup = warmup_plan(backend, max_num_seqs=defaults.max_num_seqs, micro_batches=1,
+                             max_batch_tokens=defaults.max_batch_tokens, max_model_len=4096)
+
+        def load() -> StageModel:
+            return StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
+
+        def measure(model: StageModel) -> dict[str, dict]:
+            warm_up(model, warmup)
+            runs = {"single_stream": _drive(model, 1, args.tokens, args.prompt_len, step_ahead, args.profile),
+                    "streams": _drive(model, args.streams, args.tokens, args.prompt_len, step_ahead, args.profile)}
+            if args.mixed:
+                runs["mixed"] = _drive_mixed(model, args.mixed, args.streams, args.mixed_max_prompt, args.tokens,
+                                             args.seed, step_ahead, args.profile)
+            return runs
+
+        comparison: list[dict[str, Any]] = []
+        for _ in range(args.compare_projections):
+            # Each load runs separate then joined, so host drift between loads hits both alike.
+            model = load()
+            separate = measure(model)
+            fused_layers = model.fuse_projections()
+            joined = measure(model)
+            comparison.append({"separate": separate, "joined": joined,
+                               "joined_in_every_layer": {"qkv": fused_layers.qkv, "gate_up": fused_layers.gate_up},
+                               "joined_over_separate": joined_over_separate(separate, joined)})
+            del model
+        if comparison:
+            fused, runs = None, comparison[-1]["joined"]
+        else:
+            model = load()
+            fused = fusion_wanted(settings.FUSE_PROJECTIONS, backend)  # as a stage does
+            if fused:
+                model.fuse_projections()
+            runs = measure(model)
+        single, many, mixed = runs["single_stream"], runs["streams"], runs.get("mixed")
     from stage_worker.blas import loaded_blas
     from stage_worker.wire import dtype_name
 
-    result = {"model": args.shape or spec.default_served_name, "backend": backend, "dtype": dtype_name(dtype),
-              "quantized": model.quantized, "blas": loaded_blas(), "step_ahead": step_ahead,
-              "fused_projections": fused,
-              "mlx": getattr(mx, "__version__", "unknown"),
-              "single_stream": {k: v for k, v in single.items() if k != "profile"},
-              "streams": {k: v for k, v in many.items() if k != "profile"},
-              **({"mixed": {k: v for k, v in mixed.items() if k != "profile"}} if mixed else {})}
+    result: dict[str, Any] = {"model": args.shape or spec.default_served_name, "backend": backend,
+                              "dtype": dtype_name(dtype), "blas": loaded_blas(), "step_ahead": step_ahead,
+                              "mlx": getattr(mx, "__version__", "unknown")}
+    if comparison:
+        result["projections"] = comparison
+    else:
+        result.update({"quantized": model.quantized, "fused_projections": fused,
+                       "single_stream": {k: v for k, v in single.items() if k != "profile"},
+                       "streams": {k: v for k, v in many.items() if k != "profile"},
+                       **({"mixed": {k: v for k, v in mixed.items() if k != "profile"}} if mixed else {})})
     text = json.dumps(result, indent=1)
     print(text)
     for label, run_result in (("one stream", single), (f"{args.streams} streams", many),
@@ -123,6 +165,16 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+def joined_over_separate(separate: dict[str, dict], joined: dict[str, dict]) -> dict[str, float]:
+    """Each run's speed with joined projections over separate ones (> 1: joined is faster; pure)."""
+    ratios = {"single_stream": separate["single_stream"]["ms_per_token_p50"]
+              / joined["single_stream"]["ms_per_token_p50"],
+              "streams": joined["streams"]["tokens_per_s"] / separate["streams"]["tokens_per_s"]}
+    if "mixed" in joined:
+        ratios["mixed"] = joined["mixed"]["tokens_per_s"] / separate["mixed"]["tokens_per_s"]
+    return {k: round(v, 3) for k, v in ratios.items()}
 
 
 def _engine(model: Any, seats: int, max_model_len: int, step_ahead: bool) -> Any:

@@ -55,6 +55,26 @@ def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
     assert "engine thread, one stream" in done.stdout and "engine thread, 3 mixed requests" in done.stdout
 
 
+def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_path):
+    out = tmp_path / "engine.json"
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", "4", "--streams", "2",
+                           "--prompt-len", "4", "--mixed", "2", "--mixed-max-prompt", "6", "--compare-projections", "1",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [pair] = json.loads(out.read_text())["projections"]
+    assert pair["joined_in_every_layer"] == {"qkv": True, "gate_up": True}
+    for arm in ("separate", "joined"):
+        assert pair[arm]["streams"]["tokens"] == 8 and pair[arm]["mixed"]["failed"] == 0
+    ratios = pair["joined_over_separate"]
+    assert set(ratios) == {"single_stream", "streams", "mixed"} and all(r > 0 for r in ratios.values())
+    expected = pair["joined"]["streams"]["tokens_per_s"] / pair["separate"]["streams"]["tokens_per_s"]
+    assert ratios["streams"] == round(expected, 3)
+    bad = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--compare-projections", "1",
+                          "--profile"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--compare-projections" in bad.stderr
+
+
 def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_real_serve(tmp_path):
     out = tmp_path / "stack.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-stack", "--tokens", "4", "--streams", "2",
