@@ -139,15 +139,13 @@ def run(args: argparse.Namespace) -> int:
                                "joined_in_every_layer": {"qkv": fused_layers.qkv, "gate_up": fused_layers.gate_up},
                                "joined_over_separate": joined_over_separate(separate, joined)})
             del model
-        if comparison:
-            fused, runs = None, comparison[-1]["joined"]
-        else:
+        runs: dict[str, dict] = {}
+        if not comparison:
             model = load()
             fused = fusion_wanted(settings.FUSE_PROJECTIONS, backend)  # as a stage does
             if fused:
                 model.fuse_projections()
             runs = measure(model)
-        single, many, mixed = runs["single_stream"], runs["streams"], runs.get("mixed")
     from stage_worker.blas import loaded_blas
     from stage_worker.wire import dtype_name
 
@@ -158,15 +156,14 @@ def run(args: argparse.Namespace) -> int:
         result["projections"] = comparison
     else:
         result.update({"quantized": model.quantized, "fused_projections": fused,
-                       "single_stream": {k: v for k, v in single.items() if k != "profile"},
-                       "streams": {k: v for k, v in many.items() if k != "profile"},
-                       **({"mixed": {k: v for k, v in mixed.items() if k != "profile"}} if mixed else {})})
+                       **{name: {k: v for k, v in run.items() if k != "profile"} for name, run in runs.items()}})
     text = json.dumps(result, indent=1)
     print(text)
-    for label, run_result in (("one stream", single), (f"{args.streams} streams", many),
-                              (f"{args.mixed} mixed requests", mixed or {})):
-        if run_result.get("profile"):
-            print(f"--- engine thread, {label}:\n{run_result['profile']}")
+    labels = {"single_stream": "one stream", "streams": f"{args.streams} streams",
+              "mixed": f"{args.mixed} mixed requests"}
+    for name, run in runs.items():
+        if run.get("profile"):
+            print(f"--- engine thread, {labels[name]}:\n{run['profile']}")
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
