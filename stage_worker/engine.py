@@ -35,6 +35,7 @@ from stage_worker.scheduler import (
 )
 from stage_worker.stage_runtime import EntryPipeline
 from stage_worker.stage_status import StageStatus
+from stagemesh.core import settings
 from stagemesh.core.states import StageState
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ _IDLE_WAIT_S = 0.5
 
 def step_ahead_wanted(setting: str, backend: str) -> bool:
     """``STAGEMESH_STEP_AHEAD`` (auto, on, off) on ``backend`` (pure): auto follows ``step_ahead_pays``."""
-    return setting == "on" or (setting == "auto" and step_ahead_pays(backend))
+    return settings.switched_on(setting, auto=step_ahead_pays(backend))
 
 
 def step_ahead_pays(backend: str) -> bool:

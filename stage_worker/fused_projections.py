@@ -42,6 +42,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from stagemesh.core import settings
+
 
 def fusion_wanted(setting: str, backend: str) -> bool:
     """``STAGEMESH_FUSE_PROJECTIONS`` (auto, on, off) on ``backend`` (pure): auto joins on GPU backends.
@@ -52,7 +54,7 @@ def fusion_wanted(setting: str, backend: str) -> bool:
     like CUDA, launches a kernel per op from the host; it is joined there on the same reasoning,
     not yet measured.
     """
-    return setting == "on" or (setting == "auto" and backend != "cpu")
+    return settings.switched_on(setting, auto=backend != "cpu")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,11 @@ MLX_RESOURCE = "mlx"
 AUTO_ON_OFF = ("auto", "on", "off")
 
 
+def switched_on(setting: str, auto: bool) -> bool:
+    """An ``AUTO_ON_OFF`` setting's answer (pure): ``on``, ``off``, or ``auto``'s own answer where it is left to."""
+    return setting == "on" or (setting == "auto" and auto)
+
+
 def stagemesh_version() -> str:
     """The installed stagemesh version (stages compare it across nodes)."""
     try:
