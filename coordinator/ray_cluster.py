@@ -4,7 +4,7 @@
   that cluster; with Ray already initialised in this process, use it as is;
   otherwise start a private local Ray **on loopback only** with ``units``
   ``mlx`` units and no dashboard. Two Ray quirks make "loopback only" need
-  more than ``_node_ip_address="127.0.0.1"`` (both measured with ray 2.60 on
+  more than ``_node_ip_address="127.0.0.1"`` (both hold for ray 2.60 on
   Linux):
 
   * Ray rewrites a loopback node address to the machine's outward interface

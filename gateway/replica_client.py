@@ -10,10 +10,7 @@ Contract:
   messages from one healthy replica chosen by least outstanding requests
   (ties round-robin), under a per-request deadline. Requests to one entry
   stage share one ``GenerateStream`` call (``gateway.stage_streams``: one
-  message per engine step for all of them); a stage that does not serve it
-  (UNIMPLEMENTED: an older stagemesh) gets one ``Generate`` call per request
-  for as long as that stage process (its pid in the snapshot) serves the
-  target. Close the generator (``aclosing``) or cancel the task consuming it
+  message per engine step for all of them). Close the generator (``aclosing``) or cancel the task consuming it
   and the request is cancelled, which makes the stage abort the sequence and
   free its slot.
 - If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token

@@ -1,10 +1,9 @@
 """Many generations over one gRPC call per entry stage: the gateway's end of ``Stage.GenerateStream``.
 
-Why: on a GPU a step takes a few ms, and with one ``Generate`` call per request every token of
-every request is a gRPC message, written by the stage's event loop (which shares the GIL with the
-thread that builds the next step) and read by the gateway's. Over ``GenerateStream`` the stage
-sends one message per step holding every request's new tokens, and the gateway reads one and
-hands each request its part (``docs/performance.md``, "One message a step").
+Why: on a GPU a step takes a few ms, and a message per token per request would be written by the
+stage's event loop (which shares the GIL with the thread that builds the next step) and read by the
+gateway's. Over ``GenerateStream`` the stage sends one message per step holding every request's new
+tokens, and the gateway reads one and hands each request its part.
 
 Contract:
 - ``StageStream(stub, metadata)`` opens one ``GenerateStream`` call to an entry stage, in the running

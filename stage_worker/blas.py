@@ -2,11 +2,11 @@
 
 MLX's Linux CPU wheel links the reference (netlib) BLAS: every float GEMM runs
 at a few GFLOP/s and batching gains nothing. Preloading an optimized BLAS that
-exports the standard CBLAS symbols replaces it for the whole process (measured
-here: a 576x1536 float32 GEMV 4.7x faster; float32 decode at batch 16 ~10x).
-Candidates, best first: Debian's OpenBLAS (``libopenblas0-pthread``), then
-Intel MKL's ``libmkl_rt`` from the PyPI ``mkl`` wheel. ``STAGEMESH_BLAS``
-overrides: ``none`` keeps the reference BLAS, a path preloads that library.
+exports the standard CBLAS symbols replaces it for the whole process
+(docs/performance.md, "Linux CPU", has the gain). Candidates, best first:
+Debian's OpenBLAS (``libopenblas0-pthread``), then Intel MKL's ``libmkl_rt``
+from the PyPI ``mkl`` wheel. ``STAGEMESH_BLAS`` overrides: ``none`` keeps the
+reference BLAS, a path preloads that library.
 
 ``LD_PRELOAD`` only takes effect when a process starts, so the stage entry
 point (``python -m stage_worker``) re-executes itself once with it set. macOS
@@ -122,7 +122,7 @@ def threads_for_load(in_flight: int, cores: int, stages_on_host: int) -> int:
 
     One batch in flight: the other stages wait, so all ``cores`` are this stage's. Several: up to
     ``min(in_flight, stages_on_host)`` stages of this host compute at once and share the cores.
-    ``in_flight`` 0 means unknown (an older peer): assume the host is fully busy.
+    ``in_flight`` 0 means unknown: assume the host is fully busy.
     """
     busy_here = stages_on_host if in_flight <= 0 else min(in_flight, stages_on_host)
     return max(1, cores // max(1, busy_here))

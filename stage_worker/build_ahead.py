@@ -1,8 +1,7 @@
 """Building a stage's graph before its input arrives: placeholders whose bytes are written in later.
 
 MLX builds graphs lazily, and building one is host work: for a decode step,
-0.1-0.2 ms of Python per decoder layer (measured on this project's CPU VM;
-``docs/performance.md``). In a pipeline every stage waits for its input, so a
+a fraction of a millisecond of Python per decoder layer. In a pipeline every stage waits for its input, so a
 stage that builds only once the input is there puts that time on every token's
 path, once per stage. But a stage often knows a batch's shape before its data:
 
@@ -20,7 +19,7 @@ never reuses its buffer for an output (donation needs the only reference).
 Writing into an array's memory relies on MLX handing out host-visible memory
 through the buffer protocol: unified memory on Apple silicon, managed memory on
 CUDA, host memory on the CPU. ``writes_reach_device`` checks that once per
-process; where it fails, stages build after the data arrives, as before.
+process; where it fails, stages build after the data arrives.
 """
 
 from __future__ import annotations

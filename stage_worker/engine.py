@@ -52,10 +52,8 @@ def step_ahead_pays(backend: str) -> bool:
     """Whether a single-stage pipeline should queue each decode step before reading the last (pure).
 
     It overlaps the host's work (building the next step, reading tokens back, delivering them) with
-    the device's, so it pays where the device is not the host's own cores. Measured: on an H200
-    (CUDA) the 1B step went from synchronous to fully overlapped (ITL p50 3.67 ms against 3.7 ms for
-    the bare forward); on this project's 2-core CPU VM it cost 16% of 16-stream throughput and 45%
-    more time to first token (the step and the host's work compete for the same two cores).
+    the device's, so it pays where the device is not the host's own cores; on the CPU backend the step
+    and the host's work compete for the same cores (docs/performance.md, "The knobs").
     """
     return backend != "cpu"
 
@@ -67,8 +65,8 @@ def continue_oldest(in_flight: int, micro_batches: int, has_work: bool, single_s
     work with: always, once its micro-batch slots are taken or nothing new waits for one. A pipeline
     with micro-batches overlaps its stages with them already; a continuation only pays where a stage
     would otherwise wait for the others: fewer batches in flight than slots, and no new work to fill
-    one. Measured on two H200s (docs/performance.md): one stream 1.36-1.50x faster built ahead;
-    16 streams over two full micro-batches no faster (0.94-1.02x), and a later first token.
+    one. With every slot full a continuation is no faster and makes part of each wave's first token
+    later (docs/performance.md, "What did not pay").
     """
     if in_flight == 0:
         return False

@@ -17,20 +17,16 @@ Contract:
   the projections that are gone.
 
 Why: on a GPU a decode step is bound by the host, which builds its graph op by
-op in Python and launches a kernel per op: in the measurement below, building
-the next step took as long as the step. One projection instead of three, and
+op in Python and launches a kernel per op. One projection instead of three, and
 one instead of two, removes three of a layer's seven matmuls, their launches
-and the Python that builds them, and hands the GPU wider matrices. Measured on
-an H200 with mlx-lm's Llama layers, random bf16 weights, decode steps queued
-ahead (the script is in docs/results/gpu-2026-12-01-session10/): 1B shape 2.48 -> 2.28
-ms a step at batch 1 and 3.42 -> 3.04 ms at batch 16; 8B shape 7.4 -> 6.45 ms at
-batch 16 (docs/performance.md, "Seventh GPU session").
+and the Python that builds them, and hands the GPU wider matrices
+(docs/performance.md has the figures).
 
-Numerics: each output element is the same dot product as before, but a GEMM
-library may block a wider matrix differently, so results can differ from the
-unfused layer in the last bits (seen on CUDA for the 8B shape; on the CPU
-backend and for the 1B shape they were identical). Every stage of a pipeline
-fuses alike, so a PP=N pipeline stays bit-identical to PP=1.
+Numerics: each output element is the same dot product as in the unfused layer,
+but a GEMM library may block a wider matrix differently, so results can differ
+from it in the last bits (on CUDA; the CPU backend gives identical results).
+Every stage of a pipeline fuses alike, so a PP=N pipeline stays bit-identical
+to PP=1.
 """
 
 from __future__ import annotations
@@ -48,11 +44,10 @@ from stagemesh.core import settings
 def fusion_wanted(setting: str, backend: str) -> bool:
     """``STAGEMESH_FUSE_PROJECTIONS`` (auto, on, off) on ``backend`` (pure): auto joins on GPU backends.
 
-    On the CPU backend the step is bound by the arithmetic, not the host, and the joined layers were
-    slower there: the strided q/k/v and gate/up views cost the CPU kernels more than two fewer GEMM
-    calls save (the default model, one stream: ITL 82.7 against 78.8 ms; 16 streams: even). Metal,
-    like CUDA, launches a kernel per op from the host; it is joined there on the same reasoning,
-    not yet measured.
+    On the CPU backend the step is bound by the arithmetic, not the host, and the joined layers are
+    slower there: the strided q/k/v and gate/up views cost the CPU kernels more than three fewer GEMM
+    calls save (docs/performance.md). Metal, like CUDA, launches a kernel per op from the host; it is
+    joined there on the same reasoning, unmeasured.
     """
     return settings.switched_on(setting, auto=backend != "cpu")
 

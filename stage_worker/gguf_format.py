@@ -16,7 +16,7 @@ Contract:
   names and lays it out (no permutation undone); tests compare the two.
 
 The header is parsed here with ``struct`` rather than ``gguf.GGUFReader``
-(whose per-element numpy views take ~2 s on the 49k-token vocabulary); the
+(whose per-element numpy views are slow on a large vocabulary); the
 ``gguf`` package still supplies the type tables and writes our test files.
 """
 

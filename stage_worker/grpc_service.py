@@ -13,8 +13,7 @@ thread that made them). Why aio: on a GPU a step takes a few ms and every
 token of every stream is a gRPC message. grpcio's thread-pool server hands
 each message between a handler thread and its polling thread under
 conditions, three GIL hand-offs per token, all contending with the engine's
-thread for the one GIL (py-spy on an H200: a third of the stage's GIL time at
-16 streams). Here the engine wakes the loop once per step for every stream
+thread for the one GIL. Here the engine wakes the loop once per step for every stream
 that got tokens (``StageServicer.on_delivered``), and each stream's handler
 sends from the loop itself. Handlers never touch MLX.
 """

@@ -21,8 +21,7 @@ instead of attending to the wrong positions.
 
 Shrinking a group never reads the device: mlx-lm's ``BatchKVCache.filter``
 reads the left padding back (``tolist``) to trim it, one device sync per layer
-per change, which on a GPU stalls the queued work every time a sequence ends
-(on an H200: 240 ``filter`` calls in one 16-stream wave, the largest entry of its profile). The store
+per change, which on a GPU stalls the queued work every time a sequence ends. The store
 knows each member's token count, so ``_filter`` trims by the same amount
 computed on the host. Sequences released in one batch leave their group in
 one filter.

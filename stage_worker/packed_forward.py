@@ -12,8 +12,8 @@ three shapes, each as few MLX ops as its sequences allow:
   right-padded ``[n, heads, L, dim]`` causal batch (they have no history;
   causality keeps every real row from seeing the padding after it), and only
   the writes of their real rows into their own caches are per sequence.
-  Without this, 16 prompts of ~32 tokens cost ~10 small ops per sequence per
-  layer (~40% more prefill time on the CPU backend);
+  Without this, every fresh prompt would cost about ten small ops of its own
+  per layer;
 * any other chunk (continuing a long prompt) applies RoPE at its own offset,
   appends to its own mlx-lm ``KVCache`` and attends over its own history.
 

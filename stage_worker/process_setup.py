@@ -17,17 +17,15 @@ batch shape but not serving, where every step's batch differs (unless the
 environment already sets them; they do nothing on Metal or the CPU):
 
 * ``MLX_CUDA_USE_CUDNN_SDPA=0``: cuDNN attention builds an execution plan for
-  every new (query, key) shape, tens of ms each, and a prompt batch almost
-  always has a new one; MLX's own kernels need no plan. An LRU of 256 plans
-  also aborts the process once it has missed 512 times.
+  every new (query, key) shape, and a prompt batch almost always has a new
+  one; MLX's own kernels need no plan. An LRU of 256 plans also aborts the
+  process once it has missed 512 times.
 * ``MLX_USE_CUDA_GRAPHS=0``: graphs are captured and cached by the order of a
   batch's operations, which changes with its composition (fresh prompts, a
   decode group, continued chunks), so serving mostly pays for capture and
   instantiation without replaying.
 
-Measured with ``stagemesh bench-engine --mixed`` on an H200 (docs/performance.md):
-3.9x the tokens/s and 0.22x the time to first token of MLX's defaults on a
-varied workload.
+docs/performance.md ("MLX's CUDA settings") has the figures.
 """
 
 from __future__ import annotations

@@ -77,8 +77,7 @@ def choose_dense_weights(
 
     ``auto`` weighs speed against memory, per ``backend`` (stage_worker.device): on
     Metal the quantized kernels are the fast path; on CUDA MLX's quantized matmul
-    does not batch (an H200 ran an 8B 4-bit model's decode step in 7.3 ms at batch
-    1 but 58 ms at batch 16, against 6.5 ms in bfloat16), and on the CPU only a tuned
+    does not batch (docs/performance.md, ``--dequantize``), and on the CPU only a tuned
     BLAS gains from batching; so on both, dense weights when they fit in half the
     stage's memory budget (and, on the CPU, when an optimized BLAS is loaded).
     """

@@ -13,7 +13,7 @@ reads a ``StageLaunch`` (plan, rank, options) and runs ``serve``:
    (``stage_worker.warmup``).
 4. ``connect``: lanes and handshake with both neighbours, then MLX's ring
    (``stage_worker.handshake``); a single-stage pipeline has no links.
-5. ``run_entry`` (rank 0: the scheduler and engine behind ``Generate``) or
+5. ``run_entry`` (rank 0: the scheduler and engine behind the generation RPCs) or
    ``run_relay`` (every other rank, until SHUTDOWN has gone round the ring).
 
 ``run_stage`` is steps 3-5 with the error handling both the server and the

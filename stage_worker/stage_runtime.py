@@ -150,7 +150,7 @@ class StageCompute:
         decode = None
         if len(decode_ids) == 1:
             # A lone decode runs as a one-token chunk on plain caches: mlx-lm's own single-sequence path,
-            # without the group's mask and gathers (measured on an H200, the step is launch-bound).
+            # without the group's mask and gathers (on a GPU the step is bound by launching kernels).
             caches = self.kv.for_chunk(decode_ids[0], decode_positions[0], False, 1)
             segments.append(Segment(caches, 1, decode_rows[0]))
         elif decode_ids:

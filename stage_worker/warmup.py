@@ -16,8 +16,8 @@ exist yet, and nothing here touches it. A single-stage pipeline (first and
 last) runs its decode groups through a throwaway ``EntryPipeline`` instead,
 as the engine does: the prompts, then a decode step fed the tokens they
 sampled still on the device (``Chunk.carried``: its own gather kernel, which
-NVRTC took 3 s to compile for the first request when the warm-up skipped it,
-measured on an H200), submitted before the first step is read.
+the first request would otherwise wait for NVRTC to compile), submitted
+before the first step is read.
 
 ``warmup_plan`` (pure) chooses the sizes: on the CPU one tiny prompt and one
 decode step of it (nothing to compile there; tests and CI start many stages), on a

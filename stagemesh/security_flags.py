@@ -1,7 +1,7 @@
 """``stagemesh serve``'s security flags: who may call the gateway and the stages, and over what.
 
-One home for the flags of issue 13, so ``serve.py`` only adds them and reads
-their values:
+One home for these flags, so ``serve.py`` only adds them and reads their
+values:
 
 - the gateway: ``--api-key`` (``STAGEMESH_API_KEY``) and ``--api-key-file``
   (one key per line; both may be given), ``--allowed-origins`` (CORS; off by

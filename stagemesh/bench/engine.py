@@ -14,8 +14,7 @@ CUDA streams belong to the thread that made them, as in a stage.
 is worth (``stage_worker.fused_projections``): N fresh loads, each running the
 same set with mlx-lm's separate projections, then again after joining them in
 place, with the joined / separate ratio of each run. On a GPU this one
-process is steadier than two servers sharing the device, which differed by
-up to 20% at 16 streams in an A/A run (docs/performance.md, seventh GPU session).
+process is steadier than two servers sharing the device (docs/performance.md).
 
 It is a tool for GPU backends: the weights run as loaded (a quantized
 checkpoint stays quantized) and no BLAS is preloaded, so on the CPU backend it

@@ -11,8 +11,7 @@ without a GPU: it runs
   echoing the prompt's own tokens so detokenization does real work. It serves
   ``GenerateStream`` as the stage does (one message a step for every request
   of the call) or, for ``--stage-rpc generate``, only ``Generate`` (one call
-  per request, one message per token: what the gateway falls back to for an
-  older stage);
+  per request, one message per token);
 * the **real gateway** (``gateway.app.create_app``, uvicorn, the model's
   tokenizer) in front of it, in its own process;
 

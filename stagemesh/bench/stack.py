@@ -13,8 +13,8 @@ at one stream and at ``--streams`` streams, measured
    call as the gateway sends them (the mesh token from this command), the
    client an asyncio gRPC client in this process; and beside it, not a layer,
    **stage gRPC per request**: the same load with one ``Generate`` call per
-   stream (what the gateway falls back to for an older stage), so one
-   invocation says what one message per step instead of one per token saves;
+   stream, so one invocation says what one message per step instead of one
+   per token saves;
 3. **gateway**: the same server through its OpenAI API: streaming
    completions of the same token-id prompts, sent in the same waves as the
    stage layer (every stream of a round at once), from an asyncio HTTP client

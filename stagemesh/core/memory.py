@@ -28,7 +28,7 @@ from typing import Any
 from stagemesh.core.errors import UserError
 
 # What a stage process needs beyond weights and KV: Python, MLX, mlx-lm (which imports
-# transformers), gRPC, ring buffers, activations of one batch. Measured ~120-200 MB here.
+# transformers), gRPC, ring buffers, activations of one batch: about 120-200 MB on Linux.
 RUNTIME_OVERHEAD_BYTES = 256 * 1024 * 1024
 
 # --dtype auto: the compute dtype each backend runs best (stage_worker.stage_model resolves names to MLX dtypes).

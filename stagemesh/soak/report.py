@@ -4,7 +4,7 @@ Inputs are plain values the soak gathered: every request (``RequestRecord``),
 every fault (``FaultRecord``, with when the faulted replica was whole again),
 and each process's resources at start and end (``ProcessSample``).
 
-Rules (issue 13):
+Rules:
 - a request is *hung* when it was silent (no byte) for the soak's stall limit
   or outlived its deadline: never allowed;
 - a failed request is *excused* only when it was in flight during a fault's
