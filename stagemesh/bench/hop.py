@@ -5,7 +5,7 @@ socket between them, as a stage's control lane is) and, for each payload
 shape, times round trips of a ``[rows, hidden]`` array computed on the
 default device (GPU where there is one):
 
-* ``ring``: ``mx.distributed.send`` / ``recv`` as stages pass hidden states today
+* ``ring``: ``mx.distributed.send`` / ``recv`` as stages pass hidden states with ``--hop-transport ring``
   (evaluate the array, hand it to MLX's ring, receive, evaluate);
 * ``lane``: the same bytes over the TCP socket instead (evaluate, copy to host,
   ``sendall``; ``recv_into`` a buffer, ``mx.array`` on the device);

@@ -1,7 +1,7 @@
 """Port assignment: the one home of the rule that maps a global stage index to ports.
 
 Global stage g (stages numbered across all replicas, replica-major) binds
-``ring_base + g`` for the MLX ring (the contract in the brief) and
+``ring_base + g`` for the MLX ring (the documented port contract) and
 ``grpc_base + g`` for its gRPC control server. Each stage also accepts its
 predecessor's control lane (the stage's TCP link carrying batch headers) on
 ``ring_base + total_stages + g``: just past the ring ports, so one firewall
