@@ -7,7 +7,7 @@ and returns JSON-ready data:
 
 - ``multi_turn`` / ``distinct``: per endpoint and level, TTFT p50 (all turns,
   turn by turn, and of turns 2 and later), output tok/s, completed/sent;
-- ``targets``: the issue's three, each with its value, the bound and
+- ``targets``: three ratios, each with its value, the bound and
   whether it is met (None when a figure is missing): multi-turn TTFT p50 of
   ``cached`` over ``baseline`` (<= 0.4), of ``cached`` over ``reference``
   (<= 1.0: no worse than mlx_lm.server), and distinct-prompt output tok/s of

@@ -6,7 +6,7 @@ writes one JSON + PNG per comparison under ``--out``:
 
 * ``stock``: stagemesh serve (defaults) vs stock ``mlx_lm.server`` on the same
   checkpoint converted to an mlx-lm directory (4-bit layers, 8-bit embedding,
-  MLX's bundled reference BLAS): what a user gets today;
+  MLX's bundled reference BLAS): what a user gets out of the box;
 * ``matched``: the same two, but mlx_lm.server on the same dense float32
   weights with the same optimized BLAS preloaded as our stages;
 * ``pp``: stagemesh PP=2 vs PP=1 on this host;
@@ -31,7 +31,7 @@ writes one JSON + PNG per comparison under ``--out``:
   (``stagemesh bench --workload multi-turn``: ``--system-len``,
   ``--user-len``, ``--turns``) and as many streams of distinct prompts (what
   the cache costs when it never hits). Writes ``prefix-multi-turn.json``,
-  ``prefix-distinct.json`` (+ PNG) and ``prefix-summary.json``: the issue's
+  ``prefix-distinct.json`` (+ PNG) and ``prefix-summary.json``: the three
   ratios (TTFT p50 on / off and on / mlx_lm.server, distinct-prompt tok/s
   on / off) against their targets, and the prefix-cache counters each
   stagemesh server's ``/metrics`` reported after each workload.
