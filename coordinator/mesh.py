@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NoReturn
 
 from coordinator.checks import probe_replica, record_verdict
 from coordinator.config import MeshConfig, validate_config
@@ -130,7 +129,11 @@ class MeshCoordinator:
                 self._launch(replica)
             self._wait_serving(self._replicas, cfg.startup_timeout_s)
         except ReplicaFailed as exc:
-            self._give_up_at_start(exc)
+            try:
+                self._give_up_at_start(exc)
+            finally:
+                self.stop()
+            raise MeshStartError(str(exc)) from None
         except BaseException:
             self.stop()
             raise
@@ -217,8 +220,8 @@ class MeshCoordinator:
             if self._stopping.wait(_STARTUP_POLL_S):
                 raise Stopping()
 
-    def _give_up_at_start(self, exc: ReplicaFailed) -> NoReturn:
-        """A replica failed before it ever served: supervision gives it up, and the mesh does not start."""
+    def _give_up_at_start(self, exc: ReplicaFailed) -> None:
+        """A replica failed before it ever served: supervision gives it up (so the mesh does not start)."""
         replica = self._replicas[exc.stage.replica]
         now = self._clock()
         with self._lock:
@@ -227,8 +230,6 @@ class MeshCoordinator:
             action = next_action(replica.record, now, self.config.backoff)
         assert isinstance(action, GiveUp), action  # a replica that never served is never retried
         self._give_up(replica, action.reason)
-        self.stop()
-        raise MeshStartError(str(exc)) from None
 
     # -- checking -------------------------------------------------------------
 
@@ -269,6 +270,15 @@ class MeshCoordinator:
                         return
             except Stopping:
                 return
+            except Exception as exc:  # one step going wrong must not end the replica's supervision
+                log.exception("replica %d: supervision step %s failed: %s", replica.index, action, exc)
+                with self._lock:
+                    if replica.record.phase is Phase.STARTING:  # a restart that ended neither serving nor down
+                        replica.record = failed(replica.record, self._clock(), f"restart failed: {exc}",
+                                                self.config.backoff)
+                        self._publish()
+                if self._stopping.wait(self.config.health_interval_s):
+                    return
 
     def _watch(self, replica: LiveReplica) -> None:
         """One health check of a serving replica; a failed stage takes the replica down."""
