@@ -1,4 +1,5 @@
-"""``stagemesh status``'s table: one row per stage, with the backend and device each computes on."""
+"""``stagemesh status``'s table: one row per stage (with the backend and device each computes on), a line per replica
+that is not serving."""
 
 from dataclasses import replace
 
