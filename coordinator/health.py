@@ -1,4 +1,4 @@
-"""Stage health: how the coordinator probes a stage, judges it, and paces restarts.
+"""Stage health: how the coordinator probes a stage and judges the answer.
 
 - ``StageChannel`` holds one gRPC channel to a stage and issues, without
   blocking, the two probes the coordinator needs: the standard
@@ -15,15 +15,13 @@
   slow answer under load does not cost a whole replica; a frozen stage is
   caught in ``max_misses`` intervals. DRAINING is an operator's choice: not
   healthy (the gateway skips it), not a failure (no restart).
-- ``RestartPolicy.delay(restart_times, now)``: the first restart is at once,
-  later ones back off exponentially; more than ``max_restarts`` within
-  ``window_s`` means give up (None).
+
+What follows a failure (restart, backoff) is ``coordinator.supervision``'s.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -88,23 +86,6 @@ def judge(probe: StageProbe, *, starting: bool, misses: int, max_misses: int) ->
     if misses + 1 >= max_misses:
         return Verdict.FAILED, f"not serving for {misses + 1} consecutive checks ({detail})"
     return Verdict.SUSPECT, detail
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    max_restarts: int = 5
-    window_s: float = 600.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-
-    def delay(self, restart_times: Sequence[float], now: float) -> float | None:
-        """Seconds to wait before the next restart, or None to give up."""
-        recent = [t for t in restart_times if now - t <= self.window_s]
-        if len(recent) >= self.max_restarts:
-            return None
-        if not recent:
-            return 0.0
-        return min(self.backoff_s * 2 ** (len(recent) - 1), self.max_backoff_s)
 
 
 class StageChannel:

@@ -20,8 +20,8 @@ import os
 import socket
 from collections.abc import Mapping
 
+from coordinator.config import MeshConfig
 from coordinator.layer_planner import MemoryPlan, StageSeat, plan_mesh
-from coordinator.mesh import MeshConfig
 from coordinator.placement import Placement, place_stages
 from coordinator.ray_cluster import RAY_ADDRESS_ENV, cluster_nodes, connect_ray, disconnect, head_address
 from coordinator.stage_host import HostInfo, StageHost, node_probe_actor

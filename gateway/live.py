@@ -124,6 +124,8 @@ def build_document(snapshot: MeshSnapshot, rate_base: Sample | None, error_base:
         recent_failures = (failures - error_base.gateway.replica_failures.get(replica.replica, 0)
                            if error_base is not None else None)
         replicas.append({"replica": replica.replica, "healthy": replica.healthy, "restarts": replica.restarts,
+                         "state": replica.state.value, "consecutive_failures": replica.consecutive_failures,
+                         "backoff_s": replica.backoff_s, "next_restart_at": replica.next_restart_at,
                          "in_flight": outstanding.get(replica.replica, 0), "output_tokens_per_s": output,
                          "failures_total": failures, "recent_failures": recent_failures,
                          **(replica_latency or {}).get(replica.replica, _NO_LATENCY), "stages": stages})

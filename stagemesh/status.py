@@ -2,8 +2,9 @@
 
 Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
 pid, dtype, quantized, MLX backend and device, state, health, KV tokens used of its capacity, then its
-prefix cache: the share of prompt tokens it reused, blocks cached now, blocks evicted) or, with ``--json``,
-the ``/mesh`` document unchanged.
+prefix cache: the share of prompt tokens it reused, blocks cached now, blocks evicted), then a line for each
+replica that is not serving (restarting, or backing off: when its next restart is due and how many failures in a
+row it has had) or, with ``--json``, the ``/mesh`` document unchanged.
 Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
 gateway cannot be reached. ``--watch`` redraws the dashboard's live figures in
 place instead (``stagemesh.status_watch``).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the gateway's key, needed by --watch when it runs with one (default $STAGEMESH_API_KEY)")
 
 
-def format_mesh(mesh: dict) -> str:
-    """The /mesh document as a table (pure)."""
+def format_mesh(mesh: dict, now: float | None = None) -> str:
+    """The /mesh document as a table (pure); ``now`` (Unix seconds) turns a restart's due time into "in N s"."""
     header = ("replica", "rank", "layers", "host", "grpc", "ring", "pid", "dtype", "quant", "backend", "device",
               "state", "healthy", "KV tokens used/capacity", "prefix_hits", "cached_blocks", "evicted_blocks")
     rows = [header]
@@ -48,9 +50,28 @@ def format_mesh(mesh: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [f"model: {mesh.get('model')}"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [line for replica in mesh.get("replicas", []) if (line := _supervision_line(replica, now))]
     healthy = sum(1 for r in mesh.get("replicas", []) if r.get("healthy"))
     lines.append(f"{healthy}/{len(mesh.get('replicas', []))} replicas healthy")
     return "\n".join(lines)
+
+
+def _supervision_line(replica: dict, now: float | None) -> str:
+    """What the coordinator is doing about a replica that is not serving ("" when it serves, or from a gateway
+    that predates the field)."""
+    state = replica.get("state")
+    if state in (None, "serving"):
+        return ""
+    line = f"replica {replica.get('replica')}: {state.replace('_', ' ')}"
+    due = replica.get("next_restart_at")
+    if state == "backing_off" and due is not None:
+        when = f"in {max(0.0, due - now):.0f} s" if now is not None else f"after a {replica.get('backoff_s'):g} s wait"
+        line += f", restart {(replica.get('restarts') or 0) + 1} {when}"
+    failures = replica.get("consecutive_failures") or 0
+    if failures:
+        plural = "s" if failures != 1 else ""
+        line += f" ({failures} failure{plural} in a row, {replica.get('restarts') or 0} restarts so far)"
+    return line
 
 
 def _kv_cell(stats: dict) -> str:
@@ -94,5 +115,5 @@ def run(args: argparse.Namespace) -> int:
               f"Pass --url to point at its gateway.", file=sys.stderr)
         return 2
     mesh = response.json()
-    print(json.dumps(mesh, indent=2) if args.json else format_mesh(mesh))
+    print(json.dumps(mesh, indent=2) if args.json else format_mesh(mesh, time.time()))
     return 0 if any(r.get("healthy") for r in mesh.get("replicas", [])) else 1

@@ -4,7 +4,9 @@ For a Mac reached over SSH: the same document the web page polls
 (``GET /dashboard/live``, docs/api.md "Live mesh data (dashboard)") drawn
 with rich every ``--interval`` seconds: the model and overall figures (output
 tokens/s, TTFT and inter-token percentiles over the last minute, requests in
-flight, errors), one table per replica with a row per stage (host, layers,
+flight, errors), one table per replica (titled with what the coordinator is
+doing about it while it does not serve: restarting, or backing off until its
+next restart) with a row per stage (host, layers,
 dtype, state, health, pid, uptime, restarts, running / waiting, batches/s,
 compute / wait / send shares, KV use) and the latest events with their times.
 
@@ -58,10 +60,21 @@ def _clock(unix: float) -> str:
     return datetime.datetime.fromtimestamp(unix).strftime("%H:%M:%S")
 
 
-def _replica_table(replica: dict[str, Any]) -> Table:
+def _supervision(replica: dict[str, Any], now: float) -> str:
+    """"backing off: restart 4 in 16s  " while the coordinator waits before restarting it; "" while it serves."""
+    state = replica.get("state")
+    if state in (None, "serving"):
+        return ""
+    text = escape(state.replace("_", " "))
+    if state == "backing_off" and replica.get("next_restart_at") is not None:
+        text += f": restart {replica['restarts'] + 1} in {_duration(max(0.0, replica['next_restart_at'] - now))}"
+    return f"[yellow]{text}[/]  "
+
+
+def _replica_table(replica: dict[str, Any], now: float) -> Table:
     state = "[green]healthy[/]" if replica["healthy"] else "[bold red]UNHEALTHY[/]"
     title = (f"replica {replica['replica']}  {state}  {_num(replica['output_tokens_per_s'])} tok/s  "
-             f"{replica['in_flight']} in flight  {replica['restarts']} restart(s)  "
+             f"{replica['in_flight']} in flight  {replica['restarts']} restart(s)  {_supervision(replica, now)}"
              f"TTFT {_percentiles(replica.get('ttft_s'))}  ITL {_percentiles(replica.get('itl_s'))}  "
              f"{replica.get('recent_failures') or 0} failed in the last minute")
     table = Table(title=title, title_justify="left", expand=False)
@@ -93,7 +106,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
         f"output {_num(o['output_tokens_per_s'])} tok/s   TTFT {_percentiles(o.get('ttft_s'))}   "
         f"ITL {_percentiles(o.get('itl_s'))}   in flight {o['requests_running']}   "
         f"errors {errors} in the last minute ({o['server_errors_total'] + o['client_errors_total']} since start)")
-    parts: list[RenderableType] = [head, *(_replica_table(r) for r in doc["replicas"])]
+    parts: list[RenderableType] = [head, *(_replica_table(r, doc["time"]) for r in doc["replicas"])]
     events = doc.get("events", [])[-EVENTS_SHOWN:]
     if events:
         lines = Text("events (newest last):\n", style="bold")

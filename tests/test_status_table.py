@@ -1,7 +1,10 @@
-"""``stagemesh status``'s table: one row per stage, with the backend and device each computes on."""
+"""``stagemesh status``'s table: one row per stage (with the backend and device each computes on), a line per replica
+that is not serving."""
+
+from dataclasses import replace
 
 from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
-from stagemesh.core.states import StageState
+from stagemesh.core.states import ReplicaState, StageState
 from stagemesh.status import format_mesh
 
 
@@ -44,6 +47,40 @@ def test_watch_view_draws_stages_rates_and_events_from_the_live_document():
     assert "50%/25%/0%" in text and "3.0" in text and "2/1" in text
     assert "TTFT p50 100 ms p90 200 ms p99 200 ms" in text and "errors 2 in the last minute (4 since start)" in text
     assert "stage_lost" in text and "killed by signal 9" in text
+
+
+def test_the_table_says_when_a_replica_backs_off_and_when_it_restarts():
+    stage = StageSnapshot(rank=0, layers=(0, 30), host="h", grpc_port=1, ring_port=2, pid=None, node_id="n",
+                          compute_dtype="float32", quantized=False, healthy=False, state=StageState.STOPPED)
+    serving = ReplicaSnapshot(0, (replace(stage, healthy=True, state=StageState.SERVING, pid=5),))
+    backing_off = ReplicaSnapshot(1, (stage,), restarts=3, state=ReplicaState.BACKING_OFF, consecutive_failures=3,
+                                  backoff_s=4.0, next_restart_at=1012.2)
+    restarting = ReplicaSnapshot(2, (stage,), restarts=4, state=ReplicaState.RESTARTING, consecutive_failures=4)
+    mesh = MeshSnapshot("m", (serving, backing_off, restarting)).to_json()
+    assert {k: mesh["replicas"][1][k] for k in ("state", "consecutive_failures", "backoff_s", "next_restart_at")} == {
+        "state": "backing_off", "consecutive_failures": 3, "backoff_s": 4.0, "next_restart_at": 1012.2}
+    lines = format_mesh(mesh, now=1000.0).splitlines()
+    assert lines[-3:] == ["replica 1: backing off, restart 4 in 12 s (3 failures in a row, 3 restarts so far)",
+                          "replica 2: restarting (4 failures in a row, 4 restarts so far)",
+                          "1/3 replicas healthy"]
+    assert "restart 4 after a 4 s wait" in format_mesh(mesh)
+    assert not any(line.startswith("replica 0:") for line in lines)
+
+
+def test_watch_view_titles_a_replica_with_its_backoff():
+    from rich.console import Console
+
+    from stagemesh.status_watch import render
+
+    replica = {"replica": 1, "healthy": False, "restarts": 3, "in_flight": 0, "output_tokens_per_s": None,
+               "state": "backing_off", "consecutive_failures": 3, "backoff_s": 4.0, "next_restart_at": 1012.2,
+               "stages": []}
+    doc = {"time": 1000.0, "model": "m", "num_layers": 30, "replicas": [replica],
+           "overall": {"healthy_replicas": 0, "output_tokens_per_s": None, "requests_running": 0,
+                       "server_errors_total": 0, "client_errors_total": 0}, "events": []}
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    assert "3 restart(s)  backing off: restart 4 in 12s  TTFT" in console.export_text()
 
 
 def test_watch_flags_are_checked_before_anything_is_read(capsys):

@@ -141,12 +141,27 @@ function stageRow(replica, stage) {
   el("td", {}, kvBar(stage)));
 }
 
+// What supervision is doing about a replica that is not serving: restarting it, or waiting out its
+// backoff before the next restart (a replica that keeps dying is retried forever, ever more slowly).
+function supervision(replica, now) {
+  if (!replica.state || replica.state === "serving") return null;
+  let text = replica.state.replace(/_/g, " ");
+  let title = "";
+  if (replica.state === "backing_off" && replica.next_restart_at !== null && replica.next_restart_at !== undefined) {
+    text += " · restart " + (replica.restarts + 1) + " in " + duration(Math.max(0, replica.next_restart_at - now));
+    title = "waits " + num(replica.backoff_s, 0) + " s before the restart, due at " + clock(replica.next_restart_at);
+  }
+  if (replica.consecutive_failures > 1) text += " · " + replica.consecutive_failures + " failures in a row";
+  return el("span", { class: "badge supervision " + (replica.state === "failed" ? "bad" : "warn"),
+    "data-state": replica.state, title: title || null }, text);
+}
+
 function drawReplicas(doc) {
   const blocks = doc.replicas.map((replica) => {
     const health = el("span", { class: "badge " + (replica.healthy ? "ok" : "bad") },
       replica.healthy ? "healthy" : "unhealthy");
     const head = el("div", { class: "replica-head" },
-      el("strong", {}, "replica " + replica.replica), health,
+      el("strong", {}, "replica " + replica.replica), health, supervision(replica, doc.time),
       el("span", {}, num(replica.output_tokens_per_s) + " tok/s"),
       el("span", {}, replica.in_flight + " in flight"),
       el("span", { title: percentiles(replica.ttft_s) }, "TTFT " + (replica.ttft_s && replica.ttft_s.count ?
@@ -162,7 +177,7 @@ function drawReplicas(doc) {
     const table = el("table", {},
       el("thead", {}, el("tr", {}, ...COLUMNS.map((c) => el("th", {}, c)))),
       el("tbody", {}, ...replica.stages.map((stage) => stageRow(replica, stage))));
-    return el("div", { class: "replica", "data-replica": replica.replica }, head, depthBar(replica, doc.num_layers), table);
+    return el("div", { class: "replica", "data-replica": replica.replica, "data-state": replica.state }, head, depthBar(replica, doc.num_layers), table);
   });
   document.getElementById("replicas").replaceChildren(...blocks);
 }

@@ -30,7 +30,8 @@ EVENT_KINDS: dict[str, str] = {
     "replica_restarting": "a replica is being stopped whole and started again",
     "replica_replaced": "a replica was placed again on other nodes (its hosts were gone)",
     "replica_serving": "a restarted replica serves again",
-    "replica_failed": "the coordinator gave up restarting a replica (restart cap reached)",
+    "replica_backing_off": "a replica died again soon after a restart; the next restart waits (capped backoff)",
+    "replica_failed": "the coordinator gave up a replica that never served (a model or setting that cannot load)",
     "node_lost": "a node's StageHost stopped answering; placement avoids the node for a while",
     "mesh_stopped": "the mesh was stopped",
 }

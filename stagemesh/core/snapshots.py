@@ -8,12 +8,17 @@ from ``/metrics``.
 The coordinator produces a new ``MeshSnapshot`` whenever something changes
 (placement, health, stats); readers never mutate it. ``to_json`` is the
 contract of ``GET /mesh`` and ``stagemesh status --json``:
-``{"model", "replicas": [{"replica", "healthy", "stages": [{"rank", "layers":
+``{"model", "replicas": [{"replica", "healthy", "restarts", "state",
+"consecutive_failures", "backoff_s", "next_restart_at", "stages": [{"rank", "layers":
 [start, end], "host", "grpc_port", "ring_port", "pid", "node_id",
 "compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...,
 "stats": {..., "kv_tokens", "kv_token_capacity"}}]}], "events": [...]}`` (each
 stage's KV in tokens: what its sequences hold now and what its budget allows;
-``events``: the coordinator's recent ``MeshEvent``s, oldest first).
+a replica's ``state`` is a ``ReplicaState``, ``consecutive_failures`` its
+failures since it last served a while in one go, ``backoff_s`` /
+``next_restart_at`` (Unix seconds) the wait before its pending restart while
+it backs off, else null; ``events``: the coordinator's recent ``MeshEvent``s,
+oldest first).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from stagemesh.core.events import MeshEvent
-from stagemesh.core.states import StageState
+from stagemesh.core.states import ReplicaState, StageState
 from stagemesh.core.v1 import stage_pb2
 
 
@@ -107,7 +112,11 @@ class StageSnapshot:
 class ReplicaSnapshot:
     replica: int
     stages: tuple[StageSnapshot, ...]
-    restarts: int = 0
+    restarts: int = 0  # restarts begun since the mesh started
+    state: ReplicaState = ReplicaState.SERVING  # the coordinator always sets it; the default suits a fixed mesh
+    consecutive_failures: int = 0  # failures since it last served a while in one go (0: none)
+    backoff_s: float | None = None  # while backing off: how long it waits before the pending restart
+    next_restart_at: float | None = None  # while backing off: when that restart is due (Unix seconds)
 
     @property
     def healthy(self) -> bool:
@@ -122,6 +131,10 @@ class ReplicaSnapshot:
             "replica": self.replica,
             "healthy": self.healthy,
             "restarts": self.restarts,
+            "state": self.state.value,
+            "consecutive_failures": self.consecutive_failures,
+            "backoff_s": self.backoff_s,
+            "next_restart_at": self.next_restart_at,
             "stages": [s.to_json() for s in self.stages],
         }
 

@@ -1,10 +1,13 @@
-"""A stage's lifecycle state and a stage process's exit codes: one enum each, one mapping each.
+"""A stage's and a replica's lifecycle states and a stage process's exit codes: one enum each.
 
 ``StageState`` is what a stage reports (``GetStageInfo.state``), what the
 coordinator's snapshot shows and what drives the standard health status.
 ``state_to_proto`` / ``state_from_proto`` are the only translation to and from
 ``stagemesh.v1.StageState``; a value this version does not know is an error
 (``UnknownStateError``), never silently "starting".
+
+``ReplicaState`` is how the coordinator's supervision reads for one replica
+(``GET /mesh`` ``replicas[].state``; ``coordinator.supervision`` decides it).
 
 ``ExitCode`` is how a stage process says why it stopped; ``describe_exit``
 turns a process's return code (negative: killed by a signal) into words. The
@@ -26,6 +29,15 @@ class StageState(enum.StrEnum):  # compares equal to its JSON name ("serving")
     SERVING = "serving"
     DRAINING = "draining"  # admits nothing new; running requests finish
     FAILED = "failed"  # final for this process
+    STOPPED = "stopped"
+
+
+class ReplicaState(enum.StrEnum):  # compares equal to its JSON name ("backing_off")
+    STARTING = "starting"  # its stages are starting for the first time
+    SERVING = "serving"  # it served at its last check (a stage may still be failing a check: see ``healthy``)
+    RESTARTING = "restarting"  # being stopped whole and started again
+    BACKING_OFF = "backing_off"  # it died again soon after a restart; it waits before the next one
+    FAILED = "failed"  # given up: it never served (a model or setting that cannot load)
     STOPPED = "stopped"
 
 

@@ -13,9 +13,12 @@ are taken after the warm-up and after the load. Then it stops serve and prints
 the verdict (``stagemesh.soak.report``); ``--json`` writes it. Exit 0 when
 the run passed, 1 when not, 2 for bad flags.
 
-The coordinator gives up a replica after 5 restarts in 10 minutes, so the
-fault interval must leave each replica fewer than that: the soak refuses a
-faster one (``--fault-interval`` >= 150 s / dp) unless ``--allow-give-up``.
+The coordinator restarts a replica at once only when it has served
+``coordinator.supervision.STABLE_AFTER_S`` in one go since its last failure;
+faulted sooner, it waits out a growing backoff, which the recovery times would
+count. So the default interval gives each replica that long between faults, and
+the soak refuses a shorter ``--fault-interval`` than ``STABLE_AFTER_S / dp``
+unless ``--allow-backoff`` (also spelled ``--allow-give-up``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from coordinator.supervision import STABLE_AFTER_S
 from stagemesh.core import settings
 from stagemesh.core.errors import UserError
 from stagemesh.soak.clients import run_clients
@@ -43,7 +47,6 @@ from stagemesh.soak.faults import KINDS, MeshWatch, block_available, inject
 from stagemesh.soak.report import FaultRecord, ProcessSample, format_report, judge
 
 MODEL = "SmolLM2-135M-Instruct"
-RESTART_CAP = (5, 600.0)  # coordinator.mesh.MeshConfig's max_restarts within restart_window_s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fault kinds to draw from: kill, stop, block (default %(default)s; block needs root "
                              "and iptables and is left out, with a note, where it cannot work)")
     parser.add_argument("--fault-interval", type=float, default=None,
-                        help="seconds between a recovery and the next fault (default: 150 / dp, the most the "
-                             "coordinator's restart cap allows)")
+                        help=f"seconds between a recovery and the next fault (default: {STABLE_AFTER_S:g} / dp, "
+                             f"the least that lets each replica count as stable again, so it restarts at once)")
     parser.add_argument("--hold", type=float, default=8.0, help="seconds a stop or block lasts (default %(default)s)")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the first fault and the "
                                                                    "start sample (default %(default)s)")
@@ -70,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-base-port", type=int, default=settings.DEFAULT_GRPC_BASE_PORT)
     parser.add_argument("--ring-base-port", type=int, default=settings.DEFAULT_RING_BASE_PORT)
     parser.add_argument("--seed", type=int, default=0, help="the fault schedule's random seed")
-    parser.add_argument("--allow-give-up", action="store_true",
-                        help="allow a fault interval fast enough to exhaust the coordinator's restart cap")
+    parser.add_argument("--allow-backoff", "--allow-give-up", action="store_true", dest="allow_backoff",
+                        help="allow a shorter fault interval, after which the coordinator backs off its restarts")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     parser.add_argument("--log-dir", default=None, help="keep serve's log here (default: a temporary directory)")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then extra `stagemesh serve` flags")
@@ -96,13 +99,13 @@ def _check(args: argparse.Namespace) -> None:
                         ("-dp", args.dp), ("--deadline", args.deadline), ("--stall", args.stall)):
         if value <= 0:
             raise UserError(f"{flag} must be positive, got {value}")
-    floor = RESTART_CAP[1] / RESTART_CAP[0] / args.dp
+    floor = STABLE_AFTER_S / args.dp
     if args.fault_interval is None:
         args.fault_interval = floor
-    if args.fault_interval < floor and not args.allow_give_up:
-        raise UserError(f"--fault-interval {args.fault_interval:g}: each replica would be faulted more than "
-                        f"{RESTART_CAP[0]} times in {RESTART_CAP[1]:.0f} s and the coordinator would give it up; "
-                        f"use at least {floor:g} s at -dp {args.dp}, or --allow-give-up")
+    if args.fault_interval < floor and not args.allow_backoff:
+        raise UserError(f"--fault-interval {args.fault_interval:g}: each replica would be faulted again within "
+                        f"{STABLE_AFTER_S:g} s of recovering, and the coordinator would wait out a backoff before "
+                        f"restarting it; use at least {floor:g} s at -dp {args.dp}, or --allow-backoff")
 
 
 def _start_serve(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:

@@ -1,11 +1,11 @@
-"""Stage verdicts, restart pacing and mesh config checks (pure, no Ray)."""
+"""Stage verdicts and mesh config checks (pure, no Ray)."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.health import RestartPolicy, StageInfoView, StageProbe, Verdict, info_view, judge
-from coordinator.mesh import MeshConfig, stage_options, validate_config
+from coordinator.config import MeshConfig, stage_options, validate_config
+from coordinator.health import StageInfoView, StageProbe, Verdict, info_view, judge
 from coordinator.placement import PlacementError
 from stagemesh.core.layer_split import LayerSplitError
 from stagemesh.core.plan import StageOptions
@@ -57,16 +57,6 @@ def test_failure_reasons_name_the_cause():
                  max_misses=3)[1] == "not serving for 3 consecutive checks (health check: DEADLINE_EXCEEDED)"
     assert describe_exit(-9) == "killed by signal 9"
     assert describe_exit(75) == "exited with code 75 (a ring operation outlived --ring-timeout)"
-
-
-def test_restart_policy_backs_off_then_gives_up():
-    policy = RestartPolicy(max_restarts=3, window_s=100, backoff_s=1, max_backoff_s=3)
-    assert policy.delay([], 0) == 0.0
-    assert policy.delay([10], 11) == 1.0
-    assert policy.delay([10, 12], 13) == 2.0
-    assert policy.delay([10, 12, 15], 16) is None
-    assert policy.delay([10, 12, 15], 200) == 0.0  # old restarts leave the window
-    assert RestartPolicy(max_restarts=9, backoff_s=1, max_backoff_s=3).delay([1, 2, 3, 4, 5], 6) == 3
 
 
 def _config(**overrides) -> MeshConfig:

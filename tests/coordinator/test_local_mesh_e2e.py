@@ -16,6 +16,7 @@ import pytest
 
 from coordinator.mesh import MeshConfig, MeshCoordinator, MeshStartError
 from coordinator.ray_cluster import connect_ray, disconnect
+from coordinator.supervision import BackoffPolicy
 from tests.coordinator.conftest import FAKE_STAGE, mesh_ports
 from tests.coordinator.helpers import assert_all_released, stage_ports, wait_until
 
@@ -158,6 +159,40 @@ def test_a_frozen_stage_is_unhealthy_at_once_and_replaced_after_three_misses():
         wait_until(lambda: coordinator.snapshot().replicas[0].restarts == 1, 15, "frozen stage replaced")
         wait_until(lambda: coordinator.snapshot().replicas[0].healthy, 30, "replica serving again")
         pids = [frozen.pid, coordinator.snapshot().replicas[0].stages[0].pid]
+    finally:
+        last = coordinator.snapshot()
+        coordinator.stop()
+    assert_all_released(pids, stage_ports(last, 1, config.ring_base_port))
+
+
+def test_a_replica_that_dies_again_soon_backs_off_and_says_so_then_serves_again():
+    config = _config(1, 1, backoff=BackoffPolicy(base_s=3, cap_s=3, stable_after_s=600))
+    coordinator = MeshCoordinator(config)
+    pids = []
+    try:
+        pids.append(coordinator.start().replicas[0].stages[0].pid)
+        os.kill(pids[-1], signal.SIGKILL)  # the first failure: restarted at once
+        wait_until(lambda: coordinator.snapshot().replicas[0].restarts == 1
+                   and coordinator.snapshot().replicas[0].healthy, 30, "replica restarted")
+        replica = coordinator.snapshot().replicas[0]
+        assert (replica.state, replica.consecutive_failures, replica.backoff_s) == ("serving", 1, None)
+        pids.append(replica.stages[0].pid)
+        os.kill(pids[-1], signal.SIGKILL)  # again, long before it counts as stable: it waits
+        wait_until(lambda: coordinator.snapshot().replicas[0].state == "backing_off", 15, "replica backing off")
+        backing_off = coordinator.snapshot()
+        document = backing_off.to_json()["replicas"][0]
+        assert (document["state"], document["consecutive_failures"], document["backoff_s"]) == (
+            "backing_off", 2, 3.0)
+        event = backing_off.events[-1]
+        assert event.kind == "replica_backing_off" and "2 failures in a row; restart 2 in 3 s" in event.message
+        assert document["next_restart_at"] == pytest.approx(event.time + 3, abs=0.5)  # Unix time, backoff after it
+        assert document["restarts"] == 1 and not document["healthy"]
+        wait_until(lambda: coordinator.snapshot().replicas[0].healthy, 30, "replica serving after its backoff")
+        after = coordinator.snapshot().replicas[0]
+        assert (after.restarts, after.state, after.backoff_s, after.next_restart_at) == (2, "serving", None, None)
+        pids.append(after.stages[0].pid)
+        kinds = [e.kind for e in coordinator.snapshot().events]
+        assert kinds.count("replica_restarting") == 2 and "replica_failed" not in kinds
     finally:
         last = coordinator.snapshot()
         coordinator.stop()

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -200,12 +201,14 @@ class StageServer:
 @dataclass
 class FakeMesh:
     """A MeshView: one single-stage replica per port; flip ``healthy`` per replica; ``pid_base`` + the
-    replica is each stage's pid (change it: a new process serves the port)."""
+    replica is each stage's pid (change it: a new process serves the port); ``supervision`` gives a replica
+    the coordinator's view of it (``ReplicaSnapshot`` fields: state, restarts, backoff ...)."""
 
     ports: list[int]
     model: str = "SmolLM2-135M-Instruct"
     healthy: dict[int, bool] = field(default_factory=dict)
     pid_base: int = 1000
+    supervision: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def snapshot(self) -> MeshSnapshot:
         replicas = []
@@ -221,7 +224,7 @@ class FakeMesh:
                                          prefix_cache_queries=400, prefix_cache_hits=96, prefix_cache_blocks=7,
                                          prefix_cache_evictions=2),
             )
-            replicas.append(ReplicaSnapshot(replica=r, stages=(stage,)))
+            replicas.append(ReplicaSnapshot(replica=r, stages=(stage,), **self.supervision.get(r, {})))
         return MeshSnapshot(model=self.model, replicas=tuple(replicas))
 
 

@@ -6,6 +6,8 @@ import httpx
 import openai
 import pytest
 
+from stagemesh.core.states import ReplicaState
+
 from .conftest import API_KEY, MODEL
 
 
@@ -19,6 +21,23 @@ def test_health_and_mesh(server, healthy_mesh):
     r = httpx.get(f"{server.url}/health")
     assert r.status_code == 200 and r.json()["healthy_replicas"] == 1
     assert httpx.get(f"{server.url}/mesh").json() == healthy_mesh.snapshot().to_json()
+
+
+def test_mesh_and_live_data_say_when_a_replica_backs_off(server, healthy_mesh, stages):
+    healthy_mesh.ports[:] = [stages[0].port, stages[1].port]
+    healthy_mesh.healthy[1] = False
+    healthy_mesh.supervision[1] = {"restarts": 3, "state": ReplicaState.BACKING_OFF, "consecutive_failures": 3,
+                                   "backoff_s": 4.0, "next_restart_at": 1796046281.5}
+    fields = ("restarts", "state", "consecutive_failures", "backoff_s", "next_restart_at")
+    mesh = httpx.get(f"{server.url}/mesh").json()
+    assert [{k: r[k] for k in fields} for r in mesh["replicas"]] == [
+        {"restarts": 0, "state": "serving", "consecutive_failures": 0, "backoff_s": None, "next_restart_at": None},
+        {"restarts": 3, "state": "backing_off", "consecutive_failures": 3, "backoff_s": 4.0,
+         "next_restart_at": 1796046281.5}]
+    assert httpx.get(f"{server.url}/health").json()["healthy_replicas"] == 1
+    live = httpx.get(f"{server.url}/dashboard/live").json()
+    assert [{k: r[k] for k in fields} for r in live["replicas"]] == [{k: r[k] for k in fields}
+                                                                     for r in mesh["replicas"]]
 
 
 def test_metrics_has_request_and_per_stage_series(client, server):
