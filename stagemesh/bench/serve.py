@@ -1,4 +1,4 @@
-"""``stagemesh bench``: load-test OpenAI-compatible endpoints, like ``vllm bench serve``.
+"""``stagemesh bench serve``: load-test OpenAI-compatible endpoints, like ``vllm bench serve``.
 
 Streams synthetic prompts (``--input-len`` tokens in, up to ``--output-len``
 tokens out) to one or more endpoints (``--base-url``, repeatable: ours,
@@ -26,15 +26,16 @@ system prompt (the same for every endpoint), and the warmup sends synthetic
 prompts, so every run starts with nothing of its conversations cached.
 
 Output: a table on stdout, progress on stderr, ``--output results.json``
-(config, machine, per-level and per-round metrics, ratios, every request's
-record) and ``--plot results.png``. Exits 0 when every request succeeded,
+(the report every kind writes; its ``results``: per-level and per-round
+metrics, every request's record; its ``ratios``: each endpoint's to the
+first) and ``--plot results.png``. Exits 0 when every request succeeded,
 1 when any failed (they are listed), 2 when the benchmark could not start.
 
 Examples:
-  stagemesh bench --concurrency 1,4,16 --num-prompts 64 --plot bench.png
-  stagemesh bench --base-url http://127.0.0.1:8000 --label stagemesh \\
+  stagemesh bench serve --concurrency 1,4,16 --num-prompts 64 --plot bench.png
+  stagemesh bench serve --base-url http://127.0.0.1:8000 --label stagemesh \\
       --base-url http://127.0.0.1:8080 --label mlx_lm --rounds 3 --output cmp.json
-  stagemesh bench --workload multi-turn --concurrency 8 --system-len 128 --user-len 16 --turns 3
+  stagemesh bench serve --workload multi-turn --concurrency 8 --system-len 128 --user-len 16 --turns 3
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 from urllib.parse import urlsplit
+
+from stagemesh.bench import flags
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_INPUT_LEN = 128
@@ -80,9 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "system prompt, every turn re-sending the history (default %(default)s)")
     wl.add_argument("--endpoint-type", choices=("completions", "chat"), default=None,
                     help="/v1/completions or /v1/chat/completions (default: completions; chat for multi-turn)")
-    wl.add_argument("--input-len", type=int, default=None,
-                    help=f"synthetic: prompt tokens (default {DEFAULT_INPUT_LEN})")
-    wl.add_argument("--output-len", type=int, default=128, help="max_tokens of every request (default %(default)s)")
+    flags.add_lengths(wl, input_len=None, output_len=128,
+                      input_note=f"synthetic workload (default {DEFAULT_INPUT_LEN})")
     wl.add_argument("--system-len", type=int, default=None,
                     help=f"multi-turn: tokens of the shared system prompt (default {DEFAULT_SYSTEM_LEN})")
     wl.add_argument("--user-len", type=int, default=None,
@@ -92,33 +94,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument("--num-conversations", type=int, default=None,
                     help="multi-turn: conversations per level and round (default: the level's concurrency, so "
                          "all start together)")
-    wl.add_argument("--tokenizer", default=None, metavar="PATH",
-                    help="GGUF file or model/tokenizer directory to size prompts exactly (default: words ~ tokens)")
+    flags.add_tokenizer(wl, "default: words ~ tokens")
     wl.add_argument("--ignore-eos", action="store_true",
                     help='add "ignore_eos": true to every body (vLLM, stagemesh; strict servers answer 400)')
     wl.add_argument("--no-usage", action="store_true",
                     help="do not send stream_options.include_usage (count output tokens from chunks)")
     wl.add_argument("--temperature", type=float, default=0.0, help="default %(default)s")
-    wl.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default %(default)s)")
+    flags.add_seed(wl)
     ld = parser.add_argument_group("load")
-    ld.add_argument("--concurrency", default=None, metavar="N,N,...",
-                    help="closed-loop levels: requests kept in flight (default 1 when no --request-rate)")
+    flags.add_concurrency(ld, None, "closed loop (default 1 when no --request-rate)")
     ld.add_argument("--request-rate", default=None, metavar="R,R,...",
                     help="open-loop levels: Poisson arrivals per second ('inf': all at once)")
     ld.add_argument("--max-concurrency", type=int, default=256,
                     help="cap on requests in flight at a --request-rate level (default %(default)s)")
-    ld.add_argument("--num-prompts", type=int, default=None,
-                    help="requests per level and round (default 4 x concurrency, at least 16; for a rate, "
-                         "10 s of arrivals, at least 16; with --duration: no limit)")
+    flags.add_num_prompts(ld, None, "default 4 x concurrency, at least 16; for a rate, 10 s of arrivals, at least "
+                                    "16; with --duration: no limit")
     ld.add_argument("--duration", type=float, default=None,
                     help="seconds per level and round after which no new request starts")
     ld.add_argument("--warmup", type=int, default=2, help="uncounted requests per endpoint first (default %(default)s)")
-    ld.add_argument("--rounds", type=int, default=1, help="repeat all levels this many times (default %(default)s)")
+    flags.add_rounds(ld, 1)
     ld.add_argument("--timeout", type=float, default=600.0,
                     help="seconds one request may take in all before it counts as failed (default %(default)s)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--output", default=None, metavar="JSON", help="write everything, raw records included")
-    out.add_argument("--plot", default=None, metavar="PNG", help="tok/s, TTFT and ITL against the load")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="draw tok/s, TTFT and ITL against the load")
 
 
 # ---- argument checking (pure) ----
@@ -433,11 +430,12 @@ def workload_summary(workload) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-    import json
 
-    from stagemesh.bench.report import build_document, format_report, machine_info
+    from stagemesh.bench.report import build_report, emit, now
+    from stagemesh.bench.serve_report import format_report, serve_results
     from stagemesh.bench.stats import level_metrics, ratios
 
+    started_at = now()
     try:
         check_args(args)
         endpoints = endpoints_from_args(args)
@@ -453,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         workload = workload_from_args(args, tokenizer)
         endpoints, warm_records, records = asyncio.run(run_benchmark(endpoints, levels, workload, args, tokenizer))
     except BenchSetupError as exc:
-        print(f"stagemesh bench: error: {exc}", file=sys.stderr)
+        print(f"stagemesh bench serve: error: {exc}", file=sys.stderr)
         return 2
 
     labels = [e.label for e in endpoints]
@@ -482,20 +480,17 @@ def run(args: argparse.Namespace) -> int:
         "timeout": args.timeout,
         "order": "per level, endpoints in turn; every other round in reverse order",
     }
-    doc = build_document(command=sys.argv, config=config, endpoints=endpoints, levels=levels, pooled=pooled,
-                         per_round=per_round, ratios=ratios(pooled, [m for _, m in per_round], labels),
-                         warmup=warmup, records=records, machine=machine_info())
-    print(format_report(doc))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"bench: wrote {args.output}", file=sys.stderr)
+    results = serve_results(endpoints=endpoints, levels=levels, pooled=pooled, per_round=per_round, warmup=warmup,
+                            records=records)
+    report = build_report("serve", started_at=started_at, config=config, results=results,
+                          ratios=[asdict(r) for r in ratios(pooled, [m for _, m in per_round], labels)])
+    emit(report, args, format_report(report))
     if args.plot:
         from stagemesh.bench.plot import plot
 
-        plot(doc, args.plot)
-        print(f"bench: wrote {args.plot}", file=sys.stderr)
-    failed = doc["summary"]["failed"] + doc["summary"]["warmup_failed"]
+        plot(report, args.plot)
+        print(f"stagemesh bench serve: wrote {args.plot}", file=sys.stderr)
+    failed = results["summary"]["failed"] + results["summary"]["warmup_failed"]
     if failed:
-        print(f"bench: {failed} request(s) FAILED; see the failures above", file=sys.stderr)
+        print(f"stagemesh bench serve: {failed} request(s) FAILED; see the failures above", file=sys.stderr)
     return 1 if failed else 0

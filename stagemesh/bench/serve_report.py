@@ -1,53 +1,27 @@
-"""Reports of ``stagemesh bench``: the results document (``--output``) and the text tables.
+"""The results and the text of ``stagemesh bench serve``, inside the report every kind shares.
 
 Contract:
-- ``build_document(...)`` is the whole run as JSON-ready data (top-level keys:
-  ``schema, timestamp, command, config, machine, endpoints, summary, levels,
-  rounds, ratios, warmup, requests``); ``levels`` pools every round of an
-  (endpoint, level), ``rounds`` holds each round alone, ``requests`` every raw
-  record. Times are seconds.
-- ``format_report(doc)`` renders a document as text for stdout: the metrics
-  table (latencies in ms), then failures (every distinct error with its HTTP
-  status and count), for the multi-turn workload the TTFT p50 of every turn,
-  and, with several endpoints, the ratios to the first.
-  It reads only the document, so a saved ``results.json`` renders the same.
-- ``machine_info()`` describes the machine that ran the benchmark.
+- ``serve_results(...)`` is the kind's ``results`` (``stagemesh.bench.report``
+  wraps it): ``endpoints``, ``summary`` (sent, completed, failed,
+  warmup_failed), ``levels`` (every round of an (endpoint, level) pooled),
+  ``rounds`` (each round alone), ``warmup`` and ``requests`` (every raw
+  record). Times are seconds.
+- ``format_report(report)`` renders a whole report as text for stdout: the
+  metrics table (latencies in ms), then failures (every distinct error with
+  its HTTP status and count), for the multi-turn workload the TTFT p50 of
+  every turn, and, with several endpoints, the ratios to the first. It reads
+  only the report, so a saved ``results.json`` renders the same.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import math
-import os
-import platform
-import socket
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from stagemesh.bench.stats import LevelMetrics, Ratio
+from stagemesh.bench.stats import LevelMetrics
 from stagemesh.bench.types import Endpoint, Level, RequestRecord
-
-SCHEMA = "stagemesh-bench/1"
-
-
-def machine_info() -> dict[str, Any]:
-    import psutil
-
-    from stagemesh.core.settings import stagemesh_version
-
-    return {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "stagemesh": stagemesh_version(),
-    }
 
 
 def _level_entry(m: LevelMetrics, level: Level, **extra: Any) -> dict[str, Any]:
@@ -56,18 +30,11 @@ def _level_entry(m: LevelMetrics, level: Level, **extra: Any) -> dict[str, Any]:
     return {**extra, "load": level.kind, "load_value": value, **m.to_dict()}
 
 
-def build_document(*, command: Sequence[str], config: dict[str, Any], endpoints: Sequence[Endpoint],
-                   levels: Sequence[Level], pooled: Sequence[LevelMetrics],
-                   per_round: Sequence[tuple[int, LevelMetrics]], ratios: Sequence[Ratio],
-                   warmup: Sequence[LevelMetrics], records: Sequence[RequestRecord],
-                   machine: dict[str, Any]) -> dict[str, Any]:
+def serve_results(*, endpoints: Sequence[Endpoint], levels: Sequence[Level], pooled: Sequence[LevelMetrics],
+                  per_round: Sequence[tuple[int, LevelMetrics]], warmup: Sequence[LevelMetrics],
+                  records: Sequence[RequestRecord]) -> dict[str, Any]:
     level_of = {lv.name: lv for lv in levels}
     return {
-        "schema": SCHEMA,
-        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": list(command),
-        "config": config,
-        "machine": machine,
         "endpoints": [{"label": e.label, "base_url": e.base_url, "model": e.model} for e in endpoints],
         "summary": {
             "sent": len(records),
@@ -77,7 +44,6 @@ def build_document(*, command: Sequence[str], config: dict[str, Any], endpoints:
         },
         "levels": [_level_entry(m, level_of[m.level]) for m in pooled],
         "rounds": [_level_entry(m, level_of[m.level], round=r) for r, m in per_round],
-        "ratios": [asdict(r) for r in ratios],
         "warmup": [m.to_dict() for m in warmup],
         "requests": [asdict(r) for r in records],
     }
@@ -117,9 +83,9 @@ def format_table(levels: Sequence[dict[str, Any]]) -> list[str]:
     return _table(rows, right_from=2)
 
 
-def format_turns(doc: dict[str, Any]) -> list[str]:
+def format_turns(results: dict[str, Any]) -> list[str]:
     """TTFT p50 (ms) of every turn of the multi-turn workload; nothing for the synthetic one."""
-    levels = [m for m in doc["levels"] if m.get("ttft_by_turn")]
+    levels = [m for m in results["levels"] if m.get("ttft_by_turn")]
     if not levels:
         return []
     turns = max(len(m["ttft_by_turn"]) for m in levels)
@@ -131,16 +97,16 @@ def format_turns(doc: dict[str, Any]) -> list[str]:
             *_table(rows, right_from=2)]
 
 
-def format_failures(doc: dict[str, Any]) -> list[str]:
+def format_failures(results: dict[str, Any]) -> list[str]:
     lines = []
-    summary = doc["summary"]
+    summary = results["summary"]
     if summary["failed"]:
         lines.append(f"FAILED: {summary['failed']} of {summary['sent']} requests")
-        for m in doc["levels"]:
+        for m in results["levels"]:
             if m["failed"]:
                 lines.append(f"  {m['endpoint']} {m['level']}: {m['failed']} of {m['sent']} failed")
                 lines += _error_lines(m["errors"])
-    for m in doc["warmup"]:
+    for m in results["warmup"]:
         if m["failed"]:
             lines.append(f"WARMUP FAILED: {m['endpoint']}: {m['failed']} of {m['sent']} warmup requests")
             lines += _error_lines(m["errors"])
@@ -152,16 +118,16 @@ def _error_lines(errors: list[dict[str, Any]]) -> list[str]:
             f"{e['message']}" for e in errors]
 
 
-def format_ratios(doc: dict[str, Any]) -> list[str]:
-    if not doc["ratios"]:
+def format_ratios(ratios: list[dict[str, Any]]) -> list[str]:
+    if not ratios:
         return []
-    base = doc["ratios"][0]["baseline"]
-    rounds = max(len(r["output_tokens_per_s_by_round"]) for r in doc["ratios"])
-    turns = any(r.get("ttft_p50_by_turn") for r in doc["ratios"])
+    base = ratios[0]["baseline"]
+    rounds = max(len(r["output_tokens_per_s_by_round"]) for r in ratios)
+    turns = any(r.get("ttft_p50_by_turn") for r in ratios)
     header = ("level", "endpoint", "out tok/s", "TTFT p50", "ITL p50") + (("tok/s by round",) if rounds > 1 else ()) \
         + (("TTFT p50 by turn",) if turns else ())
     rows = [header]
-    for r in doc["ratios"]:
+    for r in ratios:
         row: tuple[str, ...] = (r["level"], r["endpoint"], _x(r["output_tokens_per_s"]), _x(r["ttft_p50"]),
                                 _x(r["itl_p50"]))
         if rounds > 1:
@@ -172,11 +138,12 @@ def format_ratios(doc: dict[str, Any]) -> list[str]:
     return [f"ratios to {base} (out tok/s > 1: faster; TTFT/ITL > 1: slower)", *_table(rows, right_from=2)]
 
 
-def format_report(doc: dict[str, Any]) -> str:
-    lines = format_table(doc["levels"])
-    for section in (format_turns(doc), format_failures(doc), format_ratios(doc)):
+def format_report(report: dict[str, Any]) -> str:
+    results = report["results"]
+    lines = format_table(results["levels"])
+    for section in (format_turns(results), format_failures(results), format_ratios(report["ratios"])):
         if section:
             lines += ["", *section]
-    s = doc["summary"]
+    s = results["summary"]
     lines += ["", f"{s['completed']}/{s['sent']} requests completed, {s['failed']} failed"]
     return "\n".join(lines)
