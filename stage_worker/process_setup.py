@@ -25,7 +25,7 @@ environment already sets them; they do nothing on Metal or the CPU):
   decode group, continued chunks), so serving mostly pays for capture and
   instantiation without replaying.
 
-Measured with ``stagemesh bench-engine --mixed`` on an H200 (docs/performance.md):
+Measured with ``stagemesh bench engine --mixed`` on an H200 (docs/performance.md):
 3.9x the tokens/s and 0.22x the time to first token of MLX's defaults on a
 varied workload.
 """

@@ -13,7 +13,7 @@ uses two lanes that carry messages in the same order:
   by the pipeline's hop transport (``HOP_TRANSPORTS``): ``lane`` (the
   default) sends its raw bytes on the same TCP connection right after the
   header (``payload_bytes`` / ``payload_from_bytes``); ``ring`` hands it to
-  MLX's ring. Measured on an H200 (``stagemesh bench-hop``), a ``[1, 2048]``
+  MLX's ring. Measured on an H200 (``stagemesh bench hop``), a ``[1, 2048]``
   bfloat16 round trip costs 0.34 ms over the lane against 1.5 ms over the
   ring, beyond the compute on both sides: MLX's ring pays for its own thread
   hand-offs and synchronisation, not for the wire. The lane also blocks in
