@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.wire import dtype_name
 
     config = {**flags_of(args), "model": args.shape or spec.default_served_name, "dtype": dtype_name(dtype),
-              "blas": loaded_blas(), "step_ahead": step_ahead, "mlx": getattr(mx, "__version__", "unknown")}
+              "blas": loaded_blas(), "step_ahead": step_ahead}
     results: dict[str, Any]
     if comparison:
         results = {"projections": [{k: v for k, v in pair.items() if k != "joined_over_separate"}

@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"stagemesh bench hop: ranks exited with {codes}", file=sys.stderr)
             return 1
         result = json.loads(Path(config["result"]).read_text())
+    result.pop("mlx")  # the environment names MLX's version
     report = build_report("hop", started_at=started_at, local_mlx=True,
-                          config={**flags_of(args), "rows": rows, "device": result.pop("device"),
-                                  "mlx": result.pop("mlx")},
+                          config={**flags_of(args), "rows": rows, "device": result.pop("device")},
                           results=result, ratios=lane_over_ring(result["shapes"]))
     emit(report, args, format_hop(report))
     return 0
