@@ -4,10 +4,11 @@ Contract: ``add_report_flags`` gives every kind ``--output FILE`` (the JSON
 report, ``stagemesh.bench.report``) and ``--json`` (that report on stdout
 instead of the text); ``stagemesh.bench.command`` adds them to every kind.
 The other ``add_*`` functions are for the kinds whose flag means the same
-thing (prompt and output lengths, load levels, rounds, seed, the model, a
-random-weight shape, ports, extra ``serve`` flags); a kind passes only its own
-default. ``HELP`` holds each shared flag's text, so a flag reads the same in
-every kind's ``--help``. Nothing here parses values or runs anything.
+thing (prompt and output lengths, load levels, warm-up and rounds, seed, the
+model, a random-weight shape, ports, extra ``serve`` flags); a kind passes
+only its own default and, where it helps, a note on its unit. ``HELP`` holds
+each shared flag's text, so a flag reads the same in every kind's ``--help``.
+Nothing here parses values or runs anything.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ HELP: dict[str, str] = {
     "--output-len": "tokens generated per request",
     "--concurrency": "load levels, comma-separated: requests kept in flight",
     "--num-prompts": "requests per level (and endpoint, and round)",
+    "--warmup": "uncounted runs first, so the measured ones start warm",
     "--rounds": "repeat every measurement this many times, arms alternating, so machine noise hits all alike",
     "--seed": "seed of everything random in the workload (prompts, lengths, arrivals)",
     "--tokenizer": "GGUF file or tokenizer directory to size prompts in tokens",
@@ -79,6 +81,10 @@ def add_concurrency(parser: Flags, default: str | None, note: str = "") -> None:
 def add_num_prompts(parser: Flags, default: int | None, note: str = "") -> None:
     parser.add_argument("--num-prompts", type=int, default=default, metavar="N",
                         help=_help("--num-prompts", default, note))
+
+
+def add_warmup(parser: Flags, default: int, unit: str) -> None:
+    parser.add_argument("--warmup", type=int, default=default, metavar="N", help=_help("--warmup", default, unit))
 
 
 def add_rounds(parser: Flags, default: int) -> None:

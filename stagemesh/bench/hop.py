@@ -44,8 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows per payload (tokens in a batch), comma-separated (default %(default)s)")
     flags.add_dtype(parser)
     parser.add_argument("--iters", type=int, default=200, help="measured round trips per shape (default %(default)s)")
-    parser.add_argument("--warmup", type=int, default=20,
-                        help="uncounted round trips per shape first (default %(default)s)")
+    flags.add_warmup(parser, 20, "N round trips per shape")
     flags.add_port_base(parser, 29310, "two ring ports and one lane port")
 
 

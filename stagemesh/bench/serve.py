@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                     "16; with --duration: no limit")
     ld.add_argument("--duration", type=float, default=None,
                     help="seconds per level and round after which no new request starts")
-    ld.add_argument("--warmup", type=int, default=2, help="uncounted requests per endpoint first (default %(default)s)")
+    flags.add_warmup(ld, 2, "N requests per endpoint")
     flags.add_rounds(ld, 1)
     ld.add_argument("--timeout", type=float, default=600.0,
                     help="seconds one request may take in all before it counts as failed (default %(default)s)")
@@ -353,7 +353,7 @@ async def run_benchmark(endpoints, levels, workload, args, tokenizer) -> tuple[l
     try:
         endpoints = [await resolve_model(clients[e.label], e) for e in endpoints]
         for e in endpoints:
-            print(f"bench: {e.label}: {e.base_url} model {e.model}", file=sys.stderr)
+            print(f"stagemesh bench serve: {e.label}: {e.base_url} model {e.model}", file=sys.stderr)
         warm_records: list = []
         if args.warmup:
             top = max((int(lv.value) for lv in levels if lv.kind == "concurrency"), default=1)

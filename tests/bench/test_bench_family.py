@@ -86,6 +86,7 @@ def test_a_flag_kinds_share_reads_the_same_in_each_and_the_old_names_are_gone():
     assert where["--output-len"] == ["serve", "compare", "stack", "gateway", "engine", "prefix", "pipeline", "parity"]
     assert where["--input-len"] == ["serve", "compare", "stack", "gateway", "engine"]
     assert where["--rounds"] == ["serve", "compare", "stack", "pipeline"]
+    assert where["--warmup"] == ["serve", "hop"]
     assert where["--port-base"] == ["compare", "stack", "gateway", "hop"]
     assert where["--shape"] == ["compare", "stack", "engine"]
     assert where["model"] == ["compare", "stack", "engine", "prefix", "pipeline", "parity"]
