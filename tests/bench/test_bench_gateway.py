@@ -8,7 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import free_port_base
+
+pytestmark = pytest.mark.e2e  # it starts the gateway, a token source and the load in their own processes
 
 
 def test_bench_gateway_serves_every_request_at_each_level_and_reports_the_gateways_cpu(tmp_path):
