@@ -10,32 +10,20 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> (module, one-line help)
+# subcommand -> (module, one-line help), in the order ``stagemesh --help`` lists them: the product's
+# commands first, then the benchmarks (``stagemesh bench KIND``).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("stagemesh.serve", "serve a model over the OpenAI API from a mesh of pipeline stages"),
-    "plan": ("stagemesh.plan", "show the layer plan serve would use on this cluster (memory, KV), starting nothing"),
-    "status": ("stagemesh.status", "show the mesh (replicas, stages, hosts, layers, ports, health)"),
     "chat": ("stagemesh.chat", "chat interactively with a running gateway"),
-    "bench": ("stagemesh.bench.command",
-              "load-test OpenAI-compatible endpoints: TTFT, inter-token latency, throughput"),
+    "status": ("stagemesh.status", "show the mesh (replicas, stages, hosts, layers, ports, health)"),
+    "plan": ("stagemesh.plan", "show the layer plan serve would use on this cluster (memory, KV), starting nothing"),
     "doctor": ("stagemesh.doctor.command", "check this node or the cluster for known pitfalls and say how to fix each"),
-    "parity": ("stagemesh.parity", "check that PP=N computes bit-identical logits and tokens to PP=1"),
-    "bench-pipeline": ("stagemesh.bench.pipeline",
-                       "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
-    "bench-serving": ("stagemesh.bench.serving",
-                      "run the serving comparisons (vs mlx_lm.server, PP=2 vs PP=1, two hosts) side by side"),
-    "bench-engine": ("stagemesh.bench.engine",
-                     "time the entry stage alone (engine, scheduler, model): ms per token, streams, profile"),
-    "bench-gateway": ("stagemesh.bench.gateway",
-                      "the gateway alone, fed tokens at a GPU mesh's rate: its CPU per token, where it caps"),
-    "bench-stack": ("stagemesh.bench.stack",
-                    "the same load at the engine, the entry stage's gRPC and the gateway: what each layer costs"),
-    "bench-prefix": ("stagemesh.bench.prefix",
-                     "what the prefix cache is worth: multi-turn chat and distinct prompts, cache off against on"),
-    "bench-hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
-    "soak": ("stagemesh.soak.command", "hold N streaming clients against a mesh while injecting faults; judge it"),
     "certs": ("stagemesh.certs", "make a mesh CA and each node's certificate for --grpc-tls-dir (mutual TLS)"),
+    "soak": ("stagemesh.soak.command", "hold N streaming clients against a mesh while injecting faults; judge it"),
+    "bench": ("stagemesh.bench.command",
+              "benchmarks: stagemesh bench KIND (serve, compare, stack, gateway, engine, prefix, pipeline, hop, "
+              "parity)"),
 }
 
 
@@ -74,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args._run(args)
     except UserError as exc:
-        print(f"stagemesh {args.command}: error: {exc}", file=sys.stderr)
+        print(f"stagemesh {getattr(args, '_command_name', args.command)}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -32,5 +32,5 @@ def test_a_block_size_below_one_is_refused_naming_the_flag():
 def test_bench_prefix_refuses_non_positive_counts_before_loading_anything(capsys):
     from stagemesh.cli import main
 
-    assert main(["bench-prefix", "--turns", "0"]) == 2
-    assert "must be positive" in capsys.readouterr().err
+    assert main(["bench", "prefix", "--turns", "0"]) == 2
+    assert "stagemesh bench prefix: error: --conversations, --turns" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The multi-turn chat workload of ``stagemesh bench``: what every turn of a conversation sends. Pure, no I/O.
+"""The multi-turn chat workload of ``stagemesh bench serve``: what every turn of a conversation sends. Pure, no I/O.
 
 The conversations of one level and round share one system prompt (the same
 for every endpoint); every turn of a conversation adds a new user message and

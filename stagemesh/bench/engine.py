@@ -1,9 +1,9 @@
-"""``stagemesh bench-engine``: the entry stage alone (engine, scheduler, model), no gRPC and no gateway.
+"""``stagemesh bench engine``: the entry stage alone (engine, scheduler, model), no gRPC and no gateway.
 
 Loads a whole model as one stage (MODEL, the embedded default model, or ``--shape``:
 a real-sized random-weight checkpoint from ``random_checkpoint``) and drives
 its ``EntryEngine`` directly from a client thread, as the stage's gRPC
-handlers would: one stream of ``--tokens`` tokens (time per token, p50), then
+handlers would: one stream of ``--output-len`` tokens (time per token, p50), then
 ``--streams`` streams together (tokens/s). With ``--profile`` it also prints
 cProfile's top entries of the engine's thread for both runs: where a step's
 host time goes (graph building, kernel launches inside ``mx.async_eval``, KV
@@ -18,8 +18,8 @@ process is steadier than two servers sharing the device (docs/performance.md).
 
 It is a tool for GPU backends: the weights run as loaded (a quantized
 checkpoint stays quantized) and no BLAS is preloaded, so on the CPU backend it
-does not reproduce a stage's fast path (``stagemesh bench-pipeline --bare``
-does); the JSON says which BLAS and weights it ran with.
+does not reproduce a stage's fast path (``stagemesh bench pipeline --bare``
+does); the report says which BLAS and weights it ran with.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import sys
 import tempfile
@@ -38,27 +37,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stagemesh.bench import flags
+from stagemesh.core.errors import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="a model stagemesh serve reads (default: the embedded model, or --shape)")
-    parser.add_argument("--shape", default=None, help="a random-weight shape (llama-3.2-1b, llama-3.1-8b, qwen3-8b) "
-                                                     "instead of MODEL")
-    parser.add_argument("--shape-tokenizer", default=None, help="tokenizer directory for --shape")
-    parser.add_argument("--dtype", default="auto", help="compute dtype (auto: the backend's)")
-    parser.add_argument("--tokens", type=int, default=128, help="tokens per request")
-    parser.add_argument("--streams", type=int, default=16, help="requests at once in the second run")
-    parser.add_argument("--prompt-len", type=int, default=32)
+    flags.add_model_argument(parser)
+    flags.add_shape_flags(parser)
+    flags.add_dtype(parser)
+    flags.add_lengths(parser, input_len=32, output_len=128)
+    parser.add_argument("--streams", type=int, default=16, metavar="N",
+                        help="requests at once in the second run (default %(default)s)")
     parser.add_argument("--mixed", type=int, default=0, metavar="N",
-                        help="also run N requests of random prompt (1..--mixed-max-prompt) and output (1..--tokens) "
-                             "lengths, --streams in flight")
-    parser.add_argument("--mixed-max-prompt", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the --mixed lengths")
+                        help="also run N requests of random prompt (1..--mixed-max-prompt) and output "
+                             "(1..--output-len) lengths, --streams in flight")
+    parser.add_argument("--mixed-max-prompt", type=int, default=512, metavar="N",
+                        help="longest prompt of a --mixed request (default %(default)s)")
+    flags.add_seed(parser)
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries of both runs")
     parser.add_argument("--compare-projections", type=int, default=0, metavar="N",
                         help="instead: N fresh loads, each run with mlx-lm's separate projections, then again "
                              "after joining them in place (fused_projections), with the joined/separate ratios")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,27 +76,25 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stage_worker.warmup import warm_up, warmup_plan
+    from stagemesh.bench.report import build_report, emit, flags_of, now
     from stagemesh.core import settings
     from stagemesh.core.layer_split import LayerRange
     from stagemesh.core.plan import StageOptions
 
-    if min(args.tokens, args.streams, args.prompt_len, args.mixed_max_prompt) < 1 or args.mixed < 0:
-        print("bench-engine: --tokens, --streams, --prompt-len and --mixed-max-prompt must be positive, "
-              "--mixed not negative", file=sys.stderr)
-        return 2
+    if min(args.output_len, args.streams, args.input_len, args.mixed_max_prompt) < 1 or args.mixed < 0:
+        raise UserError("--output-len, --streams, --input-len and --mixed-max-prompt must be positive, "
+                        "--mixed not negative")
     if args.shape and args.model:
-        print("bench-engine: give MODEL or --shape, not both", file=sys.stderr)
-        return 2
+        raise UserError("give MODEL or --shape, not both")
     if args.compare_projections < 0 or (args.compare_projections and args.profile):
-        print("bench-engine: --compare-projections takes a positive count of loads, without --profile",
-              file=sys.stderr)
-        return 2
+        raise UserError("--compare-projections takes a positive count of loads, without --profile")
+    started_at = now()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-engine-") as tmp:
         if args.shape:
             from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
 
             model_path = str(write_random_checkpoint(shape_config(args.shape), Path(tmp) / args.shape,
-                                                     tokenizer_dir=args.shape_tokenizer))
+                                                     args.shape_dtype, tokenizer_dir=args.shape_tokenizer))
         else:
             model_path = resolve_model_path(args.model)
         spec = read_model_spec(model_path)
@@ -119,11 +116,12 @@ def run(args: argparse.Namespace) -> int:
                 # Both arms start alike: an empty allocator cache, then one unmeasured run of the streams'
                 # shapes; otherwise the arm measured second finds buffers and kernels the first one made.
                 mx.clear_cache()
-                _drive(model, args.streams, min(args.tokens, 16), args.prompt_len, step_ahead, False)
-            runs = {"single_stream": _drive(model, 1, args.tokens, args.prompt_len, step_ahead, args.profile),
-                    "streams": _drive(model, args.streams, args.tokens, args.prompt_len, step_ahead, args.profile)}
+                _drive(model, args.streams, min(args.output_len, 16), args.input_len, step_ahead, False)
+            runs = {"single_stream": _drive(model, 1, args.output_len, args.input_len, step_ahead, args.profile),
+                    "streams": _drive(model, args.streams, args.output_len, args.input_len, step_ahead,
+                                      args.profile)}
             if args.mixed:
-                runs["mixed"] = _drive_mixed(model, args.mixed, args.streams, args.mixed_max_prompt, args.tokens,
+                runs["mixed"] = _drive_mixed(model, args.mixed, args.streams, args.mixed_max_prompt, args.output_len,
                                              args.seed, step_ahead, args.profile)
             return runs
 
@@ -148,24 +146,59 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.blas import loaded_blas
     from stage_worker.wire import dtype_name
 
-    result: dict[str, Any] = {"model": args.shape or spec.default_served_name, "backend": backend,
-                              "dtype": dtype_name(dtype), "blas": loaded_blas(), "step_ahead": step_ahead,
-                              "mlx": getattr(mx, "__version__", "unknown")}
+    config = {**flags_of(args), "model": args.shape or spec.default_served_name, "dtype": dtype_name(dtype),
+              "blas": loaded_blas(), "step_ahead": step_ahead}
+    results: dict[str, Any]
     if comparison:
-        result["projections"] = comparison
+        results = {"projections": [{k: v for k, v in pair.items() if k != "joined_over_separate"}
+                                   for pair in comparison]}
+        ratios = [{"load": i, "compares": "joined / separate projections", **pair["joined_over_separate"]}
+                  for i, pair in enumerate(comparison, 1)]
     else:
-        result.update({"quantized": model.quantized, "fused_projections": fused,
-                       **{name: {k: v for k, v in run.items() if k != "profile"} for name, run in runs.items()}})
-    text = json.dumps(result, indent=1)
-    print(text)
+        results = {"quantized": model.quantized, "fused_projections": fused,
+                   **{name: {k: v for k, v in run.items() if k != "profile"} for name, run in runs.items()}}
+        ratios = []
+    report = build_report("engine", started_at=started_at, config=config, results=results, ratios=ratios,
+                          local_mlx=True)
     labels = {"single_stream": "one stream", "streams": f"{args.streams} streams",
               "mixed": f"{args.mixed} mixed requests"}
-    for name, run in runs.items():
-        if run.get("profile"):
-            print(f"--- engine thread, {labels[name]}:\n{run['profile']}")
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    profiles = [f"--- engine thread, {labels[name]}:\n{run['profile']}" for name, run in runs.items()
+                if run.get("profile")]
+    if args.json:  # stdout holds the report alone
+        for profile in profiles:
+            print(profile, file=sys.stderr)
+    emit(report, args, "\n".join([format_engine(report), *profiles]))
     return 0
+
+
+def format_engine(report: dict[str, Any]) -> str:
+    """The engine's figures as text (pure)."""
+    config, results = report["config"], report["results"]
+    lines = [f"{config['model']}: backend {report['environment']['backend']}, {config['dtype']}, "
+             f"BLAS {config['blas']}, step ahead {config['step_ahead']}"]
+
+    def figures(runs: dict[str, Any]) -> list[str]:
+        one, many = runs["single_stream"], runs["streams"]
+        out = [f"one stream: {one['ms_per_token_p50']} ms per token (p50), first token {one['first_token_ms']} ms, "
+               f"slowest gap {one['slowest_gap_ms']} ms",
+               f"{many['streams']} streams: {many['tokens_per_s']} tokens/s"]
+        if "mixed" in runs:
+            mixed = runs["mixed"]
+            out.append(f"{mixed['requests']} mixed requests: {mixed['tokens_per_s']} tokens/s, TTFT p50 "
+                       f"{mixed['ttft_p50_ms']} ms, p90 {mixed['ttft_p90_ms']} ms, {mixed['failed']} failed")
+        return out
+
+    if "projections" in results:
+        for i, pair in enumerate(results["projections"], 1):
+            for arm in ("separate", "joined"):
+                lines += [f"load {i}, {arm} projections:", *(f"  {line}" for line in figures(pair[arm]))]
+        for ratio in report["ratios"]:
+            values = ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items() if k not in ("load", "compares"))
+            lines.append(f"load {ratio['load']}, {ratio['compares']}: {values}")
+    else:
+        lines.append(f"quantized {results['quantized']}, fused projections {results['fused_projections']}")
+        lines += figures(results)
+    return "\n".join(lines)
 
 
 def joined_over_separate(separate: dict[str, dict], joined: dict[str, dict]) -> dict[str, float]:

@@ -1,9 +1,10 @@
-"""``stagemesh bench-hop``: where the time of one pipeline hop goes, on whatever device MLX runs.
+"""``stagemesh bench hop``: where the time of one pipeline hop goes, on whatever device MLX runs.
 
 Starts two processes on loopback (MLX ring ranks 0 and 1, plus a plain TCP
 socket between them, as a stage's control lane is) and, for each payload
-shape, times round trips of a ``[rows, hidden]`` array computed on the
-default device (GPU where there is one):
+shape, times round trips of a ``[rows, hidden]`` array of ``--dtype`` (auto:
+what a stage computes in on this backend) computed on the default device (GPU
+where there is one):
 
 * ``ring``: ``mx.distributed.send`` / ``recv`` as stages pass hidden states with ``--hop-transport ring``
   (evaluate the array, hand it to MLX's ring, receive, evaluate);
@@ -14,7 +15,8 @@ and, on rank 0 alone, the parts: the ``[rows, hidden] @ [hidden, hidden]``
 product each side computes (``compute``; a round trip holds two), evaluating a
 small op on the device (``sync``), copying the array to host memory
 (``to_host``) and creating it on the device from host bytes (``from_host``).
-Each figure is the median of ``--iters`` after ``--warmup``. Prints one JSON document (and writes it with ``--out``).
+Each figure is the median of ``--iters`` after ``--warmup``; the report's
+ratios give the lane's round trip over the ring's for each shape.
 """
 
 from __future__ import annotations
@@ -31,28 +33,39 @@ import time
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("bfloat16", "float16", "float32")
+from stagemesh.bench import flags
+from stagemesh.core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=2048, help="hidden size (2048: Llama 3.2 1B; 4096: 8B)")
-    parser.add_argument("--rows", default="1,16,64", help="rows per payload (tokens in a batch), comma-separated")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--port-base", type=int, default=29310, help="two ring ports and one lane port from here")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--hidden", type=int, default=2048,
+                        help="hidden size (2048: Llama 3.2 1B; 4096: 8B) (default %(default)s)")
+    parser.add_argument("--rows", default="1,16,64",
+                        help="rows per payload (tokens in a batch), comma-separated (default %(default)s)")
+    flags.add_dtype(parser)
+    parser.add_argument("--iters", type=int, default=200, help="measured round trips per shape (default %(default)s)")
+    flags.add_warmup(parser, 20, "N round trips per shape")
+    flags.add_port_base(parser, 29310, "two ring ports and one lane port")
 
 
 def run(args: argparse.Namespace) -> int:
+    from stagemesh.bench.report import build_report, emit, flags_of, now
+
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
-    if not rows or min(rows) < 1 or args.hidden < 1 or args.iters < 1:
-        print("bench-hop: --rows, --hidden and --iters must be positive", file=sys.stderr)
-        return 2
+    if not rows or min(rows) < 1 or args.hidden < 1 or args.iters < 1 or args.warmup < 0:
+        raise UserError("--rows, --hidden and --iters must be positive, --warmup not negative")
+    from stage_worker.stage_model import resolve_compute_dtype
+    from stage_worker.wire import dtype_name
+
+    try:  # the hidden states a stage would pass on this backend
+        dtype = dtype_name(resolve_compute_dtype(args.dtype))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    started_at = now()
     with tempfile.TemporaryDirectory(prefix="stagemesh-hop-") as tmp:
         hostfile = Path(tmp) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{args.port_base}"], [f"127.0.0.1:{args.port_base + 1}"]]))
-        config = {"hidden": args.hidden, "rows": rows, "dtype": args.dtype, "iters": args.iters,
+        config = {"hidden": args.hidden, "rows": rows, "dtype": dtype, "iters": args.iters,
                   "warmup": args.warmup, "lane_port": args.port_base + 2, "result": str(Path(tmp) / "result.json")}
         procs = []
         for rank in (0, 1):
@@ -61,14 +74,33 @@ def run(args: argparse.Namespace) -> int:
                                           env=env))
         codes = [p.wait(600) for p in procs]
         if any(codes):
-            print(f"bench-hop: ranks exited with {codes}", file=sys.stderr)
+            print(f"stagemesh bench hop: ranks exited with {codes}", file=sys.stderr)
             return 1
         result = json.loads(Path(config["result"]).read_text())
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    result.pop("mlx")  # the environment names MLX's version
+    report = build_report("hop", started_at=started_at, local_mlx=True,
+                          config={**flags_of(args), "rows": rows, "device": result.pop("device")},
+                          results=result, ratios=lane_over_ring(result["shapes"]))
+    emit(report, args, format_hop(report))
     return 0
+
+
+def lane_over_ring(shapes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each shape's round trip over the TCP lane over its round trip over the ring (> 1: the lane is slower)."""
+    return [{"rows": s["rows"], "compares": "lane / ring round trip",
+             "value": round(s["lane_ms_p50"] / s["ring_ms_p50"], 3) if s["ring_ms_p50"] else None} for s in shapes]
+
+
+def format_hop(report: dict[str, Any]) -> str:
+    """One row per payload shape, the median of every part in ms (pure)."""
+    parts = ("ring", "lane", "compute", "sync", "to_host", "from_host")
+    header = f"{'rows':>6} {'bytes':>10} " + " ".join(f"{p + ' ms':>12}" for p in parts)
+    lines = [f"{report['config']['device']}, {report['results']['dtype']}, hidden {report['results']['hidden']}",
+             header]
+    for shape in report["results"]["shapes"]:
+        lines.append(f"{shape['rows']:>6} {shape['bytes']:>10} "
+                     + " ".join(f"{shape[f'{p}_ms_p50']:>12.4f}" for p in parts))
+    return "\n".join(lines)
 
 
 def _median_ms(samples: list[float]) -> float:

@@ -1,4 +1,4 @@
-"""The async load runner of ``stagemesh bench``: sends streaming requests and times every chunk.
+"""The async load runner of ``stagemesh bench serve``: sends streaming requests and times every chunk.
 
 Contract:
 - ``send(...)`` makes one streaming request and always returns a

@@ -1,4 +1,4 @@
-"""``stagemesh bench-pipeline``: per-stage memory and single-stream decode speed, PP=1..N vs mlx_lm.
+"""``stagemesh bench pipeline``: per-stage memory and single-stream decode speed, PP=1..N vs mlx_lm.
 
 In one invocation, alternating so machine noise hits every arm alike, it runs:
 
@@ -8,9 +8,10 @@ In one invocation, alternating so machine noise hits every arm alike, it runs:
 * stagemesh pipelines of 1..``--max-pp`` stages over the MLX ring on loopback,
   each stage a fresh process reporting its peak resident memory.
 
-Every arm decodes ``--max-tokens`` tokens from the same prompt, ignoring EOS.
-It prints decode tokens/s with ratios to mlx_lm and to PP=1, and each stage's
-peak RSS with its ratio to the PP=1 stage, and writes everything as JSON.
+Every arm decodes ``--output-len`` tokens from the same prompt, ignoring EOS,
+``--rounds`` times; medians are reported. It prints decode tokens/s with
+ratios to mlx_lm and to PP=1, and each stage's peak RSS with its ratio to the
+PP=1 stage; the report holds every sample too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stagemesh.bench import flags
 from stagemesh.core import settings
+from stagemesh.core.errors import UserError
 
 _MLX_LM_ARM = """
 import json, sys, time
@@ -120,19 +123,22 @@ def bare_forward(model_path: str, batch: int, steps: int, dtype: str = "auto", i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded default model)")
-    parser.add_argument("--max-pp", type=int, default=3, help="measure PP=1..MAX_PP")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of all arms; medians are reported")
-    parser.add_argument("--ring-base-port", type=int, default=None)
-    parser.add_argument("--output", default="bench-results/pipeline.json")
+    flags.add_model_argument(parser, "a GGUF file, converted for the mlx_lm reference")
+    parser.add_argument("--max-pp", type=int, default=3, help="measure PP=1..MAX_PP (default %(default)s)")
+    flags.add_lengths(parser, input_len=None, output_len=128, with_input=False)
+    parser.add_argument("--prompt", default="Write a short story about a lighthouse keeper.",
+                        help="the prompt every arm decodes from")
+    flags.add_dtype(parser)
+    flags.add_rounds(parser, 3)
+    parser.add_argument("--ring-base-port", type=int, default=None,
+                        help=f"default $STAGEMESH_RING_BASE_PORT or {settings.RING_BASE_PORT}")
     parser.add_argument("--bare", default="",
                         help="also measure the bare batched forward of our weights at these batch sizes, "
                              "e.g. 1,16 (the backend's limit for serving comparisons)")
-    parser.add_argument("--bare-input-len", type=int, default=32, help="prompt tokens of the bare workload")
-    parser.add_argument("--bare-output-len", type=int, default=48, help="output tokens of the bare workload")
+    parser.add_argument("--bare-input-len", type=int, default=32,
+                        help="prompt tokens of the bare workload (default %(default)s)")
+    parser.add_argument("--bare-output-len", type=int, default=48,
+                        help="output tokens of the bare workload (default %(default)s)")
 
 
 def _run_pipeline_arm(model_path: str, num_layers: int, pp: int, dtype: str, prompt: list[int],
@@ -161,27 +167,30 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.default_model import resolve_model_path
     from stage_worker.model_spec import read_model_spec
     from stage_worker.tokenizer import load_tokenizer
+    from stagemesh.bench.report import build_report, emit, flags_of, now
 
+    if min(args.max_pp, args.output_len, args.rounds) < 1:
+        raise UserError("--max-pp, --output-len and --rounds must be positive")
+    started_at = now()
     model_path = resolve_model_path(args.model)
     spec = read_model_spec(model_path)
     if spec.format != "gguf":
-        print("bench-pipeline converts a GGUF model for the mlx_lm reference; pass a GGUF file", file=sys.stderr)
-        return 2
+        raise UserError("stagemesh bench pipeline converts a GGUF model for the mlx_lm reference; pass a GGUF file")
     prompt = load_tokenizer(spec).encode(args.prompt, add_special_tokens=False)
     base = args.ring_base_port or settings.RING_BASE_PORT
     arms = ["mlx_lm"] + [f"pp{n}" for n in range(1, args.max_pp + 1)]
     samples: dict[str, list[dict]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="stagemesh-mlx-") as mlx_dir:
         convert_gguf_to_mlx_dir(model_path, mlx_dir)
-        for round_no in range(args.repeats):
+        for round_no in range(args.rounds):
             for arm in arms:
                 if arm == "mlx_lm":
-                    sample = _run_mlx_lm_arm(mlx_dir, prompt, args.max_tokens)
+                    sample = _run_mlx_lm_arm(mlx_dir, prompt, args.output_len)
                 else:
                     sample = _run_pipeline_arm(model_path, spec.num_layers, int(arm[2:]), args.dtype,
-                                               prompt, args.max_tokens, base)
+                                               prompt, args.output_len, base)
                 samples[arm].append(sample)
-                print(f"round {round_no + 1}/{args.repeats} {arm}: "
+                print(f"round {round_no + 1}/{args.rounds} {arm}: "
                       f"{sample['decode_tokens_per_s']:.2f} tok/s", file=sys.stderr)
     bare = {}
     for size in [int(b) for b in args.bare.split(",") if b.strip()]:
@@ -191,26 +200,21 @@ def run(args: argparse.Namespace) -> int:
               f"whole workload ({args.bare_input_len} in, {args.bare_output_len} out) "
               f"{result['workload_tokens_per_s']:.1f} tok/s ({result['blas']} BLAS)", file=sys.stderr)
     summary = summarize(samples)
-    report = {"bare_forward": bare, "model": model_path, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "prompt_tokens": len(prompt), "repeats": args.repeats, "machine": _machine(),
-              "summary": summary, "samples": samples}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
-    print(format_table(summary))
-    print(f"wrote {args.output}")
+    ratios = pipeline_ratios(summary)
+    report = build_report("pipeline", started_at=started_at, local_mlx=True,
+                          config={**flags_of(args), "model": model_path},
+                          results={"prompt_tokens": len(prompt), "summary": summary, "bare_forward": bare,
+                                   "samples": samples},
+                          ratios=ratios)
+    emit(report, args, format_table(summary, ratios))
     return 0
 
 
 def summarize(samples: dict[str, list[dict]]) -> dict:
-    """Medians per arm, with ratios to mlx_lm and to PP=1 (pure)."""
-    median_tps = {arm: statistics.median(s["decode_tokens_per_s"] for s in runs) for arm, runs in samples.items()}
+    """Medians per arm: decode tokens/s and each stage's peak RSS (pure)."""
     summary: dict = {}
-    pp1_stage_rss = None
     for arm, runs in samples.items():
-        entry = {"decode_tokens_per_s": median_tps[arm],
-                 "vs_mlx_lm": median_tps[arm] / median_tps["mlx_lm"]}
-        if "pp1" in median_tps:
-            entry["vs_pp1"] = median_tps[arm] / median_tps["pp1"]
+        entry: dict = {"decode_tokens_per_s": statistics.median(s["decode_tokens_per_s"] for s in runs)}
         if arm == "mlx_lm":
             entry["peak_rss_bytes"] = [statistics.median(s["peak_rss_bytes"] for s in runs)]
         else:
@@ -218,33 +222,33 @@ def summarize(samples: dict[str, list[dict]]) -> dict:
             entry["peak_rss_bytes"] = [statistics.median(s["stages"][r]["peak_rss_bytes"] for s in runs)
                                        for r in range(ranks)]
             entry["weight_bytes"] = [runs[0]["stages"][r]["weight_bytes"] for r in range(ranks)]
-            if arm == "pp1":
-                pp1_stage_rss = entry["peak_rss_bytes"][0]
         summary[arm] = entry
-    if pp1_stage_rss:
-        for arm, entry in summary.items():
-            if arm != "mlx_lm":
-                entry["rss_vs_pp1"] = [r / pp1_stage_rss for r in entry["peak_rss_bytes"]]
     return summary
 
 
-def format_table(summary: dict) -> str:
+def pipeline_ratios(summary: dict) -> list[dict]:
+    """Each arm's decode tokens/s over mlx_lm's and over PP=1's, and each of its stages' peak RSS over the
+    PP=1 stage's (pure)."""
+    pp1 = summary.get("pp1")
+    out = []
+    for arm, entry in summary.items():
+        ratio = {"arm": arm, "vs_mlx_lm": entry["decode_tokens_per_s"] / summary["mlx_lm"]["decode_tokens_per_s"]}
+        if pp1:
+            ratio["vs_pp1"] = entry["decode_tokens_per_s"] / pp1["decode_tokens_per_s"]
+            if arm != "mlx_lm":
+                ratio["rss_vs_pp1"] = [r / pp1["peak_rss_bytes"][0] for r in entry["peak_rss_bytes"]]
+        out.append(ratio)
+    return out
+
+
+def format_table(summary: dict, ratios: list[dict]) -> str:
     lines = [f"{'arm':<8} {'decode tok/s':>12} {'vs mlx_lm':>9} {'vs PP=1':>8}  per-stage peak RSS MB (ratio to PP=1)"]
-    for arm, e in summary.items():
+    for ratio in ratios:
+        e = summary[ratio["arm"]]
         rss = ", ".join(
-            f"{b / 1e6:.0f}" + (f" ({e['rss_vs_pp1'][i]:.2f})" if "rss_vs_pp1" in e else "")
+            f"{b / 1e6:.0f}" + (f" ({ratio['rss_vs_pp1'][i]:.2f})" if "rss_vs_pp1" in ratio else "")
             for i, b in enumerate(e["peak_rss_bytes"])
         )
-        lines.append(f"{arm:<8} {e['decode_tokens_per_s']:>12.2f} {e['vs_mlx_lm']:>9.2f} "
-                     f"{e.get('vs_pp1', float('nan')):>8.2f}  {rss}")
+        lines.append(f"{ratio['arm']:<8} {e['decode_tokens_per_s']:>12.2f} {ratio['vs_mlx_lm']:>9.2f} "
+                     f"{ratio.get('vs_pp1', float('nan')):>8.2f}  {rss}")
     return "\n".join(lines)
-
-
-def _machine() -> dict:
-    import platform
-
-    import mlx.core as mx
-
-    return {"platform": platform.platform(), "cpus": os.cpu_count(),
-            "mlx": mx.__version__,  # type: ignore[attr-defined]  # mlx's stubs omit it; the module has it
-            "device": str(mx.default_device())}

@@ -1,10 +1,10 @@
-"""The ``--plot`` figure of ``stagemesh bench``, drawn from a results document.
+"""The ``--plot`` figure of ``stagemesh bench serve``, drawn from its report.
 
-Contract: ``plot(doc, path)`` writes a PNG with one row per load kind in the
-document (concurrency, request rate) and three panels per row: output tok/s,
+Contract: ``plot(report, path)`` writes a PNG with one row per load kind in the
+report (concurrency, request rate) and three panels per row: output tok/s,
 TTFT p50/p99 and ITL p50/p99 against the load, one colour per endpoint (p50
 solid, p99 dashed). It uses matplotlib's Agg backend (no display needed) and
-reads only the document, so a saved ``results.json`` can be re-plotted.
+reads only the report, so a saved ``results.json`` can be re-plotted.
 """
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ from typing import Any
 _XLABEL = {"concurrency": "concurrency (requests in flight)", "rate": "request rate (requests/s)"}
 
 
-def plot(doc: dict[str, Any], path: str) -> None:
+def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # before pyplot: headless, and never opens a window
     import matplotlib.pyplot as plt
 
     # An infinite request rate ("inf": all at once) has no place on an axis; the table shows it.
-    levels = [m for m in doc["levels"] if isinstance(m["load_value"], int | float)]
+    results = report["results"]
+    levels = [m for m in results["levels"] if isinstance(m["load_value"], int | float)]
     kinds = list(dict.fromkeys(m["load"] for m in levels)) or ["concurrency"]
-    labels = [e["label"] for e in doc["endpoints"]]
+    labels = [e["label"] for e in results["endpoints"]]
     fig, axes = plt.subplots(len(kinds), 3, figsize=(15, 4.2 * len(kinds)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for row, kind in zip(axes, kinds):
@@ -54,7 +55,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
             ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="small")
-    fig.suptitle(f"stagemesh bench  {doc.get('timestamp', '')}  {doc['config'].get('workload_summary', '')}")
+    fig.suptitle(f"stagemesh bench serve  {report['started_at']}  {report['config'].get('workload_summary', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,6 +1,6 @@
-"""``stagemesh bench-prefix``: what the prefix cache is worth, the entry stage alone, cache off against on.
+"""``stagemesh bench prefix``: what the prefix cache is worth, the entry stage alone, cache off against on.
 
-Loads the embedded default model as one stage (as ``bench-engine`` does: no
+Loads MODEL (default: the embedded model) as one stage (as ``stagemesh bench engine`` does: no
 gRPC, no gateway), with what a stage would choose on this machine (the
 optimized BLAS preloaded, dense weights where ``choose_dense_weights`` says
 so), and runs two workloads twice in one invocation, with
@@ -10,41 +10,46 @@ so), and runs two workloads twice in one invocation, with
   ``--turns`` turns; every turn's prompt is a shared system prompt of
   ``--system-len`` tokens, the conversation's whole history (earlier user
   turns and the replies generated for them) and a new user turn of
-  ``--user-len`` tokens; ``--tokens`` tokens are generated per turn.
+  ``--user-len`` tokens; ``--output-len`` tokens are generated per turn.
 * **distinct prompts**: as many requests at once, prompts sharing nothing
   (what the cache costs when it never hits).
 
-It prints time to first token (p50, per turn after the first of each
+It reports time to first token (p50, per turn after the first of each
 conversation, and over all turns), tokens per second, the hit rate, and the
-on/off ratios as JSON. Greedy decoding; the token ids are random but fixed.
+on/off ratios. Greedy decoding; the token ids are random but fixed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
+
+from stagemesh.bench import flags
+from stagemesh.core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--conversations", type=int, default=8, help="conversations at once")
-    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    parser.add_argument("--system-len", type=int, default=256, help="tokens of the shared system prompt")
-    parser.add_argument("--user-len", type=int, default=32, help="tokens of each user turn")
-    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per turn")
-    parser.add_argument("--block-size", type=int, default=16, help="prefix-cache block size")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    flags.add_model_argument(parser)
+    parser.add_argument("--conversations", type=int, default=8, help="conversations at once (default %(default)s)")
+    parser.add_argument("--turns", type=int, default=4, help="turns per conversation (default %(default)s)")
+    parser.add_argument("--system-len", type=int, default=256,
+                        help="tokens of the shared system prompt (default %(default)s)")
+    parser.add_argument("--user-len", type=int, default=32, help="tokens of each user turn (default %(default)s)")
+    flags.add_lengths(parser, input_len=None, output_len=32, with_input=False, output_note="here, per turn")
+    parser.add_argument("--block-size", type=int, default=16, help="prefix-cache block size (default %(default)s)")
+
+
+RATIO_KEYS = ("ttft_p50_s", "ttft_p50_later_turns_s", "tokens_per_s")
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.conversations, args.turns, args.system_len, args.user_len, args.tokens, args.block_size) < 1:
-        print("bench-prefix: every count must be positive", file=sys.stderr)
-        return 2
+    if min(args.conversations, args.turns, args.system_len, args.user_len, args.output_len, args.block_size) < 1:
+        raise UserError("--conversations, --turns, --system-len, --user-len, --output-len and --block-size "
+                        "must be positive")
     from stage_worker.blas import reexec_with_optimized_blas
 
     # As a stage does (stage_worker.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
@@ -57,10 +62,12 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.fused_projections import fusion_wanted
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
+    from stagemesh.bench.report import build_report, emit, flags_of, now
     from stagemesh.core import settings
     from stagemesh.core.layer_split import LayerRange
 
-    spec = read_model_spec(resolve_model_path(None))
+    started_at = now()
+    spec = read_model_spec(resolve_model_path(args.model))
     backend = current_backend()
     model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True),
                             resolve_compute_dtype("auto", backend))
@@ -72,20 +79,37 @@ def run(args: argparse.Namespace) -> int:
     if fusion_wanted(settings.FUSE_PROJECTIONS, backend):  # as a stage does
         model.fuse_projections()
     _drive(model, args, cache=False, workload="distinct", conversations=1)  # warm the kernels
-    result: dict[str, Any] = {"backend": backend, "blas": loaded_blas(), "dense_weights": dense,
-                              "conversations": args.conversations, "turns": args.turns,
-                              "system_len": args.system_len, "user_len": args.user_len, "tokens": args.tokens}
+    results: dict[str, Any] = {}
+    ratios = []
     for workload in ("multi_turn", "distinct"):
         off = _drive(model, args, cache=False, workload=workload, conversations=args.conversations)
         on = _drive(model, args, cache=True, workload=workload, conversations=args.conversations)
-        result[workload] = {"cache_off": off, "cache_on": on, "ratios_on_over_off": {
-            key: round(on[key] / off[key], 3) for key in ("ttft_p50_s", "ttft_p50_later_turns_s", "tokens_per_s")
-            if on.get(key) and off.get(key)}}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+        results[workload] = {"cache_off": off, "cache_on": on}
+        ratios.append({"workload": workload, "compares": "cache on / cache off",
+                       **{key: round(on[key] / off[key], 3) for key in RATIO_KEYS if on.get(key) and off.get(key)}})
+    report = build_report("prefix", started_at=started_at, local_mlx=True, results=results, ratios=ratios,
+                          config={**flags_of(args), "model": spec.default_served_name, "blas": loaded_blas(),
+                                  "dense_weights": dense})
+    emit(report, args, format_prefix(report))
     return 0
+
+
+def format_prefix(report: dict[str, Any]) -> str:
+    """Each workload with the cache off and on, and on over off (pure)."""
+    lines = [f"{'workload':<11} {'cache':<6} {'TTFT p50 s':>11} {'later turns s':>14} {'tok/s':>9} {'hit rate':>9}"]
+    for workload, arms in report["results"].items():
+        for arm, figures in arms.items():
+            lines.append(f"{workload:<11} {arm.removeprefix('cache_'):<6} {_cell(figures['ttft_p50_s']):>11} "
+                         f"{_cell(figures['ttft_p50_later_turns_s']):>14} {_cell(figures['tokens_per_s']):>9} "
+                         f"{_cell(figures.get('prefix_cache_hit_rate')):>9}")
+    for ratio in report["ratios"]:
+        values = ", ".join(f"{key} {ratio[key]:.3f}x" for key in RATIO_KEYS if key in ratio)
+        lines.append(f"{ratio['workload']}, {ratio['compares']}: {values}")
+    return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
 
 
 def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, conversations: int) -> dict:
@@ -97,7 +121,7 @@ def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, 
     from stagemesh.bench.engine import drive_engine, run_threads
 
     turns = args.turns if workload == "multi_turn" else 1
-    longest = args.system_len + turns * (args.user_len + args.tokens) + 1
+    longest = args.system_len + turns * (args.user_len + args.output_len) + 1
     prefix_cache = PrefixCache(args.block_size) if cache else None
     scheduler = Scheduler(max_num_seqs=max(16, conversations), max_model_len=longest,
                           max_waiting=max(64, conversations), prefix_cache=prefix_cache)
@@ -116,7 +140,8 @@ def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, 
         for turn in range(turns):
             history += tuple(local.randrange(300, 20000) for _ in range(args.user_len))
             started = time.perf_counter()
-            handle = engine.submit(GenerationRequest(f"c{index}t{turn}", history, args.tokens, ignore_eos=True))
+            handle = engine.submit(GenerationRequest(f"c{index}t{turn}", history, args.output_len,
+                                                     ignore_eos=True))
             reply: list[int] = []
             while True:
                 event = handle.events.get(timeout=600)

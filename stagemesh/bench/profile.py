@@ -1,7 +1,7 @@
 """Where a stagemesh server's time goes under load, stage by stage.
 
 ``profile_endpoint`` loads one stagemesh endpoint alone with one ``stagemesh
-bench`` level, and reads the stages' cumulative counters from the gateway's
+bench serve`` level, and reads the stages' cumulative counters from the gateway's
 ``/metrics`` before and after it, and the CPU time of the ``stagemesh serve``
 process (gateway, coordinator and Ray driver) over the same span. The pure
 ``stage_profiles`` turns the two snapshots and the level's wall time into one
@@ -152,13 +152,13 @@ def profile_endpoint(url: str, label: str, model: str, serve_pid: int, *, concur
     with tempfile.TemporaryDirectory(prefix="stagemesh-profile-") as tmp:
         result = os.path.join(tmp, "level.json")
         before, cpu_before = counters(), process_cpu_seconds(serve_pid)
-        subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "--base-url", url, "--label", label,
+        subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "serve", "--base-url", url, "--label", label,
                         "--model", model, "--concurrency", str(concurrency), "--num-prompts", str(num_prompts),
                         "--input-len", str(input_len), "--output-len", str(output_len), "--warmup", "0",
                         "--tokenizer", tokenizer_dir, "--output", result], check=False,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         after, cpu_after = counters(), process_cpu_seconds(serve_pid)
-        level = json.load(open(result))["levels"][0]
+        level = json.load(open(result))["results"]["levels"][0]
     rows = stage_profiles(before, after, float(level["wall_time"]))
     gateway = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
     output_tokens = round(float(level["output_tokens_per_s"]) * float(level["wall_time"]))

@@ -1,6 +1,6 @@
 """A real-sized model with random weights, written as an mlx-lm checkpoint both servers can load.
 
-``stagemesh bench-serving --shape llama-3.2-1b`` compares stagemesh with
+``stagemesh bench compare --shape llama-3.2-1b`` compares stagemesh with
 ``mlx_lm.server`` on a model of a real size without downloading one: the
 shape's ``config.json`` (``stagemesh/bench/model_configs/``), weights drawn
 by mlx-lm's own model class in the shape's dtype, and the embedded default

@@ -1,182 +1,108 @@
-"""Reports of ``stagemesh bench``: the results document (``--output``) and the text tables.
+"""The one report shape of every ``stagemesh bench`` kind, and where it goes.
 
 Contract:
-- ``build_document(...)`` is the whole run as JSON-ready data (top-level keys:
-  ``schema, timestamp, command, config, machine, endpoints, summary, levels,
-  rounds, ratios, warmup, requests``); ``levels`` pools every round of an
-  (endpoint, level), ``rounds`` holds each round alone, ``requests`` every raw
-  record. Times are seconds.
-- ``format_report(doc)`` renders a document as text for stdout: the metrics
-  table (latencies in ms), then failures (every distinct error with its HTTP
-  status and count), for the multi-turn workload the TTFT p50 of every turn,
-  and, with several endpoints, the ratios to the first.
-  It reads only the document, so a saved ``results.json`` renders the same.
-- ``machine_info()`` describes the machine that ran the benchmark.
+- ``build_report(kind, started_at=, config=, results=, ratios=)`` is the
+  only place a report is assembled. Every kind's report has the same keys:
+  ``schema`` (``SCHEMA``), ``kind``, ``command`` (argv, as ``stagemesh ...``),
+  ``started_at`` / ``finished_at`` (ISO 8601, UTC), ``environment``
+  (``environment()``), ``config`` (the settings the run used), ``results``
+  (the kind's own measurements) and ``ratios`` (a list of records, each
+  naming what it compares with what; empty where the kind compares nothing).
+- ``environment(local_mlx)``: the host, its CPU and memory, the versions of
+  Python, stagemesh, MLX and mlx-lm (from package metadata, importing
+  nothing), and, for a kind that runs a model on this host, MLX's backend.
+- ``flags_of(args)``: a kind's parsed flags as a ``config`` (without the
+  CLI's own entries and the report flags).
+- ``emit(report, args, text)``: writes ``--output`` and prints either
+  ``text`` (the kind's table) or, with ``--json``, the report itself.
+Times inside ``results`` are whatever unit their keys say (``_s``, ``_ms``).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
-import math
+import json
 import os
 import platform
 import socket
 import sys
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
-from stagemesh.bench.stats import LevelMetrics, Ratio
-from stagemesh.bench.types import Endpoint, Level, RequestRecord
+SCHEMA = "stagemesh-bench/2"
+ENVELOPE_KEYS = ("schema", "kind", "command", "started_at", "finished_at", "environment", "config", "results",
+                 "ratios")
 
-SCHEMA = "stagemesh-bench/1"
+
+def now() -> _dt.datetime:
+    """When a run starts: pass it to ``build_report`` as ``started_at``."""
+    return _dt.datetime.now(_dt.UTC)
 
 
-def machine_info() -> dict[str, Any]:
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(local_mlx: bool = False) -> dict[str, Any]:
+    """This host as a report records it; ``local_mlx``: the kind ran a model here, so MLX's backend counts."""
     import psutil
 
-    from stagemesh.core.settings import stagemesh_version
+    backend = None
+    if local_mlx:
+        from stage_worker.device import current_backend
 
+        backend = current_backend()
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor(),
-        "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
         "memory_bytes": psutil.virtual_memory().total,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "stagemesh": stagemesh_version(),
+        "backend": backend,
+        "versions": {"python": sys.version.split()[0], "stagemesh": _version("stagemesh"),
+                     "mlx": _version("mlx"), "mlx-lm": _version("mlx-lm")},
     }
 
 
-def _level_entry(m: LevelMetrics, level: Level, **extra: Any) -> dict[str, Any]:
-    # "inf" as a string: JSON has no infinity, and jq rejects Python's Infinity.
-    value = level.value if math.isfinite(level.value) else "inf"
-    return {**extra, "load": level.kind, "load_value": value, **m.to_dict()}
+def flags_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags a run was given, for its report's ``config``."""
+    skip = {"command", "kind", "output", "json"}
+    return {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
 
 
-def build_document(*, command: Sequence[str], config: dict[str, Any], endpoints: Sequence[Endpoint],
-                   levels: Sequence[Level], pooled: Sequence[LevelMetrics],
-                   per_round: Sequence[tuple[int, LevelMetrics]], ratios: Sequence[Ratio],
-                   warmup: Sequence[LevelMetrics], records: Sequence[RequestRecord],
-                   machine: dict[str, Any]) -> dict[str, Any]:
-    level_of = {lv.name: lv for lv in levels}
+def build_report(kind: str, *, started_at: _dt.datetime, config: Mapping[str, Any], results: Any,
+                 ratios: Sequence[Mapping[str, Any]] = (), command: Sequence[str] | None = None,
+                 env: Mapping[str, Any] | None = None, local_mlx: bool = False) -> dict[str, Any]:
+    """The report of one run of ``stagemesh bench KIND`` (see the module docstring for its keys)."""
     return {
         "schema": SCHEMA,
-        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": list(command),
-        "config": config,
-        "machine": machine,
-        "endpoints": [{"label": e.label, "base_url": e.base_url, "model": e.model} for e in endpoints],
-        "summary": {
-            "sent": len(records),
-            "completed": sum(1 for r in records if r.ok),
-            "failed": sum(1 for r in records if not r.ok),
-            "warmup_failed": sum(m.failed for m in warmup),
-        },
-        "levels": [_level_entry(m, level_of[m.level]) for m in pooled],
-        "rounds": [_level_entry(m, level_of[m.level], round=r) for r, m in per_round],
-        "ratios": [asdict(r) for r in ratios],
-        "warmup": [m.to_dict() for m in warmup],
-        "requests": [asdict(r) for r in records],
+        "kind": kind,
+        "command": list(command) if command is not None else ["stagemesh", *sys.argv[1:]],
+        "started_at": started_at.isoformat(timespec="seconds"),
+        "finished_at": now().isoformat(timespec="seconds"),
+        "environment": dict(env) if env is not None else environment(local_mlx),
+        "config": dict(config),
+        "results": results,
+        "ratios": [dict(r) for r in ratios],
     }
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
-
-
-def _num(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _x(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}x"
-
-
-def _table(rows: Sequence[tuple[str, ...]], right_from: int = 1) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) if i < right_from else cell.rjust(w)
-                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
-
-
-def format_table(levels: Sequence[dict[str, Any]]) -> list[str]:
-    header = ("endpoint", "level", "ok", "failed", "req/s", "out tok/s", "total tok/s",
-              "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "E2E p50")
-    units = ("", "", "", "", "", "", "", "ms", "ms", "ms", "ms", "ms", "ms")
-    rows = [header, units]
-    for m in levels:
-        rows.append((
-            m["endpoint"], m["level"], f"{m['completed']}/{m['sent']}",
-            str(m["failed"]) if not m["failed"] else f"{m['failed']} !",
-            _num(m["requests_per_s"], 2), _num(m["output_tokens_per_s"]), _num(m["total_tokens_per_s"]),
-            _ms(m["ttft"]["p50"]), _ms(m["ttft"]["p99"]), _ms(m["itl"]["p50"]), _ms(m["itl"]["p99"]),
-            _ms(m["tpot"]["p50"]), _ms(m["e2el"]["p50"]),
-        ))
-    return _table(rows, right_from=2)
-
-
-def format_turns(doc: dict[str, Any]) -> list[str]:
-    """TTFT p50 (ms) of every turn of the multi-turn workload; nothing for the synthetic one."""
-    levels = [m for m in doc["levels"] if m.get("ttft_by_turn")]
-    if not levels:
-        return []
-    turns = max(len(m["ttft_by_turn"]) for m in levels)
-    rows = [("endpoint", "level", *(f"turn {t}" for t in range(1, turns + 1)))]
-    for m in levels:
-        cells = [_ms(d["p50"]) for d in m["ttft_by_turn"]]
-        rows.append((m["endpoint"], m["level"], *cells, *("-" for _ in range(turns - len(cells)))))
-    return ["TTFT p50 by turn (ms; turn 1 shares only the system prompt, later turns their history)",
-            *_table(rows, right_from=2)]
-
-
-def format_failures(doc: dict[str, Any]) -> list[str]:
-    lines = []
-    summary = doc["summary"]
-    if summary["failed"]:
-        lines.append(f"FAILED: {summary['failed']} of {summary['sent']} requests")
-        for m in doc["levels"]:
-            if m["failed"]:
-                lines.append(f"  {m['endpoint']} {m['level']}: {m['failed']} of {m['sent']} failed")
-                lines += _error_lines(m["errors"])
-    for m in doc["warmup"]:
-        if m["failed"]:
-            lines.append(f"WARMUP FAILED: {m['endpoint']}: {m['failed']} of {m['sent']} warmup requests")
-            lines += _error_lines(m["errors"])
-    return lines
-
-
-def _error_lines(errors: list[dict[str, Any]]) -> list[str]:
-    return [f"    {e['count']} x {'HTTP ' + str(e['status']) if e['status'] is not None else 'no response'}: "
-            f"{e['message']}" for e in errors]
-
-
-def format_ratios(doc: dict[str, Any]) -> list[str]:
-    if not doc["ratios"]:
-        return []
-    base = doc["ratios"][0]["baseline"]
-    rounds = max(len(r["output_tokens_per_s_by_round"]) for r in doc["ratios"])
-    turns = any(r.get("ttft_p50_by_turn") for r in doc["ratios"])
-    header = ("level", "endpoint", "out tok/s", "TTFT p50", "ITL p50") + (("tok/s by round",) if rounds > 1 else ()) \
-        + (("TTFT p50 by turn",) if turns else ())
-    rows = [header]
-    for r in doc["ratios"]:
-        row: tuple[str, ...] = (r["level"], r["endpoint"], _x(r["output_tokens_per_s"]), _x(r["ttft_p50"]),
-                                _x(r["itl_p50"]))
-        if rounds > 1:
-            row += (" ".join(_x(x) for x in r["output_tokens_per_s_by_round"]),)
-        if turns:
-            row += (" ".join(_x(x) for x in r.get("ttft_p50_by_turn") or ()),)
-        rows.append(row)
-    return [f"ratios to {base} (out tok/s > 1: faster; TTFT/ITL > 1: slower)", *_table(rows, right_from=2)]
-
-
-def format_report(doc: dict[str, Any]) -> str:
-    lines = format_table(doc["levels"])
-    for section in (format_turns(doc), format_failures(doc), format_ratios(doc)):
-        if section:
-            lines += ["", *section]
-    s = doc["summary"]
-    lines += ["", f"{s['completed']}/{s['sent']} requests completed, {s['failed']} failed"]
-    return "\n".join(lines)
+def emit(report: dict[str, Any], args: argparse.Namespace, text: str) -> None:
+    """Write the report to ``args.output`` (when given) and print ``text``, or the report with ``args.json``."""
+    output, as_json = args.output, args.json
+    document = json.dumps(report, indent=1)
+    if output:
+        path = Path(output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(document + "\n")
+    print(document if as_json else text)
+    if output:
+        print(f"stagemesh bench {report['kind']}: wrote {output}", file=sys.stderr)

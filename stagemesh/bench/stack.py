@@ -1,20 +1,17 @@
-"""``stagemesh bench-stack``: the same load at four depths of the stack, to say what each layer costs.
+"""``stagemesh bench stack``: the same load at four depths of the stack, to say what each layer costs.
 
-One workload (``--prompt-len`` tokens in, ``--tokens`` out, greedy, no stop),
+One workload (``--input-len`` tokens in, ``--output-len`` out, greedy, no stop),
 at one stream and at ``--streams`` streams, measured
 
 0. **bare**: mlx-lm's layers on the same weights with nothing else, every
-   prompt prefilled together then decoded in lockstep (``bench-pipeline``'s
-   bare batched workload, MLX's default settings): the device's limit;
-1. **engine**: the entry stage's engine alone, no gRPC (``stagemesh bench-engine``,
+   prompt prefilled together then decoded in lockstep (``stagemesh bench
+   pipeline``'s bare batched workload, MLX's default settings): the device's limit;
+1. **engine**: the entry stage's engine alone, no gRPC (``stagemesh bench engine``,
    in its own process);
 2. **stage gRPC**: a PP=1 ``stagemesh serve`` of the same model, loaded straight
    at its entry stage over ``GenerateStream``, every stream of a round on one
    call as the gateway sends them (the mesh token from this command), the
-   client an asyncio gRPC client in this process; and beside it, not a layer,
-   **stage gRPC per request**: the same load with one ``Generate`` call per
-   stream, so one invocation says what one message per step instead of one
-   per token saves;
+   client an asyncio gRPC client in this process;
 3. **gateway**: the same server through its OpenAI API: streaming
    completions of the same token-id prompts, sent in the same waves as the
    stage layer (every stream of a round at once), from an asyncio HTTP client
@@ -29,11 +26,11 @@ GIL); from 2 to 3, the gateway (HTTP, tokenization, detokenization, SSE) and
 its own gRPC client. Every figure comes from the same invocation, so the ratios hold on any
 machine; on a GPU, where a step takes a few ms, they show which layer caps the
 mesh. (On the CPU backend the engine layer runs without the optimized BLAS a
-stage and the bare arm preload, as ``bench-engine`` says, so there the engine's
-ratios mean nothing.)
+stage and the bare arm preload, as ``stagemesh bench engine`` says, so there the
+engine's ratios mean nothing.)
 
-``--shape NAME`` serves a real-sized random-weight model (as ``bench-serving``);
-otherwise the embedded default model. Exits 1 when any request failed.
+MODEL, or ``--shape NAME``: a real-sized random-weight model (as ``stagemesh
+bench compare``); by default the embedded model. Exits 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -50,29 +47,32 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from stagemesh.bench import flags
 from stagemesh.bench.stats import percentile
+from stagemesh.core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default=None, help="a random-weight shape (llama-3.2-1b, llama-3.1-8b, qwen3-8b); "
-                                                      "default: the embedded model")
-    parser.add_argument("--shape-tokenizer", default=None, help="tokenizer directory for --shape")
-    parser.add_argument("--streams", type=int, default=16, help="streams at once in the second level")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens out per request")
-    parser.add_argument("--prompt-len", type=int, default=32, help="tokens in per request")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per level at the gRPC and gateway layers")
-    parser.add_argument("--port", type=int, default=28700, help="the gateway's port; the stage's gRPC on +1")
-    parser.add_argument("--serve-args", default="", help="extra flags for stagemesh serve, space-separated")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    flags.add_model_argument(parser)
+    flags.add_shape_flags(parser)
+    parser.add_argument("--streams", type=int, default=16, metavar="N",
+                        help="streams at once in the second level (default %(default)s)")
+    flags.add_lengths(parser, input_len=32, output_len=64)
+    flags.add_rounds(parser, 2)
+    flags.add_port_base(parser, 28700, "the gateway on it, the stage's gRPC on the next")
+    flags.add_serve_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.streams, args.tokens, args.prompt_len, args.rounds) < 1:
-        print("bench-stack: --streams, --tokens, --prompt-len and --rounds must be positive", file=sys.stderr)
-        return 2
-    from stagemesh.bench.serving import server_process
+    if min(args.streams, args.output_len, args.input_len, args.rounds) < 1:
+        raise UserError("--streams, --output-len, --input-len and --rounds must be positive")
+    if args.shape and args.model:
+        raise UserError("give MODEL or --shape, not both")
+    from stagemesh.bench.compare import server_process
+    from stagemesh.bench.report import build_report, emit, flags_of, now
     from stagemesh.core.mesh_token import generate_token
 
+    started_at = now()
     levels = sorted({1, args.streams})
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-stack-") as tmp:
         model = _model(args, Path(tmp))
@@ -81,39 +81,33 @@ def run(args: argparse.Namespace) -> int:
         token = generate_token()
         env = {**os.environ, "STAGEMESH_MESH_TOKEN": token}
         env.pop("RAY_ADDRESS", None)
-        grpc_port = args.port + 1
+        grpc_port = args.port_base + 1
         command = [sys.executable, "-m", "stagemesh.cli", "serve", model, "--served-model-name", "bench-stack",
-                   "--port", str(args.port), "--grpc-base-port", str(grpc_port),
-                   "--ring-base-port", str(args.port + 5), "-pp", "1", *args.serve_args.split()]
-        with server_process(command, "bench-stack serve", f"http://127.0.0.1:{args.port}/health", env=env,
+                   "--port", str(args.port_base), "--grpc-base-port", str(grpc_port),
+                   "--ring-base-port", str(args.port_base + 5), "-pp", "1", *args.serve_args.split()]
+        with server_process(command, "bench stack serve", f"http://127.0.0.1:{args.port_base}/health", env=env,
                             log_dir=Path(tmp) / "logs"):
             target = f"127.0.0.1:{grpc_port}"
-            direct = {level: asyncio.run(_direct_level(target, token, level, args, per_request=False))
-                      for level in levels}
-            per_request = {level: asyncio.run(_direct_level(target, token, level, args, per_request=True))
-                           for level in levels}
-            gateway = {level: asyncio.run(_gateway_level(f"http://127.0.0.1:{args.port}", level, args))
+            direct = {level: asyncio.run(_direct_level(target, token, level, args)) for level in levels}
+            gateway = {level: asyncio.run(_gateway_level(f"http://127.0.0.1:{args.port_base}", level, args))
                        for level in levels}
-    result = stack_report(bare, engine, direct, gateway, args, per_request)
-    for line in _table(result):
-        print(line, file=sys.stderr)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    measured = [layer for row in result["levels"] for layer in (*row["layers"].values(), row["stage_grpc_per_request"])]
-    return 1 if any(layer["failed"] for layer in measured) else 0
+    results = stack_results(bare, engine, direct, gateway)
+    report = build_report("stack", started_at=started_at, local_mlx=True,
+                          config={**flags_of(args), "model": args.shape or args.model or "default"},
+                          results=results, ratios=stack_ratios(results))
+    emit(report, args, "\n".join(_table(report)))
+    return 1 if any(layer["failed"] for row in results["levels"] for layer in row["layers"].values()) else 0
 
 
 def _model(args: argparse.Namespace, tmp: Path) -> str:
     if args.shape:
         from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
 
-        return str(write_random_checkpoint(shape_config(args.shape), tmp / args.shape,
+        return str(write_random_checkpoint(shape_config(args.shape), tmp / args.shape, args.shape_dtype,
                                            tokenizer_dir=args.shape_tokenizer))
     from stage_worker.default_model import resolve_model_path
 
-    return resolve_model_path(None)
+    return resolve_model_path(args.model)
 
 
 def _bare_layer(args: argparse.Namespace, model: str, levels: list[int]) -> dict[int, dict[str, Any]]:
@@ -121,19 +115,19 @@ def _bare_layer(args: argparse.Namespace, model: str, levels: list[int]) -> dict
 
     layer = {}
     for level in levels:
-        figures = bare_forward(model, level, args.tokens, "auto", args.prompt_len, args.tokens)
+        figures = bare_forward(model, level, args.output_len, "auto", args.input_len, args.output_len)
         layer[level] = {"tokens_per_s": round(figures["workload_tokens_per_s"], 1), "ttft_p50_ms": None,
                         "itl_p50_ms": round(level * 1e3 / figures["decode_tokens_per_s"], 3), "failed": 0}
     return layer
 
 
 def _engine_layer(args: argparse.Namespace, model: str, tmp: Path) -> dict[int, dict[str, Any]]:
-    """``bench-engine`` on the same checkpoint (its own process: MLX's streams, a clean heap)."""
+    """``stagemesh bench engine`` on the same checkpoint (its own process: MLX's streams, a clean heap)."""
     out = tmp / "engine.json"
-    command = [sys.executable, "-m", "stagemesh.cli", "bench-engine", model, "--tokens", str(args.tokens),
-               "--streams", str(args.streams), "--prompt-len", str(args.prompt_len), "--out", str(out)]
+    command = [sys.executable, "-m", "stagemesh.cli", "bench", "engine", model, "--output-len", str(args.output_len),
+               "--streams", str(args.streams), "--input-len", str(args.input_len), "--output", str(out)]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    data = json.loads(out.read_text())
+    data = json.loads(out.read_text())["results"]
     single, many = data["single_stream"], data["streams"]
     layer = {1: {"tokens_per_s": single["tokens_per_s"], "itl_p50_ms": single["ms_per_token_p50"],
                  "ttft_p50_ms": single["first_token_ms"], "failed": 0}}
@@ -145,10 +139,9 @@ def _engine_layer(args: argparse.Namespace, model: str, tmp: Path) -> dict[int, 
 Outcome = tuple[float, list[float], str | None]  # a stream's start, its tokens' arrival times, its error
 
 
-async def _direct_level(target: str, token: str, streams: int, args: argparse.Namespace,
-                        per_request: bool) -> dict[str, Any]:
-    """``streams`` requests at once over one GenerateStream call (``per_request``: one Generate call
-    each), ``args.rounds`` times after one warm-up round; pooled figures."""
+async def _direct_level(target: str, token: str, streams: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``streams`` requests at once over one GenerateStream call, ``args.rounds`` times after one warm-up
+    round; pooled figures."""
     import grpc
 
     from stagemesh.core.mesh_token import call_metadata
@@ -158,19 +151,9 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
 
     def request(index: int) -> Any:
         return stage_pb2.GenerateRequest(request_id=f"stack-{streams}-{index}",
-                                         prompt_token_ids=_prompt(index, args.prompt_len),
-                                         max_tokens=args.tokens, ignore_eos=True,
+                                         prompt_token_ids=_prompt(index, args.input_len),
+                                         max_tokens=args.output_len, ignore_eos=True,
                                          sampling=stage_pb2.SamplingParams(temperature=0.0))
-
-    async def one(stub: Any, index: int) -> Outcome:
-        started, stamps = time.perf_counter(), list[float]()
-        try:
-            async for message in stub.Generate(request(index), metadata=metadata, timeout=600):
-                now = time.perf_counter()
-                stamps.extend(now for _ in message.token_ids)
-        except grpc.aio.AioRpcError as exc:
-            return started, stamps, f"{exc.code().name}: {exc.details()}"
-        return started, stamps, None
 
     async def together(stub: Any, indices: range) -> list[Outcome]:
         started = time.perf_counter()
@@ -198,10 +181,7 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
         return [(started, stamps[i], errors.get(i)) for i in stamps]
 
     async def round_of(stub: Any, first: int) -> list[Outcome]:
-        indices = range(first, first + streams)
-        if per_request:
-            return list(await asyncio.gather(*(one(stub, i) for i in indices)))
-        return await together(stub, indices)
+        return await together(stub, range(first, first + streams))
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
@@ -240,7 +220,7 @@ async def _gateway_level(url: str, streams: int, args: argparse.Namespace) -> di
     import httpx
 
     async def one(client: httpx.AsyncClient, index: int) -> Outcome:
-        body = {"model": "bench-stack", "prompt": _prompt(index, args.prompt_len), "max_tokens": args.tokens,
+        body = {"model": "bench-stack", "prompt": _prompt(index, args.input_len), "max_tokens": args.output_len,
                 "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         started, chunks, completion = time.perf_counter(), list[float](), 0
         try:
@@ -271,25 +251,24 @@ async def _gateway_level(url: str, streams: int, args: argparse.Namespace) -> di
         return await _waves(round_of, streams, args.rounds)
 
 
-def stack_report(bare: dict[int, dict], engine: dict[int, dict], direct: dict[int, dict],
-                 gateway: dict[int, dict], args: argparse.Namespace,
-                 per_request: dict[int, dict] | None = None) -> dict[str, Any]:
-    """The four layers per level and each one's throughput over the layer below, and the stage's
-    GenerateStream over one Generate call per request (pure)."""
-    rows = []
-    for level in sorted(direct):
-        layers = {"bare": bare[level], "engine": engine[level], "stage_grpc": direct[level],
-                  "gateway": gateway[level]}
-        beside = (per_request or {}).get(level)
-        rows.append({"streams": level, "layers": layers, "stage_grpc_per_request": beside,
-                     "stage_grpc_over_per_request": _ratio(direct[level], beside) if beside else None,
-                     "engine_over_bare": _ratio(engine[level], bare[level]),
-                     "stage_grpc_over_engine": _ratio(direct[level], engine[level]),
-                     "gateway_over_stage_grpc": _ratio(gateway[level], direct[level]),
-                     "gateway_over_engine": _ratio(gateway[level], engine[level]),
-                     "gateway_over_bare": _ratio(gateway[level], bare[level])})
-    return {"model": args.shape or "default", "prompt_len": args.prompt_len, "tokens": args.tokens,
-            "rounds": args.rounds, "levels": rows}
+LAYERS = ("bare", "engine", "stage_grpc", "gateway")  # bottom to top
+
+
+def stack_results(bare: dict[int, dict], engine: dict[int, dict], direct: dict[int, dict],
+                  gateway: dict[int, dict]) -> dict[str, Any]:
+    """The four layers' figures at each level (pure)."""
+    return {"levels": [{"streams": level, "layers": {"bare": bare[level], "engine": engine[level],
+                                                       "stage_grpc": direct[level], "gateway": gateway[level]}}
+                       for level in sorted(direct)]}
+
+
+def stack_ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """At each level, each layer's tokens/s over the layer below it and the gateway's over the bare forward
+    and the engine (pure)."""
+    pairs = [*zip(LAYERS[1:], LAYERS), ("gateway", "engine"), ("gateway", "bare")]
+    return [{"streams": row["streams"], "compares": f"{upper} / {lower} tokens per second",
+             "value": _ratio(row["layers"][upper], row["layers"][lower])}
+            for row in results["levels"] for upper, lower in pairs]
 
 
 def _ratio(upper: dict, lower: dict) -> float | None:
@@ -305,21 +284,16 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
-def _table(result: dict[str, Any]) -> list[str]:
+def _table(report: dict[str, Any]) -> list[str]:
     lines = ["streams  layer       tok/s    TTFT p50 ms  ITL p50 ms  failed  / layer below"]
-    for row in result["levels"]:
-        below = {"bare": None, "engine": row["engine_over_bare"], "stage_grpc": row["stage_grpc_over_engine"],
-                 "gateway": row["gateway_over_stage_grpc"]}
-        for name, layer in row["layers"].items():
+    for row in report["results"]["levels"]:
+        layers = row["layers"]
+        for lower, name in zip((None, *LAYERS), LAYERS):
+            layer = layers[name]
+            below = _ratio(layer, layers[lower]) if lower else None
             lines.append(f"{row['streams']:>7}  {name:<10}  {_cell(layer['tokens_per_s']):>7}  "
                          f"{_cell(layer['ttft_p50_ms']):>11}  {_cell(layer['itl_p50_ms']):>10}  "
-                         f"{layer['failed']:>6}  {_cell(below[name], 'x')}")
-        beside = row.get("stage_grpc_per_request")
-        if beside:
-            lines.append(f"{row['streams']:>7}  {'(per req.)':<10}  {_cell(beside['tokens_per_s']):>7}  "
-                         f"{_cell(beside['ttft_p50_ms']):>11}  {_cell(beside['itl_p50_ms']):>10}  "
-                         f"{beside['failed']:>6}  stage_grpc over it: "
-                         f"{_cell(row['stage_grpc_over_per_request'], 'x')}")
+                         f"{layer['failed']:>6}  {_cell(below, 'x')}")
     return lines
 
 

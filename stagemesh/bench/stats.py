@@ -1,4 +1,4 @@
-"""Statistics of ``stagemesh bench``: pure functions from request records to metrics.
+"""Statistics of ``stagemesh bench serve``: pure functions from request records to metrics.
 
 Contract:
 - ``percentile(values, q)`` interpolates linearly between closest ranks (numpy's

@@ -1,4 +1,4 @@
-"""The value types ``stagemesh bench`` passes between its modules.
+"""The value types ``stagemesh bench serve`` passes between its modules.
 
 Contract: frozen dataclasses only, no behaviour beyond trivial derived
 properties, no imports beyond the standard library, so every bench module

@@ -1,4 +1,4 @@
-"""Synthetic workload of ``stagemesh bench``: seeded prompts of a given length, and the request body.
+"""Synthetic workload of ``stagemesh bench serve``: seeded prompts of a given length, and the request body.
 
 Contract:
 - ``make_prompt(key, input_tokens, tokenizer)`` is deterministic in (key,
@@ -10,7 +10,7 @@ Contract:
   within a token or two where a word boundary re-merges); without one, words
   approximate tokens. A target below the instruction's own length yields just
   the instruction. ``min_input_tokens`` is the shortest length that still
-  leaves ``MIN_FILLER_TOKENS`` of filler; ``stagemesh bench`` refuses a shorter
+  leaves ``MIN_FILLER_TOKENS`` of filler; ``stagemesh bench serve`` refuses a shorter
   ``--input-len``. Distinct keys give distinct prompts from the first word, so
   a server's prefix cache cannot make one request cheaper than another.
 - ``sized_text(key, tokens, tokenizer, suffix)`` is that sizing alone: seeded

@@ -1,4 +1,4 @@
-"""Argument checking and the text report of stagemesh bench (no network)."""
+"""Argument checking and the text report of stagemesh bench serve (no network)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,17 @@ import argparse
 
 import pytest
 
-from stagemesh.bench import command as bench
-from stagemesh.bench.command import BenchSetupError
-from stagemesh.bench.report import format_report
+from stagemesh.bench import flags
+from stagemesh.bench import serve as bench
+from stagemesh.bench.serve import BenchSetupError
+from stagemesh.bench.serve_report import format_report
 from stagemesh.bench.types import Level
 
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
+    flags.add_report_flags(parser)
     return parser.parse_args(list(argv))
 
 
@@ -83,9 +85,11 @@ def _level(endpoint, failed=0, errors=()):
 
 def test_report_shows_failures_with_status_and_message_and_the_ratios():
     doc = {
-        "summary": {"sent": 8, "completed": 7, "failed": 1, "warmup_failed": 0},
-        "levels": [_level("a"), _level("b", 1, [{"status": 503, "message": "overloaded", "count": 1}])],
-        "warmup": [],
+        "results": {
+            "summary": {"sent": 8, "completed": 7, "failed": 1, "warmup_failed": 0},
+            "levels": [_level("a"), _level("b", 1, [{"status": 503, "message": "overloaded", "count": 1}])],
+            "warmup": [],
+        },
         "ratios": [{"level": "concurrency=1", "endpoint": "b", "baseline": "a", "output_tokens_per_s": 0.5,
                     "ttft_p50": 1.0, "itl_p50": 2.0, "output_tokens_per_s_by_round": [0.5]}],
     }
@@ -96,14 +100,14 @@ def test_report_shows_failures_with_status_and_message_and_the_ratios():
     assert text.splitlines()[0].split()[:3] == ["endpoint", "level", "ok"]
 
 
-def test_bench_serving_levels_default_to_several_waves_and_flags_win():
-    from stagemesh.bench.serving import _sizes
+def test_bench_compare_levels_default_to_several_waves_and_flags_win():
+    from stagemesh.bench.compare import _sizes
 
     def args(**given):
         base = dict(input_len=None, output_len=None, num_prompts=None, system_len=1024, user_len=64, conversations=8)
         return argparse.Namespace(**{**base, **given})
 
-    # No --num-prompts: stagemesh bench picks 4 x each level's concurrency, so no level is a single wave.
+    # No --num-prompts: stagemesh bench serve picks 4 x each level's concurrency, so no level is a single wave.
     assert _sizes(args(), "gpus") == (32, 48, None)
     assert _sizes(args(num_prompts=96, output_len=64), "gpus") == (32, 64, 96)
     # The prefix comparison's prompts follow its conversations; its prompt is the system prompt plus a turn.

@@ -1,4 +1,4 @@
-"""The multi-turn chat workload of stagemesh bench: what each turn sends, how a conversation runs, its flags,
+"""The multi-turn chat workload of stagemesh bench serve: what each turn sends, how a conversation runs, its flags,
 its per-turn statistics and the prefix comparison's verdict (no network)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from stagemesh.bench import command as bench
-from stagemesh.bench.command import BenchSetupError
+from stagemesh.bench import serve as bench
 from stagemesh.bench.conversation import Exchange, system_prompt, turn_prompt, user_message
 from stagemesh.bench.load import closed_loop, converse
 from stagemesh.bench.prefix_summary import summarize
-from stagemesh.bench.report import format_report
+from stagemesh.bench.serve import BenchSetupError
+from stagemesh.bench.serve_report import format_report
 from stagemesh.bench.stats import level_metrics, ratios
 from stagemesh.bench.types import Prompt, RequestRecord, RunPlan, Workload
 from stagemesh.bench.workload import load_tokenizer, request_body
@@ -103,8 +103,8 @@ def test_ttft_per_turn_pools_successful_requests_and_ratios_compare_turn_by_turn
 
 
 def _doc(levels, requests, workload="w"):
-    return {"config": {"levels": ["concurrency=8"], "workload_summary": workload}, "machine": {"cpu_count": 2},
-            "levels": levels, "requests": requests}
+    return {"config": {"levels": ["concurrency=8"], "workload_summary": workload}, "environment": {"cpu_count": 2},
+            "results": {"levels": levels, "requests": requests}}
 
 
 def _level(endpoint, ttft_p50, tok_s, by_turn=()):
@@ -128,8 +128,9 @@ def test_the_prefix_verdict_reads_the_issues_three_ratios_against_their_targets(
 
 def test_the_report_shows_ttft_per_turn():
     m = level_metrics([_record(i, t, ttft=0.1 * t) for i in range(2) for t in (1, 2, 3)]).to_dict()
-    doc = {"summary": {"sent": 6, "completed": 6, "failed": 0, "warmup_failed": 0}, "warmup": [], "ratios": [],
-           "levels": [m]}
+    doc = {"results": {"summary": {"sent": 6, "completed": 6, "failed": 0, "warmup_failed": 0}, "warmup": [],
+                       "levels": [m]},
+           "ratios": []}
     text = format_report(doc)
     lines = text.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("TTFT p50 by turn"))

@@ -1,4 +1,4 @@
-"""stagemesh bench end to end: the real command against real streaming HTTP servers on 127.0.0.1.
+"""stagemesh bench serve end to end: the real command against real streaming HTTP servers on 127.0.0.1.
 
 The servers (tests/bench/fake_server.py) stream tokens at a known pace, so the
 measurements can be checked against it. Bounds are loose: this checks that the
@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from stagemesh.bench.report import ENVELOPE_KEYS
 from tests.bench.fake_server import FakeServer
 
 OUT_TOKENS = 16
@@ -21,7 +22,7 @@ FIRST_DELAY = 0.02
 
 
 def bench(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", *argv],
+    return subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "serve", *argv],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -50,10 +51,12 @@ def test_two_endpoints_side_by_side(servers, tmp_path):
                  "--concurrency", "1,4", "--num-prompts", "8", "--input-len", "64", "--output-len", str(OUT_TOKENS),
                  "--warmup", "1", "--ignore-eos", "--output", str(out), "--plot", str(png))
     assert proc.returncode == 1, proc.stderr  # 1: some requests failed
-    doc = json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    doc = report["results"]
 
-    assert set(doc) == {"schema", "timestamp", "command", "config", "machine", "endpoints", "summary", "levels",
-                        "rounds", "ratios", "warmup", "requests"}
+    assert list(report) == list(ENVELOPE_KEYS) and report["kind"] == "serve"
+    assert report["command"][:3] == ["stagemesh", "bench", "serve"]
+    assert set(doc) == {"endpoints", "summary", "levels", "rounds", "warmup", "requests"}
     # models came from GET /v1/models; the key reached the endpoint that needs it
     assert [(e["label"], e["model"]) for e in doc["endpoints"]] == [("fast", "fast-model"), ("slow", "slow-model")]
     assert doc["summary"] == {"sent": 32, "completed": 29, "failed": 3, "warmup_failed": 0}
@@ -90,10 +93,10 @@ def test_two_endpoints_side_by_side(servers, tmp_path):
 
     # side by side: at concurrency 1 (one request at a time, so failures do not bunch up) the throughput
     # ratio is the ratio of per-request times
-    ratio = {r["level"]: r for r in doc["ratios"]}
+    ratio = {r["level"]: r for r in report["ratios"]}
     expected = (FIRST_DELAY + (OUT_TOKENS - 1) * 0.01) / (FIRST_DELAY + (OUT_TOKENS - 1) * 0.02)
     assert 0.6 * expected < ratio["concurrency=1"]["output_tokens_per_s"] < 1.4 * expected, ratio
-    for r in doc["ratios"]:
+    for r in report["ratios"]:
         assert r["baseline"] == "fast" and r["endpoint"] == "slow"
         assert 1.3 < r["itl_p50"] < 3.5, r
         assert r["output_tokens_per_s"] == pytest.approx(
@@ -115,14 +118,16 @@ def test_chat_open_loop_rounds_and_no_usage_from_the_server(servers, tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     proc = bench("--base-url", server.url, "--endpoint-type", "chat", "--request-rate", "40,inf",
                  "--num-prompts", "6", "--rounds", "2", "--output-len", "8", "--warmup", "0", "--output", str(out),
-                 "--plot", str(png))
+                 "--plot", str(png), "--json")
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    doc = json.loads(out.read_text())  # strict JSON: an infinite rate is the string "inf"
+    report = json.loads(out.read_text())  # strict JSON: an infinite rate is the string "inf"
+    assert json.loads(proc.stdout) == report  # --json: the report itself on stdout, instead of the table
+    doc = report["results"]
     assert doc["summary"] == {"sent": 24, "completed": 24, "failed": 0, "warmup_failed": 0}
     assert all("messages" in b and "ignore_eos" not in b for b in server.bodies)
     assert [(m["level"], m["load"], m["load_value"], m["rounds"], m["completed"]) for m in doc["levels"]] == [
         ("rate=40", "rate", 40.0, 2, 12), ("rate=inf", "rate", "inf", 2, 12)]
-    assert [r["round"] for r in doc["rounds"]] == [1, 1, 2, 2] and doc["ratios"] == []
+    assert [r["round"] for r in doc["rounds"]] == [1, 1, 2, 2] and report["ratios"] == []
     # no usage in the stream: tokens are counted from the chunks
     assert {(r["output_tokens"], r["output_tokens_source"]) for r in doc["requests"]} == {(8, "chunks")}
     assert {r["prompt_tokens_source"] for r in doc["requests"]} == {"words"}

@@ -1,12 +1,13 @@
 """The GPU benchmarks' tools, run small on the CPU: a random-weight checkpoint both servers load,
-bench-hop timing a real two-process hop (MLX ring and TCP lane), bench-engine, and bench-stack: the bare
-forward, the engine, and a real serve loaded at its stage's gRPC and at its gateway."""
+``stagemesh bench hop`` timing a real two-process hop (MLX ring and TCP lane), ``bench engine``, and
+``bench stack``: the bare forward, the engine, and a real serve loaded at its stage's gRPC and at its gateway."""
 
 import json
 import subprocess
 import sys
 
 from stagemesh.bench.random_checkpoint import shape_config, shape_names, write_random_checkpoint
+from stagemesh.bench.report import ENVELOPE_KEYS
 from tests.conftest import free_port_base
 
 
@@ -28,25 +29,29 @@ def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_f
 
 def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
     out = tmp_path / "hop.json"
-    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-hop", "--hidden", "64", "--rows", "1,4",
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "hop", "--hidden", "64", "--rows", "1,4",
                            "--iters", "5", "--warmup", "1", "--port-base", str(free_port_base(3)),
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+                           "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
-    assert [s["rows"] for s in result["shapes"]] == [1, 4]
-    for shape in result["shapes"]:
+    report = json.loads(out.read_text())
+    assert list(report) == list(ENVELOPE_KEYS) and report["kind"] == "hop"
+    assert [s["rows"] for s in report["results"]["shapes"]] == [1, 4]
+    for shape in report["results"]["shapes"]:
         assert shape["ring_ms_p50"] > 0 and shape["lane_ms_p50"] > 0 and shape["compute_ms_p50"] > 0
+    assert [r["rows"] for r in report["ratios"]] == [1, 4] and all(r["value"] > 0 for r in report["ratios"])
+    assert "ring ms" in done.stdout  # the table
 
 
 def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
     out = tmp_path / "engine.json"
-    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", "4", "--streams", "2",
-                           "--prompt-len", "4", "--mixed", "3", "--mixed-max-prompt", "6", "--profile",
-                           "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", "--output-len", "4",
+                           "--streams", "2", "--input-len", "4", "--mixed", "3", "--mixed-max-prompt", "6", "--profile",
+                           "--output", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
-    assert result["backend"] == "cpu" and result["step_ahead"] is False
+    report = json.loads(out.read_text())
+    assert report["environment"]["backend"] == "cpu" and report["config"]["step_ahead"] is False
+    result = report["results"]
     assert result["single_stream"]["tokens"] == 4 and result["single_stream"]["ms_per_token_p50"] > 0
     assert result["streams"]["tokens"] == 8 and result["streams"]["tokens_per_s"] > 0
     assert result["single_stream"]["first_token_ms"] > 0
@@ -57,41 +62,45 @@ def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
 
 def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_path):
     out = tmp_path / "engine.json"
-    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", "4", "--streams", "2",
-                           "--prompt-len", "4", "--mixed", "2", "--mixed-max-prompt", "6", "--compare-projections", "1",
-                           "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", "--output-len", "4",
+                           "--streams", "2", "--input-len", "4", "--mixed", "2", "--mixed-max-prompt", "6",
+                           "--compare-projections", "1", "--output", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    [pair] = json.loads(out.read_text())["projections"]
+    report = json.loads(out.read_text())
+    [pair] = report["results"]["projections"]
     assert pair["joined_in_every_layer"] == {"qkv": True, "gate_up": True}
     for arm in ("separate", "joined"):
         assert pair[arm]["streams"]["tokens"] == 8 and pair[arm]["mixed"]["failed"] == 0
-    ratios = pair["joined_over_separate"]
+    [ratios] = report["ratios"]
+    assert (ratios.pop("load"), ratios.pop("compares")) == (1, "joined / separate projections")
     assert set(ratios) == {"single_stream", "streams", "mixed"} and all(r > 0 for r in ratios.values())
     expected = pair["joined"]["streams"]["tokens_per_s"] / pair["separate"]["streams"]["tokens_per_s"]
     assert ratios["streams"] == round(expected, 3)
-    bad = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--compare-projections", "1",
+    bad = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", "--compare-projections", "1",
                           "--profile"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--compare-projections" in bad.stderr
 
 
 def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_real_serve(tmp_path):
     out = tmp_path / "stack.json"
-    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-stack", "--tokens", "4", "--streams", "2",
-                           "--prompt-len", "24", "--rounds", "1", "--port", str(free_port_base(8)), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "stack", "--output-len", "4",
+                           "--streams", "2", "--input-len", "24", "--rounds", "1",
+                           "--port-base", str(free_port_base(8)), "--output", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert [row["streams"] for row in result["levels"]] == [1, 2]
-    for row in result["levels"]:
+    report = json.loads(out.read_text())
+    assert list(report) == list(ENVELOPE_KEYS) and report["kind"] == "stack"
+    levels = report["results"]["levels"]
+    assert [row["streams"] for row in levels] == [1, 2]
+    for row in levels:
         assert set(row["layers"]) == {"bare", "engine", "stage_grpc", "gateway"}
         for layer in row["layers"].values():
             assert layer["failed"] == 0 and layer["tokens_per_s"] > 0
-        assert row["stage_grpc_over_engine"] > 0 and row["gateway_over_stage_grpc"] > 0
-        assert row["engine_over_bare"] > 0 and row["gateway_over_bare"] > 0
         # Straight at the stage every token arrives: 4 per stream, so gaps and a first token exist.
         assert row["layers"]["stage_grpc"]["ttft_p50_ms"] > 0 and row["layers"]["stage_grpc"]["itl_p50_ms"] > 0
-        # Beside the layers: the same load, one Generate call per stream instead of one GenerateStream.
-        assert row["stage_grpc_per_request"]["failed"] == 0 and row["stage_grpc_per_request"]["tokens_per_s"] > 0
-        assert row["stage_grpc_over_per_request"] > 0
-    assert "stage_grpc" in done.stderr and "gateway" in done.stderr  # the table
+    ratios = {(r["streams"], r["compares"].removesuffix(" tokens per second")): r["value"] for r in report["ratios"]}
+    assert set(ratios) == {(streams, pair) for streams in (1, 2) for pair in (
+        "engine / bare", "stage_grpc / engine", "gateway / stage_grpc", "gateway / engine", "gateway / bare")}
+    assert all(value > 0 for value in ratios.values())
+    assert "stage_grpc" in done.stdout and "gateway" in done.stdout  # the table

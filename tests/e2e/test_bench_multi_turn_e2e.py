@@ -1,4 +1,4 @@
-"""``stagemesh bench --workload multi-turn`` against a real ``stagemesh serve`` of the default model: every turn
+"""``stagemesh bench serve --workload multi-turn`` against a real ``stagemesh serve`` of the default model: every turn
 succeeds, later turns are served from the prefix cache (the gateway's /metrics says how many prompt tokens were
 reused), and the report has each turn's time to first token."""
 
@@ -35,7 +35,8 @@ def test_later_turns_hit_the_prefix_cache_and_every_request_succeeds(tmp_path, d
         # No warmup: nothing is cached before the conversations start, and both start together, so no turn 1
         # can find anything cached (only finished sequences are kept): every hit is a later turn's.
         proc = subprocess.run(
-            [sys.executable, "-m", "stagemesh.cli", "bench", "--base-url", serve.url, "--workload", "multi-turn",
+            [sys.executable, "-m", "stagemesh.cli", "bench", "serve", "--base-url", serve.url, "--workload",
+             "multi-turn",
              "--concurrency", str(CONVERSATIONS), "--system-len", str(SYSTEM_LEN), "--user-len", str(USER_LEN),
              "--turns", str(TURNS), "--output-len", "4", "--warmup", "0", "--tokenizer", default_model_path,
              "--output", str(out)],
@@ -51,7 +52,7 @@ def test_later_turns_hit_the_prefix_cache_and_every_request_succeeds(tmp_path, d
     finally:
         serve.stop()
 
-    doc = json.loads(out.read_text())
+    doc = json.loads(out.read_text())["results"]
     assert doc["summary"] == {"sent": CONVERSATIONS * TURNS, "completed": CONVERSATIONS * TURNS, "failed": 0,
                               "warmup_failed": 0}
     requests = doc["requests"]

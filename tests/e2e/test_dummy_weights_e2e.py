@@ -42,8 +42,8 @@ def test_parity_tool_finds_dummy_pp2_bit_identical_to_pp1(tmp_path, quantization
     extra = {"quantization": quantization, "tie_word_embeddings": False} if quantization else {}
     model = tiny_config(tmp_path / "tiny", **extra)
     result = subprocess.run(
-        [sys.executable, "-m", "stagemesh.cli", "parity", model, "--load-format", "dummy", "-pp", "2",
-         "--max-tokens", "8", "--dtype", "bfloat16", "--ring-base-port", str(free_port_base(4))],
+        [sys.executable, "-m", "stagemesh.cli", "bench", "parity", model, "--load-format", "dummy", "-pp", "2",
+         "--output-len", "8", "--dtype", "bfloat16", "--ring-base-port", str(free_port_base(4))],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -37,7 +37,7 @@ def _tokenizer(path):
 @pytest.mark.parametrize(("pp", "transport"), [(2, "lane"), (3, "lane"), (2, "ring")])
 def test_parity_tool_finds_pp_bit_identical_to_pp1(pp, transport):
     result = subprocess.run(
-        [sys.executable, "-m", "stagemesh.cli", "parity", "--pipeline-parallel-size", str(pp),
+        [sys.executable, "-m", "stagemesh.cli", "bench", "parity", "--pipeline-parallel-size", str(pp),
          "--ring-base-port", str(free_port_base(2 * pp)), "--hop-transport", transport],
         capture_output=True, text=True, timeout=600,
     )
@@ -51,8 +51,8 @@ def test_parity_tool_finds_pp_bit_identical_to_pp1(pp, transport):
 
 def test_explicit_layer_split_is_honoured_and_still_exact():
     result = subprocess.run(
-        [sys.executable, "-m", "stagemesh.cli", "parity", "-pp", "3", "--pp-layer-split", "4,25",
-         "--max-tokens", "8", "--ring-base-port", str(free_port_base(6))],
+        [sys.executable, "-m", "stagemesh.cli", "bench", "parity", "-pp", "3", "--pp-layer-split", "4,25",
+         "--output-len", "8", "--ring-base-port", str(free_port_base(6))],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -61,7 +61,7 @@ def test_explicit_layer_split_is_honoured_and_still_exact():
 
 def test_bad_layer_split_is_refused_before_anything_starts():
     result = subprocess.run(
-        [sys.executable, "-m", "stagemesh.cli", "parity", "-pp", "3", "--pp-layer-split", "20,10"],
+        [sys.executable, "-m", "stagemesh.cli", "bench", "parity", "-pp", "3", "--pp-layer-split", "20,10"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

@@ -1,8 +1,8 @@
-"""``stagemesh bench-serving``: the issue's comparisons, each side by side in one ``stagemesh bench`` run.
+"""``stagemesh bench compare``: the standing comparisons, each side by side in one ``stagemesh bench serve`` run.
 
-Starts every server of a comparison on loopback, lets ``stagemesh bench`` load
-them alternately (same prompts, same concurrency levels), stops them, and
-writes one JSON + PNG per comparison under ``--out``:
+Starts every server of a comparison on loopback, lets ``stagemesh bench serve``
+load them alternately (same prompts, same concurrency levels), stops them, and
+writes its report (JSON) + PNG per comparison under ``--output-dir``:
 
 * ``stock``: stagemesh serve (defaults) vs stock ``mlx_lm.server`` on the same
   checkpoint converted to an mlx-lm directory (4-bit layers, 8-bit embedding,
@@ -28,7 +28,7 @@ writes one JSON + PNG per comparison under ``--out``:
   weights (here dense float32 with our optimized BLAS preloaded, as for
   ``matched``; the ``--shape`` checkpoint as it is on a GPU), on two
   workloads: ``--conversations`` multi-turn chat conversations at once
-  (``stagemesh bench --workload multi-turn``: ``--system-len``,
+  (``stagemesh bench serve --workload multi-turn``: ``--system-len``,
   ``--user-len``, ``--turns``) and as many streams of distinct prompts (what
   the cache costs when it never hits). Writes ``prefix-multi-turn.json``,
   ``prefix-distinct.json`` (+ PNG) and ``prefix-summary.json``: the three
@@ -39,11 +39,12 @@ writes one JSON + PNG per comparison under ``--out``:
 ``--shape NAME`` serves a model of a real size with random weights instead of
 the embedded one (``random_checkpoint``: Llama 3.2 1B, Llama 3.1 8B, Qwen3 8B),
 written once and read by every server; ``--bare`` adds the bare batched
-forward of the same weights at each concurrency (``bench-pipeline``'s
-reference, the device's limit) to the results.
+forward of the same weights at each concurrency (``stagemesh bench pipeline
+--bare``'s reference, the device's limit) to the results.
 
-Pinning uses ``taskset`` (Linux); the bare batched forward of our own weights,
-the backend's limit, comes from ``stagemesh bench-pipeline --bare``.
+The report (``--output``, ``--json``) lists every run with its report's path
+and whether every request succeeded; its ratios are every run's, each naming
+its run; for ``prefix`` it holds the summary too. Pinning uses ``taskset`` (Linux).
 """
 
 from __future__ import annotations
@@ -63,10 +64,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagemesh.bench import flags
+from stagemesh.core.errors import UserError
+
 COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix")
 # Sizes when a flag is not given: (input, output, prompts per level) for most comparisons; for ``prefix``
 # a first turn's length in, few tokens out (its point is the time to first token), two prompts per stream.
-DEFAULT_SIZES = (32, 48, None)  # None: stagemesh bench's own per level, 4 x its concurrency (at least 16)
+DEFAULT_SIZES = (32, 48, None)  # None: stagemesh bench serve's own per level, 4 x its concurrency (at least 16)
 PREFIX_OUTPUT_LEN = 16
 
 
@@ -82,34 +86,30 @@ class Endpoint:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="GGUF file (default: the embedded default model)")
+    flags.add_model_argument(parser, "a GGUF file, converted for mlx_lm.server")
     parser.add_argument("--comparisons", default=",".join(COMPARISONS),
                         help=f"which to run, comma-separated from {', '.join(COMPARISONS)}")
-    parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="requests per level and endpoint (default 4 x the level's concurrency, at least 16, "
-                             "so a level is several waves of requests rather than one whose first token and tail "
-                             "dominate; prefix: 2 x --conversations)")
-    parser.add_argument("--input-len", type=int, default=None,
-                        help=f"prompt tokens (default {DEFAULT_SIZES[0]}; prefix: --system-len + --user-len)")
-    parser.add_argument("--output-len", type=int, default=None,
-                        help=f"tokens out (default {DEFAULT_SIZES[1]}; prefix: {PREFIX_OUTPUT_LEN})")
+    flags.add_concurrency(parser, "1,16")
+    flags.add_num_prompts(parser, None, "default 4 x the level's concurrency, at least 16, so a level is several "
+                                        "waves of requests rather than one whose first token and tail dominate; "
+                                        "prefix: 2 x --conversations")
+    flags.add_lengths(parser, input_len=None, output_len=None,
+                      input_note=f"default {DEFAULT_SIZES[0]}; prefix: --system-len + --user-len",
+                      output_note=f"default {DEFAULT_SIZES[1]}; prefix: {PREFIX_OUTPUT_LEN}")
     pf = parser.add_argument_group("prefix comparison")
     pf.add_argument("--conversations", type=int, default=8,
                     help="multi-turn conversations at once, and distinct-prompt streams (default %(default)s)")
     pf.add_argument("--system-len", type=int, default=128, help="shared system prompt tokens (default %(default)s)")
     pf.add_argument("--user-len", type=int, default=16, help="tokens of each user turn (default %(default)s)")
     pf.add_argument("--turns", type=int, default=3, help="turns per conversation (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--port-base", type=int, default=28000, help="ports for the servers under test")
-    parser.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
-    parser.add_argument("--shape", default=None,
-                        help="serve a real-sized model with random weights: llama-3.2-1b, llama-3.1-8b, qwen3-8b")
-    parser.add_argument("--shape-dtype", default="bfloat16", help="dtype of the --shape checkpoint")
-    parser.add_argument("--shape-tokenizer", default=None,
-                        help="Hugging Face tokenizer directory for the --shape checkpoint (default: the embedded "
-                             "model's)")
-    parser.add_argument("--serve-args", default="", help="extra flags for every stagemesh serve, space-separated")
+    flags.add_rounds(parser, 2)
+    flags.add_seed(parser)
+    flags.add_port_base(parser, 28000, "ten for each server under test")
+    parser.add_argument("--output-dir", default="bench-results", metavar="DIR",
+                        help="directory for each run's report and figure, the profiles and server logs "
+                             "(default %(default)s)")
+    flags.add_shape_flags(parser)
+    flags.add_serve_args(parser)
     parser.add_argument("--bare", action="store_true",
                         help="also measure the bare batched forward of the same weights at each concurrency")
     parser.add_argument("--profile-concurrency", default="16",
@@ -122,25 +122,29 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.blas import find_optimized_blas
     from stage_worker.convert import convert_gguf_to_mlx_dir
     from stage_worker.default_model import resolve_model_path
+    from stagemesh.bench.report import build_report, emit, flags_of, now
 
-    model = args.model if args.shape else resolve_model_path(args.model)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    blas = find_optimized_blas()
+    started_at = now()
     chosen = [c.strip() for c in args.comparisons.split(",") if c.strip()]
     unknown = set(chosen) - set(COMPARISONS)
     if unknown:
-        print(f"--comparisons: unknown {sorted(unknown)}; choose from {', '.join(COMPARISONS)}", file=sys.stderr)
-        return 2
-    if "prefix" in chosen:  # before any server starts (stagemesh bench checks the rest, e.g. the lengths)
+        raise UserError(f"--comparisons: unknown {sorted(unknown)}; choose from {', '.join(COMPARISONS)}")
+    if args.shape and args.model:
+        raise UserError("give MODEL or --shape, not both")
+    if "prefix" in chosen:  # before any server starts (stagemesh bench serve checks the rest, e.g. the lengths)
         for flag, value in (("--conversations", args.conversations), ("--system-len", args.system_len),
                             ("--user-len", args.user_len), ("--turns", args.turns)):
             if value < 1:
-                print(f"{flag} must be at least 1; got {value}", file=sys.stderr)
-                return 2
-    failures = 0
+                raise UserError(f"{flag} must be at least 1; got {value}")
+    model = None if args.shape else resolve_model_path(args.model)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    blas = find_optimized_blas()
+    runs: list[dict] = []
+    prefix_summary = None
+    bare = None
     serve_args = args.serve_args.split()
-    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-serving-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-compare-") as tmp:
         if args.shape:
             from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
 
@@ -151,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             tokenizer_dir = model
         else:
+            assert model is not None
             tokenizer_dir = convert_gguf_to_mlx_dir(model, str(Path(tmp) / "q4"))
         ports = iter(range(args.port_base, args.port_base + 1000, 10))
         for name in chosen:
@@ -158,17 +163,40 @@ def run(args: argparse.Namespace) -> int:
                 endpoints = _start_comparison(name, stack, model, tokenizer_dir, tmp, blas, ports, serve_args,
                                               shape=bool(args.shape), log_dir=out / "logs")
                 if name == "prefix":
-                    failures += _bench_prefix(args, endpoints, out, tokenizer_dir)
+                    prefix_runs, prefix_summary = _bench_prefix(args, endpoints, out, tokenizer_dir)
+                    runs += prefix_runs
                     continue
-                failures += _bench(args, name, endpoints, out, tokenizer_dir)
+                runs.append(_bench(args, name, endpoints, out, tokenizer_dir))
                 if _profile_levels(args):
-                    _profile(args, name, endpoints, out, tokenizer_dir)
+                    runs[-1]["profile"] = _profile(args, name, endpoints, out, tokenizer_dir)
         if args.bare:
-            _bare(args, model, out)
-    return 1 if failures else 0
+            bare = _bare(args, model, out)
+    report = build_report("compare", started_at=started_at, local_mlx=True,
+                          config={**flags_of(args), "model": args.shape or model},
+                          results={"runs": [{k: v for k, v in r.items() if k != "ratios"} for r in runs],
+                                   "bare": bare, "prefix": prefix_summary},
+                          ratios=[{"run": r["name"], **ratio} for r in runs for ratio in r["ratios"]])
+    emit(report, args, format_compare(report))
+    return 0 if all(r["ok"] for r in runs) else 1
 
 
-def _bare(args: argparse.Namespace, model: str, out: Path) -> None:
+def format_compare(report: dict) -> str:
+    """Each run: its endpoints, whether every request succeeded, where its report is, its ratios (pure)."""
+    from stagemesh.bench.serve_report import format_ratios
+
+    lines: list[str] = []
+    for run in report["results"]["runs"]:
+        state = "ok" if run["ok"] else "FAILED requests (see its report)"
+        lines += [f"== {run['name']}: {' vs '.join(run['endpoints'])}: {state}; report {run['report']}"]
+        lines += format_ratios([r for r in report["ratios"] if r["run"] == run["name"]])
+    prefix = report["results"]["prefix"]
+    for target in (prefix or {}).get("targets", ()):
+        met = {True: "met", False: "NOT met", None: "unknown"}[target["met"]]
+        lines.append(f"prefix target: {target['name']} = {target['value']} ({target['target']}): {met}")
+    return "\n".join(lines)
+
+
+def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
     """The bare batched forward of the same weights at every concurrency level (the device's limit)."""
     from stagemesh.bench.pipeline import bare_forward
 
@@ -179,6 +207,7 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> None:
     for key, value in bare.items():
         print(f"bare {key}: decode {value['decode_tokens_per_s']:.1f} tok/s, whole workload "
               f"{value['workload_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    return bare
 
 
 def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), shape=False,
@@ -344,7 +373,7 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
 
 def _sizes(args: argparse.Namespace, name: str) -> tuple[int, int, int | None]:
     """(input, output, prompts per level) of a comparison: the flags, else its defaults (prompts None:
-    ``stagemesh bench`` picks them per level)."""
+    ``stagemesh bench serve`` picks them per level)."""
     defaults: tuple[int, int, int | None]
     if name == "prefix":
         defaults = (args.system_len + args.user_len, PREFIX_OUTPUT_LEN, 2 * args.conversations)
@@ -357,47 +386,48 @@ def _sizes(args: argparse.Namespace, name: str) -> tuple[int, int, int | None]:
 
 
 def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str,
-           workload: list[str] | None = None) -> int:
-    """One ``stagemesh bench`` run over ``endpoints`` into ``out/NAME.json`` (+ PNG); ``workload``: its
-    workload and load flags (default: the synthetic prompts at ``--concurrency``)."""
+           workload: list[str] | None = None) -> dict:
+    """One ``stagemesh bench serve`` run over ``endpoints`` into ``out/NAME.json`` (+ PNG); ``workload``: its
+    workload and load flags (default: the synthetic prompts at ``--concurrency``). Its table goes to stderr
+    with the rest of the progress; returns the run's entry of the report, its ratios included."""
     input_len, output_len, num_prompts = _sizes(args, name)
     if workload is None:
         workload = ["--concurrency", args.concurrency, "--input-len", str(input_len),
                     *(["--num-prompts", str(num_prompts)] if num_prompts is not None else [])]
-    command = [sys.executable, "-m", "stagemesh.cli", "bench", *workload, "--output-len", str(output_len),
-               "--rounds", str(args.rounds), "--warmup", "2",
-               "--tokenizer", tokenizer_dir, "--output", str(out / f"{name}.json"), "--plot", str(out / f"{name}.png")]
+    report = out / f"{name}.json"
+    command = [sys.executable, "-m", "stagemesh.cli", "bench", "serve", *workload, "--output-len", str(output_len),
+               "--rounds", str(args.rounds), "--warmup", "2", "--seed", str(args.seed),
+               "--tokenizer", tokenizer_dir, "--output", str(report), "--plot", str(out / f"{name}.png")]
     for endpoint in endpoints:
         command += ["--base-url", endpoint.url, "--label", endpoint.label, "--model", endpoint.model]
     print(f"== {name}: {' vs '.join(e.label for e in endpoints)}", file=sys.stderr)
-    result = subprocess.run(command)
-    summary = out / f"{name}.json"
-    if summary.exists():
-        print(json.dumps(json.loads(summary.read_text()).get("ratios", {}), indent=1)[:2000])
-    return 0 if result.returncode == 0 else 1
+    result = subprocess.run(command, stdout=sys.stderr)
+    ratios = json.loads(report.read_text())["ratios"] if report.exists() else []
+    return {"name": name, "endpoints": [e.label for e in endpoints], "report": str(report),
+            "ok": result.returncode == 0, "ratios": ratios}
 
 
-def _bench_prefix(args, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> int:
+def _bench_prefix(args, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> tuple[list[dict], dict | None]:
     """The ``prefix`` comparison: multi-turn conversations, then distinct prompts, then the summary."""
     from stagemesh.bench.prefix_summary import summarize
 
     conversations = str(args.conversations)
-    failures = _bench(args, "prefix-multi-turn", endpoints, out, tokenizer_dir, [
+    runs = [_bench(args, "prefix-multi-turn", endpoints, out, tokenizer_dir, [
         "--workload", "multi-turn", "--concurrency", conversations, "--system-len", str(args.system_len),
-        "--user-len", str(args.user_len), "--turns", str(args.turns)])
+        "--user-len", str(args.user_len), "--turns", str(args.turns)])]
     # Counters are cumulative since each server started: after the distinct run they include the multi-turn one.
     counters = {"multi-turn": {e.label: prefix_cache_counters(e.url) for e in endpoints if e.stagemesh}}
     input_len, _, num_prompts = _sizes(args, "prefix")
-    failures += _bench(args, "prefix-distinct", endpoints, out, tokenizer_dir, [
-        "--concurrency", conversations, "--num-prompts", str(num_prompts), "--input-len", str(input_len)])
+    runs.append(_bench(args, "prefix-distinct", endpoints, out, tokenizer_dir, [
+        "--concurrency", conversations, "--num-prompts", str(num_prompts), "--input-len", str(input_len)]))
     counters["distinct"] = {e.label: prefix_cache_counters(e.url) for e in endpoints if e.stagemesh}
     docs = [out / f"prefix-{part}.json" for part in ("multi-turn", "distinct")]
-    if all(doc.exists() for doc in docs):
-        summary = summarize(*(json.loads(doc.read_text()) for doc in docs), counters=counters,
-                            baseline="stagemesh-cache-off", cached="stagemesh", reference="mlx_lm")
-        (out / "prefix-summary.json").write_text(json.dumps(summary, indent=1))
-        print(json.dumps(summary["targets"], indent=1))
-    return failures
+    if not all(doc.exists() for doc in docs):
+        return runs, None
+    summary = summarize(*(json.loads(doc.read_text()) for doc in docs), counters=counters,
+                        baseline="stagemesh-cache-off", cached="stagemesh", reference="mlx_lm")
+    (out / "prefix-summary.json").write_text(json.dumps(summary, indent=1))
+    return runs, summary
 
 
 def prefix_cache_counters(url: str) -> dict[str, float]:
@@ -429,10 +459,10 @@ def _profile_levels(args: argparse.Namespace) -> list[int]:
     return [level for level in levels if level > 0]
 
 
-def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> None:
+def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> str | None:
     """Each stagemesh server alone at one level: per-stage compute / ring wait / send / other."""
-    from stagemesh.bench.command import default_num_prompts
     from stagemesh.bench.profile import profile_endpoint
+    from stagemesh.bench.serve import default_num_prompts
     from stagemesh.bench.types import Level
 
     input_len, output_len, num_prompts = _sizes(args, name)
@@ -447,5 +477,8 @@ def _profile(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_di
                                  input_len=input_len,
                                  output_len=output_len, tokenizer_dir=tokenizer_dir)
                 for level in _profile_levels(args) for e in endpoints if e.stagemesh]
-    if profiles:
-        (out / f"{name}-profile.json").write_text(json.dumps(profiles, indent=1))
+    if not profiles:
+        return None
+    path = out / f"{name}-profile.json"
+    path.write_text(json.dumps(profiles, indent=1))
+    return str(path)

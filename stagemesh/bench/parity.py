@@ -1,8 +1,8 @@
-"""``stagemesh parity``: PP=N must compute exactly what PP=1 computes.
+"""``stagemesh bench parity``: PP=N must compute exactly what PP=1 computes.
 
 Runs the same prompts through a one-stage pipeline and an N-stage pipeline over
 the MLX ring on this machine (real processes, loopback), greedy, for a prefill
-and ``--max-tokens - 1`` decode steps (EOS ignored, so every run has the same
+and ``--output-len - 1`` decode steps (EOS ignored, so every run has the same
 length). The last stage of each run records the float32 logits of every
 sampled row; the tool compares them bit for bit, and the greedy tokens, prints
 ``max_abs_diff=`` and the first divergence, and exits 1 on any difference.
@@ -14,20 +14,21 @@ folded into it, since random weights give tokens no meaning.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from coordinator.local_launcher import PipelineFailed, start_local_pipeline
-from stage_worker.generation_job import GenerationJob
-from stage_worker.model_spec import read_model_spec
-from stage_worker.tokenizer import load_tokenizer
+from stagemesh.bench import flags
 from stagemesh.core import settings
-from stagemesh.core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan, make_local_plan
-from stagemesh.serve import add_load_format_argument, resolve_model_argument
+from stagemesh.core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan
+
+if TYPE_CHECKING:  # NumPy and the stage's job load only when a check runs
+    import numpy as np
+
+    from stage_worker.generation_job import GenerationJob
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -46,7 +47,7 @@ class RunRecord:
 
 
 @dataclass(frozen=True)
-class ParityReport:
+class ParityVerdict:
     max_abs_diff: float
     tokens_equal: bool
     logits_equal: bool
@@ -60,6 +61,10 @@ class ParityReport:
 def run_pipeline(plan: PipelinePlan, job: GenerationJob, timeout_s: float) -> RunRecord:
     import json
 
+    import numpy as np
+
+    from coordinator.local_launcher import start_local_pipeline
+
     with tempfile.TemporaryDirectory(prefix="stagemesh-parity-") as workdir:
         pipeline = start_local_pipeline(plan, job=job.to_dict(), record_logits=True, workdir=workdir)
         pipeline.wait(timeout_s)
@@ -69,8 +74,10 @@ def run_pipeline(plan: PipelinePlan, job: GenerationJob, timeout_s: float) -> Ru
                          recorded["logits"])
 
 
-def compare(reference: RunRecord, candidate: RunRecord) -> ParityReport:
+def compare(reference: RunRecord, candidate: RunRecord) -> ParityVerdict:
     """Pure comparison of two runs of the same job."""
+    import numpy as np
+
     first = None
     tokens_equal = reference.outputs == candidate.outputs
     if not tokens_equal:
@@ -85,7 +92,7 @@ def compare(reference: RunRecord, candidate: RunRecord) -> ParityReport:
                  and np.array_equal(reference.seq_ids, candidate.seq_ids)
                  and np.array_equal(reference.positions, candidate.positions))
     if not same_rows:
-        return ParityReport(float("inf"), tokens_equal, False,
+        return ParityVerdict(float("inf"), tokens_equal, False,
                             first or "the runs sampled different rows (shapes or positions differ)")
     diff = np.abs(reference.logits.astype(np.float64) - candidate.logits.astype(np.float64))
     max_abs = float(diff.max()) if diff.size else 0.0
@@ -94,29 +101,40 @@ def compare(reference: RunRecord, candidate: RunRecord) -> ParityReport:
         row = int(np.argmax(diff.reshape(diff.shape[0], -1).max(axis=1) > 0))
         first = (f"logits of sequence {int(reference.seq_ids[row])} at position "
                  f"{int(reference.positions[row])} differ (max {float(diff[row].max()):.3e})")
-    return ParityReport(max_abs, tokens_equal, logits_equal, first)
+    return ParityVerdict(max_abs, tokens_equal, logits_equal, first)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="GGUF file or MLX model directory (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=2)
+    from stagemesh.serve import add_load_format_argument
+
+    flags.add_model_argument(parser)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=2,
+                        help="stages of the run compared with PP=1 (default %(default)s)")
     parser.add_argument("--pp-layer-split", default=None,
                         help="first layer of each stage after the first, e.g. 10,20")
-    parser.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, float16, bfloat16")
-    parser.add_argument("--max-tokens", type=int, default=33,
-                        help="tokens to generate per prompt (1 from prefill + decode steps)")
+    flags.add_dtype(parser)
+    flags.add_lengths(parser, input_len=None, output_len=33, with_input=False,
+                      output_note="1 from the prefill, then decode steps")
     parser.add_argument("--prompt", action="append", dest="prompts",
                         help="prompt text (repeatable); default: three built-in prompts")
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help=f"default $STAGEMESH_RING_BASE_PORT or {DEFAULT_RING_BASE_PORT}")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run (default %(default)s)")
     parser.add_argument("--hop-transport", default="lane", choices=("lane", "ring"),
-                        help="how the PP=N run passes hidden states between stages")
+                        help="how the PP=N run passes hidden states between stages (default %(default)s)")
     add_load_format_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from coordinator.local_launcher import PipelineFailed
+    from stage_worker.generation_job import GenerationJob
+    from stage_worker.model_spec import read_model_spec
+    from stage_worker.tokenizer import load_tokenizer
+    from stagemesh.bench.report import build_report, emit, flags_of, now
+    from stagemesh.core.plan import make_local_plan
+    from stagemesh.serve import resolve_model_argument
+
+    started_at = now()
     model_path = resolve_model_argument(args.model, args.load_format)
     spec = read_model_spec(model_path, args.load_format)
     tokenizer = load_tokenizer(spec)
@@ -125,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if spec.random_weights:
         # A borrowed tokenizer may know more tokens than a small random model has embeddings for.
         token_prompts = tuple(tuple(t % spec.vocab_size for t in p) for p in token_prompts)
-    job = GenerationJob(prompts=token_prompts, max_tokens=args.max_tokens)
+    job = GenerationJob(prompts=token_prompts, max_tokens=args.output_len)
     base = args.ring_base_port or settings.RING_BASE_PORT
     ref_plan = make_local_plan(model_path, spec.num_layers, 1, args.dtype, ring_base_port=base,
                                load_format=args.load_format)
@@ -134,24 +152,39 @@ def run(args: argparse.Namespace) -> int:
                               hop_transport=args.hop_transport)
     split = " ".join(str(s.layers) for s in pp_plan.stages)
     weights = ", dummy (random) weights" if spec.random_weights else ""
-    print(f"model: {model_path} ({spec.model_type}, {spec.num_layers} layers{weights})")
-    print(f"PP=1 vs PP={pp_plan.size} (layers {split}), {len(prompts)} prompts x "
-          f"{args.max_tokens} tokens (prefill + {args.max_tokens - 1} decode steps), dtype={args.dtype}, "
-          f"hidden states over the {args.hop_transport}")
+    header = [f"model: {model_path} ({spec.model_type}, {spec.num_layers} layers{weights})",
+              f"PP=1 vs PP={pp_plan.size} (layers {split}), {len(prompts)} prompts x "
+              f"{args.output_len} tokens (prefill + {args.output_len - 1} decode steps), dtype={args.dtype}, "
+              f"hidden states over the {args.hop_transport}"]
+    print(f"stagemesh bench parity: {model_path}, PP=1 then PP={pp_plan.size}", file=sys.stderr)
     try:
         reference = run_pipeline(ref_plan, job, args.timeout)
         candidate = run_pipeline(pp_plan, job, args.timeout)
     except PipelineFailed as exc:
         print(f"FAIL: {exc}", file=sys.stderr)
         return 2
-    report = compare(reference, candidate)
+    outcome = compare(reference, candidate)
     rows = reference.logits.shape[0]
-    print(f"compared {rows} logit rows of {reference.logits.shape[-1] if rows else 0} values")
-    print(f"max_abs_diff={report.max_abs_diff:.3e}")
-    print(f"logits bit-identical: {report.logits_equal}; greedy tokens identical: {report.tokens_equal}")
-    for prompt, out in zip(prompts, reference.outputs):
-        print(f"  {prompt!r} -> {tokenizer.decode(out)!r}")
-    if report.first_divergence:
-        print(f"first divergence: {report.first_divergence}")
-    print("PASS" if report.passed else "FAIL")
-    return 0 if report.passed else 1
+    results: dict[str, Any] = {
+        # "inf" as a string (rows that cannot be compared): JSON has no infinity.
+        "passed": outcome.passed, "max_abs_diff": outcome.max_abs_diff if math.isfinite(outcome.max_abs_diff)
+        else "inf", "logits_equal": outcome.logits_equal,
+        "tokens_equal": outcome.tokens_equal, "first_divergence": outcome.first_divergence,
+        "logit_rows": rows, "logit_values": reference.logits.shape[-1] if rows else 0,
+        "layers": [[s.layers.start, s.layers.end] for s in pp_plan.stages],
+        "outputs": [{"prompt": p, "text": tokenizer.decode(out)} for p, out in zip(prompts, reference.outputs)]}
+    report = build_report("parity", started_at=started_at, local_mlx=True, results=results,
+                          config={**flags_of(args), "model": model_path, "random_weights": spec.random_weights})
+    emit(report, args, "\n".join([*header, *format_parity(results)]))
+    return 0 if outcome.passed else 1
+
+
+def format_parity(results: dict[str, Any]) -> list[str]:
+    """The verdict as text, PASS or FAIL last (pure)."""
+    lines = [f"compared {results['logit_rows']} logit rows of {results['logit_values']} values",
+             f"max_abs_diff={float(results['max_abs_diff']):.3e}",
+             f"logits bit-identical: {results['logits_equal']}; greedy tokens identical: {results['tokens_equal']}",
+             *(f"  {o['prompt']!r} -> {o['text']!r}" for o in results["outputs"])]
+    if results["first_divergence"]:
+        lines.append(f"first divergence: {results['first_divergence']}")
+    return [*lines, "PASS" if results["passed"] else "FAIL"]
