@@ -40,7 +40,7 @@ writes its report (JSON) + PNG per comparison under ``--output-dir``:
 the embedded one (``random_checkpoint``: Llama 3.2 1B, Llama 3.1 8B, Qwen3 8B),
 written once and read by every server; ``--bare`` adds the bare batched
 forward of the same weights at each concurrency (``stagemesh bench pipeline
---bare``'s reference, the device's limit) to the results.
+--bare N,N``'s reference, the device's limit) to the results.
 
 The report (``--output``, ``--json``) lists every run with its report's path
 and whether every request succeeded; its ratios are every run's, each naming

@@ -18,7 +18,7 @@ process is steadier than two servers sharing the device (docs/performance.md).
 
 It is a tool for GPU backends: the weights run as loaded (a quantized
 checkpoint stays quantized) and no BLAS is preloaded, so on the CPU backend it
-does not reproduce a stage's fast path (``stagemesh bench pipeline --bare``
+does not reproduce a stage's fast path (``stagemesh bench pipeline --bare 1,16``
 does); the report says which BLAS and weights it ran with.
 """
 

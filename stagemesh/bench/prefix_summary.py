@@ -1,4 +1,4 @@
-"""The verdict of ``stagemesh bench-serving --comparisons prefix``: the issue's ratios from two bench documents. Pure.
+"""The verdict of ``stagemesh bench compare --comparisons prefix``: its three ratios and their targets. Pure.
 
 Contract: ``summarize(multi_turn_doc, distinct_doc, counters=..., baseline=, cached=, reference=)``
 reads two ``stagemesh bench`` results documents (``--output``; the
