@@ -51,6 +51,7 @@ from stage_worker.memory import (
     peak_rss_bytes,
     stages_sharing_memory,
 )
+from stage_worker.mlx_arch import exact_prefix_reuse
 from stage_worker.model_spec import ModelFormatError, ModelSpec, read_model_spec
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
@@ -312,6 +313,10 @@ def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:
     with what else the KV depends on: the model and the compute dtype."""
     options = ctx.launch.options
     if not options.enable_prefix_caching:
+        return None
+    if not exact_prefix_reuse(ctx.spec):
+        log.info("prefix caching off: %s layers keep sliding windows or recurrent state, which a copied prefix "
+                 "cannot reproduce exactly (docs/architecture.md)", ctx.spec.model_type)
         return None
     salt = f"{model_fingerprint(ctx.spec)}/{wire.dtype_name(ctx.dtype)}".encode()
     return PrefixCache(options.prefix_cache_block_size, salt)
