@@ -147,7 +147,9 @@ def read_safetensors_spec(path: str, *, load_format: str = "auto") -> ModelSpec:
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise ModelFormatError(f"{path}/config.json is incomplete for mlx-lm's {model_type} model: {e!r}") from e
     # Tied: the model has no head of its own, or its files hold none (mlx-lm's sanitize then ties it).
-    tied = not facts.head_names or (bool(names) and not any(n in names for n in facts.head_names))
+    # Without files (dummy weights) the config's tie_word_embeddings decides, as the files would.
+    stored_head = any(n in names for n in facts.head_names) if names else not config.get("tie_word_embeddings", False)
+    tied = not facts.head_names or not stored_head
     quant = _explicit_quantization(_mlx_quantization(config, path), names)
     return ModelSpec(
         path=path,

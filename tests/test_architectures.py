@@ -16,6 +16,7 @@ import pytest
 
 from stage_worker.mlx_arch import describe, exact_prefix_reuse
 from stage_worker.model_spec import read_model_spec
+from stage_worker.packed_forward import Segment
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.stage_model import StackStageModel, StageModel, StageRole, runs_packed
 from stagemesh.core.layer_split import LayerRange, even_split
@@ -110,3 +111,62 @@ def test_a_model_that_cannot_be_split_is_refused_before_any_stage_loads(tmp_path
     assert done.returncode == 2, done.stdout + done.stderr
     assert "'gemma4_text' model, which cannot be split across pipeline stages" in done.stderr
     assert "stagemesh serves llama, qwen2, qwen3" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_planner_facts_equal_the_bytes_each_stage_loads(checkpoints, name):
+    from stage_worker.model_facts import model_facts
+
+    spec = read_model_spec(tiny_checkpoint(name, checkpoints))
+    facts = model_facts(spec)
+    n = spec.num_layers
+    for start, end, first, last in [(0, n, True, True), (0, 1, True, False), (1, n - 1, False, False),
+                                    (n - 1, n, False, True)]:
+        model = StageModel.load(spec, StageRole(LayerRange(start, end), first, last), mx.float32)
+        assert facts.slice_weight_bytes(start, end, first=first, last=last, element_bytes=4) == model.weight_bytes
+        # What the planner counts: every layer as the largest, never less than the stage holds.
+        assert facts.stage_weight_bytes(end - start, first=first, last=last, element_bytes=4) >= model.weight_bytes
+        caches = model.new_caches()
+        model.run_packed(mx.zeros((1, spec.hidden_size)), [Segment(caches, 1)])
+        held = [c.keys.shape[1] * c.keys.shape[3] + c.values.shape[1] * c.values.shape[3]
+                for c in caches if hasattr(c, "keys") and c.keys is not None]
+        assert max(held, default=0) <= facts.kv_elements_per_token
+        if end - start == n:
+            assert max(held) == facts.kv_elements_per_token  # keys and values per token of the widest layer
+    if name == "deepseek_v3":  # MLA: the latent (kv_lora_rank) and the rotary key, one "head", per token
+        config = TINY_CONFIGS[name]
+        assert facts.kv_elements_per_token == config["kv_lora_rank"] + config["qk_rope_head_dim"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_quantized_dummy_experts_load_as_the_planner_counts(tmp_path, name):
+    import json
+
+    from stage_worker.model_facts import model_facts
+
+    config = {**TINY_CONFIGS[name], "quantization": {"group_size": 32, "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = read_model_spec(str(tmp_path), "dummy")
+    facts = model_facts(spec)
+    n = spec.num_layers
+    for start, end, first, last in [(0, 2, True, False), (2, n, False, True)]:
+        model = StageModel.load(spec, StageRole(LayerRange(start, end), first, last), mx.float16)
+        assert model.quantized
+        assert facts.slice_weight_bytes(start, end, first=first, last=last, element_bytes=2) == model.weight_bytes
+
+
+# Parameters of the shipped shapes as their authors publish them (billions).
+PUBLISHED_SIZES = {"qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.1, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8,
+                   "mixtral-8x7b": 46.7, "gemma-3-27b": 27.0, "qwen3-next-80b-a3b": 79.7, "deepseek-v3": 671.0}
+
+
+@pytest.mark.parametrize("shape", sorted(PUBLISHED_SIZES))
+def test_shipped_shapes_have_their_published_sizes(shape):
+    from stage_worker.model_facts import model_facts
+    from stagemesh.bench.random_checkpoint import SHAPES_DIR
+
+    facts = model_facts(read_model_spec(str(SHAPES_DIR / shape), "dummy"))
+    layers = facts.layer_sizes or (facts.layer,) * facts.num_layers
+    head = 0 if facts.tied_embeddings else facts.head.elements
+    total = sum(t.elements for t in layers) + facts.embedding.elements + head
+    assert total / 1e9 == pytest.approx(PUBLISHED_SIZES[shape], rel=0.01)
