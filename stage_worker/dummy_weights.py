@@ -14,7 +14,7 @@ tensors, evaluated), except that the values are random:
   tokens equal PP=1's), and the tied embedding on the last stage equals the
   first stage's.
 - Values follow a real initialisation so activations stay finite in float16 and
-  bfloat16: matrices are normal with std ``initializer_range`` (0.02 when the
+  bfloat16: matrices (and expert stacks) are normal with std ``initializer_range`` (0.02 when the
   config has none), norm scales are 1, biases are 0.
 - Tensors are generated directly in ``dtype`` (no float32 copy of the model);
   a module the spec quantizes (``spec.quantization_for``) arrives as
@@ -50,11 +50,18 @@ def init_std(spec: ModelSpec) -> float:
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every parameter of mlx-lm's model for ``spec``, by global name (the model stays lazy: shapes only)."""
+    return _model_layout(spec)[0]
+
+
+def _model_layout(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """Parameter shapes by global name, and the modules mlx-lm can quantize (those with ``to_quantized``:
+    linears, embeddings, expert stacks; not, say, DeepSeek's router gate)."""
     arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
     model = arch.Model(arch.ModelArgs.from_dict(dict(spec.args)))
     # mlx annotates tree_flatten as returning a list or a dict; without ``destination`` it is the list.
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    return {name: tuple(array.shape) for name, array in flat}
+    quantizable = frozenset(name for name, module in model.named_modules() if hasattr(module, "to_quantized"))
+    return {name: tuple(array.shape) for name, array in flat}, quantizable
 
 
 def random_tensor(name: str, shape: tuple[int, ...], dtype: mx.Dtype, std: float) -> mx.array:
@@ -93,7 +100,7 @@ def dummy_stage_weights(
 ) -> dict[str, mx.array]:
     """Random, evaluated weights for exactly the tensors this stage holds (see the module docstring)."""
     std = init_std(spec)
-    shapes = parameter_shapes(spec)
+    shapes, quantizable = _model_layout(spec)
     kept = sorted((n for n in shapes if wanted(n, layers, with_embedding, with_head, spec.tie_word_embeddings)),
                   key=_layer_order)
     weights: dict[str, mx.array] = {}
@@ -102,7 +109,8 @@ def dummy_stage_weights(
         for name in unit:
             dense = random_tensor(name, shapes[name], dtype, std)
             module = name.removesuffix(".weight")
-            quant = spec.quantization_for(module) if name.endswith(".weight") and dense.ndim == 2 else None
+            # What mlx-lm quantizes: matrices and expert stacks ([experts, out, in]); norms and biases never.
+            quant = spec.quantization_for(module) if name.endswith(".weight") and module in quantizable else None
             if quant is None:
                 made[name] = dense
                 continue

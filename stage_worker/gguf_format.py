@@ -38,7 +38,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .model_spec import (
-    SUPPORTED_ARCHITECTURES,
+    GGUF_ARCHITECTURES,
     ModelFormatError,
     ModelSpec,
     served_name_from_path,
@@ -348,10 +348,10 @@ def read_gguf_spec(path: str) -> ModelSpec:
     header = read_gguf_header(path)
     md = header.metadata
     arch = md.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelFormatError(
             f"GGUF architecture {arch!r} is not supported; stagemesh serves "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUFs (llama covers SmolLM2, Llama 3.x "
+            f"{', '.join(GGUF_ARCHITECTURES)} GGUFs (llama covers SmolLM2, Llama 3.x "
             "and Mistral). Use a model of one of these architectures."
         )
     num_layers = int(_meta(md, arch, "block_count"))

@@ -1,11 +1,15 @@
 """KV caches of one stage's own layers, per sequence and per decoding group.
 
 Every stage keeps the keys and values of its own layers only (never another
-stage's). A sequence starts *standalone*, one mlx-lm ``KVCache`` per layer,
-while its prompt is prefilled (in one or several chunks). Sequences that
-decode together are kept in a *decode group*: one mlx-lm ``BatchKVCache`` per
-layer holding all of them (left-padded), so a decode step appends to and
-attends over the whole group in a few ops instead of a few ops per sequence.
+stage's). A sequence starts *standalone*, one mlx-lm cache per layer of the kind
+the model asks for (``StageModel.new_caches``: ``KVCache``, a ``RotatingKVCache``
+for a sliding window, an ``ArraysCache`` for linear attention), while its prompt
+is prefilled (in one or several chunks). Sequences that decode together are kept
+in a *decode group*: one mlx-lm batch cache per layer holding all of them
+(``KVCache.merge`` -> ``BatchKVCache``, ``RotatingKVCache.merge`` ->
+``BatchRotatingKVCache``, ``ArraysCache.merge``: left-padded, per-row offsets),
+so a decode step appends to and attends over the whole group in a few ops
+instead of a few ops per sequence.
 
 Groups follow the batches: when a decode batch lists a different set of
 sequences than the group its first grouped sequence is in, the store filters
@@ -19,12 +23,13 @@ Positions are tracked here too: a chunk must continue its sequence exactly
 where this stage's cache ends, so a stage that missed a message fails loudly
 instead of attending to the wrong positions.
 
-Shrinking a group never reads the device: mlx-lm's ``BatchKVCache.filter``
-reads the left padding back (``tolist``) to trim it, one device sync per layer
-per change, which on a GPU stalls the queued work every time a sequence ends. The store
-knows each member's token count, so ``_filter`` trims by the same amount
-computed on the host. Sequences released in one batch leave their group in
-one filter.
+Shrinking a group of ``BatchKVCache`` never reads the device: mlx-lm's
+``BatchKVCache.filter`` reads the left padding back (``tolist``) to trim it, one
+device sync per layer per change, which on a GPU stalls the queued work every
+time a sequence ends. The store knows each member's token count, so ``_filter``
+trims by the same amount computed on the host (other cache kinds use mlx-lm's
+own ``filter`` and ``extract``). Sequences released in one batch leave their
+group in one filter.
 
 Prefix caching (``stage_worker.prefix_cache`` decides, on the entry stage
 only): a RETAIN record keeps a finishing sequence's first positions as a
@@ -32,13 +37,17 @@ only): a RETAIN record keeps a finishing sequence's first positions as a
 position K > 0 starts from a copy of its ``prefix_entry``'s first K positions
 (the copy is a slice: the sequence's first chunk writes into a new buffer, so
 the entry is never written); an EVICT record drops an entry. Every stage
-obeys the same records, so all stages hold the same entries.
+obeys the same records, so all stages hold the same entries. Only models whose
+every layer holds a plain ``KVCache`` get these records
+(``mlx_arch.ArchFacts.exact_prefix_reuse``): a sliding window or a recurrent
+state cannot be cut at a position.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -50,11 +59,11 @@ from stage_worker.wire import WireMismatchError
 @dataclass
 class _Group:
     members: list[int]
-    caches: list[BatchKVCache]
+    caches: list[Any]  # per layer: a BatchKVCache, or another of mlx-lm's batch caches
 
 
 class KVStore:
-    def __init__(self, make_caches: Callable[[], list[KVCache]], max_sequences: int) -> None:
+    def __init__(self, make_caches: Callable[[], list[Any]], max_sequences: int) -> None:
         self._make_caches = make_caches
         self._max_sequences = max_sequences
         self._standalone: dict[int, list[KVCache]] = {}
@@ -217,7 +226,7 @@ class KVStore:
             standalone = self._standalone.pop(m, None)
             newcomer_caches.append(standalone or self._ungroup_pop(m))
         if newcomers:
-            merged = [BatchKVCache.merge([c[layer] for c in newcomer_caches])
+            merged = [newcomer_caches[0][layer].merge([c[layer] for c in newcomer_caches])
                       for layer in range(len(newcomer_caches[0]))]
             if group is None:
                 group = _Group(list(newcomers), merged)
@@ -261,6 +270,9 @@ class KVStore:
         indices = mx.array([group.members.index(m) for m in kept])
         longest = max(self._positions[m] for m in kept)
         for cache in group.caches:
+            if not isinstance(cache, BatchKVCache):
+                cache.filter(indices)  # mlx-lm's own: a window or a recurrent state has no columns to trim here
+                continue
             if cache.keys is not None:
                 cache.keys = cache.keys[indices]
                 cache.values = cache.values[indices]
@@ -300,8 +312,11 @@ class KVStore:
         """``BatchKVCache.extract`` without its device read: the member's keys are its last
         ``positions[seq_id]`` columns before ``_idx``."""
         index, held = group.members.index(seq_id), self._positions[seq_id]
-        caches = []
+        caches: list[Any] = []
         for batch in group.caches:
+            if not isinstance(batch, BatchKVCache):
+                caches.append(batch.extract(index))
+                continue
             cache = KVCache()
             if batch.keys is not None and batch.values is not None and held:
                 start = batch._idx - held

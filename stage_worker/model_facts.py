@@ -19,6 +19,21 @@ like every dense weight and norm (``TensorBytes``). With ``dense=True``
 (``--dequantize on``) every weight counts as dense. Layers of mixed
 quantization (a GGUF's Q4_K_M) count as the largest layer, so a plan never
 undercounts.
+
+Every other architecture (``mlx_arch.STACK_ARCHITECTURES``: experts, MLA,
+sliding windows, linear attention) is measured on mlx-lm's own model, built
+lazily (shapes only, nothing allocated) and quantized exactly as the stage
+quantizes it, so its bytes are the stage's by construction: each layer's
+parameters (routed and shared experts, routers, dense first layers), the
+embedding, the head (``ModelFacts.layer_sizes`` where layers differ; the
+planner sizes every layer as the largest one). KV per
+token is read from the caches of a one-token forward built (not evaluated)
+through every layer: keys plus values per token of a KV layer (MLA's latent
+and rotary key for DeepSeek V3), the largest over the layers. A sliding-window
+layer is counted like a full one and a linear-attention layer like the largest
+KV layer: both over-count (a window holds at most its size; Qwen3-Next's
+recurrent state per sequence is smaller than a full context's KV at any
+``--max-model-len`` past a few hundred tokens), so a plan never undercounts.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from stage_worker.mlx_arch import PACKED_ARCHITECTURES
 from stage_worker.model_spec import ModelSpec
 from stagemesh.core.memory import ModelFacts, TensorBytes
 
@@ -69,6 +85,8 @@ def _layer(spec: ModelSpec, index: int, dense: bool) -> TensorBytes:
 
 def model_facts(spec: ModelSpec, dense: bool = False) -> ModelFacts:
     """The planner's view of ``spec`` (see the module docstring)."""
+    if spec.model_type not in PACKED_ARCHITECTURES:
+        return _stack_facts(spec, dense)
     hidden, vocab = spec.hidden_size, spec.vocab_size
     _, kv_heads, head_dim, _ = _dims(spec.args, hidden)
     layers = [_layer(spec, i, dense) for i in range(spec.num_layers)]
@@ -79,4 +97,48 @@ def model_facts(spec: ModelSpec, dense: bool = False) -> ModelFacts:
         num_layers=spec.num_layers, layer=layer, embedding=embedding,
         head=output + TensorBytes(0, hidden),  # the final norm
         kv_elements_per_token=2 * kv_heads * head_dim, tied_embeddings=spec.tie_word_embeddings,
+    )
+
+
+def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
+    """``model_facts`` measured on mlx-lm's lazily built model (see the module docstring)."""
+    import importlib
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import KVCache
+
+    from stage_worker.layer_stack import run_batch
+    from stage_worker.mlx_arch import describe
+
+    arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+    model = arch.Model(arch.ModelArgs.from_dict(dict(spec.args)))
+    facts = describe(spec.model_type, spec.args)
+    if not dense:
+        def quantized(path: str, module: nn.Module) -> dict[str, int] | bool:
+            params = spec.quantization_for(path) if hasattr(module, "to_quantized") else None
+            return False if params is None else {"group_size": params[0], "bits": params[1]}
+
+        nn.quantize(model, class_predicate=quantized)
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+
+    def size(names: list[tuple[str, mx.array]]) -> TensorBytes:
+        # Quantized codes are uint32 and keep their size; every floating parameter is cast to the compute dtype.
+        return TensorBytes(sum(a.nbytes for _, a in names if a.dtype == mx.uint32),
+                           sum(a.size for _, a in names if a.dtype != mx.uint32))
+
+    layers = [size([(n, a) for n, a in flat if n.startswith(f"model.layers.{i}.")]) for i in range(spec.num_layers)]
+    embedding = size([(n, a) for n, a in flat if n.startswith("model.embed_tokens.")])
+    norm = size([(n, a) for n, a in flat if n.startswith("model.norm.")])
+    head = embedding if spec.tie_word_embeddings or not facts.head_names else size(
+        [(n, a) for n, a in flat if not n.startswith("model.")])
+    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.model.layers]
+    run_batch(model.model.layers, mx.zeros((1, 1, spec.hidden_size)), caches, facts.array_masks)  # built only
+    per_token = [c.keys.shape[1] * c.keys.shape[3] + c.values.shape[1] * c.values.shape[3]
+                 for c, kind in zip(caches, facts.cache_kinds) if kind in ("kv", "rotating")]
+    return ModelFacts(
+        num_layers=spec.num_layers, layer=max(layers, key=lambda t: (t.packed, t.elements)), embedding=embedding,
+        head=head + norm, kv_elements_per_token=max(per_token, default=0),
+        tied_embeddings=spec.tie_word_embeddings, layer_sizes=tuple(layers) if len(set(layers)) > 1 else (),
     )

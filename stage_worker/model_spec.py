@@ -13,8 +13,8 @@ Contract:
   .from_dict`` accepts; ``ModelSpec.quantization`` is in mlx-lm's config style
   (top-level ``group_size``/``bits``, per-module overrides, ``False`` for a
   module kept unquantized).
-- Anything we cannot serve (architecture, tensor type, quantization mode, a
-  missing file) raises ``ModelFormatError`` (a ``ValueError``) whose message
+- Anything we cannot serve (architecture: ``mlx_arch`` says which and why,
+  tensor type, quantization mode, a missing file) raises ``ModelFormatError`` (a ``ValueError``) whose message
   says what is supported and what the user should change.
 """
 
@@ -28,14 +28,9 @@ from typing import Any, Literal
 
 from stagemesh.core.errors import UserError
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
-# Hugging Face model_type -> the mlx_lm.models module that implements it.
-HF_MODEL_TYPES: Mapping[str, str] = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}
+# GGUF files of these architectures are read (gguf_format); safetensors directories of every architecture
+# stage_worker.mlx_arch serves.
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 # Bits that mx.quantize's affine mode accepts.
 SUPPORTED_AFFINE_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)

@@ -15,8 +15,9 @@ Contract:
 - ``load_safetensors_weights(spec, layers, with_embedding, with_head)`` opens
   only the shard files that hold the slice's tensors (``mx.load`` is lazy, so
   only the kept arrays are read) and applies what mlx-lm's ``Model.sanitize``
-  does for these architectures: drop rotary ``inv_freq``, drop ``lm_head`` when
-  the embeddings are tied.
+  does for these architectures: drop rotary ``inv_freq``, drop a stored head
+  (``lm_head``, ``output``) when the embeddings are tied. A model whose mlx-lm
+  ``Model`` has a head but whose files do not is tied (Gemma 3's sanitize rule).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from typing import Any
 import mlx.core as mx
 
 from .model_spec import (
-    HF_MODEL_TYPES,
     ModelFormatError,
     ModelSpec,
     check_affine,
@@ -103,8 +103,8 @@ def _mlx_quantization(config: Mapping[str, Any], path: str) -> dict[str, Any] | 
 
 
 def _quantizable(module: str) -> bool:
-    """Linear and Embedding modules of llama/qwen2/qwen3 (norms are never quantized)."""
-    return module.endswith(("_proj", "embed_tokens", "lm_head"))
+    """Linear, Embedding and expert modules (projections, routers, heads); norms are never quantized."""
+    return module.endswith(("_proj", "embed_tokens", "lm_head", "output", ".gate", ".router"))
 
 
 def _explicit_quantization(quant: dict[str, Any] | None, names: Iterable[str]) -> dict[str, Any] | None:
@@ -128,13 +128,11 @@ def read_safetensors_spec(path: str, *, load_format: str = "auto") -> ModelSpec:
     path = os.path.abspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    hf_type = config.get("model_type")
-    model_type = HF_MODEL_TYPES.get(hf_type)
-    if model_type is None:
-        raise ModelFormatError(
-            f"{path} is a {hf_type!r} model; stagemesh serves llama (SmolLM2, Llama 3.x, "
-            "Mistral), qwen2 and qwen3 models. Use a model of one of these architectures."
-        )
+    from .mlx_arch import check_servable, describe, mlx_model_type
+
+    model_type = mlx_model_type(config)
+    check_servable(model_type, path)
+    assert model_type is not None
     # Random weights need config.json alone; a directory without weights has no names to consult.
     names = weight_map(path) if load_format != "dummy" or _has_weight_files(path) else {}
     tie_default = config.get("tie_word_embeddings")
@@ -145,8 +143,13 @@ def read_safetensors_spec(path: str, *, load_format: str = "auto") -> ModelSpec:
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     try:
         margs = module.ModelArgs.from_dict(args)
-    except (TypeError, ValueError) as e:
-        raise ModelFormatError(f"{path}/config.json is incomplete for mlx-lm's {model_type} model: {e}") from e
+        facts = describe(model_type, args)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ModelFormatError(f"{path}/config.json is incomplete for mlx-lm's {model_type} model: {e!r}") from e
+    # Tied: the model has no head of its own, or its files hold none (mlx-lm's sanitize then ties it).
+    # Without files (dummy weights) the config's tie_word_embeddings decides, as the files would.
+    stored_head = any(n in names for n in facts.head_names) if names else not config.get("tie_word_embeddings", False)
+    tied = not facts.head_names or not stored_head
     quant = _explicit_quantization(_mlx_quantization(config, path), names)
     return ModelSpec(
         path=path,
@@ -156,7 +159,7 @@ def read_safetensors_spec(path: str, *, load_format: str = "auto") -> ModelSpec:
         num_layers=int(margs.num_hidden_layers),
         hidden_size=int(margs.hidden_size),
         vocab_size=int(margs.vocab_size),
-        tie_word_embeddings=bool(margs.tie_word_embeddings),
+        tie_word_embeddings=tied,
         quantization=quant,
         default_served_name=served_name_from_path(path),
         details={"weight_map": names},
@@ -172,11 +175,9 @@ def wanted(name: str, layers: range, with_embedding: bool, with_head: bool, tied
         return int(name.split(".", 3)[2]) in layers
     if name.startswith("model.embed_tokens."):
         return with_embedding or (with_head and tied)
-    if name.startswith("model.norm."):
-        return with_head
-    if name.startswith("lm_head."):
-        return with_head and not tied  # sanitize drops a tied head
-    return False
+    if not name.startswith("model."):
+        return with_head and not tied  # the head (lm_head, output); sanitize drops a tied one
+    return with_head  # the final norm
 
 
 def load_safetensors_weights(

@@ -10,19 +10,30 @@ parameters to the compute dtype every stage of the pipeline agrees on. With
 (``dummy_weights``); nothing else changes.
 
 Forward pieces are separate so a stage runs only its part: ``embed`` (first
-stage), ``run_packed`` (every stage: many sequences' rows at once, see
-``packed_forward``), ``logits`` (last stage, float32 for sampling). A GPU
-stage then joins each layer's q/k/v and gate/up projections
-(``fuse_projections``); after that its layers run only through ``run_packed``.
+stage), ``run_packed`` (every stage: many sequences' rows at once), ``logits``
+(last stage, float32 for sampling). Two paths (``mlx_arch``):
+
+* llama, qwen2 and qwen3 with full attention only run through ``packed_forward``
+  (mlx-lm's layers with their calls reordered so every sequence's rows share each
+  matmul); a GPU stage then joins each layer's q/k/v and gate/up projections
+  (``fuse_projections``), after which its layers run only through ``run_packed``;
+* every other served architecture is a ``StackStageModel``: mlx-lm's whole model
+  built lazily and cut to the slice, its layers run by ``layer_stack`` with the
+  caches the model's ``make_cache`` asks for, and its two ends computed by
+  mlx-lm's own code (the inner model's ``__call__`` up to its first layer for the
+  embedding, scaling included; the outer model's ``__call__`` after its norm for
+  the head, tied or not).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +42,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model
 
 from stage_worker.fused_projections import FusedLayer, fuse_layer_projections
+from stage_worker.layer_stack import stack_layers
+from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
 from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stage_worker.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.stage_weights import load_stage_weights
@@ -134,7 +147,9 @@ class StageRole:
 class StageModel:
     """The model slice of one stage, ready to compute."""
 
-    def __init__(self, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, module: _Slice) -> None:
+    _LAYERS_PREFIX = "layers."  # where the slice's decoder layers sit among its parameter names
+
+    def __init__(self, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, module: nn.Module) -> None:
         self.spec = spec
         self.role = role
         self.dtype = dtype
@@ -144,19 +159,17 @@ class StageModel:
 
     def _measure(self) -> None:
         module = self._module
-        self.quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-                             for _, m in module.named_modules())
+        self.quantized = any(_is_quantized(m) for _, m in module.named_modules())
         params = _flat_parameters(module)
         self.weight_bytes = sum(v.nbytes for _, v in params)
-        self.layer_bytes = sum(v.nbytes for name, v in params if name.startswith("layers."))
+        self.layer_bytes = sum(v.nbytes for name, v in params if name.startswith(self._LAYERS_PREFIX))
 
     def dense_bytes(self) -> int:
         """Bytes the weights would take dequantized to the compute dtype."""
         total = 0
         for _, m in self._module.named_modules():
-            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                rows, packed = m.weight.shape
-                total += rows * packed * (32 // m.bits) * self.dtype.size
+            if _is_quantized(m):
+                total += m.weight.size * (32 // m.bits) * self.dtype.size
                 if "bias" in m:
                     total += m.bias.nbytes
             elif not list(m.children()):
@@ -184,15 +197,11 @@ class StageModel:
 
     @classmethod
     def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:
-        if spec.model_type not in ("llama", "qwen2", "qwen3"):
-            raise ModelFormatError(f"architecture {spec.model_type!r} is not supported")
+        """The slice ``role`` of ``spec`` in ``dtype``, by the path its architecture takes (module docstring)."""
+        if not runs_packed(spec):
+            return StackStageModel.load_stack(spec, role, dtype)
         arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
         args = arch.ModelArgs.from_dict(dict(spec.args))
-        if any(t != "full_attention" for t in getattr(args, "layer_types", None) or []):
-            raise ModelFormatError(
-                "sliding-window attention layers are not supported yet; serve a model "
-                "whose config has only full-attention layers"
-            )
         full = arch.Model(args)  # lazy: unowned parts are never evaluated
         needs_embedding = role.is_first or (role.is_last and spec.tie_word_embeddings)
         lm_head = None
@@ -205,32 +214,7 @@ class StageModel:
             lm_head=lm_head,
         )
         del full
-        weights = load_stage_weights(
-            spec, role.layers.as_range(), with_embedding=role.is_first, with_head=role.is_last, dtype=dtype
-        )
-        local = {_local_name(k, role.layers): v for k, v in weights.items()}
-        del weights
-
-        def quantize_predicate(path: str, _module: nn.Module):
-            if f"{path}.scales" not in local:
-                return False
-            params = spec.quantization_for(_global_path(path, role.layers))
-            if params is None:
-                raise ModelFormatError(f"{path} arrives quantized but the model config gives no bits")
-            group_size, bits = params
-            return {"group_size": group_size, "bits": bits}
-
-        nn.quantize(module, class_predicate=quantize_predicate)
-        try:
-            module.load_weights(list(local.items()), strict=True)
-        except ValueError as exc:
-            raise ModelFormatError(
-                f"weights for layers {role.layers} do not match the {spec.model_type} "
-                f"model definition: {exc}"
-            ) from exc
-        module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
-        module.eval()
-        mx.eval(module.parameters())
+        _load_slice_weights(module, spec, role, dtype, local_name=_local_name, global_path=_global_path)
         return cls(spec, role, dtype, module)
 
     @property
@@ -263,6 +247,196 @@ class StageModel:
         else:
             out = self._module.embed_tokens.as_linear(h)
         return out.astype(mx.float32)
+
+
+def runs_packed(spec: ModelSpec) -> bool:
+    """Whether ``spec``'s stages take ``packed_forward``: llama, qwen2 and qwen3 with full attention only."""
+    if spec.model_type not in PACKED_ARCHITECTURES:
+        return False
+    return all(t == "full_attention" for t in spec.args.get("layer_types") or [])
+
+
+class StackStageModel(StageModel):
+    """A slice of any served mlx-lm architecture: its layers through ``layer_stack``, its ends through mlx-lm's
+    own ``__call__`` code (see the module docstring). ``_module`` is mlx-lm's ``Model`` itself, cut to the
+    slice: ``model.layers`` holds this stage's layers only, and the ends it does not compute are removed."""
+
+    _LAYERS_PREFIX = "model.layers."
+
+    def __init__(self, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, module: nn.Module,
+                 caches: Sequence[Any], facts: ArchFacts) -> None:
+        super().__init__(spec, role, dtype, module)
+        self._prototype_caches = list(caches)
+        self._facts = facts
+        self._bind_ends()
+
+    @classmethod
+    def load_stack(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StackStageModel:
+        arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+        full = arch.Model(arch.ModelArgs.from_dict(dict(spec.args)))  # lazy: unowned parts are never evaluated
+        facts = describe(spec.model_type, spec.args)
+        start, end = role.layers.start, role.layers.end
+        # The model's own choice of cache per layer (windows, recurrent state), before the slice renumbers them.
+        caches = (full.make_cache() if hasattr(full, "make_cache") else [KVCache() for _ in full.model.layers])
+        inner = full.model
+        inner.layers = inner.layers[start:end]
+        if not (role.is_first or (role.is_last and spec.tie_word_embeddings)):
+            inner.pop("embed_tokens")
+        if not role.is_last:
+            inner.pop("norm")
+        for name in {n.split(".", 1)[0] for n in facts.head_names}:
+            if not role.is_last or spec.tie_word_embeddings:
+                full.pop(name)
+        if spec.tie_word_embeddings and facts.head_names:
+            # A model whose head is tied by its files (Gemma 3's sanitize decides so): the head is the embedding.
+            full.tie_word_embeddings = True
+
+        def local_name(name: str, layers: LayerRange) -> str:
+            if name.startswith("model.layers."):
+                index, rest = name[len("model.layers."):].split(".", 1)
+                return f"model.layers.{int(index) - layers.start}.{rest}"
+            return name
+
+        def global_path(path: str, layers: LayerRange) -> str:
+            if path.startswith("model.layers."):
+                index, rest = path[len("model.layers."):].split(".", 1)
+                return f"model.layers.{int(index) + layers.start}.{rest}"
+            return path
+
+        _load_slice_weights(full, spec, role, dtype, local_name=local_name, global_path=global_path)
+        return cls(spec, role, dtype, full, caches[start:end], facts)
+
+    def _bind_ends(self) -> None:
+        """The views that compute the ends with mlx-lm's own code; remade whenever modules are replaced."""
+        full = self._module
+        self._embed_view = None
+        if self.role.is_first:
+            view = copy.copy(full.model)
+            view.layers = [_FirstLayerInput(full.model.layers[0])]
+            self._embed_view = view
+        self._head_view = None
+        if self.role.is_last:
+            head = copy.copy(full)
+            head.model = _NormOnly(full.model)
+            self._head_view = head
+
+    def dequantize(self) -> None:
+        super().dequantize()
+        self._bind_ends()
+
+    def fuse_projections(self) -> FusedLayer:
+        """Nothing to join: mlx-lm's own layers run as they are (``packed_forward`` is the joined path)."""
+        return FusedLayer(qkv=False, gate_up=False)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self._module.model.layers
+
+    def new_caches(self) -> list[Any]:
+        """Fresh caches of the kinds the model asks for, one per layer of the slice."""
+        return copy.deepcopy(self._prototype_caches)
+
+    @property
+    def exact_prefix_reuse(self) -> bool:
+        return self._facts.exact_prefix_reuse
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        """``int32[T]`` -> ``[T, hidden]``: what the model's first layer receives (embedding scale included)."""
+        assert self._embed_view is not None, "only the first stage embeds"
+        try:
+            # A cache entry per layer of the whole model: the model indexes its caches by global position.
+            self._embed_view(token_ids[None], cache=[None] * self.spec.num_layers)
+        except _LayerInput as reached:
+            return reached.hidden[0].astype(self.dtype)
+        raise ModelFormatError(f"mlx-lm's {self.spec.model_type} model never called its first layer")
+
+    def run_packed(self, hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None) -> mx.array:
+        return stack_layers(self._module.model.layers, hidden, segments, decode, self._facts.array_masks)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final norm and the model's own head on ``[k, hidden]``; float32 ``[k, vocab]`` (lazy)."""
+        if self._head_view is None:
+            raise AttributeError("only the last stage computes logits")
+        return self._head_view(hidden[None])[0].astype(mx.float32)
+
+
+class _LayerInput(Exception):
+    """Carries what the first layer was called with, out of the model's ``__call__``."""
+
+    def __init__(self, hidden: mx.array) -> None:
+        super().__init__("first layer reached")
+        self.hidden = hidden
+
+
+class _FirstLayerInput(nn.Module):
+    """Stands in for the layers when embedding: stops the model's forward at its first layer's input. The
+    model may read the layer's attributes first (Qwen3-Next asks whether it is linear): the real layer answers."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if key == "layer" or "layer" not in self:
+                raise
+            return getattr(self["layer"], key)
+
+    def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        raise _LayerInput(h)
+
+
+class _NormOnly(nn.Module):
+    """Stands in for the inner model when computing the head: the hidden states in, the final norm out."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.norm = inner.norm
+        if "embed_tokens" in inner:
+            self.embed_tokens = inner.embed_tokens  # a tied head multiplies by it
+
+    def __call__(self, hidden: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        return self.norm(hidden)
+
+
+def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, *,
+                        local_name, global_path) -> None:
+    """Load the slice's weights into ``module`` (named by ``local_name``), quantizing exactly the modules that
+    arrive quantized, strictly, then cast to ``dtype`` and evaluate."""
+    weights = load_stage_weights(
+        spec, role.layers.as_range(), with_embedding=role.is_first, with_head=role.is_last, dtype=dtype
+    )
+    local = {local_name(k, role.layers): v for k, v in weights.items()}
+    del weights
+
+    def quantize_predicate(path: str, _module: nn.Module):
+        if f"{path}.scales" not in local:
+            return False
+        params = spec.quantization_for(global_path(path, role.layers))
+        if params is None:
+            raise ModelFormatError(f"{path} arrives quantized but the model config gives no bits")
+        group_size, bits = params
+        return {"group_size": group_size, "bits": bits}
+
+    nn.quantize(module, class_predicate=quantize_predicate)
+    try:
+        module.load_weights(list(local.items()), strict=True)
+    except ValueError as exc:
+        raise ModelFormatError(
+            f"weights for layers {role.layers} do not match the {spec.model_type} "
+            f"model definition: {exc}"
+        ) from exc
+    module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
+    module.eval()
+    mx.eval(module.parameters())
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    """A quantized Linear, Embedding or expert stack (mlx-lm's ``QuantizedSwitchLinear``)."""
+    return isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or (
+        hasattr(module, "bits") and "scales" in module)
 
 
 def _flat_parameters(module: nn.Module) -> list[tuple[str, mx.array]]:

@@ -46,11 +46,12 @@ from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingW
 from stage_worker.memory import (
     MemoryBudgetError,
     host_memory_budget,
-    kv_bytes_per_token,
     kv_token_capacity,
     peak_rss_bytes,
     stages_sharing_memory,
 )
+from stage_worker.mlx_arch import exact_prefix_reuse
+from stage_worker.model_facts import model_facts
 from stage_worker.model_spec import ModelFormatError, ModelSpec, read_model_spec
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
@@ -197,9 +198,8 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
                  "yes" if fused.qkv else "not in every layer", "yes" if fused.gate_up else "not in every layer",
                  settings.env_name("FUSE_PROJECTIONS"))
     status.weight_bytes, status.quantized = model.weight_bytes, model.quantized
-    head_dim = int(spec.args.get("head_dim") or spec.hidden_size // int(spec.args["num_attention_heads"]))
-    kv_heads = int(spec.args.get("num_key_value_heads") or spec.args["num_attention_heads"])
-    per_token = kv_bytes_per_token(len(me.layers), kv_heads, head_dim, model.dtype.size)
+    # The planner's count (stage_worker.model_facts): MLA's latent, the widest layer's keys and values.
+    per_token = model_facts(spec).kv_bytes_per_token(len(me.layers), model.dtype.size)
     kv_capacity = kv_token_capacity(budget, model.weight_bytes, per_token, ctx.max_model_len, ctx.name)
     threads = _blas_threads(sharing)
     log.info("loaded %.1f MB of weights in %.2f s (backend=%s device=%r dtype=%s quantized=%s blas=%s, KV "
@@ -312,6 +312,10 @@ def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:
     with what else the KV depends on: the model and the compute dtype."""
     options = ctx.launch.options
     if not options.enable_prefix_caching:
+        return None
+    if not exact_prefix_reuse(ctx.spec):
+        log.info("prefix caching off: %s layers keep sliding windows or recurrent state, which a copied prefix "
+                 "cannot reproduce exactly (docs/architecture.md)", ctx.spec.model_type)
         return None
     salt = f"{model_fingerprint(ctx.spec)}/{wire.dtype_name(ctx.dtype)}".encode()
     return PrefixCache(options.prefix_cache_block_size, salt)

@@ -7,7 +7,7 @@ layer indices (``model.layers.12...``), holding only:
 - ``model.layers.{i}.*`` for i in ``layers``;
 - ``model.embed_tokens.*`` if ``with_embedding``, or if ``with_head`` and the
   embeddings are tied (the head multiplies by the embedding matrix);
-- ``model.norm.weight`` and (untied) ``lm_head.*`` if ``with_head``.
+- ``model.norm.weight`` and (untied) the head (``lm_head.*``, ``output.*``) if ``with_head``.
 A bad layer range raises ``ModelFormatError``.
 
 A spec read with ``--load-format dummy`` gets random weights of the same names
@@ -61,13 +61,12 @@ def _check_complete(
     spec: ModelSpec, weights: dict[str, mx.array], layers: range, with_embedding: bool, with_head: bool
 ) -> None:
     """Fail loudly on a file that lacks a tensor the stage needs."""
-    expected = [f"model.layers.{i}.input_layernorm.weight" for i in layers]
+    held_layers = {int(name.split(".", 3)[2]) for name in weights if name.startswith("model.layers.")}
+    expected = [f"model.layers.{i}.*" for i in layers if i not in held_layers]
     if with_embedding or (with_head and spec.tie_word_embeddings):
         expected.append("model.embed_tokens.weight")
     if with_head:
         expected.append("model.norm.weight")
-        if not spec.tie_word_embeddings:
-            expected.append("lm_head.weight")
-    missing = [name for name in expected if name not in weights]
+    missing = [name for name in expected if name.endswith("*") or name not in weights]
     if missing:
         raise ModelFormatError(f"{spec.path} lacks tensors this stage needs: {', '.join(missing[:5])}.")

@@ -31,3 +31,86 @@ def read_until_finished(handles: list[RequestHandle], timeout_s: float = 120) ->
                 finishes.append(event.finish)
                 break
     return outputs, finishes
+
+
+def lane(name_in: str, name_out: str):
+    """A real control lane over loopback, payloads on the lane: (inbound end, outbound end)."""
+    import socket
+    import threading
+
+    from stage_worker.links import InboundLink, OutboundLink, RingWatchdog
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inbound = InboundLink(None, 0, name_in)
+    inbound.listen("127.0.0.1", port)
+    accepted = threading.Thread(target=inbound.accept, args=(10, lambda body: None))
+    accepted.start()
+    outbound = OutboundLink(None, 1, name_out)
+    outbound.connect("127.0.0.1", port, 10)
+    outbound.handshake({"hello": 1}, 10)
+    accepted.join()
+    inbound.attach_lane_payloads()
+    outbound.attach_lane_payloads(RingWatchdog(120, name_out))
+    return inbound, outbound
+
+
+class InProcessPipeline:
+    """A real pipeline of ``stages`` (``StageModel``s, first to last) in this process: the entry engine and
+    scheduler on one thread, every other stage's relay loop on its own, hidden states over real lanes."""
+
+    def __init__(self, stages, *, max_num_seqs: int = 8, prefix_cache=None, max_batch_tokens: int = 512) -> None:
+        import threading
+
+        from stage_worker.engine import EntryEngine
+        from stage_worker.scheduler import Scheduler
+        from stage_worker.stage_runtime import StageCompute, relay_loop
+        from stage_worker.stage_status import StageStatus
+
+        depth = len(stages)
+        # lanes[g]: from stage g to stage g+1 (the last one wraps round to the entry stage)
+        self._lanes = [lane(f"stage {g}", f"stage {(g + 1) % depth}") for g in range(depth)] if depth > 1 else []
+        self._relays = [threading.Thread(target=relay_loop, daemon=True,
+                                         args=(StageCompute(stages[g], max_num_seqs), self._lanes[g - 1][0],
+                                               self._lanes[g][1], g == depth - 1),
+                                         kwargs={"build_ahead": True}) for g in range(1, depth)]
+        for relay in self._relays:
+            relay.start()
+        entry = StageCompute(stages[0], max_num_seqs)
+        if depth == 1:
+            pipeline = EntryPipeline(entry, None, None, is_last=True)
+        else:
+            pipeline = EntryPipeline(entry, self._lanes[0][1], self._lanes[-1][0], is_last=False, build_ahead=True)
+        self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_model_len=512, max_waiting=64,
+                                   max_batch_tokens=max_batch_tokens, prefill_chunk_tokens=max_batch_tokens,
+                                   prefix_cache=prefix_cache)
+        self.engine = EntryEngine(pipeline, self.scheduler, StageStatus(), micro_batches=1, step_ahead=True)
+        self._runner = threading.Thread(target=self.engine.run, daemon=True)
+        self._runner.start()
+        self._count = 0
+
+    def submit(self, prompt, max_tokens: int) -> RequestHandle:
+        from stage_worker.scheduler import GenerationRequest
+
+        self._count += 1
+        return self.engine.submit(GenerationRequest(f"r{self._count}", tuple(prompt), max_tokens, ignore_eos=True))
+
+    def generate(self, prompt, max_tokens: int) -> list[int]:
+        return read_until_finished([self.submit(prompt, max_tokens)])[0][0]
+
+    def close(self) -> None:
+        self.engine.stop()
+        self._runner.join(60)
+        for relay in self._relays:
+            relay.join(60)  # the engine's shutdown sends SHUTDOWN round the ring
+        for inbound, outbound in self._lanes:
+            inbound.close()
+            outbound.close()
+        assert not self._runner.is_alive() and not any(relay.is_alive() for relay in self._relays)
+
+    def __enter__(self) -> InProcessPipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -164,7 +164,9 @@ def test_shipped_shape_names_resolve_to_their_configs(tmp_path):
     spec = read_model_spec(path, "dummy")
     assert spec.model_type == "qwen3" and spec.num_layers == 36 and not spec.tie_word_embeddings
     assert resolve_model_argument(str(tmp_path), "dummy") == str(tmp_path)
-    with pytest.raises(ServeConfigError, match="llama-3.1-8b, llama-3.2-1b, qwen3-8b"):
+    with pytest.raises(ServeConfigError, match="deepseek-v3, gemma-3-27b, gpt-oss-120b, gpt-oss-20b, llama-3.1-8b, "
+                                               "llama-3.2-1b, mixtral-8x7b, qwen3-235b-a22b, qwen3-30b-a3b, "
+                                               "qwen3-8b, qwen3-next-80b-a3b"):
         resolve_model_argument("llama-9b", "dummy")
 
 
@@ -172,4 +174,4 @@ def test_serve_names_the_flag_and_the_known_shapes_for_an_unknown_name():
     result = subprocess.run([sys.executable, "-m", "stagemesh.cli", "serve", "llama-9b", "--load-format", "dummy"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "--load-format dummy" in result.stderr and "known shapes: llama-3.1-8b" in result.stderr
+    assert "--load-format dummy" in result.stderr and "known shapes: deepseek-v3, gemma-3-27b" in result.stderr

@@ -225,9 +225,15 @@ def _config_dir(tmp_path: Path, **config) -> str:
     return str(tmp_path)
 
 
-def test_unsupported_architecture(tmp_path):
-    with pytest.raises(ModelFormatError, match=r"'gemma2' model; stagemesh serves llama"):
-        read_model_spec(_config_dir(tmp_path, model_type="gemma2"))
+@pytest.mark.parametrize(("model_type", "reason"), [
+    ("gemma2", "mlx-lm implements it, but stagemesh has not verified its split"),
+    ("no_such_model", "mlx-lm has no implementation of it"),
+    ("gemma4_text", "cannot be split across pipeline stages: its later layers reuse the keys and values"),
+])
+def test_unsupported_architecture_is_refused_by_name_with_the_reason(tmp_path, model_type, reason):
+    with pytest.raises(ModelFormatError, match=rf"'{model_type}' model.*{reason}.*stagemesh serves llama, qwen2, "
+                                               rf"qwen3, deepseek_v3"):
+        read_model_spec(_config_dir(tmp_path, model_type=model_type))
 
 
 @pytest.mark.parametrize(

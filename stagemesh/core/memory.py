@@ -153,7 +153,7 @@ class TensorBytes:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """A model's size as the planner needs it; every decoder layer is alike (Llama, Qwen)."""
+    """A model's size as the planner needs it; every decoder layer counts as ``layer``."""
 
     num_layers: int
     layer: TensorBytes  # one decoder layer
@@ -161,6 +161,10 @@ class ModelFacts:
     head: TensorBytes  # the final norm plus the output projection (the embedding again when tied)
     kv_elements_per_token: int  # keys + values of one token in one layer (2 x kv_heads x head_dim)
     tied_embeddings: bool = False
+    # Each decoder layer's own size where they differ (dense first layers beside experts, linear-attention
+    # layers beside attention ones); empty when every layer is ``layer``. The planner sizes every layer as
+    # ``layer`` (the largest), so a plan never undercounts; ``slice_weight_bytes`` is a given slice's exact size.
+    layer_sizes: tuple[TensorBytes, ...] = ()
 
     def stage_weight_bytes(self, layers: int, *, first: bool, last: bool, element_bytes: int) -> int:
         """Weights of a stage holding ``layers`` layers (plus the embedding when first, the head when last)."""
@@ -172,6 +176,13 @@ class ModelFacts:
             total += self.head.nbytes(element_bytes) - (
                 self.embedding.nbytes(element_bytes) if first and self.tied_embeddings else 0)
         return total
+
+    def slice_weight_bytes(self, start: int, end: int, *, first: bool, last: bool, element_bytes: int) -> int:
+        """Weights of the stage holding layers ``[start, end)``, each at its own size."""
+        if not self.layer_sizes:
+            return self.stage_weight_bytes(end - start, first=first, last=last, element_bytes=element_bytes)
+        ends = self.stage_weight_bytes(0, first=first, last=last, element_bytes=element_bytes)
+        return ends + sum(t.nbytes(element_bytes) for t in self.layer_sizes[start:end])
 
     def kv_bytes_per_token(self, layers: int, element_bytes: int) -> int:
         return layers * self.kv_elements_per_token * element_bytes

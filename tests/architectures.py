@@ -1,0 +1,75 @@
+"""Tiny random-weight checkpoints of every architecture the suite serves, in mlx-community's file layout.
+
+``TINY_CONFIGS[name]`` is a Hugging Face ``config.json`` small enough for CPU tests (hidden 64, 4-6 layers,
+a few experts) that still exercises what makes the architecture itself: routed and shared experts with dense
+first layers, MLA's latent cache, sliding-window layers beside global ones, attention sinks, linear-attention
+layers. ``tiny_checkpoint(name, root)`` writes it once per directory with mlx-lm's own initialisation
+(``stagemesh.bench.random_checkpoint``) and the default model's tokenizer; the vocabulary is the
+tokenizer's, so a served model decodes every id it samples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB = 49152  # the default model's tokenizer (SmolLM2)
+
+_COMMON = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "max_position_embeddings": 512, "rope_theta": 10000.0}
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": {**_COMMON, "model_type": "llama", "num_hidden_layers": 4, "intermediate_size": 128,
+              "tie_word_embeddings": True},
+    "qwen2": {**_COMMON, "model_type": "qwen2", "num_hidden_layers": 4, "intermediate_size": 128,
+              "tie_word_embeddings": False},
+    "qwen3": {**_COMMON, "model_type": "qwen3", "num_hidden_layers": 4, "intermediate_size": 128,
+              "tie_word_embeddings": True},
+    "qwen3_moe": {**_COMMON, "model_type": "qwen3_moe", "num_hidden_layers": 4, "intermediate_size": 128,
+                  "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [0], "norm_topk_prob": True,
+                  "tie_word_embeddings": False},
+    "mixtral": {**_COMMON, "model_type": "mixtral", "num_hidden_layers": 4, "intermediate_size": 64,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    "gpt_oss": {**_COMMON, "model_type": "gpt_oss", "num_hidden_layers": 4, "intermediate_size": 64,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "deepseek_v3": {**_COMMON, "model_type": "deepseek_v3", "num_hidden_layers": 4, "intermediate_size": 128,
+                    "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
+                    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+                    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 32,
+                    "v_head_dim": 32, "num_key_value_heads": 4, "n_group": 2, "topk_group": 1,
+                    "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                    "norm_topk_prob": True},
+    "glm4_moe": {**_COMMON, "model_type": "glm4_moe", "num_hidden_layers": 4, "intermediate_size": 128,
+                 "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
+                 "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 1.0, "norm_topk_prob": True, "use_qk_norm": True,
+                 "attention_bias": True, "partial_rotary_factor": 0.5, "rope_scaling": None,
+                 "tie_word_embeddings": False},
+    "gemma3_text": {**_COMMON, "model_type": "gemma3_text", "num_hidden_layers": 6, "intermediate_size": 128,
+                    "sliding_window": 8, "sliding_window_pattern": 3, "query_pre_attn_scalar": 16,
+                    "rope_local_base_freq": 10000.0},
+    "phi3": {**_COMMON, "model_type": "phi3", "num_hidden_layers": 4, "intermediate_size": 128,
+             "tie_word_embeddings": False},
+    "qwen3_next": {**_COMMON, "model_type": "qwen3_next", "num_hidden_layers": 4, "intermediate_size": 128,
+                   "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 8,
+                   "num_experts_per_tok": 2, "decoder_sparse_step": 1, "shared_expert_intermediate_size": 32,
+                   "mlp_only_layers": [], "moe_intermediate_size": 32, "partial_rotary_factor": 0.25,
+                   "full_attention_interval": 2, "tie_word_embeddings": False},
+    "olmoe": {**_COMMON, "model_type": "olmoe", "num_hidden_layers": 4, "intermediate_size": 32,
+              "num_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    "llama4_text": {**_COMMON, "model_type": "llama4_text", "num_hidden_layers": 4, "intermediate_size": 32,
+                    "intermediate_size_mlp": 128, "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True,
+                    "tie_word_embeddings": False},
+}
+
+
+def tiny_checkpoint(name: str, root: Path, dtype: str = "float32") -> str:
+    """``TINY_CONFIGS[name]`` written under ``root/name`` (once): config.json, model.safetensors, tokenizer."""
+    from stagemesh.bench.random_checkpoint import write_random_checkpoint
+
+    out = root / name
+    if not (out / "model.safetensors").is_file():
+        write_random_checkpoint(TINY_CONFIGS[name], out, dtype=dtype, seed=sum(map(ord, name)))
+    return str(out)

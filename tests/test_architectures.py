@@ -1,0 +1,172 @@
+"""Every served architecture through real pipelines equals mlx-lm's own greedy generation on the same files.
+
+For each architecture, a tiny random-weight checkpoint in mlx-community's layout (``tests/architectures.py``):
+mlx-lm's ``generate_step`` gives the reference tokens of each prompt alone; stagemesh then serves the same
+files at PP=1, 2 and 3 (real engine, scheduler and relay loops, stages on threads joined by real lanes) and
+must give those tokens for a prompt alone and for prompts of other lengths batched together, arriving at
+different steps and finishing at different steps (so decode groups grow and shrink), with the prefix cache
+on as serving sets it (on for models whose every layer keeps plain KV, off for windows and recurrent state),
+a shared-prefix prompt included.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from stage_worker.mlx_arch import describe, exact_prefix_reuse
+from stage_worker.model_spec import read_model_spec
+from stage_worker.packed_forward import Segment
+from stage_worker.prefix_cache import PrefixCache
+from stage_worker.stage_model import StackStageModel, StageModel, StageRole, runs_packed
+from stagemesh.core.layer_split import LayerRange, even_split
+from tests.architectures import TINY_CONFIGS, tiny_checkpoint
+from tests.engine_helpers import InProcessPipeline, read_until_finished
+
+# Longer than the sliding windows (8) of the tiny gpt_oss and gemma3_text, so windows rotate.
+PROMPTS = (
+    (504, 3575, 282, 4649, 314, 1018, 28, 2270, 253, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21),
+    (1, 2, 3),
+    (17, 42, 99, 1000, 5, 6, 7, 8, 9, 10, 11),
+)
+MAX_TOKENS = (12, 7, 10)
+# Shares PROMPTS[0]'s first 16 tokens (two prefix-cache blocks of 8).
+SHARED_PREFIX = PROMPTS[0][:16] + (7, 7, 7)
+BLOCK = 8
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("architectures")
+
+
+def _mlx_lm_greedy(path: str, prompts, max_tokens: int) -> list[list[int]]:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    model, _ = load(path)
+    outputs = []
+    for prompt in prompts:
+        steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                              sampler=lambda logits: mx.argmax(logits, axis=-1))
+        outputs.append([int(token) for token, _ in steps])
+    return outputs
+
+
+def _stages(spec, depth: int) -> list[StageModel]:
+    ranges = even_split(spec.num_layers, depth)
+    return [StageModel.load(spec, StageRole(LayerRange(r.start, r.end), i == 0, i == depth - 1), mx.float32)
+            for i, r in enumerate(ranges)]
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_pipelines_equal_mlx_lm_generation(checkpoints, name):
+    path = tiny_checkpoint(name, checkpoints)
+    spec = read_model_spec(path)
+    reference = _mlx_lm_greedy(path, PROMPTS + (SHARED_PREFIX,), max(MAX_TOKENS))
+    expected = [ref[:n] for ref, n in zip(reference, MAX_TOKENS)]
+    exact = exact_prefix_reuse(spec)
+    for depth in (1, 2, 3):
+        stages = _stages(spec, depth)
+        assert isinstance(stages[0], StageModel if runs_packed(spec) else StackStageModel)
+        prefix_cache = PrefixCache(BLOCK, b"test") if exact else None
+        with InProcessPipeline(stages, prefix_cache=prefix_cache) as pipeline:
+            alone = pipeline.generate(PROMPTS[2], MAX_TOKENS[2])
+            assert alone == expected[2], f"PP={depth}: a prompt alone"
+            # Two prompts together; the third arrives once the first has its first tokens (the decode group
+            # grows), and they finish at different steps (it shrinks).
+            first = [pipeline.submit(PROMPTS[0], MAX_TOKENS[0]), pipeline.submit(PROMPTS[1], MAX_TOKENS[1])]
+            early = first[0].events.get(timeout=120)
+            late = pipeline.submit(PROMPTS[2], MAX_TOKENS[2])
+            outputs, _ = read_until_finished(first + [late])
+            outputs[0] = list(early.token_ids) + outputs[0]
+            assert outputs == expected, f"PP={depth}: prompts batched"
+            # A prompt sharing the first one's prefix: reused from the prefix cache where it is exact.
+            assert pipeline.generate(SHARED_PREFIX, MAX_TOKENS[0]) == reference[3][:MAX_TOKENS[0]], \
+                f"PP={depth}: a prompt sharing a cached prefix"
+            if exact:
+                assert pipeline.scheduler.prefix_cache is not None
+                assert pipeline.scheduler.prefix_cache.stats.hits >= 2 * BLOCK
+
+
+def test_cache_kinds_follow_the_architecture():
+    kinds = {name: set(describe(name, config).cache_kinds) for name, config in TINY_CONFIGS.items()}
+    assert kinds["gpt_oss"] == {"kv", "rotating"} and kinds["gemma3_text"] == {"kv", "rotating"}
+    assert kinds["qwen3_next"] == {"kv", "arrays"}
+    assert all(kinds[name] == {"kv"} for name in ("deepseek_v3", "qwen3_moe", "mixtral", "llama", "olmoe"))
+    assert describe("deepseek_v3", TINY_CONFIGS["deepseek_v3"]).array_masks
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", ["plan", "serve"])
+def test_a_model_that_cannot_be_split_is_refused_before_any_stage_loads(tmp_path, command):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4_text", "hidden_size": 64,
+                                                      "num_hidden_layers": 4}))
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", command, str(tmp_path), "--load-format", "dummy",
+                           "-pp", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "'gemma4_text' model, which cannot be split across pipeline stages" in done.stderr
+    assert "stagemesh serves llama, qwen2, qwen3" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_planner_facts_equal_the_bytes_each_stage_loads(checkpoints, name):
+    from stage_worker.model_facts import model_facts
+
+    spec = read_model_spec(tiny_checkpoint(name, checkpoints))
+    facts = model_facts(spec)
+    n = spec.num_layers
+    for start, end, first, last in [(0, n, True, True), (0, 1, True, False), (1, n - 1, False, False),
+                                    (n - 1, n, False, True)]:
+        model = StageModel.load(spec, StageRole(LayerRange(start, end), first, last), mx.float32)
+        assert facts.slice_weight_bytes(start, end, first=first, last=last, element_bytes=4) == model.weight_bytes
+        # What the planner counts: every layer as the largest, never less than the stage holds.
+        assert facts.stage_weight_bytes(end - start, first=first, last=last, element_bytes=4) >= model.weight_bytes
+        caches = model.new_caches()
+        model.run_packed(mx.zeros((1, spec.hidden_size)), [Segment(caches, 1)])
+        held = [c.keys.shape[1] * c.keys.shape[3] + c.values.shape[1] * c.values.shape[3]
+                for c in caches if hasattr(c, "keys") and c.keys is not None]
+        assert max(held, default=0) <= facts.kv_elements_per_token
+        if end - start == n:
+            assert max(held) == facts.kv_elements_per_token  # keys and values per token of the widest layer
+    if name == "deepseek_v3":  # MLA: the latent (kv_lora_rank) and the rotary key, one "head", per token
+        config = TINY_CONFIGS[name]
+        assert facts.kv_elements_per_token == config["kv_lora_rank"] + config["qk_rope_head_dim"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_quantized_dummy_experts_load_as_the_planner_counts(tmp_path, name):
+    import json
+
+    from stage_worker.model_facts import model_facts
+
+    config = {**TINY_CONFIGS[name], "quantization": {"group_size": 32, "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = read_model_spec(str(tmp_path), "dummy")
+    facts = model_facts(spec)
+    n = spec.num_layers
+    for start, end, first, last in [(0, 2, True, False), (2, n, False, True)]:
+        model = StageModel.load(spec, StageRole(LayerRange(start, end), first, last), mx.float16)
+        assert model.quantized
+        assert facts.slice_weight_bytes(start, end, first=first, last=last, element_bytes=2) == model.weight_bytes
+
+
+# Parameters of the shipped shapes as their authors publish them (billions).
+PUBLISHED_SIZES = {"qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.1, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8,
+                   "mixtral-8x7b": 46.7, "gemma-3-27b": 27.0, "qwen3-next-80b-a3b": 79.7, "deepseek-v3": 671.0}
+
+
+@pytest.mark.parametrize("shape", sorted(PUBLISHED_SIZES))
+def test_shipped_shapes_have_their_published_sizes(shape):
+    from stage_worker.model_facts import model_facts
+    from stagemesh.bench.random_checkpoint import SHAPES_DIR
+
+    facts = model_facts(read_model_spec(str(SHAPES_DIR / shape), "dummy"))
+    layers = facts.layer_sizes or (facts.layer,) * facts.num_layers
+    head = 0 if facts.tied_embeddings else facts.head.elements
+    total = sum(t.elements for t in layers) + facts.embedding.elements + head
+    assert total / 1e9 == pytest.approx(PUBLISHED_SIZES[shape], rel=0.01)
