@@ -21,7 +21,7 @@ from stagemesh import openai_flags, security_flags
 
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, shape_names
-from stagemesh.core import settings
+from stagemesh.core import defaults, settings
 from stagemesh.core.errors import UserError
 
 if TYPE_CHECKING:
@@ -46,12 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: from the model)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's context length)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences a replica runs at once")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS,
+                        help="sequences a replica runs at once")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.ENABLE_PREFIX_CACHING,
                         help="keep finished sequences' KV on every stage and reuse it for prompts that start alike "
                              "(the same system prompt, a conversation's earlier turns); within the KV budget, "
                              "evicted least recently used first (default: on)")
-    parser.add_argument("--prefix-cache-block-size", type=int, default=16,
+    parser.add_argument("--prefix-cache-block-size", type=int, default=defaults.PREFIX_CACHE_BLOCK_SIZE,
                         help="tokens per prefix-cache block: prefixes are cached and reused in whole blocks "
                              "(default %(default)s)")
     parser.add_argument("--dtype", default="auto",
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run a quantized checkpoint with dense weights: auto does so when the dense weights "
                              "fit half the memory budget, on CUDA (its quantized matmul does not batch) and on the "
                              "CPU backend with an optimized BLAS; never on Metal")
-    parser.add_argument("--memory-fraction", type=float, default=0.8,
+    parser.add_argument("--memory-fraction", type=float, default=defaults.MEMORY_FRACTION,
                         help="share of each host's memory (on Metal and CUDA: of its GPU's) its stages may use for "
                              "weights and KV cache (like vLLM's --gpu-memory-utilization)")
     add_load_format_argument(parser)
@@ -76,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="global stage g binds base+g for gRPC (default $STAGEMESH_GRPC_BASE_PORT or "
                              f"{settings.DEFAULT_GRPC_BASE_PORT})")
     openai_flags.add_arguments(parser)
-    parser.add_argument("--startup-timeout", type=float, default=300.0,
+    parser.add_argument("--startup-timeout", type=float, default=defaults.STARTUP_TIMEOUT_S,
                         help="seconds allowed for every stage to load and join its ring")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the layer plan (as `stagemesh plan` does) and exit without starting a stage")
@@ -154,7 +156,7 @@ def build_mesh_config(args: argparse.Namespace):
     if not 0 < args.memory_fraction <= 1:
         raise ServeConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     context = int(spec.args.get("max_position_embeddings") or 0)
-    max_model_len = args.max_model_len or context or 4096
+    max_model_len = args.max_model_len or context or defaults.MAX_MODEL_LEN
     if max_model_len < 2 or (context and max_model_len > context):
         raise ServeConfigError(f"--max-model-len {max_model_len} must be between 2 and the model's context "
                                f"length {context}")

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stagemesh.core import defaults
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=8, help="conversations at once")
@@ -37,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-len", type=int, default=256, help="tokens of the shared system prompt")
     parser.add_argument("--user-len", type=int, default=32, help="tokens of each user turn")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per turn")
-    parser.add_argument("--block-size", type=int, default=16, help="prefix-cache block size")
+    parser.add_argument("--block-size", type=int, default=defaults.PREFIX_CACHE_BLOCK_SIZE,
+                        help="prefix-cache block size")
     parser.add_argument("--out", default=None, help="also write the JSON here")
 
 
