@@ -13,7 +13,7 @@ reads a ``StageLaunch`` (plan, rank, options) and runs ``serve``:
    (``stage_worker.warmup``).
 4. ``connect``: lanes and handshake with both neighbours, then MLX's ring
    (``stage_worker.handshake``); a single-stage pipeline has no links.
-5. ``run_entry`` (rank 0: the scheduler and engine behind ``Generate``) or
+5. ``run_entry`` (rank 0: the scheduler and engine behind ``GenerateStream``) or
    ``run_relay`` (every other rank, until SHUTDOWN has gone round the ring).
 
 ``run_stage`` is steps 3-5 with the error handling both the server and the
@@ -65,7 +65,7 @@ from stage_worker.stage_model import (
 from stage_worker.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
 from stage_worker.stage_status import StageStatus
 from stage_worker.warmup import warm_up, warmup_plan
-from stagemesh.core import settings
+from stagemesh.core import defaults, settings
 from stagemesh.core.gpus import stage_has_own_gpu
 from stagemesh.core.grpc_tls import read_tls_dir
 from stagemesh.core.plan import StageLaunch
@@ -146,7 +146,8 @@ def resolve(launch: StageLaunch) -> StageContext:
     # Before any weights load: on CUDA the device's free memory is then the room this stage may fill.
     device = probe()
     dtype = resolve_compute_dtype(plan.compute_dtype, device.backend)
-    max_model_len = launch.options.max_model_len or int(spec.args.get("max_position_embeddings") or 4096)
+    max_model_len = launch.options.max_model_len or int(spec.args.get("max_position_embeddings")
+                                                        or defaults.MAX_MODEL_LEN)
     ring_timeout = launch.options.ring_timeout_s or float(settings.RING_TIMEOUT)
     return StageContext(launch, spec, dtype, max_model_len, ring_timeout, device)
 

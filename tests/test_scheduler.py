@@ -2,9 +2,8 @@
 
 import pytest
 
+from stage_worker.batch import RecordFlag, SampledToken
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, Scheduler
-from stage_worker.stage_runtime import SampledToken
-from stage_worker.wire import RecordFlag
 
 
 def _scheduler(**overrides):

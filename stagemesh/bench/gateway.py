@@ -10,17 +10,14 @@ without a GPU: it runs
   gets one token per step, as in a decode batch; 0: as fast as it can),
   echoing the prompt's own tokens so detokenization does real work. It serves
   ``GenerateStream`` as the stage does (one message a step for every request
-  of the call) or, for ``--stage-rpc generate``, only ``Generate`` (one call
-  per request, one message per token: what the gateway falls back to for an
-  older stage);
+  of the call);
 * the **real gateway** (``gateway.app.create_app``, uvicorn, the model's
   tokenizer) in front of it, in its own process;
 
 then loads the gateway with ``stagemesh bench`` (chat, streaming, usage) at
-each ``--concurrency`` level, for each ``--stage-rpc`` in turn (a fresh source
-and gateway each), and reports what the gateway process spent: CPU seconds
-per output token and its share of one core, next to the tokens per second
-delivered, and each RPC's CPU per token over the first's at the same level.
+each ``--concurrency`` level and reports what the gateway process spent: CPU
+seconds per output token and its share of one core, next to the tokens per
+second delivered.
 The token source runs in a third process, so its CPU is not the gateway's.
 The source is a benchmark instrument, not a model: it stands for the mesh so
 the gateway's own cost can be read alone.
@@ -50,9 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-base", type=int, default=29300, help="gateway on this port, the source on +1")
     parser.add_argument("--tokenizer", default=None,
                         help="Hugging Face tokenizer directory (default: the embedded model's)")
-    parser.add_argument("--stage-rpc", default="stream,generate",
-                        help="comma-separated, measured in this order: stream (GenerateStream, the gateway's "
-                             "path) and generate (one Generate call per request)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     # Internal: the two server processes this command starts.
     parser.add_argument("--serve-source", action="store_true", help=argparse.SUPPRESS)
@@ -61,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.serve_source:
-        asyncio.run(_serve_source(args.port_base + 1, args.step_ms, args.stage_rpc == "stream"))
+        asyncio.run(_serve_source(args.port_base + 1, args.step_ms))
         return 0
     if args.serve_gateway:
         _serve_gateway(args.port_base, args.port_base + 1, args.tokenizer)
@@ -70,13 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from stagemesh.bench.serving import server_process
 
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    rpcs = [r.strip() for r in args.stage_rpc.split(",") if r.strip()]
     if not levels or min(levels) < 1 or args.step_ms < 0:
         print("bench-gateway: --concurrency takes positive integers, --step-ms >= 0", file=sys.stderr)
-        return 2
-    if not rpcs or not set(rpcs) <= {"stream", "generate"} or len(set(rpcs)) != len(rpcs):
-        print(f"bench-gateway: --stage-rpc takes stream and/or generate, each once; got {args.stage_rpc!r}",
-              file=sys.stderr)
         return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-gateway-") as tmp:
@@ -86,33 +75,31 @@ def run(args: argparse.Namespace) -> int:
 
             tokenizer_dir = str(Path(tmp) / "tokenizer")
             default_model_tokenizer().save_pretrained(tokenizer_dir)
-        for rpc in rpcs:
-            own = [sys.executable, "-m", "stagemesh.cli", "bench-gateway", "--port-base", str(args.port_base),
-                   "--step-ms", str(args.step_ms), "--tokenizer", tokenizer_dir, "--stage-rpc", rpc]
-            with server_process([*own, "--serve-source"], "bench-gateway source", None, startup_s=120, poll_s=0.5,
-                                stop_s=20), \
-                    server_process([*own, "--serve-gateway"], "bench-gateway gateway",
-                                   f"http://127.0.0.1:{args.port_base}/health", startup_s=120, poll_s=0.5,
-                                   stop_s=20) as gateway:
-                url = f"http://127.0.0.1:{args.port_base}"
+        own = [sys.executable, "-m", "stagemesh.cli", "bench-gateway", "--port-base", str(args.port_base),
+               "--step-ms", str(args.step_ms), "--tokenizer", tokenizer_dir]
+        with server_process([*own, "--serve-source"], "bench-gateway source", None, startup_s=120, poll_s=0.5,
+                            stop_s=20), \
+                server_process([*own, "--serve-gateway"], "bench-gateway gateway",
+                               f"http://127.0.0.1:{args.port_base}/health", startup_s=120, poll_s=0.5,
+                               stop_s=20) as gateway:
+            url = f"http://127.0.0.1:{args.port_base}"
 
-                load = functools.partial(_load, url, args, tokenizer_dir)
-                load(2, 4, str(Path(tmp) / "warmup.json"))
-                for level in levels:
-                    result = str(Path(tmp) / f"{rpc}-level{level}.json")
-                    cpu_before = process_cpu_seconds(gateway.pid)
-                    why = load(level, args.num_prompts, result)  # the client's start-up costs the gateway nothing
-                    cpu_after = process_cpu_seconds(gateway.pid)
-                    if not Path(result).exists() or cpu_before is None or cpu_after is None:
-                        print(f"bench-gateway: {rpc} level {level} produced no result:\n{why}", file=sys.stderr)
-                        return 1
-                    stats = json.load(open(result))["levels"][0]
-                    tokens = round(float(stats["output_tokens_per_s"]) * float(stats["wall_time"]))
-                    rows.append(_row(rpc, level, args.step_ms, stats, tokens, cpu_after - cpu_before))
+            load = functools.partial(_load, url, args, tokenizer_dir)
+            load(2, 4, str(Path(tmp) / "warmup.json"))
+            for level in levels:
+                result = str(Path(tmp) / f"level{level}.json")
+                cpu_before = process_cpu_seconds(gateway.pid)
+                why = load(level, args.num_prompts, result)  # the client's start-up costs the gateway nothing
+                cpu_after = process_cpu_seconds(gateway.pid)
+                if not Path(result).exists() or cpu_before is None or cpu_after is None:
+                    print(f"bench-gateway: level {level} produced no result:\n{why}", file=sys.stderr)
+                    return 1
+                stats = json.load(open(result))["levels"][0]
+                tokens = round(float(stats["output_tokens_per_s"]) * float(stats["wall_time"]))
+                rows.append(_row(level, args.step_ms, stats, tokens, cpu_after - cpu_before))
     for line in _table(rows):
         print(line, file=sys.stderr)
-    text = json.dumps({"step_ms": args.step_ms, "output_len": args.output_len, "levels": rows,
-                       "cpu_per_token_ratios": cpu_ratios(rows)}, indent=1)
+    text = json.dumps({"step_ms": args.step_ms, "output_len": args.output_len, "levels": rows}, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -131,13 +118,13 @@ def _load(url: str, args: argparse.Namespace, tokenizer_dir: str, level: int, nu
     return done.stderr[-2000:]
 
 
-def _row(rpc: str, level: int, step_ms: float, stats: dict[str, Any], tokens: int, cpu_s: float) -> dict:
+def _row(level: int, step_ms: float, stats: dict[str, Any], tokens: int, cpu_s: float) -> dict:
     """One level's figures (pure): the gateway's CPU over the level, per token and as a share of one core
     over the level's wall time."""
     wall = float(stats["wall_time"])
     offered = level * 1000.0 / step_ms if step_ms > 0 else None
     return {
-        "stage_rpc": rpc, "concurrency": level, "offered_tokens_per_s": offered,
+        "concurrency": level, "offered_tokens_per_s": offered,
         "output_tokens_per_s": round(float(stats["output_tokens_per_s"]), 1),
         "ttft_p50_ms": _ms(stats["ttft"]["p50"]), "itl_p50_ms": _ms(stats["itl"]["p50"]),
         "failed": stats.get("failed", 0), "gateway_cpu_s": round(cpu_s, 2),
@@ -146,40 +133,25 @@ def _row(rpc: str, level: int, step_ms: float, stats: dict[str, Any], tokens: in
     }
 
 
-def cpu_ratios(rows: list[dict]) -> list[dict]:
-    """Each later RPC's gateway CPU per token over the first RPC's, level by level (pure)."""
-    first = rows[0]["stage_rpc"] if rows else None
-    base = {r["concurrency"]: r["gateway_cpu_ms_per_token"] for r in rows if r["stage_rpc"] == first}
-    out = []
-    for r in rows:
-        reference = base.get(r["concurrency"])
-        if r["stage_rpc"] != first and reference and r["gateway_cpu_ms_per_token"]:
-            out.append({"concurrency": r["concurrency"], "stage_rpc": r["stage_rpc"], "baseline": first,
-                        "cpu_ms_per_token_ratio": round(r["gateway_cpu_ms_per_token"] / reference, 3)})
-    return out
-
-
 def _ms(seconds: float | None) -> float | None:
     return round(1000 * seconds, 2) if seconds is not None else None
 
 
 def _table(rows: list[dict]) -> list[str]:
-    lines = [f"{'rpc':>9} {'streams':>8} {'offered tok/s':>14} {'delivered tok/s':>16} {'ITL p50 ms':>11} "
+    lines = [f"{'streams':>8} {'offered tok/s':>14} {'delivered tok/s':>16} {'ITL p50 ms':>11} "
              f"{'gateway core':>13} {'CPU ms/token':>13}"]
     for r in rows:
         offered = f"{r['offered_tokens_per_s']:.0f}" if r["offered_tokens_per_s"] else "unpaced"
         itl = f"{r['itl_p50_ms']:.2f}" if r["itl_p50_ms"] is not None else "-"
-        lines.append(f"{r['stage_rpc']:>9} {r['concurrency']:>8} {offered:>14} {r['output_tokens_per_s']:>16.1f} "
+        lines.append(f"{r['concurrency']:>8} {offered:>14} {r['output_tokens_per_s']:>16.1f} "
                      f"{itl:>11} "
                      f"{100 * (r['gateway_core_share'] or 0):>12.0f}% {r['gateway_cpu_ms_per_token'] or 0:>13.3f}")
     return lines
 
 
-async def _serve_source(port: int, step_ms: float, generate_stream: bool) -> None:
-    """A ``stagemesh.v1.Stage`` server that gives every request one token per step: over ``Generate``
-    one message per token, over ``GenerateStream`` (unless not ``generate_stream``: UNIMPLEMENTED, as
-    an older stage answers) one message per step for every request of the call."""
-    import grpc
+async def _serve_source(port: int, step_ms: float) -> None:
+    """A ``stagemesh.v1.Stage`` server that gives every request one token per step, over
+    ``GenerateStream``: one message per step for every request of the call."""
     import grpc.aio
 
     from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
@@ -196,13 +168,7 @@ async def _serve_source(port: int, step_ms: float, generate_stream: bool) -> Non
                 else stage_pb2.FINISH_REASON_UNSPECIFIED)
 
     class TokenSource(stage_pb2_grpc.StageServicer):
-        async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-            async for response in tokens(request):
-                yield response
-
         async def GenerateStream(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-            if not generate_stream:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "bench-gateway --stage-rpc generate")
             await context.send_initial_metadata(())  # accepted (stage.proto: clients wait for it)
             updates: asyncio.Queue[Any] = asyncio.Queue()
             running: dict[str, asyncio.Task] = {}

@@ -11,10 +11,7 @@ at one stream and at ``--streams`` streams, measured
 2. **stage gRPC**: a PP=1 ``stagemesh serve`` of the same model, loaded straight
    at its entry stage over ``GenerateStream``, every stream of a round on one
    call as the gateway sends them (the mesh token from this command), the
-   client an asyncio gRPC client in this process; and beside it, not a layer,
-   **stage gRPC per request**: the same load with one ``Generate`` call per
-   stream (what the gateway falls back to for an older stage), so one
-   invocation says what one message per step instead of one per token saves;
+   client an asyncio gRPC client in this process;
 3. **gateway**: the same server through its OpenAI API: streaming
    completions of the same token-id prompts, sent in the same waves as the
    stage layer (every stream of a round at once), from an asyncio HTTP client
@@ -88,20 +85,17 @@ def run(args: argparse.Namespace) -> int:
         with server_process(command, "bench-stack serve", f"http://127.0.0.1:{args.port}/health", env=env,
                             log_dir=Path(tmp) / "logs"):
             target = f"127.0.0.1:{grpc_port}"
-            direct = {level: asyncio.run(_direct_level(target, token, level, args, per_request=False))
-                      for level in levels}
-            per_request = {level: asyncio.run(_direct_level(target, token, level, args, per_request=True))
-                           for level in levels}
+            direct = {level: asyncio.run(_direct_level(target, token, level, args)) for level in levels}
             gateway = {level: asyncio.run(_gateway_level(f"http://127.0.0.1:{args.port}", level, args))
                        for level in levels}
-    result = stack_report(bare, engine, direct, gateway, args, per_request)
+    result = stack_report(bare, engine, direct, gateway, args)
     for line in _table(result):
         print(line, file=sys.stderr)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    measured = [layer for row in result["levels"] for layer in (*row["layers"].values(), row["stage_grpc_per_request"])]
+    measured = [layer for row in result["levels"] for layer in row["layers"].values()]
     return 1 if any(layer["failed"] for layer in measured) else 0
 
 
@@ -145,10 +139,9 @@ def _engine_layer(args: argparse.Namespace, model: str, tmp: Path) -> dict[int, 
 Outcome = tuple[float, list[float], str | None]  # a stream's start, its tokens' arrival times, its error
 
 
-async def _direct_level(target: str, token: str, streams: int, args: argparse.Namespace,
-                        per_request: bool) -> dict[str, Any]:
-    """``streams`` requests at once over one GenerateStream call (``per_request``: one Generate call
-    each), ``args.rounds`` times after one warm-up round; pooled figures."""
+async def _direct_level(target: str, token: str, streams: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``streams`` requests at once over one GenerateStream call, ``args.rounds`` times after one warm-up
+    round; pooled figures."""
     import grpc
 
     from stagemesh.core.mesh_token import call_metadata
@@ -161,16 +154,6 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
                                          prompt_token_ids=_prompt(index, args.prompt_len),
                                          max_tokens=args.tokens, ignore_eos=True,
                                          sampling=stage_pb2.SamplingParams(temperature=0.0))
-
-    async def one(stub: Any, index: int) -> Outcome:
-        started, stamps = time.perf_counter(), list[float]()
-        try:
-            async for message in stub.Generate(request(index), metadata=metadata, timeout=600):
-                now = time.perf_counter()
-                stamps.extend(now for _ in message.token_ids)
-        except grpc.aio.AioRpcError as exc:
-            return started, stamps, f"{exc.code().name}: {exc.details()}"
-        return started, stamps, None
 
     async def together(stub: Any, indices: range) -> list[Outcome]:
         started = time.perf_counter()
@@ -197,15 +180,9 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
             errors.update({i: f"{exc.code().name}: {exc.details()}" for i in open_ids})
         return [(started, stamps[i], errors.get(i)) for i in stamps]
 
-    async def round_of(stub: Any, first: int) -> list[Outcome]:
-        indices = range(first, first + streams)
-        if per_request:
-            return list(await asyncio.gather(*(one(stub, i) for i in indices)))
-        return await together(stub, indices)
-
     async with grpc.aio.insecure_channel(target) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
-        return await _waves(lambda first: round_of(stub, first), streams, args.rounds)
+        return await _waves(lambda first: together(stub, range(first, first + streams)), streams, args.rounds)
 
 
 def _prompt(index: int, length: int) -> list[int]:
@@ -272,17 +249,13 @@ async def _gateway_level(url: str, streams: int, args: argparse.Namespace) -> di
 
 
 def stack_report(bare: dict[int, dict], engine: dict[int, dict], direct: dict[int, dict],
-                 gateway: dict[int, dict], args: argparse.Namespace,
-                 per_request: dict[int, dict] | None = None) -> dict[str, Any]:
-    """The four layers per level and each one's throughput over the layer below, and the stage's
-    GenerateStream over one Generate call per request (pure)."""
+                 gateway: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]:
+    """The four layers per level and each one's throughput over the layer below (pure)."""
     rows = []
     for level in sorted(direct):
         layers = {"bare": bare[level], "engine": engine[level], "stage_grpc": direct[level],
                   "gateway": gateway[level]}
-        beside = (per_request or {}).get(level)
-        rows.append({"streams": level, "layers": layers, "stage_grpc_per_request": beside,
-                     "stage_grpc_over_per_request": _ratio(direct[level], beside) if beside else None,
+        rows.append({"streams": level, "layers": layers,
                      "engine_over_bare": _ratio(engine[level], bare[level]),
                      "stage_grpc_over_engine": _ratio(direct[level], engine[level]),
                      "gateway_over_stage_grpc": _ratio(gateway[level], direct[level]),
@@ -314,12 +287,6 @@ def _table(result: dict[str, Any]) -> list[str]:
             lines.append(f"{row['streams']:>7}  {name:<10}  {_cell(layer['tokens_per_s']):>7}  "
                          f"{_cell(layer['ttft_p50_ms']):>11}  {_cell(layer['itl_p50_ms']):>10}  "
                          f"{layer['failed']:>6}  {_cell(below[name], 'x')}")
-        beside = row.get("stage_grpc_per_request")
-        if beside:
-            lines.append(f"{row['streams']:>7}  {'(per req.)':<10}  {_cell(beside['tokens_per_s']):>7}  "
-                         f"{_cell(beside['ttft_p50_ms']):>11}  {_cell(beside['itl_p50_ms']):>10}  "
-                         f"{beside['failed']:>6}  stage_grpc over it: "
-                         f"{_cell(row['stage_grpc_over_per_request'], 'x')}")
     return lines
 
 

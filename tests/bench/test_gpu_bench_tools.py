@@ -91,7 +91,4 @@ def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_r
         assert row["engine_over_bare"] > 0 and row["gateway_over_bare"] > 0
         # Straight at the stage every token arrives: 4 per stream, so gaps and a first token exist.
         assert row["layers"]["stage_grpc"]["ttft_p50_ms"] > 0 and row["layers"]["stage_grpc"]["itl_p50_ms"] > 0
-        # Beside the layers: the same load, one Generate call per stream instead of one GenerateStream.
-        assert row["stage_grpc_per_request"]["failed"] == 0 and row["stage_grpc_per_request"]["tokens_per_s"] > 0
-        assert row["stage_grpc_over_per_request"] > 0
     assert "stage_grpc" in done.stderr and "gateway" in done.stderr  # the table
