@@ -53,6 +53,7 @@ class GrammarRows:
     def _load(self, vocab: int) -> None:
         if self._tokenizer is not None:
             return
+        # llguidance and the tokenizer (transformers) load only for a stage's first constrained sequence.
         import llguidance
         import llguidance.hf
 

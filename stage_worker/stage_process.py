@@ -37,6 +37,7 @@ import mlx.core as mx
 from stage_worker import wire
 from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
 from stage_worker.build_ahead import build_ahead_enabled
+from stage_worker.default_model import default_model_path
 from stage_worker.device import StageDevice, apply_wired_limit, probe
 from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_wanted
 from stage_worker.fused_projections import fusion_wanted
@@ -51,7 +52,8 @@ from stage_worker.memory import (
     peak_rss_bytes,
     stages_sharing_memory,
 )
-from stage_worker.model_spec import ModelFormatError, ModelSpec, read_model_spec
+from stage_worker.model_reader import read_model_spec
+from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
 from stage_worker.scheduler import Scheduler
@@ -138,8 +140,6 @@ def resolve(launch: StageLaunch) -> StageContext:
     plan = launch.plan
     if plan.model_is_default:
         # Each node finds the embedded default in its own installation.
-        from stage_worker.default_model import default_model_path
-
         spec = read_model_spec(default_model_path(), plan.load_format)
     else:
         spec = read_model_spec(plan.model_path, plan.load_format)

@@ -23,7 +23,7 @@ import numpy as np
 
 from coordinator.local_launcher import PipelineFailed, start_local_pipeline
 from stage_worker.generation_job import GenerationJob
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stage_worker.tokenizer import load_tokenizer
 from stagemesh.core import settings
 from stagemesh.core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan, make_local_plan

@@ -15,17 +15,18 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from stage_worker.default_model import resolve_model_path
+from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stagemesh import openai_flags, security_flags
 
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, shape_names
 from stagemesh.core import defaults, settings
 from stagemesh.core.errors import UserError
-
-if TYPE_CHECKING:
-    from stage_worker.model_spec import ModelSpec
+from stagemesh.core.layer_split import plan_layer_split
+from stagemesh.core.ports import check_port_base, port_is_free
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -95,9 +96,6 @@ def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
 def resolve_model_argument(model: str | None, load_format: str) -> str:
     """MODEL as a local path, as ``stage_worker.default_model.resolve_model_path`` finds it; with
     ``--load-format dummy`` also the name of a shipped shape (a local path of that name wins)."""
-    from stage_worker.default_model import resolve_model_path
-    from stage_worker.model_spec import ModelFormatError
-
     if load_format != "dummy" or model is None:
         return resolve_model_path(model)
     names = shape_names()
@@ -128,8 +126,6 @@ class ServeConfigError(UserError):
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
-    from stagemesh.core.ports import port_is_free
-
     if not port_is_free(host, port):
         raise ServeConfigError(f"{flag} {port}: cannot listen on {host}:{port} (in use or not this host's "
                                f"address); stop what uses it or choose another {flag}")
@@ -137,12 +133,11 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 
 def build_mesh_config(args: argparse.Namespace):
     """Validate every flag against the model and return the coordinator's config (no side effects)."""
+    # Lazily: the model readers and the stage's model code bring MLX, the coordinator its Ray glue.
     from coordinator.mesh import MeshConfig
     from stage_worker.model_facts import model_facts
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
-    from stagemesh.core.layer_split import plan_layer_split
-    from stagemesh.core.ports import check_port_base
 
     for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs),
@@ -197,6 +192,7 @@ def build_mesh_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
+    # Lazily: the gateway (FastAPI, transformers), the coordinator (Ray) and MLX load only to serve.
     import uvicorn
 
     from coordinator.mesh import MeshCoordinator
@@ -211,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         return 2
     if getattr(args, "dry_run", False):
-        from stagemesh.plan import print_plan
+        from stagemesh.plan_report import print_plan  # the coordinator's planning code: only for a dry run
 
         return print_plan(config, as_json=False)
     tokenizer = load_tokenizer(spec)

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.device import current_backend
     from stage_worker.engine import step_ahead_pays
     from stage_worker.fused_projections import fusion_wanted
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stage_worker.warmup import warm_up, warmup_plan
     from stagemesh.core import defaults, settings

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.default_model import resolve_model_path
     from stage_worker.device import current_backend
     from stage_worker.fused_projections import fusion_wanted
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
     from stagemesh.core import settings
     from stagemesh.core.layer_split import LayerRange
