@@ -28,9 +28,10 @@ import asyncio
 import logging
 import os
 import queue
+import random
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -321,6 +322,10 @@ def _generation_request(request: stage_pb2.GenerateRequest, request_id: str) -> 
     """The engine's request; ``ValueError`` (``SamplingError``, ``RequestError``) names a bad field."""
     params = sampling.from_proto(request.sampling)
     sampling.check(params, max_tokens=request.max_tokens, name=_field_name)
+    if params.seed is None and not params.greedy:
+        # Drawn once per request: its records carry it every step (the sampler's key mixes in the position,
+        # so each step draws afresh), and the pipeline has no record to re-seed on its way.
+        params = replace(params, seed=random.getrandbits(62))
     if params.grammar and (request.ignore_eos or not request.stop_token_ids):
         raise RequestError("a grammar (constrained decoding) needs stop_token_ids and not ignore_eos: "
                            "the output ends where the grammar does")
