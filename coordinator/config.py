@@ -18,6 +18,7 @@ from coordinator.layer_planner import PlanRequest
 from coordinator.placement import PlacementError, check_port_ranges
 from coordinator.stage_host import DEFAULT_STAGE_COMMAND
 from coordinator.supervision import BackoffPolicy
+from stagemesh.core import defaults
 from stagemesh.core.grpc_tls import TlsFiles
 from stagemesh.core.layer_split import plan_layer_split
 from stagemesh.core.memory import ModelFacts
@@ -46,9 +47,9 @@ class MeshConfig:
     enable_prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching
     prefix_cache_block_size: int | None = None  # --prefix-cache-block-size
     ray_address: str | None = None  # None: RAY_ADDRESS, else a local loopback Ray
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = defaults.STARTUP_TIMEOUT_S
     placement_timeout_s: float = 30.0
-    connect_timeout_s: float = 60.0  # passed to each stage (--connect-timeout)
+    connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S  # passed to each stage (--connect-timeout)
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0  # deadline of each health RPC
     unhealthy_after_misses: int = 3
@@ -69,10 +70,10 @@ class MeshConfig:
 
     def plan_request(self) -> PlanRequest:
         """What the layer planner must fit (the stage's own defaults where the user left a flag unset)."""
-        defaults = StageOptions()
         return PlanRequest(
-            max_model_len=self.max_model_len or 4096, max_num_seqs=self.max_num_seqs or defaults.max_num_seqs,
-            memory_fraction=self.memory_fraction or defaults.memory_fraction, compute_dtype=self.compute_dtype,
+            max_model_len=self.max_model_len or defaults.MAX_MODEL_LEN,
+            max_num_seqs=self.max_num_seqs or defaults.MAX_NUM_SEQS,
+            memory_fraction=self.memory_fraction or defaults.MEMORY_FRACTION, compute_dtype=self.compute_dtype,
             layer_split=self.layer_split)
 
 

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from stagemesh.core import defaults
 from stagemesh.core.errors import UserError
 from stagemesh.core.layer_split import LayerRange, even_split, parse_layer_split
 from stagemesh.core.memory import RUNTIME_OVERHEAD_BYTES, ModelFacts, NodeMemory, dtype_bytes, resolved_dtype
@@ -75,8 +76,8 @@ class StageSeat:
 @dataclass(frozen=True)
 class PlanRequest:
     max_model_len: int
-    max_num_seqs: int = 64
-    memory_fraction: float = 0.8
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    memory_fraction: float = defaults.MEMORY_FRACTION
     compute_dtype: str = "auto"
     layer_split: str | None = None  # --pp-layer-split: checked, not chosen
 

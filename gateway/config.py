@@ -5,7 +5,7 @@
   absent ``model`` also means it).
 - ``max_model_len``: context length; a prompt plus ``max_tokens`` must fit.
 - ``api_keys``: accepted bearer keys for ``/v1/*``; empty: no auth.
-- ``request_timeout_s``: gRPC deadline of each Generate call (a request
+- ``request_timeout_s``: deadline of each generation on a stage (a request
   outliving it gets a 504, and the stage aborts the sequence).
 - ``max_outstanding_per_replica``: calls in flight per replica before new ones
   get 503 (0: no gateway-side cap; the entry stage's own queue still answers

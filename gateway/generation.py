@@ -3,7 +3,7 @@
 Contract:
 - ``ChoiceJob`` is one (prompt, choice) pair: its OpenAI choice index, the
   prompt's token ids and the resolved token budget and stage sampling.
-- ``run_choices(jobs, ...)`` starts one Generate call per job concurrently and
+- ``run_choices(jobs, ...)`` starts one generation per job concurrently and
   yields ``ChoiceEvent``s as text becomes available, each job ending with
   exactly one event whose ``finish_reason`` is set ("stop": EOS or a stop
   string; "length": the token budget). Text is detokenized incrementally (no

@@ -43,7 +43,7 @@ class GatewayCounters:
     client_errors: int  # generation responses with a 4xx status
     server_errors: int  # generation responses with a 5xx status
     running: int  # generation requests in flight
-    replica_failures: Mapping[int, int]  # replica -> Generate calls that failed there
+    replica_failures: Mapping[int, int]  # replica -> generations that failed there
 
     @classmethod
     def read(cls, metrics: GatewayMetrics) -> GatewayCounters:

@@ -19,7 +19,7 @@ Contract:
   ``stagemesh_stage_prefix_cache_blocks``,
   ``stagemesh_stage_healthy``; plus
   ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer
-  and ``stagemesh_gateway_replica_failures_total{replica}`` (Generate calls
+  and ``stagemesh_gateway_replica_failures_total{replica}`` (generations
   that failed on the replica, from the replica client).
 - The same TTFT and inter-token observations also go to ``recent_ttft`` and
   ``recent_itl`` (``gateway.recent.RecentWindow``), and to the serving
@@ -100,11 +100,11 @@ class StageCollector(Collector):
                     gauge.add_metric(values, float(getattr(stage.stats, name)))
                 healthy.add_metric(values, 1.0 if stage.healthy else 0.0)
         outstanding = GaugeMetricFamily("stagemesh_gateway_replica_outstanding_requests",
-                                        "Generate calls in flight from this gateway, per replica", labels=["replica"])
+                                        "Generations in flight from this gateway, per replica", labels=["replica"])
         for replica_id, count in sorted(self._outstanding().items()):
             outstanding.add_metric([str(replica_id)], float(count))
         failures = CounterMetricFamily("stagemesh_gateway_replica_failures",
-                                       "Generate calls from this gateway that failed on the replica",
+                                       "Generations from this gateway that failed on the replica",
                                        labels=["replica"])
         for replica_id, count in sorted(self._failures().items()):
             failures.add_metric([str(replica_id)], float(count))

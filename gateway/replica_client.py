@@ -10,9 +10,10 @@ Contract:
   messages from one healthy replica chosen by least outstanding requests
   (ties round-robin), under a per-request deadline. Requests to one entry
   stage share one ``GenerateStream`` call (``gateway.stage_streams``: one
-  message per engine step for all of them). Close the generator (``aclosing``) or cancel the task consuming it
-  and the request is cancelled, which makes the stage abort the sequence and
-  free its slot.
+  message per engine step for all of them), the one RPC path to a stage.
+  Close the generator (``aclosing``) or cancel the task consuming it and the
+  request is cancelled, which makes the stage abort the sequence and free its
+  slot.
 - If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token
   arrived, another healthy replica is tried (up to ``failover_attempts``
   more); nothing was generated yet, so this cannot duplicate output.
@@ -69,13 +70,9 @@ class ReplicaClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
         self._streams: dict[str, StageStream] = {}  # entry target -> its GenerateStream call
-        # Entry targets whose stage process (by pid) answered GenerateStream UNIMPLEMENTED; a new process
-        # at the target (an upgraded stage) is tried with GenerateStream again.
-        self._generate_only: dict[str, int | None] = {}
-        self._entry_pids: dict[str, int | None] = {}  # entry target -> its stage's pid, from the snapshot
         self.balancer = LeastOutstandingBalancer()
         self._serving: dict[str, int] = {}  # request id -> the replica its call runs on, while it runs
-        self.failures: dict[int, int] = {}  # replica -> Generate calls that failed there
+        self.failures: dict[int, int] = {}  # replica -> requests that failed there
 
     def replica_of(self, request_id: str) -> int | None:
         return self._serving.get(request_id)
@@ -102,11 +99,7 @@ class ReplicaClient:
 
     def _healthy_keys(self) -> list[ReplicaKey]:
         healthy: tuple[ReplicaSnapshot, ...] = self._mesh.snapshot().healthy_replicas
-        self._entry_pids = {r.entry.grpc_target: r.entry.pid for r in healthy}
         return [(r.replica, r.entry.grpc_target) for r in healthy]
-
-    def _generate_only_now(self, target: str) -> bool:
-        return target in self._generate_only and self._generate_only[target] == self._entry_pids.get(target)
 
     def _pick(self, tried: set[ReplicaKey]) -> ReplicaKey:
         keys = self._healthy_keys()
@@ -128,7 +121,7 @@ class ReplicaClient:
             tried.add(key)
             self.balancer.acquire(key)
             self._serving[request.request_id] = key[0]
-            call: grpc.aio.UnaryStreamCall | StreamedGeneration | None = None
+            call: StreamedGeneration | None = None
             received = False
             try:
                 call = await self._call(key[1], request)
@@ -137,11 +130,6 @@ class ReplicaClient:
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self._generate_only_now(key[1]):
-                    # An older stage: Generate per request for as long as this process serves the target.
-                    self._generate_only[key[1]] = self._entry_pids.get(key[1])
-                    tried.discard(key)
-                    continue
                 # The replica's failures only: not a client that left, nor a request the stage refused as invalid.
                 if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT):
                     self.failures[key[0]] = self.failures.get(key[0], 0) + 1
@@ -157,10 +145,7 @@ class ReplicaClient:
                 self.balancer.release(key)
                 self._serving.pop(request.request_id, None)
 
-    async def _call(self, target: str,
-                    request: stage_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall | StreamedGeneration:
-        if self._generate_only_now(target):
-            return self._stub(target).Generate(request, timeout=self._timeout, metadata=self._metadata)
+    async def _call(self, target: str, request: stage_pb2.GenerateRequest) -> StreamedGeneration:
         stream = self._streams.get(target)
         if stream is None or stream.closed:
             stream = self._streams[target] = StageStream(self._stub(target), self._metadata)

@@ -8,9 +8,10 @@ is in range, supported, or fits the context is decided in one place,
 field comes from there. Fields we accept but cannot honour are declared here
 with their OpenAI default so that sending the default stays legal.
 
-The documented ranges (``_doc``) are the same ones ``gateway.sampling_params``
-enforces, only *described* here (``json_schema_extra``), so /openapi.json is as
-tight as the validation while the 400s keep their own wording;
+The documented ranges are the core's (``stagemesh.core.sampling.RANGES``, which
+``gateway.sampling_params`` enforces) and the request limits below, only
+*described* here (``json_schema_extra``), so /openapi.json is as tight as the
+validation while the 400s keep their own wording;
 ``gateway.openapi`` adds the vocabulary and context bounds of the served model.
 The rules between fields (``stream_options`` needs ``stream``, one output
 constraint at most, a message's content by role, ...) are said in JSON Schema
@@ -27,10 +28,28 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stagemesh.core import sampling
+
+# The request's own limits (the sampling fields' ranges are the core's: stagemesh.core.sampling.RANGES).
+MAX_N = 16  # choices per prompt
+MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
+
 
 def _doc(**schema: Any) -> Any:
     """An optional field whose documented JSON Schema gains ``schema`` (the run-time checks are elsewhere)."""
     return Field(default=None, json_schema_extra=schema)
+
+
+def _bounds(field: str) -> dict[str, Any]:
+    """The JSON Schema bounds of a core sampling field's range (``stagemesh.core.sampling.RANGES``)."""
+    allowed = sampling.RANGES[field]
+    return {"exclusiveMinimum" if allowed.low_open else "minimum": allowed.low, "maximum": allowed.high}
+
+
+def _in_range(field: str, **schema: Any) -> Any:
+    """An optional field documented with its core range (and ``schema``)."""
+    return _doc(**_bounds(field), **schema)
 
 
 TOKEN_IDS: dict[str, Any] = {"x-token-ids": True}
@@ -142,30 +161,29 @@ class StreamOptions(_Strict):
 class _CommonRequest(_Strict):
     model: str | None = None
     max_tokens: int | None = _doc(minimum=1, **{"x-max-tokens": True})
-    temperature: float | None = _doc(minimum=0, maximum=2)
-    top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
-    n: int | None = _doc(minimum=1, maximum=16)
+    temperature: float | None = _in_range("temperature")
+    top_p: float | None = _in_range("top_p")
+    n: int | None = _doc(minimum=1, maximum=MAX_N)
     # 2**63 - 1024: the largest double below 2**63, so a JSON number the schema admits is a signed 64-bit
     # integer however the client's JSON reads it (2**63 - 1 as a double is 2**63, out of range).
     seed: int | None = _doc(minimum=-(2**63), maximum=2**63 - 1024)
     stop: str | list[str] | None = _doc(anyOf=[{"type": "string", "minLength": 1},
-                                               {"type": "array", "maxItems": 4,
+                                               {"type": "array", "maxItems": MAX_STOP_STRINGS,
                                                 "items": {"type": "string", "minLength": 1}},
                                                {"type": "null"}])
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # metadata only
-    presence_penalty: float | None = _doc(minimum=-2, maximum=2)
-    frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
-    logit_bias: dict[str, float] | None = _doc(maxProperties=1024, **{"x-token-id-keys": True},
-                                               additionalProperties={"type": "number", "minimum": -100,
-                                                                     "maximum": 100})
+    presence_penalty: float | None = _in_range("presence_penalty")
+    frequency_penalty: float | None = _in_range("frequency_penalty")
+    logit_bias: dict[str, float] | None = _doc(maxProperties=sampling.MAX_LOGIT_BIAS, **{"x-token-id-keys": True},
+                                               additionalProperties={"type": "number", **_bounds("logit_bias")})
     # vLLM's extra sampling parameters (docs/api.md lists each with its range and default).
-    top_k: int | None = _doc(minimum=-1, maximum=2**31 - 1)
-    min_p: float | None = _doc(minimum=0, maximum=1)
-    repetition_penalty: float | None = _doc(exclusiveMinimum=0, maximum=2)
+    top_k: int | None = _doc(minimum=-1, maximum=sampling.RANGES["top_k"].high)  # -1, as 0, disables
+    min_p: float | None = _in_range("min_p")
+    repetition_penalty: float | None = _in_range("repetition_penalty")
     min_tokens: int | None = _doc(minimum=0, **{"x-max-tokens": True})
-    stop_token_ids: list[int] | None = _doc(maxItems=64, **TOKEN_IDS)
+    stop_token_ids: list[int] | None = _doc(maxItems=MAX_STOP_TOKEN_IDS, **TOKEN_IDS)
     ignore_eos: bool | None = None
     allowed_token_ids: list[int] | None = _doc(**TOKEN_IDS)
     skip_special_tokens: bool | None = None
@@ -201,7 +219,7 @@ class CompletionRequest(_CommonRequest):
         {"type": "array", "minItems": 1, "maxItems": 32, "items": {"type": "string", "minLength": 1}},
         {"type": "array", "minItems": 1, "maxItems": 32,
          "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "x-token-id": True}}}]})
-    logprobs: int | None = _doc(minimum=0, maximum=20)
+    logprobs: int | None = _in_range("logprobs")
     echo: bool | None = None
     suffix: str | None = _doc(maxLength=0)
     best_of: int | None = _doc(enum=[1, None])
@@ -241,7 +259,7 @@ class ChatCompletionRequest(_CommonRequest):
     continue_final_message: bool | None = None
     max_completion_tokens: int | None = _doc(minimum=1, **{"x-max-tokens": True})
     logprobs: bool | None = None
-    top_logprobs: int | None = _doc(minimum=0, maximum=20)
+    top_logprobs: int | None = _in_range("logprobs")
     response_format: dict[str, Any] | None = _doc(**_nullable(
         {"type": "object", "properties": {"type": {"const": "text"}}},
         {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}},

@@ -15,7 +15,6 @@ first chunk of a stream).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -92,10 +91,10 @@ class OpenAIServing:
         tools = tool_plan(req)
         forced = tools.forced_schema()
         if forced is not None:
-            if settings.grammar:
+            if settings.sampling.grammar:
                 raise errors.bad_request(f"tool_choice {tools.mode} constrains the output already; it cannot be "
                                          "combined with response_format or guided_*.", "tool_choice")
-            settings = dataclasses.replace(settings, grammar=json_schema_grammar(forced, "tools"))
+            settings = settings.with_grammar(json_schema_grammar(forced, "tools"))
         prompt = render_chat(req.messages, self._tokenizer, chat_options(req, self._config.openai), tools)
         return await self._serve("chat", model, [prompt], settings, "messages", arrived, tools=tools)
 
@@ -154,7 +153,7 @@ class OpenAIServing:
         use = usage(_prompt_tokens(jobs, settings.n), sum(completion))
         self._metrics.usage(sum(len(j.prompt_ids) for j in jobs), use["completion_tokens"])
         logprobs: list[dict[str, Any] | None] | None = None
-        if settings.logprobs is not None:
+        if settings.sampling.logprobs is not None:
             logprobs = [self._format_logprobs(header.kind, e, 0)[0] for e in entries]
         contents: list[str | None] = ["".join(t) for t in texts]
         calls: list[list[dict[str, Any]]] | None = None
@@ -192,7 +191,7 @@ class OpenAIServing:
                     continue
                 if ev.text or ev.finish_reason:
                     logprobs = None
-                    if settings.logprobs is not None:
+                    if settings.sampling.logprobs is not None:
                         logprobs, offsets[ev.index] = self._format_logprobs(header.kind, list(ev.logprobs),
                                                                             offsets[ev.index])
                     yield sse(header.chunk(ev.index, ev.text, ev.finish_reason, include_usage=inc,

@@ -10,9 +10,9 @@ Contract:
   event loop, and a task that reads it. ``await start(request, timeout_s)`` writes the request's
   start and returns its ``StreamedGeneration``. ``closed`` turns true once the call has ended (the
   stage died, the connection broke, ``close()``); the client then opens a new stream for new work.
-- A ``StreamedGeneration`` is to its caller what a unary-stream ``Generate`` call is: iterate it for
+- A ``StreamedGeneration`` is to its caller what a call of its own would be: iterate it for
   ``GenerateResponse`` messages, ending after the one whose ``finish_reason`` is set; it raises
-  ``grpc.aio.AioRpcError`` with the codes ``Generate`` would have (the request's own error from the
+  ``grpc.aio.AioRpcError`` with the request's status code (the request's own error from the
   stage; the call's failure, for every request on it; DEADLINE_EXCEEDED ``timeout_s`` after the
   start, which also aborts the request on the stage). ``cancel()`` is synchronous (safe in a
   ``finally`` of a task being cancelled) and tells the stage to abort the request unless it ended.
@@ -104,9 +104,9 @@ class StageStream:
         self._accepted = asyncio.ensure_future(self._call.initial_metadata())
 
     async def start(self, request: stage_pb2.GenerateRequest, timeout_s: float) -> StreamedGeneration:
-        # Write only once the stage has accepted the call: a write racing a call it already ended (an
-        # older stage's UNIMPLEMENTED, a stage that is not serving) makes grpc.aio report INTERNAL in
-        # place of the stage's status (grpc/grpc#36066), and the client could not fall back or fail over.
+        # Write only once the stage has accepted the call: a write racing a call it already ended (a
+        # stage that is not serving) makes grpc.aio report INTERNAL in place of the stage's status
+        # (grpc/grpc#36066), and the client could not fail over.
         if not self._accepted.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._accepted), timeout_s)

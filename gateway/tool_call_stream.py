@@ -1,6 +1,6 @@
 """Tool calls read from a streamed reply as it arrives: text deltas in, content and call deltas out.
 
-Contract: ``ToolCallStream(fmt)`` (``fmt.stream()``, a ``gateway.tool_parsers.ToolFormat``)
+Contract: ``ToolCallStream(fmt)`` (``fmt`` a ``gateway.tool_parsers.ToolFormat``)
 is fed the reply's text deltas (``feed(text)``) and returns, for each, the
 events to send now; ``finish()`` returns the last ones. Events:
 - ``ContentDelta(text)``: text before the calls. Only what could still begin a

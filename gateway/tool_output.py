@@ -55,9 +55,9 @@ class ToolStream:
         self._named = ""  # a named call's arguments so far
         self._named_id = new_call_id()
         if plan.mode == "auto":
-            self._parser = fmt.stream()
+            self._parser = ToolCallStream(fmt)
         elif plan.mode == "required":
-            self._parser = FORCED.stream()
+            self._parser = ToolCallStream(FORCED)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if not text:

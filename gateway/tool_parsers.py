@@ -21,7 +21,7 @@ Contract:
   holding an object counts as that object's text). Text that does not parse
   as calls is all content (no call is invented or lost silently); text after
   the last call is not part of the reply.
-- ``fmt.stream()``: an incremental parser for one streamed reply.
+- The incremental parser for one streamed reply is ``gateway.tool_call_stream.ToolCallStream(fmt)``.
 - ``pick_parser(flag, chat_template)``: the flag when given, else the format
   the model's chat template writes, else ``hermes``.
 """
@@ -32,10 +32,7 @@ import json
 import uuid
 from dataclasses import dataclass
 from json.decoder import scanstring  # type: ignore[attr-defined]  # public in json.decoder, untyped
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .tool_call_stream import ToolCallStream
+from typing import Any
 
 _WS = " \t\n\r"
 _DECODER = json.JSONDecoder()
@@ -189,11 +186,6 @@ class ToolFormat:
         while self.separator and text.startswith(self.separator, i):
             i = skip_ws(text, one(i + len(self.separator)))
         return found
-
-    def stream(self) -> ToolCallStream:
-        from .tool_call_stream import ToolCallStream
-
-        return ToolCallStream(self)
 
 
 PARSERS: dict[str, ToolFormat] = {

@@ -24,6 +24,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from stagemesh.core import settings
+
 from .model_spec import ModelFormatError
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -34,8 +36,6 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def cache_dir() -> Path:
-    from stagemesh.core import settings
-
     return Path(settings.CACHE_DIR or Path.home() / ".cache" / "stagemesh")
 
 

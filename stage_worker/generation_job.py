@@ -9,28 +9,30 @@ Results are token ids only; tokenization is the caller's business.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
-from stage_worker.stage_runtime import Chunk, EntryPipeline
-from stage_worker.wire import RecordFlag, SamplingParams, SequenceRecord
+from stage_worker.batch import Chunk, RecordFlag, SequenceRecord
+from stage_worker.stage_runtime import EntryPipeline
+from stagemesh.core.sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)
 class GenerationJob:
     prompts: tuple[tuple[int, ...], ...]
     max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = GREEDY
     eos_ids: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"prompts": [list(p) for p in self.prompts], "max_tokens": self.max_tokens,
+                "sampling": self.sampling.to_json(), "eos_ids": list(self.eos_ids)}
 
     @classmethod
     def from_dict(cls, raw: dict) -> GenerationJob:
         return cls(
             prompts=tuple(tuple(p) for p in raw["prompts"]),
             max_tokens=raw["max_tokens"],
-            sampling=SamplingParams(**raw.get("sampling", {})),
+            sampling=SamplingParams.from_json(raw["sampling"]) if "sampling" in raw else GREEDY,
             eos_ids=tuple(raw.get("eos_ids", ())),
         )
 

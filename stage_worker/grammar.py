@@ -2,7 +2,7 @@
 
 Contract:
 - ``GrammarRows(spec)`` holds an ``llguidance.LLMatcher`` per sequence whose
-  ``RowOptions.grammar`` is set (an llguidance grammar: the gateway compiles
+  ``RowOptions.sampling.grammar`` is set (an llguidance grammar: the gateway compiles
   JSON schemas, regexes and Lark into it). The llguidance tokenizer is built
   from the model's own tokenizer on the first constrained sequence (about a
   second, once per stage process); stages that never see one never load it.
@@ -53,6 +53,7 @@ class GrammarRows:
     def _load(self, vocab: int) -> None:
         if self._tokenizer is not None:
             return
+        # llguidance and the tokenizer (transformers) load only for a stage's first constrained sequence.
         import llguidance
         import llguidance.hf
 

@@ -1,8 +1,11 @@
 """The gRPC face of a stage: ``stagemesh.v1.Stage``, standard health, and reflection.
 
 Every stage serves ``GetStageInfo`` and ``Drain``; only the entry stage has an
-engine and serves ``Generate`` and ``Abort`` (others answer
-FAILED_PRECONDITION). Health (service ``""`` and ``stagemesh.v1.Stage``)
+engine and serves ``GenerateStream`` and ``Abort`` (others answer
+FAILED_PRECONDITION). A prompt's sampling is converted from the proto and
+checked here by the core's one ``stagemesh.core.sampling.check`` (the gateway
+ran it already; other callers, grpcurl or a benchmark, get the same named
+INVALID_ARGUMENT), and nothing past this boundary checks it again. Health (service ``""`` and ``stagemesh.v1.Stage``)
 mirrors the stage's state: SERVING only while the stage is serving. Every
 method but health, reflection and ``GetStageInfo`` requires the mesh token
 (``stage_worker.auth_interceptor``).
@@ -24,9 +27,10 @@ import asyncio
 import logging
 import os
 import queue
+import random
 import threading
-import uuid
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,10 +39,9 @@ from grpc_reflection.v1alpha import reflection
 from stage_worker.auth_interceptor import MeshTokenInterceptor
 from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed, RequestHandle
 from stage_worker.memory import peak_rss_bytes
-from stage_worker.row_options import MAX_TOP_LOGPROBS, NO_LOGPROBS, RowOptions
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, RequestEvent
 from stage_worker.stage_status import StageStatus
-from stage_worker.wire import NO_SEED, SamplingParams
+from stagemesh.core import sampling
 from stagemesh.core.grpc_tls import TlsFiles, server_credentials
 from stagemesh.core.states import StageState, state_to_proto
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
@@ -122,29 +125,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             stats=stats.to_proto(), blas=self._status.blas, backend=d.backend, device=d.device,
         )
 
-    async def Generate(self, request, context):
-        engine = await self._require_engine(context)
-        try:
-            handle = _submit(engine, request, request.request_id or uuid.uuid4().hex)
-        except _Refused as exc:
-            await context.abort(exc.code, exc.message)
-        wakeup = self._wakeups[handle.request_id] = asyncio.Event()
-        finished = False
-        try:
-            while not finished:
-                event = await _next_event(handle, wakeup)
-                if isinstance(event, RequestFailed):
-                    finished = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
-                assert isinstance(event, RequestEvent)
-                finished = event.finish is not None
-                yield _response(event)
-        finally:
-            # A cancelled call (client gone, deadline) ends here too: free the sequence on every stage.
-            self._wakeups.pop(handle.request_id, None)
-            if not finished:
-                engine.abort(handle.request_id)
-
     async def GenerateStream(self, request_iterator, context):
         """Many prompts over one call (the gateway's path): one wake-up per engine step for all of them,
         answered by one message holding every prompt's news (``stage.proto``'s contract)."""
@@ -155,17 +135,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         reading = asyncio.ensure_future(call.read(request_iterator))
         reading.add_done_callback(call.reader_done)
         try:
-            while True:
-                call.wakeup.clear()  # before looking: see _next_event
-                updates = call.collect()
-                if updates:
-                    yield stage_pb2.GenerateStreamResponse(updates=updates)
-                elif (reading.done() or self._closing) and not call.running:
-                    # The client's side is closed, or the server is stopping: a gateway keeps its call
-                    # open for the next request, and the server's grace period should not wait for that.
-                    return
-                else:
-                    await call.wakeup.wait()
+            # The call ends once nothing runs on it and the client's side is closed or the server is
+            # stopping (a gateway keeps its call open for the next request; a stopping server's grace
+            # period should not wait for that).
+            async for updates in call.updates(lambda: reading.done() or self._closing):
+                yield stage_pb2.GenerateStreamResponse(updates=updates)
         finally:
             self._streams.discard(call)
             reading.cancel()
@@ -191,27 +165,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def _require_engine(self, context) -> EntryEngine:
         if self._description.rank != 0:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"stage {self._description.rank} is not an entry stage; send Generate to rank 0")
+                                f"stage {self._description.rank} is not an entry stage; send GenerateStream to rank 0")
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"the entry stage is {self._status.state.value}, not serving yet")
         assert self.engine is not None  # context.abort raises: it never returns
         return self.engine
-
-
-async def _next_event(handle: RequestHandle, wakeup: asyncio.Event) -> RequestEvent | RequestFailed:
-    """The handle's next event, merged with what is queued behind it; waits for a wake-up when there is none.
-
-    Clearing the wake-up before looking closes the race with the engine's thread: it queues an event
-    first and wakes the loop after, so an event is either seen here or followed by a ``set`` this
-    coroutine then awaits.
-    """
-    while True:
-        wakeup.clear()
-        try:
-            return _coalesce(handle.events.get_nowait(), handle.events)
-        except queue.Empty:
-            await wakeup.wait()
 
 
 def _coalesce(event: RequestEvent | RequestFailed, events: queue.SimpleQueue) -> RequestEvent | RequestFailed:
@@ -238,7 +197,7 @@ def _coalesce(event: RequestEvent | RequestFailed, events: queue.SimpleQueue) ->
 
 
 class _Refused(Exception):
-    """A request the engine would not take, with the status code Generate answers it with."""
+    """A prompt the engine would not take, with the status code its update carries."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -248,21 +207,12 @@ class _Refused(Exception):
 def _submit(engine: EntryEngine, request: stage_pb2.GenerateRequest, request_id: str) -> RequestHandle:
     """Hand ``request`` to the engine; ``_Refused`` says why it would not take it."""
     try:
-        options = _row_options(request)
-        return engine.submit(GenerationRequest(
-            request_id=request_id,
-            prompt=tuple(request.prompt_token_ids),
-            max_tokens=request.max_tokens,
-            sampling=_sampling(request.sampling),
-            stop_token_ids=frozenset(request.stop_token_ids),
-            ignore_eos=request.ignore_eos,
-            options=None if options.is_default else options,
-        ))
+        return engine.submit(_generation_request(request, request_id))
     except QueueFullError as exc:
         raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
     except NotAccepting as exc:
         raise _Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-    except ValueError as exc:  # RequestError included: a bad field, named
+    except ValueError as exc:  # SamplingError and RequestError included: a bad field, named
         raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
@@ -323,6 +273,24 @@ class _StreamCall:
             self._wakeups.pop(request_id, None)
             self._engine.abort(request_id)
 
+    async def updates(self, ended: Callable[[], bool]) -> AsyncIterator[list[stage_pb2.GenerateUpdate]]:
+        """Each batch of updates as it comes, waiting on the wake-up in between; stops once ``ended()``
+        and no prompt runs.
+
+        Clearing the wake-up before looking closes the race with the engine's thread: it queues an event
+        first and wakes the loop after, so an event is either collected here or followed by a ``set``
+        this coroutine then awaits.
+        """
+        while True:
+            self.wakeup.clear()
+            updates = self.collect()
+            if updates:
+                yield updates
+            elif ended() and not self.running:
+                return
+            else:
+                await self.wakeup.wait()
+
     def collect(self) -> list[stage_pb2.GenerateUpdate]:
         """Every prompt's events queued since the last look, one update each; finished prompts leave."""
         updates, self._refused = self._refused, []
@@ -349,52 +317,25 @@ class _StreamCall:
             self._cancel(request_id)
 
 
-def _sampling(params: stage_pb2.SamplingParams) -> SamplingParams:
-    temperature = params.temperature
-    top_p = params.top_p if params.top_p > 0 else 1.0
-    if not 0 <= temperature <= 2:
-        raise RequestError(f"sampling.temperature must be in [0, 2], got {temperature}")
-    if not 0 < top_p <= 1:
-        raise RequestError(f"sampling.top_p must be in (0, 1], got {top_p}")
-    if params.top_k < 0:
-        raise RequestError(f"sampling.top_k must be 0 (disabled) or positive, got {params.top_k}")
-    seed = params.seed if params.HasField("seed") else NO_SEED
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=params.top_k, seed=seed)
-
-
-def _row_options(request: stage_pb2.GenerateRequest) -> RowOptions:
-    """The request's options for the last stage's logits processors; RequestError names a bad field."""
-    p = request.sampling
-    for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
-                            ("min_p", 0.0, 1.0)):
-        value = getattr(p, name)
-        if not low <= value <= high:
-            raise RequestError(f"sampling.{name} must be in [{low:g}, {high:g}], got {value}")
-    repetition = p.repetition_penalty or 1.0  # proto3's unset 0 means the default
-    if not 0.0 < repetition <= 2.0:
-        raise RequestError(f"sampling.repetition_penalty must be in (0, 2], got {repetition}")
-    for token, bias in p.logit_bias.items():
-        if token < 0 or not -100.0 <= bias <= 100.0:
-            raise RequestError(f"sampling.logit_bias: token {token} -> {bias}: ids >= 0, biases in [-100, 100]")
-    if any(t < 0 for t in p.allowed_token_ids):
-        raise RequestError("sampling.allowed_token_ids must hold token ids >= 0")
-    if p.min_tokens > request.max_tokens:
-        raise RequestError(f"sampling.min_tokens ({p.min_tokens}) must not exceed max_tokens ({request.max_tokens})")
-    logprobs = p.logprobs if p.HasField("logprobs") else NO_LOGPROBS
-    if logprobs > MAX_TOP_LOGPROBS:
-        raise RequestError(f"sampling.logprobs must be at most {MAX_TOP_LOGPROBS}, got {logprobs}")
-    stops = () if request.ignore_eos else tuple(sorted(set(request.stop_token_ids)))
-    if p.grammar and not stops:
+def _generation_request(request: stage_pb2.GenerateRequest, request_id: str) -> GenerationRequest:
+    """The engine's request; ``ValueError`` (``SamplingError``, ``RequestError``) names a bad field."""
+    params = sampling.from_proto(request.sampling)
+    sampling.check(params, max_tokens=request.max_tokens, name=_field_name)
+    if params.seed is None and not params.greedy:
+        # Drawn once per request: its records carry it every step (the sampler's key mixes in the position,
+        # so each step draws afresh), and the pipeline has no record to re-seed on its way.
+        params = replace(params, seed=random.getrandbits(62))
+    if params.grammar and (request.ignore_eos or not request.stop_token_ids):
         raise RequestError("a grammar (constrained decoding) needs stop_token_ids and not ignore_eos: "
                            "the output ends where the grammar does")
-    return RowOptions(
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, repetition_penalty=repetition,
-        logit_bias=tuple(sorted(p.logit_bias.items())), allowed_token_ids=tuple(p.allowed_token_ids),
-        min_p=p.min_p, min_tokens=p.min_tokens if stops else 0,
-        stop_token_ids=stops if p.min_tokens or p.grammar else (), grammar=p.grammar,
-        prompt_len=len(request.prompt_token_ids),
-        prompt_token_ids=tuple(request.prompt_token_ids) if repetition != 1.0 else (), logprobs=logprobs,
-    )
+    return GenerationRequest(request_id=request_id, prompt=tuple(request.prompt_token_ids),
+                             max_tokens=request.max_tokens, sampling=params,
+                             stop_token_ids=frozenset(request.stop_token_ids), ignore_eos=request.ignore_eos)
+
+
+def _field_name(field: str) -> str:
+    """A field as ``GenerateRequest`` names it (the sampling's sit in ``sampling``)."""
+    return field if field == "max_tokens" else f"sampling.{field}"
 
 
 def _logprob_proto(token_id: int, logprob) -> stage_pb2.TokenLogprob:

@@ -14,15 +14,14 @@ from __future__ import annotations
 import json
 import sys
 
+from stage_worker.device import probe
 from stagemesh.core import settings
 from stagemesh.core.memory import NodeMemory
 
 
 def node_memory() -> NodeMemory:
     """This node's ``NodeMemory``: MLX's backend and device (``stage_worker.device.probe``), psutil's host memory."""
-    import psutil
-
-    from stage_worker.device import probe
+    import psutil  # lazily, as every other module that reads the host's memory
 
     device = probe()
     memory = psutil.virtual_memory()

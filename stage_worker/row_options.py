@@ -1,12 +1,11 @@
 """Per-sequence logits processing and logprobs on the last stage, batch-aware.
 
 Contract:
-- ``RowOptions`` is what a request asks of the last stage beyond the wire
-  record's temperature / top-p / top-k / seed: penalties, logit bias, allowed
-  tokens, min-p, min-tokens and logprobs. It travels **once**, as JSON in the
-  body of the FORWARD frame whose record starts the sequence
-  (``rows_body`` / ``rows_from_body``), and every stage but the last passes the
-  body on untouched. A request at the defaults sends nothing.
+- A sequence's ``RowOptions`` (``stage_worker.batch``: its ``SamplingParams``
+  and the context its processors need) travel **once**, as JSON in the body of
+  the FORWARD frame whose record starts the sequence (``rows_body`` /
+  ``rows_from_body``), and every stage but the last passes the body on
+  untouched. A request the processors leave alone sends nothing.
 - ``RowProcessors`` (one per last stage) keeps each such sequence's state on
   the device until its RELEASE: the counts of the tokens it generated (the
   last stage samples them, so it sees every one; nothing is re-sent per step),
@@ -35,66 +34,15 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from stage_worker import grammar
+from stage_worker.batch import RowOptions, TokenLogprob
 from stage_worker.grammar import GrammarRows
 from stage_worker.model_spec import ModelSpec
-
-MAX_TOP_LOGPROBS = 20
-NO_LOGPROBS = -1
-
-
-@dataclass(frozen=True)
-class RowOptions:
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    allowed_token_ids: tuple[int, ...] = ()
-    min_p: float = 0.0
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens were generated
-    prompt_len: int = 0
-    prompt_token_ids: tuple[int, ...] = ()  # sent only with a repetition penalty
-    logprobs: int = NO_LOGPROBS  # top alternatives to return; -1: no logprobs at all
-    grammar: str = ""  # an llguidance grammar the output must follow (constrained decoding)
-
-    @property
-    def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
-    def transforms_logits(self) -> bool:
-        return (self.penalized or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.grammar)
-                or (self.min_tokens > 0 and bool(self.stop_token_ids)))
-
-    @property
-    def is_default(self) -> bool:
-        return not self.transforms_logits and self.min_p == 0.0 and self.logprobs == NO_LOGPROBS
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: Mapping) -> RowOptions:
-        return cls(
-            presence_penalty=float(raw.get("presence_penalty", 0.0)),
-            frequency_penalty=float(raw.get("frequency_penalty", 0.0)),
-            repetition_penalty=float(raw.get("repetition_penalty", 1.0)),
-            logit_bias=tuple((int(t), float(b)) for t, b in raw.get("logit_bias", ())),
-            allowed_token_ids=tuple(int(t) for t in raw.get("allowed_token_ids", ())),
-            min_p=float(raw.get("min_p", 0.0)),
-            min_tokens=int(raw.get("min_tokens", 0)),
-            stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids", ())),
-            prompt_len=int(raw.get("prompt_len", 0)),
-            prompt_token_ids=tuple(int(t) for t in raw.get("prompt_token_ids", ())),
-            logprobs=int(raw.get("logprobs", NO_LOGPROBS)),
-            grammar=str(raw.get("grammar", "")),
-        )
 
 
 def rows_body(options: Mapping[int, RowOptions]) -> dict | None:
@@ -108,14 +56,6 @@ def rows_from_body(body: Mapping | None) -> dict[int, RowOptions]:
     if not body or "rows" not in body:
         return {}
     return {int(seq_id): RowOptions.from_json(raw) for seq_id, raw in body["rows"].items()}
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token's logprob and the most likely alternatives (most likely first)."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,12 +97,12 @@ class _RowState:
 
     def __init__(self, options: RowOptions, vocab: int) -> None:
         self.options = options
-        o = options
-        self.counts: mx.array | None = mx.zeros((vocab,), mx.float32) if o.penalized else None
+        o = options.sampling
+        self.counts: mx.array | None = mx.zeros((vocab,), mx.float32) if options.penalized else None
         self.prompt_seen: mx.array | None = None
-        if o.repetition_penalty != 1.0 and o.prompt_token_ids:
+        if o.repetition_penalty != 1.0 and options.prompt_token_ids:
             seen = np.zeros((vocab,), np.bool_)
-            seen[[t for t in o.prompt_token_ids if 0 <= t < vocab]] = True
+            seen[[t for t in options.prompt_token_ids if 0 <= t < vocab]] = True
             self.prompt_seen = mx.array(seen)
         self.bias: mx.array | None = None
         if o.logit_bias or o.allowed_token_ids:
@@ -175,9 +115,9 @@ class _RowState:
                     bias[token] += value
             self.bias = mx.array(bias)
         self.stop_mask: mx.array | None = None
-        if o.min_tokens > 0 and o.stop_token_ids:
+        if o.min_tokens > 0 and options.stop_token_ids:
             mask = np.zeros((vocab,), np.bool_)
-            mask[[t for t in o.stop_token_ids if 0 <= t < vocab]] = True
+            mask[[t for t in options.stop_token_ids if 0 <= t < vocab]] = True
             self.stop_mask = mx.array(mask)
 
 
@@ -225,7 +165,7 @@ class RowProcessors:
     def min_ps(self, seq_ids: Sequence[int]) -> list[float] | None:
         if not self._options:
             return None
-        values = [o.min_p if (o := self._options.get(s)) is not None else 0.0 for s in seq_ids]
+        values = [o.sampling.min_p if (o := self._options.get(s)) is not None else 0.0 for s in seq_ids]
         return values if any(values) else None
 
     def _state(self, seq_id: int, vocab: int) -> _RowState | None:
@@ -235,12 +175,12 @@ class RowProcessors:
         state = self._states.get(seq_id)
         if state is None:
             state = self._states[seq_id] = _RowState(o, vocab)
-            if o.grammar:
+            if o.sampling.grammar:
                 if self._grammars is None:
                     if self._spec is None:
                         raise ValueError("constrained decoding needs the model's tokenizer (RowProcessors(spec))")
                     self._grammars = GrammarRows(self._spec)
-                self._grammars.add(seq_id, o.grammar, o.stop_token_ids, vocab)
+                self._grammars.add(seq_id, o.sampling.grammar, o.stop_token_ids, vocab)
         return state
 
     def process(self, logits: mx.array, seq_ids: Sequence[int], positions: Sequence[int]) -> mx.array:
@@ -262,7 +202,7 @@ class RowProcessors:
         zeros = mx.zeros((vocab,), mx.float32)
         if any(s.bias is not None for s in states):
             sub = sub + mx.stack([s.bias if s.bias is not None else zeros for s in states])
-        masking = [s.stop_mask is not None and positions[r] - s.options.prompt_len < s.options.min_tokens
+        masking = [s.stop_mask is not None and positions[r] - s.options.prompt_len < s.options.sampling.min_tokens
                    for r, s in zip(rows, states, strict=True)]
         if any(masking):
             no_stop = mx.zeros((vocab,), mx.bool_)
@@ -271,8 +211,8 @@ class RowProcessors:
             sub = mx.where(mask, -mx.inf, sub)
         if any(s.counts is not None for s in states):
             sub = _penalize(sub, states, zeros)
-        if self._grammars is not None and any(s.options.grammar for s in states):
-            constrained = [i for i, s in enumerate(states) if s.options.grammar]
+        if self._grammars is not None and any(s.options.sampling.grammar for s in states):
+            constrained = [i for i, s in enumerate(states) if s.options.sampling.grammar]
             bitmask = allocate_token_bitmask(len(states), vocab)  # all allowed for the other rows
             bitmask[constrained] = self._grammars.masks([seq_ids[rows[i]] for i in constrained], vocab)
             sub = grammar.apply(sub, bitmask)
@@ -299,9 +239,9 @@ class RowProcessors:
         rows, counts = [], []
         for i, seq_id in enumerate(seq_ids):
             o = self._options.get(seq_id)
-            if o is not None and o.logprobs != NO_LOGPROBS:
+            if o is not None and o.sampling.logprobs is not None:
                 rows.append(i)
-                counts.append(o.logprobs)
+                counts.append(o.sampling.logprobs)
         if not rows:
             return None
         index = mx.array(rows, mx.int32)
@@ -326,12 +266,12 @@ def _penalize(sub: mx.array, states: Sequence[_RowState], zeros: mx.array) -> mx
     """Repetition, presence and frequency penalties for the rows of ``sub`` (vLLM's definitions)."""
     counts = mx.stack([s.counts if s.counts is not None else zeros for s in states])
     generated = counts > 0
-    repetition = [s.options.repetition_penalty for s in states]
+    repetition = [s.options.sampling.repetition_penalty for s in states]
     if any(r != 1.0 for r in repetition):
         no_prompt = mx.zeros(zeros.shape, mx.bool_)
         seen = generated | mx.stack([s.prompt_seen if s.prompt_seen is not None else no_prompt for s in states])
         penalty = mx.array(repetition, mx.float32)[:, None]
         sub = mx.where(seen, mx.where(sub < 0, sub * penalty, sub / penalty), sub)
-    presence = mx.array([s.options.presence_penalty for s in states], mx.float32)[:, None]
-    frequency = mx.array([s.options.frequency_penalty for s in states], mx.float32)[:, None]
+    presence = mx.array([s.options.sampling.presence_penalty for s in states], mx.float32)[:, None]
+    frequency = mx.array([s.options.sampling.frequency_penalty for s in states], mx.float32)[:, None]
     return sub - presence * generated.astype(mx.float32) - frequency * counts

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from stage_worker.wire import NO_SEED, SamplingParams
+from stagemesh.core.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -47,7 +47,7 @@ def sample_rows(logits: mx.array, params: Sequence[SamplingParams], positions: S
             logprobs = apply_top_p(logprobs, p.top_p)
         if min_ps is not None and min_ps[row] > 0.0:
             logprobs = apply_min_p(logprobs, min_ps[row])
-        seed = p.seed if p.seed != NO_SEED else 0
+        seed = p.seed if p.seed is not None else 0
         key = _row_key(seed, position)
         tokens.append(mx.random.categorical(logprobs * (1.0 / p.temperature), key=key))
     return mx.concatenate(tokens).astype(mx.int32)

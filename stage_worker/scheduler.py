@@ -1,5 +1,8 @@
 """Entry-stage scheduling: which sequences go into the next batch. Pure logic, no threads, no MLX.
 
+It imports nothing of the runtime: it plans with the plain values of ``stage_worker.batch`` (records,
+chunks, sampled tokens) and the prefix cache's bookkeeping, and the caller runs the plan.
+
 Continuous batching: requests join (admitted from a bounded waiting queue while
 fewer than ``max_num_seqs`` run) and leave (finished, aborted) at every step.
 Each batch holds, in this order, one decode token for every running sequence
@@ -37,10 +40,10 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stage_worker.batch import Chunk, RecordFlag, RowOptions, SampledToken, SequenceRecord, TokenLogprob
 from stage_worker.prefix_cache import PrefixCache
-from stage_worker.row_options import RowOptions, TokenLogprob
-from stage_worker.stage_runtime import Chunk, SampledToken
-from stage_worker.wire import RecordFlag, SamplingParams, SequenceRecord
+from stagemesh.core import defaults
+from stagemesh.core.sampling import GREEDY, SamplingParams
 
 
 class Finish(enum.Enum):
@@ -59,13 +62,14 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """A prompt to generate for, as the entry stage's gRPC boundary accepted it (its sampling checked there)."""
+
     request_id: str
     prompt: tuple[int, ...]
     max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = GREEDY
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    options: RowOptions | None = None  # extra sampling options for the last stage (sent with the first chunk)
 
 
 @dataclass(frozen=True)
@@ -121,8 +125,8 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         max_waiting: int,
-        max_batch_tokens: int = 512,
-        prefill_chunk_tokens: int = 512,
+        max_batch_tokens: int = defaults.MAX_BATCH_TOKENS,
+        prefill_chunk_tokens: int = defaults.MAX_BATCH_TOKENS,
         kv_token_capacity: int | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
@@ -246,8 +250,8 @@ class Scheduler:
                 flags |= RecordFlag.SAMPLE
                 finished_prompts.append(seq.seq_id)
             tokens = seq.request.prompt[seq.prefilled : seq.prefilled + size]
-            # The request's options ride its first chunk (NEW_SEQUENCE), which starts past a cached prefix.
-            options = seq.request.options if flags & RecordFlag.NEW_SEQUENCE else None
+            # The sequence's options ride its first chunk (NEW_SEQUENCE), which starts past a cached prefix.
+            options = _row_options(seq.request) if flags & RecordFlag.NEW_SEQUENCE else None
             chunks.append(Chunk(SequenceRecord(seq.seq_id, seq.prefilled, size, flags, seq.request.sampling,
                                                seq.prefix_entry), tokens, options=options))
             self._drop_prefix_reference(seq)  # every stage copies the entry in this batch, before any eviction
@@ -272,7 +276,7 @@ class Scheduler:
             seq = self._running.get(record.seq_id)
             if seq is None or seq.aborted or record.num_tokens == 0 or not record.has(RecordFlag.SAMPLE):
                 continue
-            if seq.request.options is not None and seq.request.options.grammar:
+            if seq.request.sampling.grammar:
                 continue  # its next token's mask needs this token on the host first
             generated_after = len(seq.generated) + seq.in_flight_steps  # tokens once ``batch`` returns
             if generated_after >= seq.request.max_tokens or \
@@ -386,6 +390,10 @@ class Scheduler:
         self._drop_prefix_reference(seq)
         if seq.holds_kv:
             self._releases.extend(self._release_record(seq))
+
+
+def _row_options(request: GenerationRequest) -> RowOptions | None:
+    return RowOptions.for_sequence(request.sampling, request.prompt, request.stop_token_ids, request.ignore_eos)
 
 
 def _reservation(request: GenerationRequest) -> int:

@@ -13,7 +13,7 @@ reads a ``StageLaunch`` (plan, rank, options) and runs ``serve``:
    (``stage_worker.warmup``).
 4. ``connect``: lanes and handshake with both neighbours, then MLX's ring
    (``stage_worker.handshake``); a single-stage pipeline has no links.
-5. ``run_entry`` (rank 0: the scheduler and engine behind the generation RPCs) or
+5. ``run_entry`` (rank 0: the scheduler and engine behind ``GenerateStream``) or
    ``run_relay`` (every other rank, until SHUTDOWN has gone round the ring).
 
 ``run_stage`` is steps 3-5 with the error handling both the server and the
@@ -37,6 +37,7 @@ import mlx.core as mx
 from stage_worker import wire
 from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
 from stage_worker.build_ahead import build_ahead_enabled
+from stage_worker.default_model import default_model_path
 from stage_worker.device import StageDevice, apply_wired_limit, probe
 from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_wanted
 from stage_worker.fused_projections import fusion_wanted
@@ -52,7 +53,8 @@ from stage_worker.memory import (
 )
 from stage_worker.mlx_arch import exact_prefix_reuse
 from stage_worker.model_facts import model_facts
-from stage_worker.model_spec import ModelFormatError, ModelSpec, read_model_spec
+from stage_worker.model_reader import read_model_spec
+from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
 from stage_worker.scheduler import Scheduler
@@ -66,7 +68,7 @@ from stage_worker.stage_model import (
 from stage_worker.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
 from stage_worker.stage_status import StageStatus
 from stage_worker.warmup import warm_up, warmup_plan
-from stagemesh.core import settings
+from stagemesh.core import defaults, settings
 from stagemesh.core.gpus import stage_has_own_gpu
 from stagemesh.core.grpc_tls import read_tls_dir
 from stagemesh.core.plan import StageLaunch
@@ -139,15 +141,14 @@ def resolve(launch: StageLaunch) -> StageContext:
     plan = launch.plan
     if plan.model_is_default:
         # Each node finds the embedded default in its own installation.
-        from stage_worker.default_model import default_model_path
-
         spec = read_model_spec(default_model_path(), plan.load_format)
     else:
         spec = read_model_spec(plan.model_path, plan.load_format)
     # Before any weights load: on CUDA the device's free memory is then the room this stage may fill.
     device = probe()
     dtype = resolve_compute_dtype(plan.compute_dtype, device.backend)
-    max_model_len = launch.options.max_model_len or int(spec.args.get("max_position_embeddings") or 4096)
+    max_model_len = launch.options.max_model_len or int(spec.args.get("max_position_embeddings")
+                                                        or defaults.MAX_MODEL_LEN)
     ring_timeout = launch.options.ring_timeout_s or float(settings.RING_TIMEOUT)
     return StageContext(launch, spec, dtype, max_model_len, ring_timeout, device)
 

@@ -11,9 +11,9 @@ compute, send, until a SHUTDOWN has gone round the ring.
 Messages are consumed strictly in the order they were sent; with one batch in
 flight the entry checks each TOKENS reply against the batch it sent.
 
-A request's extra sampling options (``row_options``) ride the body of the
-FORWARD frame that starts its sequence, once, and live on the last stage until
-its RELEASE; logprobs come back in the TOKENS frame's body.
+A sequence's ``RowOptions`` (``stage_worker.batch``) ride the body of the
+FORWARD frame that starts it, once, and live on the last stage until its
+RELEASE (``row_options``); logprobs come back in the TOKENS frame's body.
 """
 
 from __future__ import annotations
@@ -29,50 +29,21 @@ import mlx.core as mx
 import numpy as np
 
 from stage_worker import wire
+from stage_worker.batch import Chunk, RecordFlag, SampledToken, SequenceRecord, TokenLogprob
 from stage_worker.blas import AdaptiveBlasThreads
 from stage_worker.build_ahead import Placeholder
 from stage_worker.kv_store import KVStore
 from stage_worker.links import InboundLink, LinkError, OutboundLink
 from stage_worker.packed_forward import DecodeRows, Segment
-from stage_worker.row_options import (
-    LogprobRows,
-    RowOptions,
-    RowProcessors,
-    TokenLogprob,
-    logprobs_from_body,
-    rows_body,
-    rows_from_body,
-)
+from stage_worker.row_options import LogprobRows, RowProcessors, logprobs_from_body, rows_body, rows_from_body
 from stage_worker.sampling import sample_rows
 from stage_worker.stage_model import StageModel
-from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
+from stage_worker.wire import FrameKind
 
 log = logging.getLogger(__name__)
 
 # (token rows, compute seconds, wait seconds, send seconds) of one batch
 BatchTimer = Callable[[int, float, float, float], None]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens of one sequence entering the pipeline in one batch.
-
-    ``carried``: a decode step whose one input token is the one sampled for the same sequence in
-    the oldest batch in flight, not read back yet (``token_ids`` is empty).
-    """
-
-    record: SequenceRecord
-    token_ids: tuple[int, ...]
-    carried: bool = False
-    options: RowOptions | None = None  # the sequence's extra sampling options, on its first chunk only
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    seq_id: int
-    position: int  # position the sampled token will occupy
-    token_id: int
-    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -626,9 +597,9 @@ def relay_loop(
 
 def _with_seed(record: SequenceRecord) -> SequenceRecord:
     """Unseeded random sampling gets a fresh seed here, so every stage layout samples alike."""
-    if record.sampling.greedy or record.sampling.seed != wire.NO_SEED:
+    if record.sampling.greedy or record.sampling.seed is not None:
         return record
     return replace(record, sampling=replace(record.sampling, seed=random.getrandbits(62)))
 
 
-__all__ = ["Chunk", "EntryPipeline", "LinkError", "LogitRecorder", "SampledToken", "StageCompute", "relay_loop"]
+__all__ = ["EntryPipeline", "LinkError", "LogitRecorder", "StageCompute", "relay_loop"]

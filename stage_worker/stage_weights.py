@@ -38,6 +38,7 @@ def load_stage_weights(
 ) -> dict[str, mx.array]:
     """Load and evaluate only the tensors of one stage (generate them, for dummy weights)."""
     check_layer_range(spec, layers)
+    # Each format's loader is imported only for a model of that format.
     if spec.random_weights:
         from .dummy_weights import dummy_stage_weights
 

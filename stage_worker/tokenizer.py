@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .default_model import DEFAULT_SERVED_NAME, default_model_path
 from .model_spec import ModelFormatError, ModelSpec
 
 log = logging.getLogger("stagemesh.tokenizer")
@@ -77,7 +78,7 @@ def _gguf_tokenizer(spec: ModelSpec) -> Any:
     # but the vocabulary builders below it do not.
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-    from .gguf_format import read_gguf_header
+    from .gguf_format import read_gguf_header  # lazily: it brings MLX, which a directory's tokenizer never needs
 
     md = read_gguf_header(spec.path).metadata
     info = {name: md[f"tokenizer.{key}"] for key, name in _GGUF_TOKENIZER_KEYS.items() if f"tokenizer.{key}" in md}
@@ -127,16 +128,13 @@ def _has_tokenizer_files(path: str) -> bool:
 
 def default_model_tokenizer() -> Any:
     """The embedded default model's tokenizer (its weights are never loaded)."""
-    from .default_model import default_model_path
-    from .model_spec import read_model_spec
+    from .model_reader import read_model_spec  # lazily: the format readers bring MLX
 
     return load_tokenizer(read_model_spec(default_model_path()))
 
 
 def _default_model_tokenizer(path: str) -> Any:
     """A dummy model's stand-in tokenizer: the embedded default model's."""
-    from .default_model import DEFAULT_SERVED_NAME
-
     log.warning("%s has no tokenizer files; --load-format dummy uses the embedded default model's tokenizer (%s)",
                 path, DEFAULT_SERVED_NAME)
     return default_model_tokenizer()
@@ -175,7 +173,7 @@ def eos_token_ids(spec: ModelSpec, tokenizer: Any) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     if spec.format == "gguf":
-        from .gguf_format import read_gguf_header
+        from .gguf_format import read_gguf_header  # lazily: it brings MLX
 
         md = read_gguf_header(spec.path).metadata
         for key in ("eos_token_id", "eot_token_id", "eom_token_id"):

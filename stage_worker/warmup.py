@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from stage_worker.batch import Chunk, RecordFlag, SequenceRecord
 from stage_worker.stage_model import StageModel
-from stage_worker.stage_runtime import Chunk, EntryPipeline, StageCompute
-from stage_worker.wire import RecordFlag, SequenceRecord
+from stage_worker.stage_runtime import EntryPipeline, StageCompute
 
 _DECODE_PROMPT_TOKENS = 4  # prompt of each sequence in a decode warm-up group
 

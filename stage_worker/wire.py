@@ -27,9 +27,11 @@ A ``FORWARD`` batch holds many sequences: record i owns the payload rows
 ``[sum(n_0..n_{i-1}), +n_i)`` and says where its tokens sit in the sequence
 (``start_pos``), whether it starts the sequence (reset KV), whether the last
 stage must sample a token for it, whether the sequence ends after this batch
-(free its KV), and its sampling parameters. ``HELLO`` frames carry a JSON body
-(``body_bytes``) used once at start-up to check that neighbours agree; a
-``FORWARD`` frame's body announces the extra sampling options of the sequences
+(free its KV), and the temperature, top_p, top_k and seed of its sampling
+(the records themselves, ``SequenceRecord`` and ``RecordFlag``, are
+``stage_worker.batch``'s; their bytes are this module's). ``HELLO`` frames carry
+a JSON body (``body_bytes``) used once at start-up to check that neighbours
+agree; a ``FORWARD`` frame's body announces the ``RowOptions`` of the sequences
 it starts (``row_options.rows_body``: once per sequence, only when a request
 has any; relays pass it on), a ``TOKENS`` frame's body the logprobs of the
 rows that asked for them (``LogprobRows.to_body``).
@@ -38,17 +40,21 @@ rows that asked for them (``LogprobRows.to_body``).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from stage_worker.batch import RecordFlag, SequenceRecord
+from stagemesh.core.sampling import SamplingParams
+
 MAGIC = b"SMW1"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # How a hop's payload travels: after the header on the TCP lane, or over MLX's ring.
 HOP_TRANSPORTS = ("lane", "ring")
 
@@ -64,16 +70,6 @@ class FrameKind(enum.IntEnum):
     TOKENS = 4  # sampled token ids, last stage -> first stage
     SHUTDOWN = 5  # stop after this message; travels the whole ring once
     CAPACITY = 6  # JSON body {"kv_tokens": n}: each stage lowers n to its own; travels the ring once
-
-
-class RecordFlag(enum.IntFlag):
-    NONE = 0
-    NEW_SEQUENCE = 1  # start_pos must be 0; drop any KV held under this id
-    SAMPLE = 2  # the last stage samples a token from this record's last row
-    RELEASE = 4  # free this sequence's KV cache after the batch
-    # Prefix caching (stage_worker.prefix_cache decides on the entry stage; every stage obeys):
-    RETAIN = 8  # with RELEASE: keep the first start_pos positions as prefix entry ``prefix_entry``
-    EVICT = 16  # drop prefix entry ``prefix_entry`` (zero tokens; seq_id unused)
 
 
 # dtype codes on the wire; the order is part of the protocol.
@@ -150,38 +146,7 @@ _RECORD = struct.Struct("<QIIIffiqI")
 
 HEADER_BYTES = _HEADER.size
 RECORD_BYTES = _RECORD.size
-NO_SEED = -1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-sequence sampling; temperature 0 means greedy (argmax)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    seed: int = NO_SEED
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class SequenceRecord:
-    """One sequence's share of a batch; for TOKENS, ``num_tokens`` is 1 per sampled id."""
-
-    seq_id: int
-    start_pos: int
-    num_tokens: int
-    flags: RecordFlag = RecordFlag.NONE
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    # A prefix-cache entry (0: none). On a NEW_SEQUENCE record with start_pos K > 0: the sequence
-    # starts from a copy of the entry's first K positions; on RETAIN / EVICT: the entry kept / dropped.
-    prefix_entry: int = 0
-
-    def has(self, flag: RecordFlag) -> bool:
-        return bool(self.flags & flag)
+NO_SEED = -1  # a record's seed when its sampling has none
 
 
 @dataclass(frozen=True)
@@ -263,7 +228,7 @@ def pack_records(records: Sequence[SequenceRecord]) -> bytes:
             r.sampling.temperature,
             r.sampling.top_p,
             r.sampling.top_k,
-            r.sampling.seed,
+            NO_SEED if r.sampling.seed is None else r.sampling.seed,
             r.prefix_entry,
         )
         for r in records
@@ -281,11 +246,18 @@ def unpack_records(data: bytes, count: int) -> tuple[SequenceRecord, ...]:
                 start_pos=start_pos,
                 num_tokens=num_tokens,
                 flags=RecordFlag(flags),
-                sampling=SamplingParams(temperature, top_p, top_k, seed),
+                sampling=_record_sampling(temperature, top_p, top_k, seed),
                 prefix_entry=prefix_entry,
             )
         )
     return tuple(records)
+
+
+@functools.lru_cache(maxsize=4096)
+def _record_sampling(temperature: float, top_p: float, top_k: int, seed: int) -> SamplingParams:
+    """A received record's sampling: the four fields the record carries, the rest at their defaults.
+    Cached: a sequence's records repeat the same four values every step, so they share one value."""
+    return SamplingParams(temperature, top_p, top_k, None if seed == NO_SEED else seed)
 
 
 @dataclass(frozen=True)

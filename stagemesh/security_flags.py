@@ -23,6 +23,7 @@ import json
 import os
 from typing import Any
 
+from gateway.api_keys import read_api_key_file
 from stagemesh.core import settings
 from stagemesh.core.errors import UserError
 from stagemesh.core.grpc_tls import TlsFiles, read_tls_dir
@@ -74,8 +75,6 @@ def parse_origins(raw: str | None) -> tuple[str, ...]:
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    from gateway.api_keys import read_api_key_file
-
     keys: list[str] = []
     single = args.api_key or settings.API_KEY
     if single:

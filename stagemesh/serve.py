@@ -15,17 +15,18 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from stage_worker.default_model import resolve_model_path
+from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stagemesh import openai_flags, security_flags
 
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, shape_names
-from stagemesh.core import settings
+from stagemesh.core import defaults, settings
 from stagemesh.core.errors import UserError
-
-if TYPE_CHECKING:
-    from stage_worker.model_spec import ModelSpec
+from stagemesh.core.layer_split import plan_layer_split
+from stagemesh.core.ports import check_port_base, port_is_free
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -46,12 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: from the model)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's context length)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences a replica runs at once")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS,
+                        help="sequences a replica runs at once")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.ENABLE_PREFIX_CACHING,
                         help="keep finished sequences' KV on every stage and reuse it for prompts that start alike "
                              "(the same system prompt, a conversation's earlier turns); within the KV budget, "
                              "evicted least recently used first (default: on)")
-    parser.add_argument("--prefix-cache-block-size", type=int, default=16,
+    parser.add_argument("--prefix-cache-block-size", type=int, default=defaults.PREFIX_CACHE_BLOCK_SIZE,
                         help="tokens per prefix-cache block: prefixes are cached and reused in whole blocks "
                              "(default %(default)s)")
     parser.add_argument("--dtype", default="auto",
@@ -64,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run a quantized checkpoint with dense weights: auto does so when the dense weights "
                              "fit half the memory budget, on CUDA (its quantized matmul does not batch) and on the "
                              "CPU backend with an optimized BLAS; never on Metal")
-    parser.add_argument("--memory-fraction", type=float, default=0.8,
+    parser.add_argument("--memory-fraction", type=float, default=defaults.MEMORY_FRACTION,
                         help="share of each host's memory (on Metal and CUDA: of its GPU's) its stages may use for "
                              "weights and KV cache (like vLLM's --gpu-memory-utilization)")
     add_load_format_argument(parser)
@@ -76,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="global stage g binds base+g for gRPC (default $STAGEMESH_GRPC_BASE_PORT or "
                              f"{settings.DEFAULT_GRPC_BASE_PORT})")
     openai_flags.add_arguments(parser)
-    parser.add_argument("--startup-timeout", type=float, default=300.0,
+    parser.add_argument("--startup-timeout", type=float, default=defaults.STARTUP_TIMEOUT_S,
                         help="seconds allowed for every stage to load and join its ring")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the layer plan (as `stagemesh plan` does) and exit without starting a stage")
@@ -93,9 +96,6 @@ def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
 def resolve_model_argument(model: str | None, load_format: str) -> str:
     """MODEL as a local path, as ``stage_worker.default_model.resolve_model_path`` finds it; with
     ``--load-format dummy`` also the name of a shipped shape (a local path of that name wins)."""
-    from stage_worker.default_model import resolve_model_path
-    from stage_worker.model_spec import ModelFormatError
-
     if load_format != "dummy" or model is None:
         return resolve_model_path(model)
     names = shape_names()
@@ -126,8 +126,6 @@ class ServeConfigError(UserError):
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
-    from stagemesh.core.ports import port_is_free
-
     if not port_is_free(host, port):
         raise ServeConfigError(f"{flag} {port}: cannot listen on {host}:{port} (in use or not this host's "
                                f"address); stop what uses it or choose another {flag}")
@@ -135,12 +133,11 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 
 def build_mesh_config(args: argparse.Namespace):
     """Validate every flag against the model and return the coordinator's config (no side effects)."""
+    # Lazily: the model readers and the stage's model code bring MLX, the coordinator its Ray glue.
     from coordinator.mesh import MeshConfig
     from stage_worker.model_facts import model_facts
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
-    from stagemesh.core.layer_split import plan_layer_split
-    from stagemesh.core.ports import check_port_base
 
     for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs),
@@ -154,7 +151,7 @@ def build_mesh_config(args: argparse.Namespace):
     if not 0 < args.memory_fraction <= 1:
         raise ServeConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     context = int(spec.args.get("max_position_embeddings") or 0)
-    max_model_len = args.max_model_len or context or 4096
+    max_model_len = args.max_model_len or context or defaults.MAX_MODEL_LEN
     if max_model_len < 2 or (context and max_model_len > context):
         raise ServeConfigError(f"--max-model-len {max_model_len} must be between 2 and the model's context "
                                f"length {context}")
@@ -195,6 +192,7 @@ def build_mesh_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
+    # Lazily: the gateway (FastAPI, transformers), the coordinator (Ray) and MLX load only to serve.
     import uvicorn
 
     from coordinator.mesh import MeshCoordinator
@@ -209,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         return 2
     if getattr(args, "dry_run", False):
-        from stagemesh.plan import print_plan
+        from stagemesh.plan_report import print_plan  # the coordinator's planning code: only for a dry run
 
         return print_plan(config, as_json=False)
     tokenizer = load_tokenizer(spec)

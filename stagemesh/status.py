@@ -17,6 +17,9 @@ import json
 import sys
 import time
 
+from stagemesh.core import settings
+from stagemesh.core.errors import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default %(default)s)")
@@ -90,11 +93,9 @@ def _prefix_cache_cells(stats: dict) -> tuple[str, str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import httpx
+    import httpx  # lazily, as rich below: `stagemesh status --help` needs neither
 
     if args.watch:
-        from stagemesh.core import settings
-        from stagemesh.core.errors import UserError
         from stagemesh.status_watch import watch
 
         interval = 1.0 if args.interval is None else args.interval
@@ -102,8 +103,6 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--interval must be positive and --count at least 1, got {interval} and {args.count}")
         return watch(args.url, args.api_key or settings.API_KEY, interval, args.count, args.timeout)
     if args.interval is not None or args.count is not None:
-        from stagemesh.core.errors import UserError
-
         raise UserError("--interval and --count go with --watch; add --watch or drop them")
 
     url = args.url.rstrip("/") + "/mesh"

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from stage_worker.mlx_arch import describe, exact_prefix_reuse
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stage_worker.packed_forward import Segment
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.stage_model import StackStageModel, StageModel, StageRole, runs_packed

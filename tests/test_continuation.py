@@ -9,7 +9,7 @@ import pytest
 from stage_worker.default_model import default_model_path
 from stage_worker.engine import EntryEngine
 from stage_worker.generation_job import GenerationJob, run_generation
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
 from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import EntryPipeline, StageCompute

@@ -13,7 +13,7 @@ from mlx_lm.utils import load
 
 from stage_worker.convert import convert_gguf_to_mlx_dir
 from stage_worker.default_model import default_model_path
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_weights import load_stage_weights
 from stage_worker.tokenizer import load_tokenizer
 

@@ -135,7 +135,7 @@ def test_the_warm_up_is_tiny_on_the_cpu_and_covers_serving_sizes_on_a_gpu():
 
 @pytest.mark.parametrize("first,last", [(True, False), (False, True), (True, True)])
 def test_the_warm_up_runs_a_slice_and_leaves_no_trace(default_model_path, first, last):
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
 
     model = StageModel.load(read_model_spec(default_model_path), StageRole(LayerRange(0, 2), first, last),
                             mx.float32)

@@ -9,7 +9,8 @@ import pytest
 
 from stage_worker.default_model import resolve_model_path
 from stage_worker.dummy_weights import dummy_stage_weights, parameter_shapes
-from stage_worker.model_spec import ModelFormatError, read_model_spec
+from stage_worker.model_reader import read_model_spec
+from stage_worker.model_spec import ModelFormatError
 from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_weights import load_stage_weights
 from stage_worker.tokenizer import load_tokenizer

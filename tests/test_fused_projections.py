@@ -8,12 +8,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from stage_worker.batch import RecordFlag, SequenceRecord
 from stage_worker.default_model import default_model_path
 from stage_worker.fused_projections import FusedLayer, fusion_wanted
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import StageCompute
-from stage_worker.wire import RecordFlag, SequenceRecord
 from stagemesh.core.layer_split import LayerRange
 from tests.conftest import tiny_config
 

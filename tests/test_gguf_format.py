@@ -19,7 +19,8 @@ from stage_worker.gguf_format import (
     load_gguf_weights,
     read_gguf_header,
 )
-from stage_worker.model_spec import ModelFormatError, read_model_spec
+from stage_worker.model_reader import read_model_spec
+from stage_worker.model_spec import ModelFormatError
 from stage_worker.stage_weights import load_stage_weights
 
 DEFAULT = default_model_path()

@@ -4,7 +4,10 @@ Every ``import`` and ``from ... import`` in a package's source (module level or
 inside a function) is read with ``ast``; a first-party import outside the
 package's allowed set fails with the file, the line and the rule. A second
 check imports the core in a fresh interpreter and asserts nothing heavy (MLX,
-NumPy, Ray, FastAPI) came with it.
+NumPy, Ray, FastAPI) came with it. The project's modules import each other
+without a cycle (a function-level import may keep a heavy dependency lazy, never
+hide a cycle), and the entry stage's scheduler reaches nothing of the runtime:
+no MLX, only ``stage_worker.batch`` and ``stage_worker.prefix_cache``.
 """
 
 from __future__ import annotations
@@ -104,3 +107,115 @@ def test_the_check_catches_a_forbidden_import(tmp_path, bad):
     probe.write_text(f"def f():\n    {bad}\n")
     modules = [m for _, m in _imports(probe)]
     assert modules and not all(_allows(ALLOWED["stage_worker"], m) for m in modules)
+
+
+# -- no import cycles ------------------------------------------------------------------------------------
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Ids of the import nodes under ``if TYPE_CHECKING:`` (never run)."""
+    hidden = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            hidden |= {id(n) for n in ast.walk(node)}
+    return hidden
+
+
+def _first_party_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports, at module level or inside a function (what runs)."""
+    modules = {_module_name(p): p for p in _sources()}
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        hidden = _type_checking_only(tree)
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(tree):
+            if id(node) in hidden:
+                continue
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                targets |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                            for alias in node.names}
+        graph[module] = {t for t in map(known, targets) if t is not None and t != module}
+    return graph
+
+
+def _cycle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """A shortest import path from ``start`` back to itself, if there is one."""
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        module = queue.pop(0)
+        for target in sorted(graph.get(module, ())):
+            if target == start:
+                return paths[module] + [start]
+            if target not in paths:
+                paths[target] = paths[module] + [target]
+                queue.append(target)
+    return None
+
+
+def test_no_module_imports_itself_back():
+    """No import cycle among the project's modules, not even one a function-level import hides: a module
+    needed by two others has a home of its own. Imports under ``if TYPE_CHECKING:`` never run and do not
+    count; a function-level import that keeps a heavy dependency lazy is fine as long as it closes no cycle."""
+    graph = _first_party_graph()
+    cycles: dict[frozenset[str], str] = {}
+    for module in sorted(graph):
+        if (cycle := _cycle_through(graph, module)) is not None:
+            cycles.setdefault(frozenset(cycle), " -> ".join(cycle))
+    assert not cycles, "\n".join(sorted(cycles.values()))
+
+
+def test_the_cycle_check_sees_a_cycle_a_function_level_import_hides(tmp_path, monkeypatch):
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle_through(graph, "a") == ["a", "b", "c", "a"] and _cycle_through(graph, "d") is None
+    package = tmp_path / "gateway"
+    package.mkdir()
+    (package / "one.py").write_text("from gateway.two import x\n")
+    (package / "two.py").write_text("def x():\n    from . import one\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = _first_party_graph()
+    assert _cycle_through(graph, "gateway.one") == ["gateway.one", "gateway.two", "gateway.one"]
+
+
+# -- the scheduler is pure ---------------------------------------------------------------------------------
+
+# The stage_worker modules the entry stage's scheduler may import: plain values and bookkeeping, no runtime.
+SCHEDULER_MAY_IMPORT = ("stage_worker.batch", "stage_worker.prefix_cache")
+
+
+def test_the_scheduler_imports_nothing_of_the_runtime():
+    graph = _first_party_graph()
+    reached, queue = set(), ["stage_worker.scheduler"]
+    while queue:
+        for target in graph[queue.pop()]:
+            if target not in reached:
+                reached.add(target)
+                queue.append(target)
+    runtime = sorted(m for m in reached if m.startswith("stage_worker.") and m not in SCHEDULER_MAY_IMPORT)
+    assert not runtime, f"stage_worker/scheduler.py reaches {runtime}; pass what it needs in instead"
+
+
+def test_importing_the_scheduler_loads_no_mlx():
+    code = "import sys, json, stage_worker.scheduler; print(json.dumps(sorted(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True, cwd=ROOT).stdout)
+    assert not [m for m in loaded if m.split(".")[0] in ("mlx", "mlx_lm", "numpy")]
+    assert not [m for m in loaded if m.startswith("stage_worker.") and m not in
+                ("stage_worker.scheduler", *SCHEDULER_MAY_IMPORT)]

@@ -7,9 +7,10 @@ import time
 import pytest
 
 from stage_worker import wire
+from stage_worker.batch import RecordFlag, SequenceRecord
 from stage_worker.handshake import StageIdentity, check_predecessor
 from stage_worker.links import InboundLink, LinkError, OutboundLink
-from stage_worker.wire import FrameKind, RecordFlag, SequenceRecord
+from stage_worker.wire import FrameKind
 
 
 def _free_port() -> int:

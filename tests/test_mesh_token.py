@@ -35,7 +35,7 @@ def test_only_health_reflection_and_stage_info_are_open():
     assert not requires_token("/grpc.health.v1.Health/Watch")
     assert not requires_token("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
     assert not requires_token("/stagemesh.v1.Stage/GetStageInfo")
-    for method in ("Generate", "Abort", "Drain", "SomeMethodAddedNextYear"):
+    for method in ("GenerateStream", "Abort", "Drain", "SomeMethodAddedNextYear"):
         assert requires_token(f"/stagemesh.v1.Stage/{method}")
     assert requires_token("/stagemesh.v2.Other/GetStageInfo")
 
@@ -71,16 +71,11 @@ def stage_server():
         max_model_len=64, version="test")
     status = StageStatus()
     server, _ = start_grpc_server(description, status, mesh_token=TOKEN)
-    status.set_state(StageState.SERVING)  # health SERVING; no engine: Generate then answers UNAVAILABLE
+    status.set_state(StageState.SERVING)  # health SERVING; no engine: GenerateStream then answers UNAVAILABLE
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield f"127.0.0.1:{port}", channel
     channel.close()
     server.stop(grace=None)
-
-
-def _generate(channel, metadata=None):
-    request = stage_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], max_tokens=2)
-    return list(stage_pb2_grpc.StageStub(channel).Generate(request, timeout=10, metadata=metadata))
 
 
 def _generate_stream(channel, metadata=None):
@@ -92,8 +87,7 @@ def _generate_stream(channel, metadata=None):
 def test_state_changing_calls_without_the_token_are_unauthenticated(stage_server):
     _, channel = stage_server
     stub = stage_pb2_grpc.StageStub(channel)
-    for call in (lambda md: _generate(channel, md),
-                 lambda md: _generate_stream(channel, md),
+    for call in (lambda md: _generate_stream(channel, md),
                  lambda md: stub.Abort(stage_pb2.AbortRequest(request_id="r"), timeout=10, metadata=md),
                  lambda md: stub.Drain(stage_pb2.DrainRequest(), timeout=10, metadata=md)):
         for metadata in (None, call_metadata("not-the-token-" + "x" * 20)):
@@ -102,10 +96,9 @@ def test_state_changing_calls_without_the_token_are_unauthenticated(stage_server
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "mesh token" in refused.value.details() and TOKEN not in refused.value.details()
     # With the token the call reaches the handler: no engine here, so it says the stage is not serving yet.
-    for call_with_token in (_generate, _generate_stream):
-        with pytest.raises(grpc.RpcError) as reached:
-            call_with_token(channel, call_metadata(TOKEN))
-        assert reached.value.code() == grpc.StatusCode.UNAVAILABLE and "not serving yet" in reached.value.details()
+    with pytest.raises(grpc.RpcError) as reached:
+        _generate_stream(channel, call_metadata(TOKEN))
+    assert reached.value.code() == grpc.StatusCode.UNAVAILABLE and "not serving yet" in reached.value.details()
 
 
 def test_health_and_stage_info_answer_without_the_token(stage_server):
@@ -121,14 +114,15 @@ def _grpcurl() -> str:
     return str(beside) if beside.exists() else "grpcurl"
 
 
-def test_grpcurl_generate_is_refused_without_the_token_and_health_still_answers(stage_server):
+def test_grpcurl_generate_stream_is_refused_without_the_token_and_health_still_answers(stage_server):
     target, _ = stage_server
-    body = json.dumps({"request_id": "g", "prompt_token_ids": [1, 2], "max_tokens": 2})
-    refused = subprocess.run([_grpcurl(), "-plaintext", "-d", body, target, "stagemesh.v1.Stage/Generate"],
+    body = json.dumps({"start": {"request_id": "g", "prompt_token_ids": [1, 2], "max_tokens": 2}})
+    refused = subprocess.run([_grpcurl(), "-plaintext", "-d", body, target, "stagemesh.v1.Stage/GenerateStream"],
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
     allowed = subprocess.run([_grpcurl(), "-plaintext", "-H", f"authorization: Bearer {TOKEN}", "-d", body,
-                              target, "stagemesh.v1.Stage/Generate"], capture_output=True, text=True, timeout=30)
+                              target, "stagemesh.v1.Stage/GenerateStream"], capture_output=True, text=True,
+                             timeout=30)
     assert "Unavailable" in allowed.stderr and "not serving yet" in allowed.stderr, allowed.stderr
     health = subprocess.run([_grpcurl(), "-plaintext", "-d", '{"service":""}', target,
                              "grpc.health.v1.Health/Check"], capture_output=True, text=True, timeout=30)

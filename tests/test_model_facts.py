@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from stage_worker.model_facts import model_facts
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole
 from stagemesh.core.layer_split import LayerRange
 

@@ -17,7 +17,8 @@ from stage_worker.default_model import (
     resolve_model_path,
 )
 from stage_worker.gguf_format import read_gguf_header
-from stage_worker.model_spec import ModelFormatError, ModelSpec, read_model_spec, served_name_from_path
+from stage_worker.model_reader import read_model_spec
+from stage_worker.model_spec import ModelFormatError, ModelSpec, served_name_from_path
 
 DEFAULT = default_model_path()
 

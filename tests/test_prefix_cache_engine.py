@@ -24,7 +24,7 @@ OTHER = tuple(_rng.randrange(300, 20000) for _ in range(9))
 def load_whole_model(path: str):
     """The default model's every layer as one stage, in the backend's default dtype."""
     from stage_worker.device import current_backend
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stagemesh.core.layer_split import LayerRange
 

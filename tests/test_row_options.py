@@ -7,27 +7,27 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
-from stage_worker.row_options import (
-    RowOptions,
-    RowProcessors,
-    logprobs_from_body,
-    rows_body,
-    rows_from_body,
-)
+from stage_worker.batch import RowOptions
+from stage_worker.row_options import RowProcessors, logprobs_from_body, rows_body, rows_from_body
 from stage_worker.sampling import sample_rows
-from stage_worker.wire import SamplingParams
+from stagemesh.core.sampling import GREEDY, SamplingParams
 
 VOCAB = 64
+
+
+def _options(stop_token_ids=(), prompt_len=0, prompt_token_ids=(), **sampling) -> RowOptions:
+    return RowOptions(SamplingParams(**sampling), stop_token_ids, prompt_len, prompt_token_ids)
 
 
 def _logits(rows: int, seed: int = 0) -> mx.array:
     return mx.random.normal((rows, VOCAB), key=mx.random.key(seed)) * 3
 
 
-def _mlx_lm(options: RowOptions, prompt: list[int], generated: list[int], logits: mx.array) -> mx.array:
+def _mlx_lm(row_options: RowOptions, prompt: list[int], generated: list[int], logits: mx.array) -> mx.array:
     """mlx-lm's processors on one row: repetition over prompt + output, presence/frequency over output."""
     big = 10_000  # mlx-lm looks at the last N tokens; ours at all of them
     row = logits
+    options = row_options.sampling
     bias = dict(options.logit_bias) or None
     for proc in make_logits_processors(logit_bias=bias):
         row = proc(mx.array(prompt + generated), row)
@@ -54,9 +54,9 @@ def test_a_batch_without_options_is_returned_untouched():
 def test_mixed_batch_matches_mlx_lm_processors_row_by_row():
     prompt = [3, 4, 5, 5]
     opts = {
-        10: RowOptions(presence_penalty=0.7, frequency_penalty=0.3, prompt_len=len(prompt)),
-        11: RowOptions(repetition_penalty=1.3, prompt_token_ids=tuple(prompt), prompt_len=len(prompt)),
-        12: RowOptions(logit_bias=((7, 5.0), (8, -3.0)), presence_penalty=-0.5, repetition_penalty=0.8,
+        10: _options(presence_penalty=0.7, frequency_penalty=0.3, prompt_len=len(prompt)),
+        11: _options(repetition_penalty=1.3, prompt_token_ids=tuple(prompt), prompt_len=len(prompt)),
+        12: _options(logit_bias=((7, 5.0), (8, -3.0)), presence_penalty=-0.5, repetition_penalty=0.8,
                        prompt_token_ids=tuple(prompt), prompt_len=len(prompt)),
     }
     rows = RowProcessors()
@@ -80,16 +80,16 @@ def test_mixed_batch_matches_mlx_lm_processors_row_by_row():
 
 def test_min_tokens_masks_stop_tokens_until_enough_were_generated():
     rows = RowProcessors()
-    rows.register({1: RowOptions(min_tokens=2, stop_token_ids=(0,), prompt_len=5)})
+    rows.register({1: _options(min_tokens=2, stop_token_ids=(0,), prompt_len=5)})
     logits = mx.zeros((1, VOCAB)).at[:, 0].add(100.0)  # the stop token would win
-    assert sample_rows(rows.process(mx.array(logits), [1], [5]), [SamplingParams()], [5]).item() != 0
-    assert sample_rows(rows.process(mx.array(logits), [1], [6]), [SamplingParams()], [6]).item() != 0
-    assert sample_rows(rows.process(mx.array(logits), [1], [7]), [SamplingParams()], [7]).item() == 0
+    assert sample_rows(rows.process(mx.array(logits), [1], [5]), [GREEDY], [5]).item() != 0
+    assert sample_rows(rows.process(mx.array(logits), [1], [6]), [GREEDY], [6]).item() != 0
+    assert sample_rows(rows.process(mx.array(logits), [1], [7]), [GREEDY], [7]).item() == 0
 
 
 def test_allowed_token_ids_and_bias_restrict_the_draw():
     rows = RowProcessors()
-    rows.register({1: RowOptions(allowed_token_ids=(5, 6)), 2: RowOptions(logit_bias=((9, 100.0),))})
+    rows.register({1: _options(allowed_token_ids=(5, 6)), 2: _options(logit_bias=((9, 100.0),))})
     draws = set()
     for seed in range(30):
         out = rows.process(_logits(2, seed), [1, 2], [0, 0])
@@ -101,7 +101,7 @@ def test_allowed_token_ids_and_bias_restrict_the_draw():
 
 def test_min_p_only_keeps_tokens_near_the_best():
     rows = RowProcessors()
-    rows.register({1: RowOptions(min_p=0.5)})
+    rows.register({1: _options(min_p=0.5)})
     logits = mx.array([[5.0, 4.9, 0.0, 0.0] + [-5.0] * (VOCAB - 4)])
     draws = {sample_rows(logits, [SamplingParams(temperature=2.0, seed=s)], [0], rows.min_ps([1])).item()
              for s in range(40)}
@@ -110,7 +110,7 @@ def test_min_p_only_keeps_tokens_near_the_best():
 
 def test_logprobs_are_the_log_softmax_of_the_processed_logits_top_sorted():
     rows = RowProcessors()
-    rows.register({1: RowOptions(logprobs=5), 3: RowOptions(logprobs=0, logit_bias=((2, 4.0),))})
+    rows.register({1: _options(logprobs=5), 3: _options(logprobs=0, logit_bias=((2, 4.0),))})
     logits = _logits(3, seed=7)
     processed = rows.process(mx.array(logits), [1, 2, 3], [0, 0, 0])
     tokens = mx.argmax(processed, axis=-1).astype(mx.int32)
@@ -129,11 +129,11 @@ def test_logprobs_are_the_log_softmax_of_the_processed_logits_top_sorted():
 
 
 def test_options_travel_as_json_bodies():
-    o = RowOptions(presence_penalty=0.5, logit_bias=((3, 1.5),), logprobs=3, prompt_token_ids=(1, 2))
+    o = _options(presence_penalty=0.5, logit_bias=((3, 1.5),), logprobs=3, prompt_token_ids=(1, 2))
     assert rows_from_body(rows_body({42: o})) == {42: o}
     assert rows_body({}) is None and rows_from_body(None) == {}
     rows = RowProcessors()
-    rows.register({1: RowOptions(logprobs=2)})
+    rows.register({1: _options(logprobs=2)})
     logits = _logits(1)
     lp = rows.logprobs(logits, mx.array([4], mx.int32), [1])
     assert lp is not None
@@ -141,3 +141,16 @@ def test_options_travel_as_json_bodies():
     back = logprobs_from_body(lp.to_body([1]))
     assert back[1].logprob == pytest.approx(lp.read()[0].logprob)
     assert [t for t, _ in back[1].top] == [t for t, _ in lp.read()[0].top]
+
+
+def test_a_sequence_the_processors_leave_alone_sends_no_options():
+    prompt = (3, 4, 5)
+    assert RowOptions.for_sequence(SamplingParams(temperature=0.7, top_p=0.9, seed=3), prompt, {2}, False) is None
+    assert RowOptions.for_sequence(SamplingParams(min_tokens=4), prompt, {2}, True) is None  # no stop to mask
+    masked = RowOptions.for_sequence(SamplingParams(min_tokens=4), prompt, {2, 0}, False)
+    assert masked is not None and masked.stop_token_ids == (0, 2) and masked.prompt_len == 3
+    assert masked.prompt_token_ids == ()  # the prompt's tokens travel only for a repetition penalty
+    repeated = RowOptions.for_sequence(SamplingParams(repetition_penalty=1.2), prompt, {2}, False)
+    assert repeated is not None and repeated.prompt_token_ids == prompt and repeated.stop_token_ids == ()
+    logprobs = RowOptions.for_sequence(SamplingParams(logprobs=0), prompt, (), False)
+    assert logprobs is not None and not logprobs.transforms_logits

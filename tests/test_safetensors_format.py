@@ -16,7 +16,8 @@ from mlx_lm.utils import load_model
 
 from stage_worker.convert import convert_gguf_to_mlx_dir
 from stage_worker.default_model import default_model_path
-from stage_worker.model_spec import ModelFormatError, read_model_spec
+from stage_worker.model_reader import read_model_spec
+from stage_worker.model_spec import ModelFormatError
 from stage_worker.stage_weights import load_stage_weights
 
 QWEN3 = {

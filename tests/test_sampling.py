@@ -3,7 +3,7 @@
 import mlx.core as mx
 
 from stage_worker.sampling import sample_rows
-from stage_worker.wire import SamplingParams
+from stagemesh.core.sampling import GREEDY, SamplingParams
 
 
 def _logits(rows=3, vocab=50, seed=0):
@@ -12,7 +12,7 @@ def _logits(rows=3, vocab=50, seed=0):
 
 def test_greedy_is_argmax():
     logits = _logits()
-    tokens = sample_rows(logits, [SamplingParams()] * 3, [5, 6, 7])
+    tokens = sample_rows(logits, [GREEDY] * 3, [5, 6, 7])
     assert tokens.dtype == mx.int32
     assert tokens.tolist() == mx.argmax(logits, axis=-1).tolist()
 
@@ -21,7 +21,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch_neighbours():
     logits = _logits()
     hot = SamplingParams(temperature=1.5, seed=42)
     alone = sample_rows(logits[1:2], [hot], [10]).tolist()
-    batched = sample_rows(logits, [SamplingParams(), hot, SamplingParams(temperature=1.0, seed=7)], [3, 10, 4]).tolist()
+    batched = sample_rows(logits, [GREEDY, hot, SamplingParams(temperature=1.0, seed=7)], [3, 10, 4]).tolist()
     assert batched[1] == alone[0]
     draws = {tuple(sample_rows(logits[1:2], [hot], [p]).tolist()) for p in range(40)}
     assert len(draws) > 1  # the key changes with the position

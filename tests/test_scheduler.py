@@ -2,9 +2,8 @@
 
 import pytest
 
+from stage_worker.batch import RecordFlag, SampledToken
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, Scheduler
-from stage_worker.stage_runtime import SampledToken
-from stage_worker.wire import RecordFlag
 
 
 def _scheduler(**overrides):
@@ -214,3 +213,21 @@ def test_new_requests_join_a_batch_beside_continuations():
     joined = s.next_batch(1)
     assert [c.carried for c in continued.chunks] == [True]
     assert [(c.record.seq_id, c.token_ids) for c in joined.chunks] == [(2, (10, 11))]
+
+
+def test_a_sequences_options_ride_its_first_chunk_only_and_its_sampling_every_record():
+    from stagemesh.core.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=0.5, seed=3, presence_penalty=0.5)
+    s = _scheduler(max_batch_tokens=6, prefill_chunk_tokens=4)
+    s.add(GenerationRequest("a", tuple(range(10, 16)), 3, sampling, stop_token_ids=frozenset({2})))
+    s.add(_request("plain", prompt_len=2))  # greedy, nothing for the last stage beyond its records
+    first = s.next_batch()
+    by_seq = {c.record.seq_id: c for c in first.chunks}
+    a, plain = by_seq[1], by_seq[2]
+    assert a.options is not None and a.options.sampling == sampling and a.options.prompt_len == 6
+    assert plain.options is None and plain.record.sampling.greedy
+    s.on_sampled(first, _sample(first))
+    second = s.next_batch()
+    rest = next(c for c in second.chunks if c.record.seq_id == 1)
+    assert rest.token_ids == (14, 15) and rest.options is None and rest.record.sampling is sampling

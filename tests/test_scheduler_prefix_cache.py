@@ -1,9 +1,8 @@
 """The entry stage's prefix-cache decisions in the batches it builds: hits, retains, evictions, budget."""
 
+from stage_worker.batch import RecordFlag, SampledToken
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.scheduler import GenerationRequest, Scheduler
-from stage_worker.stage_runtime import SampledToken
-from stage_worker.wire import RecordFlag
 
 
 def _scheduler(capacity=None, block_size=4):

@@ -1,13 +1,14 @@
-"""A Generate stream that fell behind sends what piled up as one message, in order, never past a finish;
-a stream waits on its wake-up, never on its queue, and misses no event queued around the wait."""
+"""A prompt that fell behind on a GenerateStream call gets what piled up as one update, in order, never
+past a finish; the call waits on its wake-up, never on a queue, and misses no event queued around the wait."""
 
 import asyncio
 import queue
 import threading
 
 from stage_worker.engine import RequestFailed
-from stage_worker.grpc_service import _coalesce, _next_event
+from stage_worker.grpc_service import _coalesce, _StreamCall
 from stage_worker.scheduler import Finish, RequestEvent
+from stagemesh.core.v1 import stage_pb2
 
 
 def _take(q):
@@ -44,7 +45,7 @@ def test_a_finished_event_is_not_merged_further():
 
 
 def test_logprobs_stay_with_their_tokens():
-    from stage_worker.row_options import TokenLogprob
+    from stage_worker.batch import TokenLogprob
 
     first, second = TokenLogprob(-0.5, ()), TokenLogprob(-1.5, ())
     q = _queue(RequestEvent("r", (5,), None, 3, 1, (first,)), RequestEvent("r", (6,), None, 3, 2, (second,)))
@@ -52,28 +53,48 @@ def test_logprobs_stay_with_their_tokens():
     assert merged.token_ids == (5, 6) and merged.logprobs == (first, second)
 
 
-def test_a_stream_wakes_for_events_queued_by_another_thread_before_or_during_its_wait():
-    from stage_worker.engine import RequestHandle
+class _OneHandle:
+    """The engine's side a GenerateStream call uses (submit, abort), handing out one request's handle."""
 
+    def __init__(self) -> None:
+        from stage_worker.engine import RequestHandle
+
+        self.handle = RequestHandle("r")
+        self.aborted: list[str] = []
+
+    def submit(self, request):
+        return self.handle
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+
+def test_a_call_wakes_for_events_queued_by_another_thread_before_or_during_its_wait():
     async def scenario():
         loop = asyncio.get_running_loop()
-        handle, wakeup = RequestHandle("r"), asyncio.Event()
-        # Queued (and woken) before the stream first looks: found without waiting.
-        handle.events.put(RequestEvent("r", (1,), None, 3, 1))
-        wakeup.set()
-        assert (await _next_event(handle, wakeup)).token_ids == (1,)
+        engine = _OneHandle()
+        call = _StreamCall(engine, {})  # type: ignore[arg-type]
+        call._start(stage_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3], max_tokens=3))
+        updates = call.updates(lambda: False)
+        # Queued (and woken) before the call first looks: found without waiting.
+        engine.handle.events.put(RequestEvent("r", (1,), None, 3, 1))
+        call.wakeup.set()
+        assert [list(u.response.token_ids) for u in await anext(updates)] == [[1]]
 
-        # Queued by the engine's thread while the stream waits: the wake-up after the put ends the wait.
+        # Queued by the engine's thread while the call waits: the wake-up after the put ends the wait.
         def engine_thread():
-            handle.events.put(RequestEvent("r", (2,), None, 3, 2))
-            handle.events.put(RequestEvent("r", (3,), Finish.LENGTH, 3, 3))
-            loop.call_soon_threadsafe(wakeup.set)
+            engine.handle.events.put(RequestEvent("r", (2,), None, 3, 2))
+            engine.handle.events.put(RequestEvent("r", (3,), Finish.LENGTH, 3, 3))
+            loop.call_soon_threadsafe(call.wakeup.set)
 
-        waiting = asyncio.ensure_future(_next_event(handle, wakeup))
+        waiting = asyncio.ensure_future(anext(updates))
         await asyncio.sleep(0.05)
         assert not waiting.done()  # nothing queued yet: it waits rather than spinning or returning
         threading.Thread(target=engine_thread).start()
-        event = await asyncio.wait_for(waiting, 10)
-        assert event == RequestEvent("r", (2, 3), Finish.LENGTH, 3, 3)
+        (update,) = await asyncio.wait_for(waiting, 10)
+        assert list(update.response.token_ids) == [2, 3]
+        assert update.response.finish_reason == stage_pb2.FINISH_REASON_LENGTH
+        assert not call.running and engine.aborted == []  # finished, not aborted
 
     asyncio.run(scenario())

@@ -10,7 +10,8 @@ from transformers import PreTrainedTokenizerFast
 
 from stage_worker.default_model import default_model_path
 from stage_worker.gguf_format import read_gguf_header
-from stage_worker.model_spec import ModelFormatError, read_model_spec
+from stage_worker.model_reader import read_model_spec
+from stage_worker.model_spec import ModelFormatError
 from stage_worker.tokenizer import CHATML_TEMPLATE, eos_token_ids, load_tokenizer
 
 DEFAULT = default_model_path()

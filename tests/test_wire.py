@@ -6,7 +6,9 @@ import mlx.core as mx
 import pytest
 
 from stage_worker import wire
-from stage_worker.wire import FrameHeader, FrameKind, RecordFlag, SamplingParams, SequenceRecord
+from stage_worker.batch import RecordFlag, SequenceRecord
+from stage_worker.wire import FrameHeader, FrameKind
+from stagemesh.core.sampling import SamplingParams
 
 
 def test_header_round_trip():
@@ -41,6 +43,13 @@ def test_records_round_trip_with_flags_and_sampling():
     assert first.sampling.top_k == 40 and first.sampling.seed == 1234
     assert first.sampling.temperature == pytest.approx(0.7) and first.sampling.top_p == pytest.approx(0.9)
     assert wire.total_rows(records) == 17
+
+
+def test_a_record_carries_the_samplers_four_fields_and_the_rest_travels_in_row_options():
+    sampling = SamplingParams(temperature=0.5, top_p=0.8, top_k=3, seed=None, presence_penalty=1.0, min_p=0.2)
+    (decoded,) = wire.unpack_records(wire.pack_records([SequenceRecord(1, 0, 1, RecordFlag.SAMPLE, sampling)]), 1)
+    assert decoded.sampling.seed is None and decoded.sampling.top_k == 3
+    assert decoded.sampling.presence_penalty == 0.0 and decoded.sampling.min_p == 0.0  # RowOptions' part
 
 
 def test_garbage_and_foreign_versions_are_refused():

@@ -73,13 +73,12 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.device import current_backend
     from stage_worker.engine import step_ahead_pays
     from stage_worker.fused_projections import fusion_wanted
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stage_worker.warmup import warm_up, warmup_plan
     from stagemesh.bench.report import build_report, emit, flags_of, now
-    from stagemesh.core import settings
+    from stagemesh.core import defaults, settings
     from stagemesh.core.layer_split import LayerRange
-    from stagemesh.core.plan import StageOptions
 
     if min(args.output_len, args.streams, args.input_len, args.mixed_max_prompt) < 1 or args.mixed < 0:
         raise UserError("--output-len, --streams, --input-len and --mixed-max-prompt must be positive, "
@@ -103,9 +102,8 @@ def run(args: argparse.Namespace) -> int:
         step_ahead = step_ahead_pays(backend)
         # The stage's own warm-up at load, sized as serve sizes it by default: what a user's first
         # requests find (anything it leaves cold shows in the first run below).
-        defaults = StageOptions()
-        warmup = warmup_plan(backend, max_num_seqs=defaults.max_num_seqs, micro_batches=1,
-                             max_batch_tokens=defaults.max_batch_tokens, max_model_len=4096)
+        warmup = warmup_plan(backend, max_num_seqs=defaults.MAX_NUM_SEQS, micro_batches=1,
+                             max_batch_tokens=defaults.MAX_BATCH_TOKENS, max_model_len=defaults.MAX_MODEL_LEN)
 
         def load() -> StageModel:
             return StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)

@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from coordinator.local_launcher import PipelineFailed
     from stage_worker.generation_job import GenerationJob
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.tokenizer import load_tokenizer
     from stagemesh.bench.report import build_report, emit, flags_of, now
     from stagemesh.core.plan import make_local_plan

@@ -51,7 +51,7 @@ import json, sys, time
 import mlx.core as mx
 from stagemesh.core.layer_split import LayerRange
 from stage_worker.blas import loaded_blas
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
 from mlx_lm.models.cache import KVCache
 spec = read_model_spec(sys.argv[1])
@@ -165,7 +165,7 @@ def _run_mlx_lm_arm(mlx_dir: str, prompt: list[int], max_tokens: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     from stage_worker.convert import convert_gguf_to_mlx_dir
     from stage_worker.default_model import resolve_model_path
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.tokenizer import load_tokenizer
     from stagemesh.bench.report import build_report, emit, flags_of, now
 

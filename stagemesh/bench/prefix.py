@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from stagemesh.bench import flags
+from stagemesh.core import defaults
 from stagemesh.core.errors import UserError
 
 
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of the shared system prompt (default %(default)s)")
     parser.add_argument("--user-len", type=int, default=32, help="tokens of each user turn (default %(default)s)")
     flags.add_lengths(parser, input_len=None, output_len=32, with_input=False, output_note="here, per turn")
-    parser.add_argument("--block-size", type=int, default=16, help="prefix-cache block size (default %(default)s)")
+    parser.add_argument("--block-size", type=int, default=defaults.PREFIX_CACHE_BLOCK_SIZE,
+                        help="prefix-cache block size (default %(default)s)")
 
 
 RATIO_KEYS = ("ttft_p50_s", "ttft_p50_later_turns_s", "tokens_per_s")
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.default_model import resolve_model_path
     from stage_worker.device import current_backend
     from stage_worker.fused_projections import fusion_wanted
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
     from stagemesh.bench.report import build_report, emit, flags_of, now
     from stagemesh.core import settings

@@ -185,7 +185,7 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
-        return await _waves(lambda first: round_of(stub, first), streams, args.rounds)
+        return await _waves(lambda first: together(stub, range(first, first + streams)), streams, args.rounds)
 
 
 def _prompt(index: int, length: int) -> list[int]:

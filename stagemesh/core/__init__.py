@@ -10,6 +10,10 @@ it cheaply. ``tests/test_import_boundaries.py`` enforces both rules.
   (proto package ``stagemesh.v1``).
 - ``settings``: every environment variable with its default, the default
   ports, the ``mlx`` resource name, the installed version.
+- ``defaults``: the serving defaults every part shares (``--max-num-seqs``,
+  ``--memory-fraction``, tokens per batch, prefix-cache blocks, ...).
+- ``sampling``: the sampling contract (``SamplingParams``, each field's range
+  and default, the one ``check``, the proto and JSON conversions).
 - ``errors``: ``UserError``, the base of "change this flag" errors.
 - ``layer_split`` and ``ports``: which layers and which ports each stage owns.
 - ``plan``: ``PipelinePlan`` (who runs which slice where) and ``StageLaunch``

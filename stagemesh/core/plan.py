@@ -19,6 +19,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stagemesh.core import defaults
 from stagemesh.core.errors import UserError
 from stagemesh.core.layer_split import LayerRange, plan_layer_split
 from stagemesh.core.ports import stage_ports
@@ -135,18 +136,18 @@ class StageOptions:
     """How one stage runs, beyond what the plan says; the defaults are a lone stage's."""
 
     node_id: str = ""  # the Ray node id, reported by GetStageInfo
-    max_num_seqs: int = 64  # sequences running at once
-    max_waiting: int = 256  # requests queued beyond the running ones
+    max_num_seqs: int = defaults.MAX_NUM_SEQS  # sequences running at once
+    max_waiting: int = defaults.MAX_WAITING  # requests queued beyond the running ones
     max_model_len: int | None = None  # None: the model's context length
-    memory_fraction: float = 0.8  # share of the host's memory its stages may use (weights + KV)
+    memory_fraction: float = defaults.MEMORY_FRACTION  # share of the host's memory its stages may use (weights + KV)
     stages_on_host: int = 0  # stages sharing the host's memory and cores; 0: this pipeline's on it
     micro_batches: int = 0  # batches in flight at once; 0: one per stage
-    max_batch_tokens: int = 512  # token rows per batch (long prompts are prefilled in chunks)
+    max_batch_tokens: int = defaults.MAX_BATCH_TOKENS  # token rows per batch (long prompts are prefilled in chunks)
     # Keep finished sequences' KV for prompts that start alike (stage_worker.prefix_cache), in blocks of
-    # this many tokens (vLLM's --enable-prefix-caching, on by default, and its --block-size 16).
-    enable_prefix_caching: bool = True
-    prefix_cache_block_size: int = 16
-    connect_timeout_s: float = 60.0  # neighbours' lanes must be up by then
+    # this many tokens (vLLM's --enable-prefix-caching and --block-size).
+    enable_prefix_caching: bool = defaults.ENABLE_PREFIX_CACHING
+    prefix_cache_block_size: int = defaults.PREFIX_CACHE_BLOCK_SIZE
+    connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S  # neighbours' lanes must be up by then
     ring_timeout_s: float | None = None  # None: STAGEMESH_RING_TIMEOUT where the stage runs
     # The node's visible GPU this stage computes on (stagemesh.core.gpus); None: the node's default.
     gpu_index: int | None = None

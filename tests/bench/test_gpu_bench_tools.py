@@ -14,7 +14,7 @@ from tests.conftest import free_port_base
 def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_for_every_id(tmp_path):
     from mlx_lm import load
 
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
 
     assert {"llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"} <= set(shape_names())
     small = {**shape_config("llama-3.2-1b"), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

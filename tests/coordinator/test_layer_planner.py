@@ -21,7 +21,7 @@ from coordinator.layer_planner import (
 )
 from stage_worker.memory import MemoryBudget, kv_token_capacity
 from stage_worker.model_facts import model_facts
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stagemesh.bench.random_checkpoint import SHAPES_DIR
 from stagemesh.core.layer_split import LayerRange
 from stagemesh.core.memory import RUNTIME_OVERHEAD_BYTES, NodeMemory

@@ -27,7 +27,7 @@ from coordinator.layer_planner import PlanError
 from coordinator.mesh import MeshConfig, MeshCoordinator
 from coordinator.ray_cluster import loopback_only
 from stage_worker.model_facts import model_facts
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stagemesh.status import format_mesh
 from tests.coordinator.conftest import mesh_ports
 from tests.coordinator.helpers import wait_until

@@ -27,16 +27,13 @@ def _generate(target: str, token: str, max_tokens: int = 4) -> list[int]:
 
     from stagemesh.core.mesh_token import call_metadata
     from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+    from tests.stage_calls import generate
 
     with grpc.insecure_channel(target) as channel:
-        stub = stage_pb2_grpc.StageStub(channel)
         request = stage_pb2.GenerateRequest(
             request_id="coordinator-test", prompt_token_ids=[504, 3575, 282, 4649, 314], max_tokens=max_tokens,
             sampling=stage_pb2.SamplingParams(temperature=0.0, top_p=1.0), ignore_eos=True)
-        tokens: list[int] = []
-        for message in stub.Generate(request, timeout=60, metadata=call_metadata(token)):
-            tokens += list(message.token_ids)
-        return tokens
+        return generate(stage_pb2_grpc.StageStub(channel), request, metadata=call_metadata(token), timeout=60)
 
 
 def test_pp2_serves_recovers_from_a_killed_stage_and_stops_clean(monkeypatch):

@@ -51,7 +51,7 @@ def both(clients, call):
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path):
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.tokenizer import load_tokenizer
 
     return load_tokenizer(read_model_spec(default_model_path))
@@ -60,7 +60,7 @@ def tokenizer(default_model_path):
 @pytest.fixture(scope="module")
 def mlx_lm_model(default_model_path):
     """mlx-lm's own model class with every weight of the default model."""
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_weights import load_stage_weights
 
     spec = read_model_spec(default_model_path)

@@ -28,7 +28,7 @@ FRANCE = "The capital of France is"
 
 
 def _tokenizer(path):
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.tokenizer import load_tokenizer
 
     return load_tokenizer(read_model_spec(path))

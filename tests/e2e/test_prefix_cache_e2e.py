@@ -15,9 +15,10 @@ from stagemesh.core.plan import StageOptions, make_local_plan
 from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 from tests.e2e.stage_processes import start_stages
+from tests.stage_calls import generate
 from tests.test_prefix_cache_engine import BLOCK, _conversation, _Engine, load_whole_model
 
-TOKEN = generate_token()  # the stages' gRPC requires the mesh token on Generate
+TOKEN = generate_token()  # the stages' gRPC requires the mesh token on GenerateStream
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +40,7 @@ def model(default_model_path):
 
 
 class _GrpcClient:
-    """``_Engine``'s interface over a running pipeline's Generate."""
+    """``_Engine``'s interface over a running pipeline's gRPC (a GenerateStream call per prompt)."""
 
     def __init__(self, stub) -> None:
         self._stub = stub
@@ -55,8 +56,7 @@ class _GrpcClient:
     def generate(self, prompt, max_tokens=6) -> list[int]:
         request = stage_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=list(prompt),
                                             max_tokens=max_tokens, ignore_eos=True)
-        replies = self._stub.Generate(request, timeout=300, metadata=call_metadata(TOKEN))
-        return [t for reply in replies for t in reply.token_ids]
+        return generate(self._stub, request, metadata=call_metadata(TOKEN))
 
 
 def _start(default_model_path, workdir, pp):

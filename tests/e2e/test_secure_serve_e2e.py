@@ -82,10 +82,11 @@ def test_stages_take_only_mesh_certificates(secure):
                                   "-key", str(intruder / "node.key"), *health, target, "grpc.health.v1.Health/Check"],
                                  capture_output=True, text=True, timeout=30)
         assert foreign.returncode != 0
-    # With a mesh certificate but no token, Generate is still refused.
+    # With a mesh certificate but no token, GenerateStream is still refused.
     entry = f"127.0.0.1:{stages[0]['grpc_port']}"
-    body = json.dumps({"request_id": "x", "prompt_token_ids": [504, 3575], "max_tokens": 1})
+    body = json.dumps({"start": {"request_id": "x", "prompt_token_ids": [504, 3575], "max_tokens": 1}})
     untokened = subprocess.run([_grpcurl(), "-cacert", str(operator / "ca.pem"), "-cert", str(operator / "node.pem"),
-                                "-key", str(operator / "node.key"), "-d", body, entry, "stagemesh.v1.Stage/Generate"],
+                                "-key", str(operator / "node.key"), "-d", body, entry,
+                                "stagemesh.v1.Stage/GenerateStream"],
                                capture_output=True, text=True, timeout=30)
     assert "Unauthenticated" in untokened.stderr, untokened.stderr

@@ -108,17 +108,17 @@ def test_mesh_reports_each_stage_and_grpcurl_finds_them_serving(serve_pp2):
     assert "[15, 30)" in table and "1/1 replicas healthy" in table and stages[0]["backend"] in table
 
 
-def test_stages_refuse_generate_without_the_mesh_token_and_health_still_answers(serve_pp2):
+def test_stages_refuse_generation_without_the_mesh_token_and_health_still_answers(serve_pp2):
     """The gateway's answers above prove it sends the token; a caller on the network without it is refused."""
     stages = serve_pp2.mesh()["replicas"][0]["stages"]
     entry = f"127.0.0.1:{stages[0]['grpc_port']}"
-    body = json.dumps({"request_id": "e2e-token", "prompt_token_ids": [504, 3575, 282], "max_tokens": 2,
-                       "ignore_eos": True})
-    refused = subprocess.run([_grpcurl(), "-plaintext", "-d", body, entry, "stagemesh.v1.Stage/Generate"],
+    body = json.dumps({"start": {"request_id": "e2e-token", "prompt_token_ids": [504, 3575, 282], "max_tokens": 2,
+                                 "ignore_eos": True}})
+    refused = subprocess.run([_grpcurl(), "-plaintext", "-d", body, entry, "stagemesh.v1.Stage/GenerateStream"],
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
     served = subprocess.run([_grpcurl(), "-plaintext", "-H", f"authorization: Bearer {MESH_TOKEN}", "-d", body,
-                             entry, "stagemesh.v1.Stage/Generate"], capture_output=True, text=True, timeout=60)
+                             entry, "stagemesh.v1.Stage/GenerateStream"], capture_output=True, text=True, timeout=60)
     assert served.returncode == 0 and "token_ids" in served.stdout, served.stderr
     for stage in stages:
         target = f"127.0.0.1:{stage['grpc_port']}"

@@ -1,7 +1,7 @@
 """Serving behaviour of a real pipeline (stage processes over the ring, gRPC, no Ray): batched
 generation equals one-at-a-time at temperature 0, a full stage answers RESOURCE_EXHAUSTED at
-once, idle or waiting stages do not burn CPU, and ``GenerateStream`` (many prompts over one call,
-the gateway's path) gives each prompt what ``Generate`` would, errors and cancellations per prompt."""
+once, idle or waiting stages do not burn CPU, and ``GenerateStream`` with many prompts on one call (the
+gateway's way) gives each prompt what a call of its own gives it, errors and cancellations per prompt."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 from tests.coordinator.helpers import wait_until
 from tests.e2e.stage_processes import start_stages
+from tests.stage_calls import generate
 
 pytestmark = pytest.mark.e2e
 
@@ -48,12 +49,10 @@ def pipeline(default_model_path, tmp_path_factory):
 
 
 def _generate(stub, prompt, max_tokens=16):
-    tokens = []
-    for reply in stub.Generate(stage_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                                                         max_tokens=max_tokens, ignore_eos=True), timeout=300,
-                             metadata=call_metadata(TOKEN)):
-        tokens += list(reply.token_ids)
-    return tokens
+    """One prompt on a call of its own."""
+    request = stage_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, max_tokens=max_tokens,
+                                        ignore_eos=True)
+    return generate(stub, request, metadata=call_metadata(TOKEN))
 
 
 def test_concurrent_greedy_generations_equal_one_at_a_time(pipeline):
@@ -128,7 +127,7 @@ def _running(stub) -> int:
     return stub.GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=10).stats.running_sequences
 
 
-def test_prompts_over_one_generate_stream_get_what_generate_gives_them(pipeline):
+def test_prompts_sharing_one_call_get_what_a_call_of_their_own_gives_them(pipeline):
     stub, _ = pipeline
     alone = [_generate(stub, p) for p in PROMPTS[4:8]]
     requests = _Requests()

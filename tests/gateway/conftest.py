@@ -6,7 +6,7 @@ import pytest
 
 from gateway.app import GatewayConfig, create_app
 
-from .fakes import AppServer, FakeMesh, StageServer, StreamingFakeStage
+from .fakes import AppServer, FakeMesh, FakeStage, StageServer
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key-123"
@@ -15,7 +15,7 @@ API_KEY = "test-key-123"
 @pytest.fixture(scope="session")
 def tokenizer():
     from stage_worker.default_model import resolve_model_path
-    from stage_worker.model_spec import read_model_spec
+    from stage_worker.model_reader import read_model_spec
     from stage_worker.tokenizer import load_tokenizer
 
     return load_tokenizer(read_model_spec(resolve_model_path(None)))
@@ -29,7 +29,7 @@ def eos_ids() -> frozenset[int]:
 @pytest.fixture(scope="session")
 def stages():
     """Two fake entry stages (two replicas), answering GenerateStream as the real entry stage does."""
-    servers = [StageServer(StreamingFakeStage(eos_id=2)).start() for _ in range(2)]
+    servers = [StageServer(FakeStage(eos_id=2)).start() for _ in range(2)]
     yield servers
     for s in servers:
         s.stop()

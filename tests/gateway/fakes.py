@@ -42,13 +42,24 @@ class Script:
     hang_after_tokens: int | None = None  # then wait until cancelled
 
 
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
 class FakeStage(stage_pb2_grpc.StageServicer):
+    """The scripted stage's ``GenerateStream``, answered like the real entry stage's: each prompt runs the
+    script and its messages travel as updates of the one call (everything queued when the call wakes goes
+    out as one message); a prompt's failure ends that prompt only, with its status code."""
+
     def __init__(self, eos_id: int) -> None:
         self.eos_id = eos_id
         self.script = Script()
         self.requests: list[stage_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []
         self.finished: list[str] = []
+        self.stream_calls = 0
 
     def reset(self, **kwargs: object) -> None:
         self.script = Script(**kwargs)  # type: ignore[arg-type]
@@ -56,11 +67,12 @@ class FakeStage(stage_pb2_grpc.StageServicer):
         self.cancelled.clear()
         self.finished.clear()
 
-    async def Generate(self, request, context):  # noqa: N802 - gRPC name
+    async def _scripted(self, request: stage_pb2.GenerateRequest):
+        """One prompt's messages as the script says; ``_Aborted`` ends it with a status code."""
         self.requests.append(request)
         s = self.script
         if s.fail_before is not None:
-            await context.abort(s.fail_before, f"fake stage refuses: {s.fail_before.name}")
+            raise _Aborted(s.fail_before, f"fake stage refuses: {s.fail_before.name}")
         stops = set(request.stop_token_ids)
         out: list[int] = []
         ids = list(s.reply_ids) + ([self.eos_id] if s.end_with_eos else [])
@@ -72,7 +84,7 @@ class FakeStage(stage_pb2_grpc.StageServicer):
                 if s.hang_after_tokens is not None and len(out) >= s.hang_after_tokens:
                     await asyncio.sleep(3600)
                 if s.fail_after_tokens is not None and len(out) >= s.fail_after_tokens:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake stage: ring peer lost")
+                    raise _Aborted(grpc.StatusCode.UNAVAILABLE, "fake stage: ring peer lost")
                 batch: list[int] = []
                 finish = stage_pb2.FINISH_REASON_UNSPECIFIED
                 while len(batch) < s.chunk:
@@ -96,33 +108,7 @@ class FakeStage(stage_pb2_grpc.StageServicer):
             self.cancelled.append(request.request_id)
             raise
 
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _StartContext:
-    """What the fake's Generate needs of a context, for one prompt of a GenerateStream call."""
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Aborted(code, details)
-
-
-class StreamingFakeStage(FakeStage):
-    """The fake stage with ``GenerateStream`` too, answered like the real entry stage: each prompt runs
-    the scripted ``Generate`` and its messages travel as updates of the one call (everything queued
-    when the call wakes goes out as one message). ``generate_stream=False``: an older stage, UNIMPLEMENTED."""
-
-    def __init__(self, eos_id: int, generate_stream: bool = True) -> None:
-        super().__init__(eos_id)
-        self.generate_stream = generate_stream
-        self.stream_calls = 0
-
     async def GenerateStream(self, request_iterator, context):  # noqa: N802 - gRPC name
-        if not self.generate_stream:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         await context.send_initial_metadata(())  # accepted (stage.proto: clients wait for it)
         self.stream_calls += 1
         updates: asyncio.Queue[stage_pb2.GenerateUpdate | None] = asyncio.Queue()
@@ -130,7 +116,7 @@ class StreamingFakeStage(FakeStage):
 
         async def run(request: stage_pb2.GenerateRequest) -> None:
             try:
-                async for response in self.Generate(request, _StartContext()):
+                async for response in self._scripted(request):
                     updates.put_nowait(stage_pb2.GenerateUpdate(request_id=request.request_id, response=response))
             except _Aborted as exc:
                 updates.put_nowait(stage_pb2.GenerateUpdate(request_id=request.request_id,

@@ -22,7 +22,8 @@ def refused(req) -> APIError:
 
 def test_defaults():
     s = settings_from_request(CompletionRequest(prompt="x"))
-    assert (s.n, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.stream) == (1, 1.0, 1.0, 0, None, (), False)
+    assert (s.n, s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.seed, s.stop, s.stream) == \
+        (1, 1.0, 1.0, 0, None, (), False)
     assert s.max_tokens_for(10, 2048, "prompt") == 2038  # the room left
     assert not s.stage_sampling(0).HasField("seed")
 
@@ -49,6 +50,7 @@ def test_defaults():
     ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"stop_token_ids": [-1]}, "stop_token_ids", "out of the vocabulary"),
     ({"min_tokens": 5, "max_tokens": 3}, "min_tokens", "between 0 and max_tokens (3), got 5"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
     ({"echo": True, "logprobs": 1}, "echo", "not supported"),
     ({"use_beam_search": True}, "use_beam_search", "not supported"),
     ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
@@ -59,6 +61,12 @@ def test_defaults():
 def test_completion_field_errors(kw, param, words):
     err = refused(CompletionRequest(prompt="x", **kw))
     assert err.param == param and words in err.message, err.message
+
+
+def test_chat_names_the_core_fields_by_its_own_names():
+    assert "top_logprobs must be between 0 and 20, got 21." in refused(chat(logprobs=True, top_logprobs=21)).message
+    err = refused(chat(min_tokens=5, max_completion_tokens=3))
+    assert err.param == "min_tokens" and "between 0 and max_completion_tokens (3), got 5" in err.message
 
 
 @pytest.mark.parametrize("kw, param", [
@@ -81,7 +89,7 @@ def test_defaults_of_unsupported_fields_are_fine():
     s = settings_from_request(chat(logprobs=False, presence_penalty=0, frequency_penalty=0.0, logit_bias={},
                                    response_format={"type": "text"}, tool_choice="none", user="u",
                                    top_k=-1, stream=True, stream_options={"include_usage": True}))
-    assert s.top_k == 0 and s.include_usage
+    assert s.sampling.top_k == 0 and s.include_usage
 
 
 def test_max_completion_tokens_wins_and_context_is_checked():
@@ -128,9 +136,10 @@ def test_generation_config_fills_only_unset_fields(tmp_path):
         '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 64}')
     d = model_generation_defaults(str(tmp_path))
     s = settings_from_request(chat(), d)
-    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.max_tokens) == (0.6, 0.95, 20, 1.1, 64)
+    assert (s.sampling.temperature, s.sampling.top_p, s.sampling.top_k, s.sampling.repetition_penalty,
+            s.max_tokens) == (0.6, 0.95, 20, 1.1, 64)
     s = settings_from_request(chat(temperature=0, top_k=-1, max_tokens=5), d)
-    assert (s.temperature, s.top_k, s.max_tokens) == (0.0, 0, 5)
+    assert (s.sampling.temperature, s.sampling.top_k, s.max_tokens) == (0.0, 0, 5)
     (tmp_path / "g.json").write_text('{"do_sample": false, "temperature": 0.6}')
     assert generation_defaults_from_file(str(tmp_path / "g.json")).temperature == 0.0
     assert model_generation_defaults(str(tmp_path / "absent")).temperature is None
@@ -140,13 +149,13 @@ def test_structured_output_becomes_one_grammar_for_the_stage():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     s = settings_from_request(chat(response_format={"type": "json_schema",
                                                     "json_schema": {"name": "a", "schema": schema, "strict": True}}))
-    assert s.grammar and s.stage_sampling(0).grammar == s.grammar
-    assert settings_from_request(chat(response_format={"type": "json_object"})).grammar
-    assert settings_from_request(chat(guided_choice=["yes", "no"])).grammar
-    assert settings_from_request(chat(structured_outputs={"choice": ["yes", "no"]})).grammar == \
-        settings_from_request(chat(guided_choice=["yes", "no"])).grammar
+    assert s.sampling.grammar and s.stage_sampling(0).grammar == s.sampling.grammar
+    assert settings_from_request(chat(response_format={"type": "json_object"})).sampling.grammar
+    assert settings_from_request(chat(guided_choice=["yes", "no"])).sampling.grammar
+    assert settings_from_request(chat(structured_outputs={"choice": ["yes", "no"]})).sampling.grammar == \
+        settings_from_request(chat(guided_choice=["yes", "no"])).sampling.grammar
     with pytest.raises(APIError) as e:
         settings_from_request(chat(structured_outputs={"yaml": "x"}))
     assert e.value.param == "structured_outputs"
-    assert not settings_from_request(chat(response_format={"type": "text"})).grammar
+    assert not settings_from_request(chat(response_format={"type": "text"})).sampling.grammar
     assert not settings_from_request(chat()).stage_sampling(0).grammar

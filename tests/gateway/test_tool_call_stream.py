@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from gateway.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
+from gateway.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta, ToolCallStream
 from gateway.tool_output import ToolStream
 from gateway.tool_parsers import FORCED, PARSERS, ToolFormat
 from gateway.tools import tool_plan
@@ -59,7 +59,7 @@ def _format(name: str) -> ToolFormat:
 
 
 def _streamed(fmt: ToolFormat, pieces: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
-    stream = fmt.stream()
+    stream = ToolCallStream(fmt)
     events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls: list[list[str]] = []
@@ -104,7 +104,7 @@ def test_well_formed_calls_parse_with_arguments_as_written():
 
 
 def test_content_streams_at_once_and_a_call_starts_when_its_name_is_complete():
-    stream = PARSERS["hermes"].stream()
+    stream = ToolCallStream(PARSERS["hermes"])
     assert stream.feed("The weather ") == [ContentDelta("The weather")]  # trailing whitespace waits
     assert stream.feed("is fine <tool") == [ContentDelta(" is fine")]  # so does what may open a call
     assert stream.feed('_call>{"name": "get_wea') == []
@@ -117,7 +117,7 @@ def test_content_streams_at_once_and_a_call_starts_when_its_name_is_complete():
 
 
 def test_a_call_cut_short_is_not_complete():
-    stream = PARSERS["mistral"].stream()
+    stream = ToolCallStream(PARSERS["mistral"])
     events = stream.feed('[TOOL_CALLS] [{"name": "f", "arguments": {"a": ')
     assert [type(e) for e in events] == [CallStart, ArgumentsDelta]
     assert stream.finish() == [] and not stream.complete

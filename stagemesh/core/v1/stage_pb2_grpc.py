@@ -39,11 +39,6 @@ class StageStub:
                 request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GetStageInfoRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.StageInfo.FromString,
                 _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/stagemesh.v1.Stage/Generate',
-                request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateResponse.FromString,
-                _registered_method=True)
         self.GenerateStream = channel.stream_stream(
                 '/stagemesh.v1.Stage/GenerateStream',
                 request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamRequest.SerializeToString,
@@ -71,34 +66,25 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Generate(self, request, context):
-        """Generate tokens for one prompt. Entry stage only (others answer
-        FAILED_PRECONDITION). The stream carries newly sampled token ids as they
-        come and ends with a message whose finish_reason is set. Cancelling the
-        call aborts the sequence and frees its slot on every stage.
-        Errors: INVALID_ARGUMENT (bad request field, named in the message),
-        RESOURCE_EXHAUSTED (the waiting queue is full), UNAVAILABLE (draining,
-        not serving, or the pipeline failed mid-request).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GenerateStream(self, request_iterator, context):
-        """Generate for many prompts over one call: the gateway's path to a replica.
-        The client writes one GenerateStreamRequest per prompt to start (its
-        request_id is required and names the prompt in both directions) or to
-        cancel one. The stage answers with one message per engine step holding,
-        for every prompt of this call that got tokens in that step, what Generate
-        would have sent it: a busy stage sends one message a step instead of one
-        per prompt, and the client reads one. A prompt's error ends that prompt
-        only, with Generate's status codes (as error_code). The call ends when the
+        """Generate tokens for many prompts over one call: the gateway's path to a
+        replica (and the only one). The client writes one GenerateStreamRequest
+        per prompt to start (its request_id is required and names the prompt in
+        both directions) or to cancel one. The stage answers with one message per
+        engine step holding, for every prompt of this call that got tokens in that
+        step, a GenerateResponse with the token ids sampled since the prompt's
+        previous update; the prompt's last one has finish_reason set. A prompt's
+        error ends that prompt only, with a gRPC status code (as error_code):
+        INVALID_ARGUMENT (a bad request field, named in the message),
+        RESOURCE_EXHAUSTED (the waiting queue is full), UNAVAILABLE (draining, not
+        serving, or the pipeline failed mid-request). The call ends when the
         client has closed its side and every prompt has finished; cancelling it
-        aborts every prompt of it still running. Entry stage only (others answer
-        FAILED_PRECONDITION), like Generate. The stage sends its initial metadata
-        as soon as it accepts the call, and clients wait for it before the first
-        write: a write racing a call the server already ended makes grpc.aio
-        report INTERNAL instead of the server's status (grpc/grpc#36066).
+        aborts every prompt of it still running and frees their slots on every
+        stage. Entry stage only (others answer FAILED_PRECONDITION). The stage
+        sends its initial metadata as soon as it accepts the call, and clients
+        wait for it before the first write: a write racing a call the server
+        already ended makes grpc.aio report INTERNAL instead of the server's
+        status (grpc/grpc#36066).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,11 +112,6 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.GetStageInfo,
                     request_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GetStageInfoRequest.FromString,
                     response_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
-            ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateRequest.FromString,
-                    response_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateStream,
@@ -175,33 +156,6 @@ class Stage:
             '/stagemesh.v1.Stage/GetStageInfo',
             stagemesh_dot_core_dot_v1_dot_stage__pb2.GetStageInfoRequest.SerializeToString,
             stagemesh_dot_core_dot_v1_dot_stage__pb2.StageInfo.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/stagemesh.v1.Stage/Generate',
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateRequest.SerializeToString,
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
