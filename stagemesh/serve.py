@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     # Lazily: the gateway (FastAPI, transformers), the coordinator (Ray) and MLX load only to serve.
     import uvicorn
 
-    from coordinator.mesh import MeshCoordinator
+    from coordinator.mesh import MeshCoordinator, MeshStartError
     from gateway.app import GatewayConfig, create_app
     from stage_worker.tokenizer import eos_token_ids, load_tokenizer
 
@@ -222,7 +222,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         coordinator.stop()
         return 2
-    except Exception as exc:  # startup failed: report it and leave nothing running
+    except MeshStartError as exc:
+        # A stage that cannot load or join its pipeline at start is the model's or the flags' fault, never
+        # retried (only a replica that has served is restarted): a configuration error, like the checks above.
+        print(f"stagemesh serve: the mesh did not start: {exc}", file=sys.stderr)
+        coordinator.stop()
+        return 2
+    except Exception as exc:  # startup failed for another reason (Ray, the host): report it, leave nothing running
         print(f"stagemesh serve: the mesh did not start: {exc}", file=sys.stderr)
         coordinator.stop()
         return 1
