@@ -16,6 +16,8 @@ import pytest
 
 from tests.bench.fake_server import FakeServer
 
+pytestmark = pytest.mark.e2e
+
 OUT_TOKENS = 16
 FIRST_DELAY = 0.02
 

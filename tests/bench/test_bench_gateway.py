@@ -8,7 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import free_port_base
+
+pytestmark = pytest.mark.e2e
 
 
 def test_bench_gateway_serves_every_request_over_both_stage_rpcs_and_compares_them(tmp_path):

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from stagemesh.bench.random_checkpoint import shape_config, shape_names, write_random_checkpoint
 from tests.conftest import free_port_base
 
@@ -26,6 +28,7 @@ def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_f
     assert (spec.model_type, spec.num_layers, spec.hidden_size, spec.format) == ("llama", 2, 64, "mlx")
 
 
+@pytest.mark.e2e
 def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
     out = tmp_path / "hop.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-hop", "--hidden", "64", "--rows", "1,4",
@@ -38,6 +41,7 @@ def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
         assert shape["ring_ms_p50"] > 0 and shape["lane_ms_p50"] > 0 and shape["compute_ms_p50"] > 0
 
 
+@pytest.mark.e2e
 def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
     out = tmp_path / "engine.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", "4", "--streams", "2",
@@ -55,6 +59,7 @@ def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
     assert "engine thread, one stream" in done.stdout and "engine thread, 3 mixed requests" in done.stdout
 
 
+@pytest.mark.e2e
 def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_path):
     out = tmp_path / "engine.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-engine", "--tokens", "4", "--streams", "2",
@@ -75,6 +80,7 @@ def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_
     assert bad.returncode == 2 and "--compare-projections" in bad.stderr
 
 
+@pytest.mark.e2e
 def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_real_serve(tmp_path):
     out = tmp_path / "stack.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench-stack", "--tokens", "4", "--streams", "2",
