@@ -1,4 +1,9 @@
-"""Shared test helpers: free port ranges on loopback, the default model's path, a tiny config-only model."""
+"""Shared test helpers: free port ranges on loopback, the default model's path, a tiny config-only model.
+
+Two tiers: ``python -m pytest -m "not e2e"`` is the fast one; ``python -m pytest`` (what CI runs) adds the
+tests marked ``e2e``, those that start a process, Ray, a browser or load the real model. The plugin
+``tests/fast_tier.py`` fails an unmarked test that does any of that.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import socket
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ("tests.fast_tier", "pytester")
 
 # Each call hands out a fresh range so tests (and reruns) never share ports. The range sits
 # between Ray's worker ports (10002-19999) and Linux's ephemeral ports (32768-60999), where an

@@ -48,6 +48,7 @@ def _engine(model, max_tokens, stop=frozenset()):
         runner.join(60)
 
 
+@pytest.mark.e2e
 def test_the_engine_steps_ahead_and_still_matches_step_by_step_generation(model):
     reference = _reference(model, 12)
     outputs, finishes = _engine(model, 12)
@@ -55,6 +56,7 @@ def test_the_engine_steps_ahead_and_still_matches_step_by_step_generation(model)
     assert finishes == [Finish.LENGTH] * len(PROMPTS)
 
 
+@pytest.mark.e2e
 def test_a_stop_token_ends_the_request_where_step_by_step_generation_would(model):
     reference = _reference(model, 12)
     stop = reference[0][4]  # the fifth token of the first prompt's answer

@@ -17,6 +17,8 @@ from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_weights import load_stage_weights
 from stage_worker.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.e2e
+
 DEFAULT = default_model_path()
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -133,6 +133,7 @@ def test_the_warm_up_is_tiny_on_the_cpu_and_covers_serving_sizes_on_a_gpu():
     assert "decode batches of 1 and 32" in gpu.summary() and "512-token prompt chunk" in gpu.summary()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("first,last", [(True, False), (False, True), (True, True)])
 def test_the_warm_up_runs_a_slice_and_leaves_no_trace(default_model_path, first, last):
     from stage_worker.model_reader import read_model_spec

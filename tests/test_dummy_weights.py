@@ -129,6 +129,7 @@ def test_stages_chained_equal_the_whole_model_and_stay_finite_in_float16(tmp_pat
     assert mx.array_equal(expected, got).item()
 
 
+@pytest.mark.e2e
 def test_a_gguf_lends_its_shapes_and_quantization():
     path = resolve_model_path(None)
     real, dummy = read_model_spec(path), read_model_spec(path, "dummy")
@@ -171,6 +172,7 @@ def test_shipped_shape_names_resolve_to_their_configs(tmp_path):
         resolve_model_argument("llama-9b", "dummy")
 
 
+@pytest.mark.e2e
 def test_serve_names_the_flag_and_the_known_shapes_for_an_unknown_name():
     result = subprocess.run([sys.executable, "-m", "stagemesh.cli", "serve", "llama-9b", "--load-format", "dummy"],
                             capture_output=True, text=True, timeout=120)

@@ -51,6 +51,7 @@ def _assert_same(fused: list[np.ndarray], separate: list[np.ndarray]) -> None:
         np.testing.assert_array_equal(a, b, err_msg=f"batch {step}: {STEPS[step]}")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dense", [True, False], ids=["dequantized", "as-stored-4-bit"])
 def test_the_real_model_computes_the_same_with_joined_projections(dense):
     path = str(default_model_path())

@@ -151,6 +151,7 @@ def build_model(spec, weights):
 # ---------------------------------------------------------------- default model
 
 
+@pytest.mark.e2e
 def test_every_tensor_matches_mx_load_bit_for_bit(reference):
     header = read_gguf_header(DEFAULT)
     seen = 0
@@ -163,6 +164,7 @@ def test_every_tensor_matches_mx_load_bit_for_bit(reference):
     assert seen == len(reference) == 694
 
 
+@pytest.mark.e2e
 def test_stage_weights_are_mx_load_renamed_and_unpermuted(spec, reference):
     weights = load_stage_weights(spec, range(0, 30), with_embedding=True, with_head=True)
     assert len(weights) == len(reference)
@@ -184,6 +186,7 @@ def test_stage_weights_are_mx_load_renamed_and_unpermuted(spec, reference):
     assert weights["model.norm.weight"].dtype == mx.float32
 
 
+@pytest.mark.e2e
 def test_unpermuted_standard_rope_equals_raw_gguf_with_traditional_rope(spec, reference):
     """The permutation is exactly what traditional RoPE expects; undoing it allows standard RoPE."""
     weights = load_stage_weights(spec, range(0, 30), with_embedding=True, with_head=True)
@@ -204,6 +207,7 @@ def _nbytes(weights):
     return sum(v.nbytes for v in weights.values())
 
 
+@pytest.mark.e2e
 def test_middle_slice_of_three_holds_only_its_layers(spec):
     before = mx.get_active_memory()
     middle = load_stage_weights(spec, range(10, 20), with_embedding=False, with_head=False)
@@ -218,6 +222,7 @@ def test_middle_slice_of_three_holds_only_its_layers(spec):
     assert retained <= _nbytes(middle) * 1.02
 
 
+@pytest.mark.e2e
 def test_first_and_last_stage_get_embedding_and_tied_head(spec):
     first = load_stage_weights(spec, range(0, 10), with_embedding=True, with_head=False)
     assert {"model.embed_tokens.weight", "model.embed_tokens.scales", "model.embed_tokens.biases"} <= set(first)

@@ -102,6 +102,7 @@ def test_stages_turn_off_mlx_cuda_graphs_and_cudnn_attention_unless_the_environm
     assert serving_mlx_environment({"MLX_USE_CUDA_GRAPHS": "1", "MLX_CUDA_USE_CUDNN_SDPA": "1"}) == {}
 
 
+@pytest.mark.e2e
 def test_a_stage_process_runs_with_the_serving_mlx_settings(tmp_path):
     """The real entry point (``prepare``, then the BLAS re-exec) leaves them in the process MLX runs in."""
     import os

@@ -109,6 +109,7 @@ def _grpcurl() -> str:
     return str(beside) if beside.exists() else "grpcurl"
 
 
+@pytest.mark.e2e
 def test_grpcurl_with_the_node_files_checks_health_and_without_them_cannot(tls_stage, pki):
     mac_b = pki["dirs"] / "mac-b"
     health = subprocess.run([_grpcurl(), "-cacert", str(mac_b / "ca.pem"), "-cert", str(mac_b / "node.pem"),
@@ -121,6 +122,7 @@ def test_grpcurl_with_the_node_files_checks_health_and_without_them_cannot(tls_s
     assert without.returncode != 0
 
 
+@pytest.mark.e2e
 def test_certs_command_writes_a_ca_and_each_nodes_directory(tmp_path):
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "certs", str(tmp_path), "--node",
                            "mac-a=169.254.10.1,mac-a.local", "--node", "mac-b=169.254.10.2"],
@@ -161,6 +163,7 @@ def test_doctor_finds_a_foreign_ca_a_wrong_key_an_expiring_certificate_and_a_mis
     assert any("readable by others" in p for _, p in problems(mesh, key_mode=0o644))
 
 
+@pytest.mark.e2e
 def test_doctor_command_checks_the_tls_directory(tmp_path):
     subprocess.run([sys.executable, "-m", "stagemesh.cli", "certs", str(tmp_path), "--node", "mac-a=127.0.0.1"],
                    check=True, capture_output=True, timeout=60)

@@ -91,6 +91,7 @@ def test_the_core_needs_only_the_standard_library_and_protobuf():
     assert not violations, "\n".join(violations)
 
 
+@pytest.mark.e2e
 def test_importing_the_core_loads_nothing_heavy():
     code = ("import sys, json, stagemesh.core.plan, stagemesh.core.settings, stagemesh.core.snapshots, "
             "stagemesh.core.states, stagemesh.core.v1.stage_pb2_grpc; print(json.dumps(sorted(sys.modules)))")

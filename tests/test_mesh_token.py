@@ -114,6 +114,7 @@ def _grpcurl() -> str:
     return str(beside) if beside.exists() else "grpcurl"
 
 
+@pytest.mark.e2e
 def test_grpcurl_generate_stream_is_refused_without_the_token_and_health_still_answers(stage_server):
     target, _ = stage_server
     body = json.dumps({"start": {"request_id": "g", "prompt_token_ids": [1, 2], "max_tokens": 2}})

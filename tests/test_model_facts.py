@@ -16,6 +16,7 @@ def spec(default_model_path):
     return read_model_spec(default_model_path)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize("start,end,first,last", [(0, 30, True, True), (0, 12, True, False),
                                                   (12, 21, False, False), (21, 30, False, True)])

@@ -52,6 +52,7 @@ def test_fresh_prompts_group_by_similar_length():
     assert sorted(s.num_tokens for s in alone) == [7, 200]
 
 
+@pytest.mark.e2e
 def test_packed_batches_equal_each_sequence_alone(model):
     steps = [
         # 0-3 are fresh prompts of similar length: one attention, 2 and 3 right-padded to 6 rows;

@@ -23,6 +23,8 @@ from stage_worker.stage_status import StageStatus
 from stagemesh.core.layer_split import LayerRange
 from tests.engine_helpers import CountingPipeline, read_until_finished
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1018, 28, 2270, 253],
            [17, 42, 99, 1000]]
 SPLITS = {2: (0, 13, 30), 3: (0, 9, 21, 30)}

@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 
 def _run(*args: str, memory: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "STAGEMESH_NODE_MEMORY")}

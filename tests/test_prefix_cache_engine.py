@@ -15,6 +15,8 @@ from stage_worker.scheduler import GenerationRequest, Scheduler
 from stage_worker.stage_runtime import EntryPipeline, StageCompute
 from stage_worker.stage_status import StageStatus
 
+pytestmark = pytest.mark.e2e
+
 BLOCK = 8
 _rng = random.Random(12)
 BASE = tuple(_rng.randrange(300, 20000) for _ in range(37))

@@ -183,6 +183,7 @@ def test_only_needed_shards_are_opened(qwen3_dir, tmp_path):
         load_stage_weights(spec, range(0, 1), with_embedding=False, with_head=False)
 
 
+@pytest.mark.e2e
 def test_middle_third_of_converted_default_model(converted, tmp_path):
     index = json.loads((converted / "model.safetensors.index.json").read_text())["weight_map"]
     shards_by_layer = {int(k.split(".")[2]): f for k, f in index.items() if k.startswith("model.layers.")}
@@ -206,6 +207,7 @@ def test_middle_third_of_converted_default_model(converted, tmp_path):
     assert_same(middle, gguf_middle, list(gguf_middle))
 
 
+@pytest.mark.e2e
 def test_converted_first_and_last_stage(converted):
     spec = read_model_spec(str(converted))
     assert spec.quantization_for("model.embed_tokens") == (32, 8) and spec.tie_word_embeddings

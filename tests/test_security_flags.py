@@ -23,6 +23,7 @@ def test_allowed_origins_take_vllms_json_list_or_a_comma_list():
         parse_origins('["https://a.example"')
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("flags,message", [
     (["--ssl-keyfile", "/nonexistent.key"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "/nonexistent.key", "--ssl-certfile", "/nonexistent.pem"], "--ssl-keyfile /nonexistent.key"),

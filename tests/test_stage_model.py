@@ -39,6 +39,7 @@ def default_path():
     return resolve_model_path(None)
 
 
+@pytest.mark.e2e
 def test_middle_stage_of_three_materializes_a_third_of_the_layers(default_path):
     whole = measure_stage(default_path, LayerRange(0, 30), True, True)
     middle = measure_stage(default_path, LayerRange(10, 20), False, False)
@@ -49,6 +50,7 @@ def test_middle_stage_of_three_materializes_a_third_of_the_layers(default_path):
     assert middle["peak"] < 0.3 * whole["peak"]
 
 
+@pytest.mark.e2e
 def test_ends_hold_embedding_and_head(default_path):
     spec = read_model_spec(default_path)
     first = StageModel.load(spec, StageRole(LayerRange(0, 15), True, False), mx.float32)
@@ -59,6 +61,7 @@ def test_ends_hold_embedding_and_head(default_path):
         first.logits(mx.zeros((1, spec.hidden_size)))
 
 
+@pytest.mark.e2e
 def test_three_slices_chained_equal_the_whole_model_bit_for_bit(default_path):
     spec = read_model_spec(default_path)
     whole = StageModel.load(spec, StageRole(LayerRange(0, 30), True, True), mx.float32)

@@ -17,6 +17,8 @@ import pytest
 from stagemesh.bench.report import ENVELOPE_KEYS
 from tests.bench.fake_server import FakeServer
 
+pytestmark = pytest.mark.e2e
+
 OUT_TOKENS = 16
 FIRST_DELAY = 0.02
 

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from stagemesh.bench.random_checkpoint import shape_config, shape_names, write_random_checkpoint
 from stagemesh.bench.report import ENVELOPE_KEYS
 from tests.conftest import free_port_base
@@ -27,6 +29,7 @@ def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_f
     assert (spec.model_type, spec.num_layers, spec.hidden_size, spec.format) == ("llama", 2, 64, "mlx")
 
 
+@pytest.mark.e2e
 def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
     out = tmp_path / "hop.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "hop", "--hidden", "64", "--rows", "1,4",
@@ -42,6 +45,7 @@ def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
     assert "ring ms" in done.stdout  # the table
 
 
+@pytest.mark.e2e
 def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
     out = tmp_path / "engine.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", "--output-len", "4",
@@ -60,6 +64,7 @@ def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
     assert "engine thread, one stream" in done.stdout and "engine thread, 3 mixed requests" in done.stdout
 
 
+@pytest.mark.e2e
 def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_path):
     out = tmp_path / "engine.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", "--output-len", "4",
@@ -82,6 +87,7 @@ def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_
     assert bad.returncode == 2 and "--compare-projections" in bad.stderr
 
 
+@pytest.mark.e2e
 def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_real_serve(tmp_path):
     out = tmp_path / "stack.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "stack", "--output-len", "4",

@@ -53,6 +53,7 @@ def _wait_for(predicate, timeout=10.0):
         time.sleep(0.05)
 
 
+@pytest.mark.e2e
 def test_start_poll_log_and_stop():
     host = StageHost("t")
     assert host.poll() is None and host.stop() is None and host.log_tail() == ""
@@ -66,6 +67,7 @@ def test_start_poll_log_and_stop():
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.e2e
 def test_stop_escalates_to_sigkill():
     host = StageHost("t")
     host.start("{}", command=STUBBORN)
@@ -75,6 +77,7 @@ def test_stop_escalates_to_sigkill():
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.e2e
 def test_terminate_and_wait():
     host = StageHost("t")
     host.start("{}", command=SLEEPER)
@@ -83,6 +86,7 @@ def test_terminate_and_wait():
     assert host.wait(5) == -15
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_stage_dies_with_its_host_process(tmp_path):
     import subprocess

@@ -29,6 +29,7 @@ def _ports(count: int) -> tuple[int, int, int]:
     return ring, grpc, gateway
 
 
+@pytest.mark.e2e
 def test_a_clean_node_passes_with_json():
     ring, grpc, gateway = _ports(2)
     done = doctor("--json", "-pp", "2", "--ring-base-port", str(ring), "--grpc-base-port", str(grpc),
@@ -47,6 +48,7 @@ def test_a_clean_node_passes_with_json():
         assert set(finding) == {"check", "severity", "node", "problem", "fix"}
 
 
+@pytest.mark.e2e
 def test_a_busy_port_fails_and_names_the_process():
     ring, grpc, gateway = _ports(1)
     with socket.socket() as listener:
@@ -59,6 +61,7 @@ def test_a_busy_port_fails_and_names_the_process():
     assert "1 error(s)" in done.stdout
 
 
+@pytest.mark.e2e
 def test_host_ip_that_is_not_here_fails():
     ring, grpc, gateway = _ports(1)
     done = doctor("--ring-base-port", str(ring), "--grpc-base-port", str(grpc), "--port", str(gateway),
@@ -67,6 +70,7 @@ def test_host_ip_that_is_not_here_fails():
     assert "10.255.77.77 (the advertised address) is not on any interface" in done.stdout
 
 
+@pytest.mark.e2e
 def test_nothing_listening_at_ray_address_is_reported_fast():
     (port,) = [free_port_base(1)]
     done = doctor("--json", env={"RAY_ADDRESS": f"127.0.0.1:{port}"})
@@ -77,10 +81,12 @@ def test_nothing_listening_at_ray_address_is_reported_fast():
     assert finding["check"] == "ray-join" and "nothing answers" in finding["problem"]
 
 
+@pytest.mark.e2e
 def test_flag_errors_exit_2():
     assert doctor("-pp", "0").returncode == 2
 
 
+@pytest.mark.e2e
 def test_strict_fails_on_warnings(tmp_path):
     ring, grpc, gateway = _ports(1)
     token = tmp_path / "auth_token"
@@ -95,6 +101,7 @@ def test_strict_fails_on_warnings(tmp_path):
     assert "ok " not in quiet.stdout and "WARN" in quiet.stdout
 
 
+@pytest.mark.e2e
 def test_facts_on_loopback():
     ring = free_port_base(2)
     plan = MeshPlan(ring_base_port=ring, grpc_base_port=free_port_base(1), gateway_port=free_port_base(1))
@@ -118,6 +125,7 @@ def test_probe_listens_and_connects_on_loopback():
     assert connect([]) == []
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("flag", ["--help"])
 def test_cli_help_lists_the_flags(flag):
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "doctor", flag], capture_output=True, text=True)

@@ -20,6 +20,8 @@ import pytest
 
 from tests.deploy.conftest import MESH_SH, RENDER, VENV
 
+pytestmark = pytest.mark.e2e
+
 
 def mesh(*args: str, state: Path, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     run_env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "STAGEMESH_"))}

@@ -167,6 +167,7 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(RENDER), *args], capture_output=True, text=True, timeout=60, env=env)
 
 
+@pytest.mark.e2e
 def test_cli_writes_checks_and_prints(tmp_path):
     out = _cli("--role", "serve", "--ip", "10.0.0.1", "--venv", VENV, "--home", HOME, "--out", str(tmp_path), "--",
                "-dp", "2")
@@ -204,6 +205,7 @@ def test_write_token_creates_a_private_token_once(render, tmp_path):
     assert render.write_token(str(path)) is False and path.read_text() == token
 
 
+@pytest.mark.e2e
 def test_exec_becomes_the_service_with_its_environment_and_log(tmp_path):
     """--exec (how mesh.sh runs services on Linux): same argv and env as the plist, pid recorded, own session."""
     venv = tmp_path / "venv"
