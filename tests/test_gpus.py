@@ -3,7 +3,7 @@ how a stage narrows CUDA_VISIBLE_DEVICES to it before MLX loads."""
 
 import pytest
 
-from coordinator.mesh import MeshConfig, stage_options
+from coordinator.config import MeshConfig, stage_options
 from coordinator.placement import assign_gpus
 from stage_worker.process_setup import gpu_environment
 from stagemesh.core import settings

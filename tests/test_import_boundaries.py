@@ -213,6 +213,7 @@ def test_the_scheduler_imports_nothing_of_the_runtime():
     assert not runtime, f"stage_worker/scheduler.py reaches {runtime}; pass what it needs in instead"
 
 
+@pytest.mark.e2e  # a fresh interpreter: a process
 def test_importing_the_scheduler_loads_no_mlx():
     code = "import sys, json, stage_worker.scheduler; print(json.dumps(sorted(sys.modules)))"
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

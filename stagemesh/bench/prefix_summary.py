@@ -1,13 +1,13 @@
-"""The verdict of ``stagemesh bench compare --comparisons prefix``: its three ratios and their targets. Pure.
+"""The verdict of ``stagemesh bench compare --comparisons prefix``: the prefix cache's ratios from two reports. Pure.
 
 Contract: ``summarize(multi_turn_doc, distinct_doc, counters=..., baseline=, cached=, reference=)``
-reads two ``stagemesh bench`` results documents (``--output``; the
+reads two ``stagemesh bench serve`` reports (``--output``; the
 multi-turn and the distinct-prompt workload over the same three endpoints)
 and returns JSON-ready data:
 
 - ``multi_turn`` / ``distinct``: per endpoint and level, TTFT p50 (all turns,
   turn by turn, and of turns 2 and later), output tok/s, completed/sent;
-- ``targets``: three ratios, each with its value, the bound and
+- ``targets``: the three the prefix cache is held to, each with its value, the bound and
   whether it is met (None when a figure is missing): multi-turn TTFT p50 of
   ``cached`` over ``baseline`` (<= 0.4), of ``cached`` over ``reference``
   (<= 1.0: no worse than mlx_lm.server), and distinct-prompt output tok/s of
@@ -29,7 +29,7 @@ DISTINCT_TOK_S_ON_OVER_OFF = 0.97
 
 
 def _later_turns_ttft_p50(doc: dict[str, Any], endpoint: str, level: str) -> float | None:
-    values = [r["ttft"] for r in doc["requests"] if r["endpoint"] == endpoint and r["level"] == level
+    values = [r["ttft"] for r in doc["results"]["requests"] if r["endpoint"] == endpoint and r["level"] == level
               and r["ok"] and r.get("turn", 0) >= 2 and r["ttft"] is not None]
     return percentile(values, 50)
 
@@ -37,7 +37,7 @@ def _later_turns_ttft_p50(doc: dict[str, Any], endpoint: str, level: str) -> flo
 def _figures(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per "endpoint level": the figures the verdict reads."""
     out = {}
-    for m in doc["levels"]:
+    for m in doc["results"]["levels"]:
         out[f"{m['endpoint']} {m['level']}"] = {
             "endpoint": m["endpoint"], "level": m["level"],
             "completed": m["completed"], "sent": m["sent"],
@@ -81,4 +81,4 @@ def summarize(multi_turn_doc: dict[str, Any], distinct_doc: dict[str, Any], *, c
     return {"targets": targets, "multi_turn": multi, "distinct": distinct, "prefix_cache_counters": counters,
             "workloads": {"multi_turn": multi_turn_doc["config"]["workload_summary"],
                           "distinct": distinct_doc["config"]["workload_summary"]},
-            "machine": multi_turn_doc.get("machine")}
+            "environment": multi_turn_doc["environment"]}
