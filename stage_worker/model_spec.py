@@ -121,14 +121,20 @@ def served_name_from_path(path: str) -> str:
     return base
 
 
-def read_model_spec(path: str, load_format: str = "auto") -> ModelSpec:
+def read_model_spec(path: str, load_format: str = "auto", first_layers: int | None = None) -> ModelSpec:
     """Read a model's spec from a .gguf file or a directory with config.json.
 
-    With ``load_format="dummy"`` the weights need not exist: only the config (or the GGUF's header) is read.
+    With ``load_format="dummy"`` the weights need not exist: only the config (or the GGUF's header) is read;
+    ``first_layers`` (``--shape-layers``, dummy only) cuts the config to its first decoder layers
+    (``stage_worker.first_layers``).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelFormatError(f"--load-format {load_format!r} is not supported; use {' or '.join(LOAD_FORMATS)}.")
     path = os.fspath(path)
+    if first_layers is not None and (load_format != "dummy" or not os.path.isdir(path)):
+        raise ModelFormatError(f"--shape-layers {first_layers} cuts the config.json of a model directory served "
+                               f"with --load-format dummy (random weights); {path} with --load-format {load_format} "
+                               f"is not one")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             if load_format == "dummy":
@@ -143,7 +149,7 @@ def read_model_spec(path: str, load_format: str = "auto") -> ModelSpec:
             )
         from .safetensors_format import read_safetensors_spec
 
-        return read_safetensors_spec(path, load_format=load_format)
+        return read_safetensors_spec(path, load_format=load_format, first_layers=first_layers)
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):
             from .gguf_format import read_gguf_spec

@@ -124,10 +124,14 @@ def _has_weight_files(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX_FILE)) or bool(glob.glob(os.path.join(path, "model*.safetensors")))
 
 
-def read_safetensors_spec(path: str, *, load_format: str = "auto") -> ModelSpec:
+def read_safetensors_spec(path: str, *, load_format: str = "auto", first_layers: int | None = None) -> ModelSpec:
     path = os.path.abspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
+    if first_layers is not None:
+        from .first_layers import first_layers_config
+
+        config = first_layers_config(config, first_layers)
     from .mlx_arch import check_servable, describe, mlx_model_type
 
     model_type = mlx_model_type(config)

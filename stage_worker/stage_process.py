@@ -141,9 +141,9 @@ def resolve(launch: StageLaunch) -> StageContext:
         # Each node finds the embedded default in its own installation.
         from stage_worker.default_model import default_model_path
 
-        spec = read_model_spec(default_model_path(), plan.load_format)
+        spec = read_model_spec(default_model_path(), plan.load_format, plan.first_layers)
     else:
-        spec = read_model_spec(plan.model_path, plan.load_format)
+        spec = read_model_spec(plan.model_path, plan.load_format, plan.first_layers)
     # Before any weights load: on CUDA the device's free memory is then the room this stage may fill.
     device = probe()
     dtype = resolve_compute_dtype(plan.compute_dtype, device.backend)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from stagemesh.bench.random_checkpoint import shape_config, shape_names, write_random_checkpoint
 from stagemesh.bench.report import ENVELOPE_KEYS
 from tests.conftest import free_port_base
@@ -25,6 +27,50 @@ def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_f
     assert tokenizer.decode([49999]) == "<|reserved_847|>"
     spec = read_model_spec(str(out))
     assert (spec.model_type, spec.num_layers, spec.hidden_size, spec.format) == ("llama", 2, 64, "mlx")
+
+
+def test_a_checkpoint_larger_than_a_shard_is_written_shard_by_shard_with_the_same_weights(tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from stage_worker.model_spec import read_model_spec
+    from tests.architectures import TINY_CONFIGS
+
+    config = TINY_CONFIGS["qwen3_moe"]
+    whole = write_random_checkpoint(config, tmp_path / "whole", "float32", seed=3)
+    sharded = write_random_checkpoint(config, tmp_path / "sharded", "float32", seed=3, shard_bytes=4_000_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (sharded / "model.safetensors").exists()
+    expected = mx.load(str(whole / "model.safetensors"))
+    assert set(index["weight_map"]) == set(expected)
+    for file in files:
+        for name, array in mx.load(str(sharded / file)).items():
+            assert index["weight_map"][name] == file and mx.array_equal(array, expected[name])
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in expected.values())
+    load(str(sharded))  # mlx-lm reads the shards, stagemesh the index
+    assert read_model_spec(str(sharded)).details["weight_map"] == index["weight_map"]
+
+
+@pytest.mark.e2e  # gigabytes of random weights each (a minute or two apiece on a laptop's CPU)
+@pytest.mark.parametrize("shape", ["deepseek-v3", "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "mixtral-8x7b",
+                                   "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-next-80b-a3b"])
+def test_the_mixture_of_experts_shapes_write_as_checkpoints_a_stage_loads(tmp_path, shape):
+    import mlx.core as mx
+
+    from stage_worker.first_layers import least_layers
+    from stage_worker.model_spec import read_model_spec
+    from stage_worker.stage_model import StageModel, StageRole
+    from stagemesh.core.layer_split import LayerRange
+
+    layers = least_layers(shape_config(shape))[0]  # as few as keep its layer pattern
+    out = write_random_checkpoint(shape_config(shape, layers), tmp_path / shape, "bfloat16", shard_bytes=1 << 30)
+    spec = read_model_spec(str(out))
+    assert spec.num_layers == layers and spec.model_type == shape_config(shape)["model_type"]
+    # The first stage's slice (embedding and first layer) loads strictly: every tensor is there, in its shape.
+    stage = StageModel.load(spec, StageRole(LayerRange(0, 1), True, layers == 1), mx.bfloat16)
+    assert stage.weight_bytes > 0
 
 
 def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
