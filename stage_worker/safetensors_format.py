@@ -47,15 +47,20 @@ INDEX_FILE = "model.safetensors.index.json"
 _QUANT_KEYS = ("quantization", "quantization_config")
 
 
-def _safetensors_keys(file: str) -> list[str]:
-    """Tensor names from a safetensors header (8-byte length + JSON), no data read."""
+def safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's (safetensors dtype, shape) from a file's header (8-byte length + JSON), no data read."""
     try:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
-    except (OSError, struct.error, ValueError) as e:
+        return {k: (str(v["dtype"]), tuple(int(d) for d in v["shape"])) for k, v in header.items()
+                if k != "__metadata__"}
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
         raise ModelFormatError(f"cannot read the safetensors header of {file}: {e}") from e
-    return [k for k in header if k != "__metadata__"]
+
+
+def _safetensors_keys(file: str) -> list[str]:
+    return list(safetensors_header(file))
 
 
 def weight_map(path: str) -> dict[str, str]:

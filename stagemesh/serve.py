@@ -140,6 +140,7 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 def build_mesh_config(args: argparse.Namespace):
     """Validate every flag against the model and return the coordinator's config (no side effects)."""
     from coordinator.mesh import MeshConfig
+    from stage_worker.checkpoint_check import check_checkpoint
     from stage_worker.model_facts import model_facts
     from stage_worker.model_spec import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
@@ -153,6 +154,7 @@ def build_mesh_config(args: argparse.Namespace):
             raise ServeConfigError(f"{flag} must be at least 1, got {value}")
     model_path = resolve_model_argument(args.model, args.load_format)
     spec = read_model_spec(model_path, args.load_format, args.shape_layers)
+    check_checkpoint(spec)  # files that disagree with the config: named here, not deep in a stage
     plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
     resolve_compute_dtype(args.dtype)
     if not 0 < args.memory_fraction <= 1:
