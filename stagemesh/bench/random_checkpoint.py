@@ -88,7 +88,7 @@ def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfl
     model = model_class(args_class.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
     # Nothing is drawn yet: each shard's weights are drawn (and freed) when it is written.
-    weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))  # type: ignore[arg-type]
+    weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
     del model
     shards = _shards({name: array.nbytes for name, array in weights.items()}, shard_bytes)
     if len(shards) == 1:
