@@ -36,6 +36,7 @@ class MeshConfig:
     compute_dtype: str = "auto"
     dequantize: str = "auto"  # --dequantize
     load_format: str = "auto"  # --load-format: dummy gives every stage random weights for its slice
+    first_layers: int | None = None  # --shape-layers: a dummy model's first N decoder layers only
     hop_transport: str = "lane"  # --hop-transport: how hidden states travel between stages (lane or ring)
     memory_fraction: float | None = None  # --memory-fraction (None: the stage's default)
     model_is_default: bool = False  # no MODEL given: every node uses its own embedded default

@@ -105,7 +105,7 @@ class ReplicaHosts:
             layers=self._layer_ranges(replica),
             ring_base_port=cfg.ring_base_port, grpc_base_port=cfg.grpc_base_port, dequantize=cfg.dequantize,
             model_is_default=cfg.model_is_default, load_format=cfg.load_format,
-            hop_transport=cfg.hop_transport,
+            hop_transport=cfg.hop_transport, first_layers=cfg.first_layers,
         )
         with self._lock:
             replica.plan = plan

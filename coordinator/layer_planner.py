@@ -10,28 +10,36 @@ A pure function over plain values (no Ray, no MLX), so a plan is previewed by
   ``--memory-fraction``, ``--dtype``, ``--pp-layer-split``).
 
 The rule a stage must meet is the stage's own (``stage_worker.memory``): its
-weights, the KV of one full-length sequence (``--max-model-len`` tokens) and
-the runtime allowance fit its budget (``stagemesh.core.memory.budget_for``).
-The planner asks for more: ``HEADROOM_FRACTION`` of each budget left over, so
-that no stage is packed to the brim and every stage holds KV beyond a single
-sequence. Whatever is left becomes the stage's KV capacity in tokens (the
-pipeline's is its smallest stage's).
+weights, KV for one full-length sequence (``--max-model-len`` positions,
+counted as ``stagemesh.core.memory.StageKV`` counts them) and the runtime
+allowance fit its budget (``stagemesh.core.memory.budget_for``). The planner
+asks for more: ``HEADROOM_FRACTION`` of each budget left over, so that no stage
+is packed to the brim and every stage holds KV beyond a single sequence.
+Whatever is left becomes the stage's KV capacity in tokens (the pipeline's is
+its smallest stage's), computed exactly as the stage computes it.
+
+Every slice is sized exactly, layer by layer (``ModelFacts.layer_sizes``: dense
+first layers beside expert layers, linear-attention layers beside attention
+ones) and KV by layer kind (``ModelFacts.kv_layers``): a full-context layer's
+keys and values (MLA's latent) per position, a sliding-window layer's bounded
+by its window per sequence, a linear-attention layer's recurrent state a fixed
+size per sequence; windows and states count for ``--max-num-seqs`` sequences.
 
 Among the splits that fit, it chooses the one whose slowest stage is fastest:
 a stage's time per token is its layers' weight bytes over its node's speed
 (decoding reads every weight once per step; ``STAGEMESH_NODE_SPEED``, 1 when
 unknown). Ties go to the split with the most KV capacity in the pipeline's
-smallest stage (the stages holding the embedding or head give up a layer
-first). With equal nodes and room to spare that is the even split, or one
-layer from it. ``--pp-layer-split`` overrides the choice and is checked by the
-same rule.
+smallest stage, then to earlier stages holding more layers. With equal nodes,
+equal layers and room to spare that is the even split, or one layer from it.
+``--pp-layer-split`` overrides the choice and is checked by the same rule.
 
 A request that cannot fit raises ``PlanError`` before anything loads: which
 stage is short by how many GB, the largest ``--max-model-len`` that would fit,
 and how many more nodes of which size would make it fit.
 
-``--max-num-seqs`` does not change what must fit: like vLLM, a stage must hold
-one full-length sequence, and the scheduler admits sequences while the
+Beyond the windows and states it holds for each of them, ``--max-num-seqs``
+does not change what must fit: like vLLM, a stage must hold one full-length
+sequence of positions, and the scheduler admits sequences while the
 pipeline's KV capacity lasts (requests queue beyond it). The plan reports how
 many full-length sequences fit at once, and the ``--max-num-seqs`` or
 ``--max-model-len`` that would let every running sequence reach full length.
@@ -46,7 +54,16 @@ from typing import Any
 from stagemesh.core import defaults
 from stagemesh.core.errors import UserError
 from stagemesh.core.layer_split import LayerRange, even_split, parse_layer_split
-from stagemesh.core.memory import RUNTIME_OVERHEAD_BYTES, ModelFacts, NodeMemory, dtype_bytes, resolved_dtype
+from stagemesh.core.memory import (
+    RUNTIME_OVERHEAD_BYTES,
+    ModelFacts,
+    NodeMemory,
+    StageKV,
+    TensorBytes,
+    dtype_bytes,
+    kv_capacity_tokens,
+    resolved_dtype,
+)
 from stagemesh.core.settings import MLX_RESOURCE
 
 HEADROOM_FRACTION = 0.10  # of each stage's budget, left free beyond weights + one sequence + runtime
@@ -96,14 +113,11 @@ class PlannedStage:
     layers: LayerRange
     budget_bytes: int
     weight_bytes: int
-    kv_bytes_per_token: int  # across this stage's layers
+    kv_bytes_per_token: int  # one more position in this stage's full-context layers
     kv_tokens: int  # KV this stage holds: what its budget leaves after weights and runtime
-    need_bytes: int  # weights + one --max-model-len sequence of KV + runtime
+    kv_bytes: int  # what those positions may take (sliding windows and recurrent state of --max-num-seqs included)
+    need_bytes: int  # weights + KV for one --max-model-len sequence + runtime
     speed: float = 1.0
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.kv_tokens * self.kv_bytes_per_token
 
     @property
     def headroom_bytes(self) -> int:
@@ -150,83 +164,176 @@ class MemoryPlan:
 # -- one stage ------------------------------------------------------------------------------------
 
 
+class _Layers:
+    """Prefix sums over the model's layers, so any slice's weights and KV cost O(1) (the split search asks
+    for many slices). ``kv`` equals ``ModelFacts.slice_kv``, the count the stage sizes its KV by."""
+
+    def __init__(self, model: ModelFacts) -> None:
+        self.model = model
+        kvs = [model.layer_kv(i) for i in range(model.num_layers)]
+        self._windows = sorted({kv.window for kv in kvs if kv.window is not None})
+        self._per_token = _prefix([0 if kv.window is not None else kv.per_token for kv in kvs])
+        self._window_sums = {w: _prefix([kv.per_token if kv.window == w else 0 for kv in kvs])
+                             for w in self._windows}
+        self._state_packed = _prefix([kv.state.packed for kv in kvs])
+        self._state_elements = _prefix([kv.state.elements for kv in kvs])
+        self._sizes: dict[int, list[int]] = {}
+
+    def layer_bytes(self, start: int, end: int, element_bytes: int) -> int:
+        if element_bytes not in self._sizes:
+            self._sizes[element_bytes] = _prefix([self.model.layer_bytes(i, element_bytes)
+                                                  for i in range(self.model.num_layers)])
+        sums = self._sizes[element_bytes]
+        return sums[end] - sums[start]
+
+    def kv(self, start: int, end: int) -> StageKV:
+        windows = tuple((self._window_sums[w][end] - self._window_sums[w][start], w) for w in self._windows)
+        return StageKV(self._per_token[end] - self._per_token[start], tuple(x for x in windows if x[0]),
+                       TensorBytes(self._state_packed[end] - self._state_packed[start],
+                                   self._state_elements[end] - self._state_elements[start]))
+
+
+def _prefix(values: Sequence[int]) -> list[int]:
+    sums = [0]
+    for value in values:
+        sums.append(sums[-1] + value)
+    return sums
+
+
 @dataclass(frozen=True)
 class _Cost:
-    """One stage's seat under the request: the numbers that do not depend on its layer count."""
+    """One stage's seat under the request: what any slice of layers costs there."""
 
+    layers: _Layers
     budget: int
     element_bytes: int
     dtype: str
-    layer_bytes: int  # weights of one layer
-    kv_layer_token: int  # KV bytes of one token in one layer
-    fixed_bytes: int  # embedding / head / final norm on the ends, plus the runtime
+    ends_bytes: int  # embedding / head / final norm on the ends
+    speed: float
+    max_sequences: int  # --max-num-seqs: sequences whose windows and states the KV must hold
 
-    def need(self, layers: int, max_model_len: int) -> int:
-        return self.fixed_bytes + layers * (self.layer_bytes + self.kv_layer_token * max_model_len)
+    @property
+    def allowed(self) -> int:
+        return int(self.budget * (1 - HEADROOM_FRACTION))
 
-    def max_layers(self, max_model_len: int, limit: int) -> int:
-        """Most layers this stage can take with its headroom left; 0 when not even one fits."""
-        room = self.budget * (1 - HEADROOM_FRACTION) - self.fixed_bytes
-        per_layer = self.layer_bytes + self.kv_layer_token * max_model_len
-        return max(0, min(limit, int(room // per_layer))) if room > 0 else 0
+    def weights(self, start: int, end: int) -> int:
+        return self.ends_bytes + self.layers.layer_bytes(start, end, self.element_bytes)
+
+    def kv_bytes(self, start: int, end: int, tokens: int) -> int:
+        return self.layers.kv(start, end).reserved_bytes(tokens, self.element_bytes, self.max_sequences)
+
+    def need(self, start: int, end: int, max_model_len: int) -> int:
+        """Weights, KV of one --max-model-len sequence (as the stage counts it) and the runtime."""
+        return self.weights(start, end) + self.kv_bytes(start, end, max_model_len) + RUNTIME_OVERHEAD_BYTES
+
+    def fits(self, start: int, end: int, max_model_len: int) -> bool:
+        return self.need(start, end, max_model_len) <= self.allowed
+
+    def tokens(self, start: int, end: int, max_model_len: int) -> int:
+        """Exactly what the stage will compute (``stage_worker.memory.kv_token_capacity``)."""
+        room = self.budget - self.weights(start, end) - RUNTIME_OVERHEAD_BYTES
+        return kv_capacity_tokens(room, self.layers.kv(start, end), self.element_bytes, self.max_sequences,
+                                  max_model_len)
+
+    def time(self, start: int, end: int) -> float:
+        """Time per token: decoding reads every weight of the stage's layers once per step."""
+        return self.layers.layer_bytes(start, end, self.element_bytes) / self.speed
+
+    def most_layers(self, num_layers: int, max_model_len: int, start: int | None = None) -> int:
+        """The most consecutive layers this seat can hold (from ``start``, or from anywhere); 0 when none."""
+        starts = range(num_layers) if start is None else (start,)
+        best = 0
+        for s in starts:
+            n = best + 1  # only a longer run than the best so far matters
+            while s + n <= num_layers and self.fits(s, s + n, max_model_len):
+                best, n = n, n + 1
+        return best
 
 
-def _cost(model: ModelFacts, seat: StageSeat, request: PlanRequest, *, first: bool, last: bool) -> _Cost:
+def _costs(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest,
+           layers: _Layers | None = None) -> list[_Cost]:
+    table = layers or _Layers(model)
+    last = len(seats) - 1
+    return [_cost(table, seat, request, first=r == 0, last=r == last) for r, seat in enumerate(seats)]
+
+
+def _cost(layers: _Layers, seat: StageSeat, request: PlanRequest, *, first: bool, last: bool) -> _Cost:
     element = dtype_bytes(request.compute_dtype, seat.memory.backend)
     budget = seat.memory.budget(request.memory_fraction, seat.stages_on_node).budget_bytes
-    ends = model.stage_weight_bytes(0, first=first, last=last, element_bytes=element)
-    return _Cost(budget, element, resolved_dtype(request.compute_dtype, seat.memory.backend),
-                 model.layer.nbytes(element), model.kv_bytes_per_token(1, element), ends + RUNTIME_OVERHEAD_BYTES)
-
-
-def _costs(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest) -> list[_Cost]:
-    last = len(seats) - 1
-    return [_cost(model, seat, request, first=r == 0, last=r == last) for r, seat in enumerate(seats)]
+    ends = layers.model.ends_bytes(first=first, last=last, element_bytes=element)
+    return _Cost(layers, budget, element, resolved_dtype(request.compute_dtype, seat.memory.backend), ends,
+                 seat.memory.speed, request.max_num_seqs)
 
 
 def _planned(replica: int, rank: int, seat: StageSeat, cost: _Cost, layers: LayerRange,
              request: PlanRequest) -> PlannedStage:
-    n = len(layers)
-    weights = cost.fixed_bytes - RUNTIME_OVERHEAD_BYTES + n * cost.layer_bytes
-    per_token = n * cost.kv_layer_token
-    # Exactly what the stage will compute (stage_worker.memory.kv_token_capacity).
-    tokens = max(0, (cost.budget - weights - RUNTIME_OVERHEAD_BYTES) // per_token) if per_token else 0
+    start, end = layers.start, layers.end
+    tokens = cost.tokens(start, end, request.max_model_len)
     return PlannedStage(
         replica=replica, rank=rank, node_id=seat.node_id, node=seat.label, address=seat.address,
         backend=seat.memory.backend, dtype=cost.dtype, layers=layers, budget_bytes=cost.budget,
-        weight_bytes=weights, kv_bytes_per_token=per_token, kv_tokens=int(tokens),
-        need_bytes=cost.need(n, request.max_model_len), speed=seat.memory.speed,
+        weight_bytes=cost.weights(start, end),
+        kv_bytes_per_token=cost.layers.kv(start, end).per_token_bytes(cost.element_bytes), kv_tokens=tokens,
+        kv_bytes=cost.kv_bytes(start, end, tokens), need_bytes=cost.need(start, end, request.max_model_len),
+        speed=seat.memory.speed,
     )
 
 
 # -- choosing a split -----------------------------------------------------------------------------
 
 
-def _choose(costs: Sequence[_Cost], speeds: Sequence[float], num_layers: int, max_model_len: int) -> list[int] | None:
-    """Layer counts per stage minimising the slowest stage's time, or None when no split fits."""
-    caps = [c.max_layers(max_model_len, num_layers) for c in costs]
-    if min(caps) < 1 or sum(caps) < num_layers:
-        return None
-    per_layer = [c.layer_bytes / s for c, s in zip(costs, speeds)]
-    # The slowest stage's time is n * per_layer[r] for some stage r and count n: try those in order.
-    candidates = sorted({n * t for t, cap in zip(per_layer, caps) for n in range(1, cap + 1)})
-    for limit in candidates:
-        counts = [min(cap, int(limit / t + 1e-9)) for cap, t in zip(caps, per_layer)]
-        if min(counts) >= 1 and sum(counts) >= num_layers:
-            return _trim(counts, sum(counts) - num_layers, costs, max_model_len)
-    return None
-
-
-def _trim(counts: list[int], excess: int, costs: Sequence[_Cost], max_model_len: int) -> list[int]:
-    """Take ``excess`` layers away, each from the stage holding the fewest KV tokens (the later on a tie)."""
-    def tokens(r: int) -> float:
-        c, n = costs[r], counts[r]
-        return (c.budget - c.need(n, 0)) / (n * c.kv_layer_token or 1)
-
-    for _ in range(excess):
-        r = min((r for r in range(len(counts)) if counts[r] > 1), key=lambda r: (tokens(r), -r))
-        counts[r] -= 1
+def _greedy(costs: Sequence[_Cost], num_layers: int, max_model_len: int, time_limit: float | None = None,
+            min_tokens: int = 0) -> list[int] | None:
+    """The split giving each stage in turn as many layers as it can take (fitting its memory, its time per token
+    within ``time_limit``, its KV capacity at least ``min_tokens``) while every later stage keeps one; None when
+    no split meets those limits. Every limit only tightens as a stage's slice grows, so if any split meets
+    them this one does (each of its boundaries lies at or after that split's, by induction)."""
+    counts, start = [], 0
+    for rank, cost in enumerate(costs):
+        if rank == len(costs) - 1:
+            end = num_layers if _within(cost, start, num_layers, max_model_len, time_limit, min_tokens) else start
+        else:
+            end, last = start, num_layers - (len(costs) - 1 - rank)  # every later stage keeps a layer
+            while end < last and _within(cost, start, end + 1, max_model_len, time_limit, min_tokens):
+                end += 1
+        if end == start:
+            return None
+        counts.append(end - start)
+        start = end
     return counts
+
+
+def _within(cost: _Cost, start: int, end: int, max_model_len: int, time_limit: float | None,
+            min_tokens: int) -> bool:
+    return (cost.fits(start, end, max_model_len)
+            and (time_limit is None or cost.time(start, end) <= time_limit)
+            and (not min_tokens or cost.tokens(start, end, max_model_len) >= min_tokens))
+
+
+def _choose(costs: Sequence[_Cost], num_layers: int, max_model_len: int) -> list[int] | None:
+    """Layer counts per stage minimising the slowest stage's time, then maximising the smallest stage's KV
+    capacity; None when no split fits."""
+    if _greedy(costs, num_layers, max_model_len) is None:
+        return None
+    # The slowest stage's time is one stage's time over some slice: search those values for the least that fits.
+    times = sorted({c.time(s, e) for c in costs for s in range(num_layers) for e in range(s + 1, num_layers + 1)})
+    low, high = 0, len(times) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if _greedy(costs, num_layers, max_model_len, times[middle]) is None:
+            low = middle + 1
+        else:
+            high = middle
+    limit = times[low]
+    # Ties go to the most KV capacity in the pipeline's smallest stage.
+    least, most = 0, max(c.tokens(i, i + 1, max_model_len) for c in costs for i in range(num_layers))
+    while least < most:
+        middle = (least + most + 1) // 2
+        if _greedy(costs, num_layers, max_model_len, limit, middle) is None:
+            most = middle - 1
+        else:
+            least = middle
+    return _greedy(costs, num_layers, max_model_len, limit, least)
 
 
 def _ranges(counts: Sequence[int]) -> tuple[LayerRange, ...]:
@@ -252,7 +359,7 @@ def plan_pipeline(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRe
         _check_split(model, seats, request, costs, ranges, replica)
         chosen_by = "--pp-layer-split"
     else:
-        counts = _choose(costs, [s.memory.speed for s in seats], model.num_layers, request.max_model_len)
+        counts = _choose(costs, model.num_layers, request.max_model_len)
         if counts is None:
             raise PlanError(_refusal(model, seats, request, costs, replica))
         ranges, chosen_by = _ranges(counts), "memory planner"
@@ -288,17 +395,16 @@ def _check_split(model: ModelFacts, seats: Sequence[StageSeat], request: PlanReq
                  ranges: Sequence[LayerRange], replica: int) -> None:
     problems = []
     for rank, (seat, cost, layers) in enumerate(zip(seats, costs, ranges)):
-        need = cost.need(len(layers), request.max_model_len)
-        allowed = int(cost.budget * (1 - HEADROOM_FRACTION))
-        if need > allowed:
+        need = cost.need(layers.start, layers.end, request.max_model_len)
+        if need > cost.allowed:
             problems.append(
                 f"  {_stage_line(rank, seat, cost, request)} cannot hold layers {layers}: they need "
                 f"{_gb(need)} (weights, one --max-model-len {request.max_model_len} sequence of KV, runtime), "
-                f"more than the {_gb(allowed)} it may fill keeping {HEADROOM_FRACTION:.0%} headroom; "
-                f"short by {_gb(need - allowed)}")
+                f"more than the {_gb(cost.allowed)} it may fill keeping {HEADROOM_FRACTION:.0%} headroom; "
+                f"short by {_gb(need - cost.allowed)}")
     if not problems:
         return
-    chosen = _choose(costs, [s.memory.speed for s in seats], model.num_layers, request.max_model_len)
+    chosen = _choose(costs, model.num_layers, request.max_model_len)
     way_out = (f"leave out --pp-layer-split and the planner chooses {_split_flag(chosen)}" if chosen else
                "no split of these stages fits; " + _ways_out(model, seats, request, replica))
     raise PlanError(f"--pp-layer-split {request.layer_split} does not fit replica {replica}:\n"
@@ -315,38 +421,45 @@ def _split_flag(counts: Sequence[int]) -> str:
 
 def _refusal(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest, costs: Sequence[_Cost],
              replica: int) -> str:
-    caps = [c.max_layers(request.max_model_len, model.num_layers) for c in costs]
-    lines = [f"the model's {model.num_layers} layers with --max-model-len {request.max_model_len} do not fit "
+    length = request.max_model_len
+    caps = [c.most_layers(model.num_layers, length) for c in costs]
+    lines = [f"the model's {model.num_layers} layers with --max-model-len {length} do not fit "
              f"replica {replica}'s {len(seats)} stage(s) (each must keep {HEADROOM_FRACTION:.0%} of its budget "
              f"free); together they hold at most {sum(caps)} layers:"]
     for rank, (seat, cost, cap) in enumerate(zip(seats, costs, caps)):
-        one = cost.need(1, request.max_model_len)
-        allowed = cost.budget * (1 - HEADROOM_FRACTION)
+        one = min(cost.need(i, i + 1, length) for i in range(model.num_layers))
         detail = (f"at most {cap} layer(s)" if cap >= 1 else
-                  f"not even one layer: it needs {_gb(one)}, short by {_gb(one - allowed)}")
+                  f"not even one layer: it needs {_gb(one)}, short by {_gb(one - cost.allowed)}")
         lines.append(f"  {_stage_line(rank, seat, cost, request)}: {detail}")
     missing = model.num_layers - sum(caps)
-    if missing > 0:
-        widest = max(costs, key=lambda c: c.layer_bytes + c.kv_layer_token * request.max_model_len)
-        short = missing * (widest.layer_bytes + widest.kv_layer_token * request.max_model_len)
-        lines.append(f"  short by about {_gb(short / (1 - HEADROOM_FRACTION))} for the other {missing} layer(s) "
-                     f"({_gb(widest.layer_bytes)} of weights + {_gb(widest.kv_layer_token * request.max_model_len)} "
-                     f"of KV each)")
+    if missing <= 0:  # enough room by count, but not in the order the layers come
+        largest = max(model.layer_bytes(i, costs[0].element_bytes) for i in range(model.num_layers))
+        lines.append(f"  no split into contiguous slices fits them: the layers differ in size (largest layer "
+                     f"{_gb(largest)}) and each stage's slice must fit it whole")
+    else:
+        # The widest layer with its share of one sequence's KV, on the seat where it costs the most.
+        def widest(c: _Cost) -> tuple[int, int]:
+            return max((c.layers.layer_bytes(i, i + 1, c.element_bytes), c.kv_bytes(i, i + 1, length))
+                       for i in range(model.num_layers))
+
+        weights, kv = max((widest(c) for c in costs), key=sum)
+        lines.append(f"  short by about {_gb(missing * (weights + kv) / (1 - HEADROOM_FRACTION))} for the other "
+                     f"{missing} layer(s) (up to {_gb(weights)} of weights + {_gb(kv)} of KV each)")
     lines.append("ways out: " + _ways_out(model, seats, request, replica))
     return "\n".join(lines)
 
 
-def _fits(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest) -> bool:
-    costs = _costs(model, seats, request)
-    return _choose(costs, [s.memory.speed for s in seats], model.num_layers, request.max_model_len) is not None
+def _fits(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest, layers: _Layers) -> bool:
+    return _greedy(_costs(model, seats, request, layers), model.num_layers, request.max_model_len) is not None
 
 
 def largest_max_model_len(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest) -> int:
     """The longest ``--max-model-len`` these stages fit (0: not even one token beside the weights)."""
+    layers = _Layers(model)
     low, high = 0, request.max_model_len
     while low < high:
         middle = (low + high + 1) // 2
-        if _fits(model, seats, _with(request, max_model_len=middle)):
+        if _fits(model, seats, _with(request, max_model_len=middle), layers):
             low = middle
         else:
             high = middle - 1
@@ -359,12 +472,13 @@ def _with(request: PlanRequest, **changes: Any) -> PlanRequest:
 
 def _ways_out(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest, replica: int) -> str:
     ways = []
+    layers = _Layers(model)
     longest = largest_max_model_len(model, seats, request)
     if longest >= 1:
         ways.append(f"lower --max-model-len to {longest} or less")
     # A stage that cannot hold even one layer only helps when left out.
-    useless = [s for s in seats if _cost(model, s, request, first=False, last=False).max_layers(
-        request.max_model_len, model.num_layers) < 1]
+    useless = [s for s in seats if _cost(layers, s, request, first=False, last=False).most_layers(
+        model.num_layers, request.max_model_len) < 1]
     kept = [s for s in seats if s not in useless] or [max(seats, key=lambda s: s.memory.usable_bytes())]
     if useless:
         names = ", ".join(sorted({s.label for s in useless}))
@@ -373,7 +487,7 @@ def _ways_out(model: ModelFacts, seats: Sequence[StageSeat], request: PlanReques
     for extra in range(0 if useless else 1, min(_MAX_EXTRA_NODES, model.num_layers - len(kept)) + 1):
         grown = [*kept[:-1], *[StageSeat(f"new-{i}", "?", biggest.memory, 1, f"new node {i + 1}")
                                for i in range(extra)], kept[-1]]
-        if _fits(model, grown, request):
+        if _fits(model, grown, request, layers):
             pp = len(grown)
             ways.append(f"add {extra} more node(s) with {_gb(biggest.memory.usable_bytes())} usable like "
                         f"{biggest.label} (one '{MLX_RESOURCE}' unit each) and set --pipeline-parallel-size {pp}"

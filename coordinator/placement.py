@@ -202,6 +202,7 @@ def pipeline_plan(
     model_is_default: bool = False,
     load_format: str = "auto",
     hop_transport: str = "lane",
+    first_layers: int | None = None,
 ) -> PipelinePlan:
     """One replica's plan: rank r on ``hosts[r]``, ports from global index ``replica * P + r``.
 
@@ -228,6 +229,7 @@ def pipeline_plan(
         replica=replica, model_path=model_path, num_layers=num_layers,
         compute_dtype=compute_dtype, stages=tuple(stages), dequantize=dequantize,
         model_is_default=model_is_default, load_format=load_format, hop_transport=hop_transport,
+        first_layers=first_layers,
     )
 
 

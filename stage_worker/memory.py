@@ -22,8 +22,10 @@ from stagemesh.core.memory import (
     RUNTIME_OVERHEAD_BYTES,
     MemoryBudget,
     MemoryBudgetError,
+    StageKV,
     budget_for,
     kv_bytes_per_token,
+    kv_capacity_tokens,
     stages_sharing_memory,
 )
 
@@ -56,19 +58,25 @@ def host_memory_budget(fraction: float, stages_on_host: int, backend: str = "cpu
                       cap=settings.NODE_MEMORY)
 
 
-def kv_token_capacity(budget: MemoryBudget, weight_bytes: int, per_token: int, max_model_len: int,
-                      stage: str) -> int:
-    """Tokens of KV this stage can hold; refuses a budget that cannot hold one full sequence (pure)."""
+def kv_token_capacity(budget: MemoryBudget, weight_bytes: int, kv: StageKV, element_bytes: int,
+                      max_num_seqs: int, max_model_len: int, stage: str) -> int:
+    """Token positions of KV this stage holds (``kv_capacity_tokens``, as the planner counts them); refuses a
+    budget that cannot hold one full sequence (pure)."""
     room = budget.budget_bytes - weight_bytes - RUNTIME_OVERHEAD_BYTES
-    capacity = max(0, room // per_token)
-    need = max_model_len * per_token
+    capacity = kv_capacity_tokens(room, kv, element_bytes, max_num_seqs, max_model_len)
+    need = kv.reserved_bytes(max_model_len, element_bytes, max_num_seqs)
     if capacity < max_model_len:
+        bounded = need > kv.reserved_bytes(max_model_len, element_bytes, 1)
+        per_sequence = (f" (with the sliding windows and recurrent state of --max-num-seqs {max_num_seqs} "
+                        f"sequences)") if bounded else ""
         raise MemoryBudgetError(
-            f"{stage}: one sequence of --max-model-len {max_model_len} needs {need / 1e6:.0f} MB of KV cache, but "
+            f"{stage}: one sequence of --max-model-len {max_model_len} needs {need / 1e6:.0f} MB of KV cache"
+            f"{per_sequence}, but "
             f"its budget ({budget.fraction:g} x {budget.total_bytes / 1e9:.1f} GB / {budget.stages_on_host} "
             f"stage(s) on this {budget.memory} = {budget.budget_bytes / 1e6:.0f} MB, minus {weight_bytes / 1e6:.0f} "
             f"MB of weights and {RUNTIME_OVERHEAD_BYTES / 1e6:.0f} MB of runtime) leaves {max(room, 0) / 1e6:.0f} MB; "
-            f"lower --max-model-len, raise --memory-fraction, or spread the model over more stages (-pp)"
+            f"lower --max-model-len{', --max-num-seqs' if bounded else ''}, raise --memory-fraction, or spread the "
+            f"model over more stages (-pp)"
         )
     if budget.available_bytes < weight_bytes + need:
         raise MemoryBudgetError(

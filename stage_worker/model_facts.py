@@ -24,16 +24,14 @@ Every other architecture (``mlx_arch.STACK_ARCHITECTURES``: experts, MLA,
 sliding windows, linear attention) is measured on mlx-lm's own model, built
 lazily (shapes only, nothing allocated) and quantized exactly as the stage
 quantizes it, so its bytes are the stage's by construction: each layer's
-parameters (routed and shared experts, routers, dense first layers), the
-embedding, the head (``ModelFacts.layer_sizes`` where layers differ; the
-planner sizes every layer as the largest one). KV per
-token is read from the caches of a one-token forward built (not evaluated)
-through every layer: keys plus values per token of a KV layer (MLA's latent
-and rotary key for DeepSeek V3), the largest over the layers. A sliding-window
-layer is counted like a full one and a linear-attention layer like the largest
-KV layer: both over-count (a window holds at most its size; Qwen3-Next's
-recurrent state per sequence is smaller than a full context's KV at any
-``--max-model-len`` past a few hundred tokens), so a plan never undercounts.
+parameters (routed and shared experts, routers, dense first layers:
+``ModelFacts.layer_sizes`` where layers differ), the embedding, the head. Each
+layer's KV (``ModelFacts.kv_layers`` where layers differ) is read from the
+caches of a one-token forward built (not evaluated) through every layer: keys
+plus values per position of a KV layer (MLA's latent and rotary key for
+DeepSeek V3), bounded by the window of a sliding-window layer, and the arrays a
+linear-attention layer keeps per sequence whatever its length (Qwen3-Next's
+convolution state in the compute dtype, its recurrent state in float32).
 """
 
 from __future__ import annotations
@@ -41,9 +39,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from stage_worker.mlx_arch import PACKED_ARCHITECTURES
+from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts
 from stage_worker.model_spec import ModelSpec
-from stagemesh.core.memory import ModelFacts, TensorBytes
+from stagemesh.core.memory import LayerKV, ModelFacts, TensorBytes
 
 
 def _linear(spec: ModelSpec, path: str, out_features: int, in_features: int, dense: bool) -> TensorBytes:
@@ -107,9 +105,7 @@ def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import KVCache
 
-    from stage_worker.layer_stack import run_batch
     from stage_worker.mlx_arch import describe
 
     arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
@@ -133,12 +129,34 @@ def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
     norm = size([(n, a) for n, a in flat if n.startswith("model.norm.")])
     head = embedding if spec.tie_word_embeddings or not facts.head_names else size(
         [(n, a) for n, a in flat if not n.startswith("model.")])
-    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.model.layers]
-    run_batch(model.model.layers, mx.zeros((1, 1, spec.hidden_size)), caches, facts.array_masks)  # built only
-    per_token = [c.keys.shape[1] * c.keys.shape[3] + c.values.shape[1] * c.values.shape[3]
-                 for c, kind in zip(caches, facts.cache_kinds) if kind in ("kv", "rotating")]
+    kv_layers = _measured_kv(model, spec, facts)
     return ModelFacts(
         num_layers=spec.num_layers, layer=max(layers, key=lambda t: (t.packed, t.elements)), embedding=embedding,
-        head=head + norm, kv_elements_per_token=max(per_token, default=0),
+        head=head + norm, kv_elements_per_token=max((kv.per_token for kv in kv_layers), default=0),
         tied_embeddings=spec.tie_word_embeddings, layer_sizes=tuple(layers) if len(set(layers)) > 1 else (),
+        kv_layers=() if all(kv == LayerKV(kv_layers[0].per_token) for kv in kv_layers) else kv_layers,
     )
+
+
+def _measured_kv(model: Any, spec: ModelSpec, facts: ArchFacts) -> tuple[LayerKV, ...]:
+    """Each layer's KV from the caches of a one-token forward built (not evaluated) through every layer, in
+    bfloat16: a cache array in the compute dtype counts as elements, one kept in float32 whatever the compute
+    dtype (linear attention's recurrent state) as fixed bytes."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from stage_worker.layer_stack import run_batch
+
+    model.set_dtype(mx.bfloat16, lambda d: mx.issubdtype(d, mx.floating))
+    caches = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.model.layers]
+    run_batch(model.model.layers, mx.zeros((1, 1, spec.hidden_size), mx.bfloat16), caches, facts.array_masks)
+    kv = []
+    for cache, kind, window in zip(caches, facts.cache_kinds, facts.windows):
+        if kind != "arrays":  # keys and values per position (MLA: the latent and the rotary key)
+            per_token = cache.keys.shape[1] * cache.keys.shape[3] + cache.values.shape[1] * cache.values.shape[3]
+            kv.append(LayerKV(per_token, window if kind == "rotating" else None))
+        else:
+            arrays = [a for a in cache.cache if a is not None]
+            kv.append(LayerKV(state=TensorBytes(sum(a.nbytes for a in arrays if a.dtype == mx.float32),
+                                                sum(a.size for a in arrays if a.dtype != mx.float32))))
+    return tuple(kv)

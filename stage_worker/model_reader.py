@@ -22,14 +22,20 @@ from stage_worker.model_spec import LOAD_FORMATS, ModelFormatError, ModelSpec
 from stage_worker.safetensors_format import read_safetensors_spec
 
 
-def read_model_spec(path: str, load_format: str = "auto") -> ModelSpec:
+def read_model_spec(path: str, load_format: str = "auto", first_layers: int | None = None) -> ModelSpec:
     """Read a model's spec from a .gguf file or a directory with config.json.
 
-    With ``load_format="dummy"`` the weights need not exist: only the config (or the GGUF's header) is read.
+    With ``load_format="dummy"`` the weights need not exist: only the config (or the GGUF's header) is read;
+    ``first_layers`` (``--shape-layers``, dummy only) cuts the config to its first decoder layers
+    (``stage_worker.first_layers``).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelFormatError(f"--load-format {load_format!r} is not supported; use {' or '.join(LOAD_FORMATS)}.")
     path = os.fspath(path)
+    if first_layers is not None and (load_format != "dummy" or not os.path.isdir(path)):
+        raise ModelFormatError(f"--shape-layers {first_layers} cuts the config.json of a model directory served "
+                               f"with --load-format dummy (random weights); {path} with --load-format {load_format} "
+                               f"is not one")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             if load_format == "dummy":
@@ -42,7 +48,7 @@ def read_model_spec(path: str, load_format: str = "auto") -> ModelSpec:
                 "or an MLX / Hugging Face model directory (config.json, *.safetensors, "
                 "tokenizer files). Pass one of those."
             )
-        return read_safetensors_spec(path, load_format=load_format)
+        return read_safetensors_spec(path, load_format=load_format, first_layers=first_layers)
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):
             # The header alone gives architecture, shapes and quantization; dummy weights copy them.

@@ -38,6 +38,16 @@ class ModelFormatError(UserError):
     """A model we cannot serve; the message says what to change."""
 
 
+def tensor_mismatch(missing: list[str], wrong_shapes: list[str], extra: list[str], shown: int = 5) -> str:
+    """What a checkpoint's tensors lack, hold in other shapes and hold beyond a model, for an error message
+    (the first ``shown`` of each, and how many more); empty when nothing is amiss."""
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+    return "; ".join(([f"missing {some(missing)}"] if missing else []) + ([some(wrong_shapes)] if wrong_shapes else [])
+                     + ([f"not in the model: {some(extra)}"] if extra else []))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture, size and quantization of a model, without its weights."""

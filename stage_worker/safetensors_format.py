@@ -3,8 +3,8 @@
 Contract:
 - ``read_safetensors_spec(path)`` builds a ``ModelSpec`` from config.json and
   the tensor *names* (model.safetensors.index.json when present, else the
-  safetensors headers); no tensor data is read. Architectures llama (also
-  ``mistral``), qwen2, qwen3; unquantized (bf16/f16/f32) or MLX affine
+  safetensors headers); no tensor data is read. The architectures
+  ``mlx_arch`` serves; unquantized (bf16/f16/f32) or MLX affine
   quantization (``quantization`` / ``quantization_config`` with group_size and
   bits, per-module overrides). Other quantizers (AWQ, GPTQ, fp8, mxfp4, ...)
   raise ``ModelFormatError``. The spec's quantization map is made explicit:
@@ -14,10 +14,12 @@ Contract:
   weight files, so a stored head or unquantized module is honoured.
 - ``load_safetensors_weights(spec, layers, with_embedding, with_head)`` opens
   only the shard files that hold the slice's tensors (``mx.load`` is lazy, so
-  only the kept arrays are read) and applies what mlx-lm's ``Model.sanitize``
-  does for these architectures: drop rotary ``inv_freq``, drop a stored head
-  (``lm_head``, ``output``) when the embeddings are tied. A model whose mlx-lm
-  ``Model`` has a head but whose files do not is tied (Gemma 3's sanitize rule).
+  only the kept arrays are read; rotary ``inv_freq`` and a stored head that
+  the embeddings tie are left out), then applies the architecture's own
+  mlx-lm ``Model.sanitize`` to that slice (``sanitize_slice``), so a
+  checkpoint in Hugging Face's original layout (one tensor per expert) loads
+  as mlx-lm's layout does. A model whose mlx-lm ``Model`` has a head but whose
+  files do not is tied (Gemma 3's sanitize rule).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import glob
 import importlib
 import json
 import os
+import re
 import struct
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -44,15 +47,20 @@ INDEX_FILE = "model.safetensors.index.json"
 _QUANT_KEYS = ("quantization", "quantization_config")
 
 
-def _safetensors_keys(file: str) -> list[str]:
-    """Tensor names from a safetensors header (8-byte length + JSON), no data read."""
+def safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's (safetensors dtype, shape) from a file's header (8-byte length + JSON), no data read."""
     try:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
-    except (OSError, struct.error, ValueError) as e:
+        return {k: (str(v["dtype"]), tuple(int(d) for d in v["shape"])) for k, v in header.items()
+                if k != "__metadata__"}
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
         raise ModelFormatError(f"cannot read the safetensors header of {file}: {e}") from e
-    return [k for k in header if k != "__metadata__"]
+
+
+def _safetensors_keys(file: str) -> list[str]:
+    return list(safetensors_header(file))
 
 
 def weight_map(path: str) -> dict[str, str]:
@@ -124,10 +132,14 @@ def _has_weight_files(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX_FILE)) or bool(glob.glob(os.path.join(path, "model*.safetensors")))
 
 
-def read_safetensors_spec(path: str, *, load_format: str = "auto") -> ModelSpec:
+def read_safetensors_spec(path: str, *, load_format: str = "auto", first_layers: int | None = None) -> ModelSpec:
     path = os.path.abspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
+    if first_layers is not None:
+        from .first_layers import first_layers_config
+
+        config = first_layers_config(config, first_layers)
     from .mlx_arch import check_servable, describe, mlx_model_type
 
     model_type = mlx_model_type(config)
@@ -206,4 +218,56 @@ def load_safetensors_weights(
             weights[key] = arrays[key]
         del arrays
         mx.eval(list(weights[k] for k in keys))  # read this shard's slice before opening the next
-    return weights
+    return sanitize_slice(spec, weights, layers)
+
+
+def sanitize_slice(spec: ModelSpec, weights: dict[str, mx.array], layers: range) -> dict[str, mx.array]:
+    """mlx-lm's own ``Model.sanitize`` for the architecture, on one stage's tensors (global names in and out).
+
+    It turns a checkpoint in Hugging Face's original layout into mlx-lm's (one tensor per expert stacked
+    into one per projection, gpt-oss's joined gate and up projections split, ...) and leaves mlx-lm's
+    layout as it is. Several sanitizers tell the layouts apart by looking at layer 0, so the slice is
+    renumbered to start at layer 0 for the call (they treat every layer alike otherwise); and it runs on a
+    scratch model, built lazily, since some change the model they are called on (Gemma 3 drops its head)."""
+    arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+    if not hasattr(arch.Model, "sanitize"):
+        return weights
+    scratch = arch.Model(arch.ModelArgs.from_dict(dict(spec.args)))
+    renumbered = {_shift_layer(name, -layers.start): array for name, array in weights.items()}
+    try:
+        sanitized = scratch.sanitize(renumbered)
+    except KeyError as exc:  # stacking a layer's experts, one was not there
+        missing = _shift_layer(str(exc.args[0]), layers.start)
+        raise ModelFormatError(f"{spec.path} lacks {missing}, which mlx-lm's {spec.model_type} model needs for its "
+                               f"config.json (its sanitize assembles the layer's tensors from it)") from exc
+    except ValueError as exc:  # stacking tensors of different shapes
+        odd = _odd_shapes(weights)
+        raise ModelFormatError(f"{spec.path}: mlx-lm's {spec.model_type} sanitize cannot assemble the checkpoint's "
+                               f"tensors ({exc})" + (f": {', '.join(odd[:5])}" if odd else "")) from exc
+    return {_shift_layer(name, layers.start): array for name, array in sanitized.items()}
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def _odd_shapes(weights: Mapping[str, mx.array]) -> list[str]:
+    """Per-expert tensors whose shape differs from most of their layer's other experts' (to be stacked)."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in weights:
+        if _EXPERT_INDEX.search(name):
+            groups[_EXPERT_INDEX.sub(".experts.*.", name)].append(name)
+    odd = []
+    for names in groups.values():
+        shapes = [tuple(weights[n].shape) for n in names]
+        common = max(set(shapes), key=shapes.count)
+        odd += [f"{n} is {shape}, its layer's other experts {common}" for n, shape in zip(names, shapes)
+                if shape != common]
+    return odd
+
+
+def _shift_layer(name: str, by: int) -> str:
+    """``model.layers.{i}.rest`` -> ``model.layers.{i + by}.rest``; other names as they are."""
+    if not by or not name.startswith("model.layers."):
+        return name
+    index, rest = name[len("model.layers."):].split(".", 1)
+    return f"model.layers.{int(index) + by}.{rest}"

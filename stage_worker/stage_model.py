@@ -44,7 +44,7 @@ from mlx_lm.utils import dequantize_model
 from stage_worker.fused_projections import FusedLayer, fuse_layer_projections
 from stage_worker.layer_stack import stack_layers
 from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
-from stage_worker.model_spec import ModelFormatError, ModelSpec
+from stage_worker.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
 from stage_worker.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.stage_weights import load_stage_weights
 from stagemesh.core.layer_split import LayerRange
@@ -421,16 +421,24 @@ def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dty
         return {"group_size": group_size, "bits": bits}
 
     nn.quantize(module, class_predicate=quantize_predicate)
-    try:
-        module.load_weights(list(local.items()), strict=True)
-    except ValueError as exc:
-        raise ModelFormatError(
-            f"weights for layers {role.layers} do not match the {spec.model_type} "
-            f"model definition: {exc}"
-        ) from exc
+    _check_tensors(spec, role, dict(_flat_parameters(module)), local, lambda name: global_path(name, role.layers))
+    module.load_weights(list(local.items()), strict=True)
     module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
     module.eval()
     mx.eval(module.parameters())
+
+
+def _check_tensors(spec: ModelSpec, role: StageRole, expected: dict[str, mx.array], given: dict[str, mx.array],
+                   global_name) -> None:
+    """``ModelFormatError`` naming every tensor (by its name in the checkpoint's numbering) that the slice lacks,
+    holds in another shape than mlx-lm's model for this config, or holds beyond it."""
+    missing = [global_name(n) for n in expected if n not in given]
+    shapes = [f"{global_name(n)} is {tuple(given[n].shape)} in the files, {tuple(a.shape)} by the config"
+              for n, a in expected.items() if n in given and given[n].shape != a.shape]
+    problems = tensor_mismatch(missing, shapes, [global_name(n) for n in given if n not in expected])
+    if problems:
+        raise ModelFormatError(f"{spec.path}: the weights of layers {role.layers} do not match mlx-lm's "
+                               f"{spec.model_type} model for its config.json: {problems}")
 
 
 def _is_quantized(module: nn.Module) -> bool:
@@ -457,6 +465,6 @@ def _global_path(path: str, layers: LayerRange) -> str:
     if path.startswith("layers."):
         index, rest = path[len("layers."):].split(".", 1)
         return f"model.layers.{int(index) + layers.start}.{rest}"
-    if path == "lm_head":
+    if path == "lm_head" or path.startswith("lm_head."):
         return path
     return f"model.{path}"

@@ -141,9 +141,9 @@ def resolve(launch: StageLaunch) -> StageContext:
     plan = launch.plan
     if plan.model_is_default:
         # Each node finds the embedded default in its own installation.
-        spec = read_model_spec(default_model_path(), plan.load_format)
+        spec = read_model_spec(default_model_path(), plan.load_format, plan.first_layers)
     else:
-        spec = read_model_spec(plan.model_path, plan.load_format)
+        spec = read_model_spec(plan.model_path, plan.load_format, plan.first_layers)
     # Before any weights load: on CUDA the device's free memory is then the room this stage may fill.
     device = probe()
     dtype = resolve_compute_dtype(plan.compute_dtype, device.backend)
@@ -199,9 +199,11 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
                  "yes" if fused.qkv else "not in every layer", "yes" if fused.gate_up else "not in every layer",
                  settings.env_name("FUSE_PROJECTIONS"))
     status.weight_bytes, status.quantized = model.weight_bytes, model.quantized
-    # The planner's count (stage_worker.model_facts): MLA's latent, the widest layer's keys and values.
-    per_token = model_facts(spec).kv_bytes_per_token(len(me.layers), model.dtype.size)
-    kv_capacity = kv_token_capacity(budget, model.weight_bytes, per_token, ctx.max_model_len, ctx.name)
+    # The planner's count (stage_worker.model_facts): each layer's keys and values (MLA's latent), windows
+    # bounded by their size, recurrent state per sequence.
+    kv = model_facts(spec).slice_kv(me.layers.start, me.layers.end)
+    kv_capacity = kv_token_capacity(budget, model.weight_bytes, kv, model.dtype.size, options.max_num_seqs,
+                                    ctx.max_model_len, ctx.name)
     threads = _blas_threads(sharing)
     log.info("loaded %.1f MB of weights in %.2f s (backend=%s device=%r dtype=%s quantized=%s blas=%s, KV "
              "capacity %d tokens in a %.0f MB %s budget, peak RSS %.0f MB)", model.weight_bytes / 1e6,

@@ -71,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of each host's memory (on Metal and CUDA: of its GPU's) its stages may use for "
                              "weights and KV cache (like vLLM's --gpu-memory-utilization)")
     add_load_format_argument(parser)
+    parser.add_argument("--shape-layers", type=int, default=None, metavar="N",
+                        help="with --load-format dummy: only the model's first N decoder layers (its layer pattern "
+                             "kept: dense first layers, sliding and full attention), to run part of a model too big "
+                             "for the machine")
     parser.add_argument("--api-key", default=None, help="require this key on /v1 (default $STAGEMESH_API_KEY)")
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help="global stage g binds base+g for the MLX ring (default $STAGEMESH_RING_BASE_PORT "
@@ -135,6 +139,7 @@ def build_mesh_config(args: argparse.Namespace):
     """Validate every flag against the model and return the coordinator's config (no side effects)."""
     # Lazily: the model readers and the stage's model code bring MLX, the coordinator its Ray glue.
     from coordinator.mesh import MeshConfig
+    from stage_worker.checkpoint_check import check_checkpoint
     from stage_worker.model_facts import model_facts
     from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
@@ -145,7 +150,8 @@ def build_mesh_config(args: argparse.Namespace):
         if value < 1:
             raise ServeConfigError(f"{flag} must be at least 1, got {value}")
     model_path = resolve_model_argument(args.model, args.load_format)
-    spec = read_model_spec(model_path, args.load_format)
+    spec = read_model_spec(model_path, args.load_format, args.shape_layers)
+    check_checkpoint(spec)  # files that disagree with the config: named here, not deep in a stage
     plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
     resolve_compute_dtype(args.dtype)
     if not 0 < args.memory_fraction <= 1:
@@ -172,6 +178,7 @@ def build_mesh_config(args: argparse.Namespace):
         dequantize=args.dequantize,
         hop_transport=args.hop_transport,
         load_format=args.load_format,
+        first_layers=args.shape_layers,
         memory_fraction=args.memory_fraction,
         layer_split=args.pp_layer_split,
         ring_base_port=ring_base,

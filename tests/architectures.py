@@ -73,3 +73,39 @@ def tiny_checkpoint(name: str, root: Path, dtype: str = "float32") -> str:
     if not (out / "model.safetensors").is_file():
         write_random_checkpoint(TINY_CONFIGS[name], out, dtype=dtype, seed=sum(map(ord, name)))
     return str(out)
+
+
+# mlx-lm's stacked expert projections -> Hugging Face's original per-expert names, per architecture:
+# (stacked name within a layer, per-expert name within a layer with {e} for the expert).
+HF_EXPERTS: dict[str, list[tuple[str, str]]] = {
+    "qwen3_moe": [(f"mlp.switch_mlp.{p}.weight", f"mlp.experts.{{e}}.{p}.weight")
+                  for p in ("gate_proj", "up_proj", "down_proj")],
+    "mixtral": [(f"block_sparse_moe.switch_mlp.{p}.weight", f"block_sparse_moe.experts.{{e}}.{w}.weight")
+                for p, w in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3"))],
+}
+
+
+def hf_layout_checkpoint(name: str, root: Path) -> str:
+    """``tiny_checkpoint(name)`` rewritten in Hugging Face's original layout: one tensor per expert (the stacked
+    ones split), the rest as it is; written under ``root/name-hf`` (once)."""
+    import shutil
+
+    import mlx.core as mx
+
+    out = root / f"{name}-hf"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    source = Path(tiny_checkpoint(name, root))
+    shutil.copytree(source, out, dirs_exist_ok=True)
+    stacked: dict[str, mx.array] = mx.load(str(source / "model.safetensors"))  # type: ignore[assignment]
+    weights = {}
+    for key, array in stacked.items():
+        split = next(((key[: -len(s)], e) for s, e in HF_EXPERTS[name] if key.endswith(s)), None)
+        if split is None:
+            weights[key] = array
+            continue
+        prefix, per_expert = split
+        for e in range(array.shape[0]):
+            weights[prefix + per_expert.format(e=e)] = array[e]
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return str(out)

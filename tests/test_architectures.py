@@ -113,8 +113,31 @@ def test_a_model_that_cannot_be_split_is_refused_before_any_stage_loads(tmp_path
     assert "stagemesh serves llama, qwen2, qwen3" in done.stderr and "Traceback" not in done.stderr
 
 
+def _held_bytes(caches) -> int:
+    """What a stage's caches hold for one sequence: the positions a KV cache keeps (a rotating one at most its
+    window), every array a linear-attention cache keeps."""
+    total = 0
+    for cache in caches:
+        if hasattr(cache, "keys"):
+            n = min(cache.offset, cache.keys.shape[2])
+            total += cache.keys[..., :n, :].nbytes + cache.values[..., :n, :].nbytes
+        else:
+            total += sum(a.nbytes for a in cache.cache if a is not None)
+    return total
+
+
+def _run_sequence(model: StageModel, hidden_size: int, prompt: int, decoded: int) -> list:
+    """A prompt of ``prompt`` positions then ``decoded`` single steps through a slice; its caches (built, not
+    evaluated: what they hold is in their shapes; the CPU has no half-precision expert matmul)."""
+    caches = model.new_caches()
+    model.run_packed(mx.random.normal((prompt, hidden_size)).astype(model.dtype), [Segment(caches, prompt)])
+    for _ in range(decoded):
+        model.run_packed(mx.random.normal((1, hidden_size)).astype(model.dtype), [Segment(caches, 1)])
+    return caches
+
+
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_planner_facts_equal_the_bytes_each_stage_loads(checkpoints, name):
+def test_planner_facts_equal_the_bytes_each_stage_loads_and_holds(checkpoints, name):
     from stage_worker.model_facts import model_facts
 
     spec = read_model_spec(tiny_checkpoint(name, checkpoints))
@@ -124,18 +147,31 @@ def test_planner_facts_equal_the_bytes_each_stage_loads(checkpoints, name):
                                     (n - 1, n, False, True)]:
         model = StageModel.load(spec, StageRole(LayerRange(start, end), first, last), mx.float32)
         assert facts.slice_weight_bytes(start, end, first=first, last=last, element_bytes=4) == model.weight_bytes
-        # What the planner counts: every layer as the largest, never less than the stage holds.
-        assert facts.stage_weight_bytes(end - start, first=first, last=last, element_bytes=4) >= model.weight_bytes
-        caches = model.new_caches()
-        model.run_packed(mx.zeros((1, spec.hidden_size)), [Segment(caches, 1)])
-        held = [c.keys.shape[1] * c.keys.shape[3] + c.values.shape[1] * c.values.shape[3]
-                for c in caches if hasattr(c, "keys") and c.keys is not None]
-        assert max(held, default=0) <= facts.kv_elements_per_token
-        if end - start == n:
-            assert max(held) == facts.kv_elements_per_token  # keys and values per token of the widest layer
+        # What the stage's KV capacity counts for one sequence: a prompt longer than the windows (8), then a
+        # decoded token (a rotating cache drops what left its window on the next step).
+        caches = _run_sequence(model, spec.hidden_size, 20, 1)
+        assert facts.slice_kv(start, end).sequence_bytes(21, 4) == _held_bytes(caches)
     if name == "deepseek_v3":  # MLA: the latent (kv_lora_rank) and the rotary key, one "head", per token
         config = TINY_CONFIGS[name]
         assert facts.kv_elements_per_token == config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        assert facts.slice_kv(0, n).per_token == n * facts.kv_elements_per_token
+    if name in ("gpt_oss", "gemma3_text"):  # windows of 8 beside full layers
+        assert {kv.window for kv in facts.kv_layers} == {8, None}
+    if name == "qwen3_next":  # linear-attention layers: a state per sequence, no positions
+        linear = [kv for kv in facts.kv_layers if kv.per_token == 0]
+        assert len(linear) == 2 and all(kv.state.packed and kv.state.elements for kv in linear)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3_text", "deepseek_v3"])
+def test_kv_facts_equal_what_a_bfloat16_stage_holds(checkpoints, name):
+    """In a half-precision stage, keys, values and convolution state take 2 bytes an element and the linear
+    attention's recurrent state, kept in float32 whatever the compute dtype, 4."""
+    from stage_worker.model_facts import model_facts
+
+    spec = read_model_spec(tiny_checkpoint(name, checkpoints))
+    model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.bfloat16)
+    caches = _run_sequence(model, spec.hidden_size, 11, 2)
+    assert model_facts(spec).slice_kv(0, spec.num_layers).sequence_bytes(13, 2) == _held_bytes(caches)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])

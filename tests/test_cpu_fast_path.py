@@ -8,6 +8,7 @@ from stage_worker.memory import MemoryBudget, MemoryBudgetError, kv_bytes_per_to
 from stage_worker.process_setup import blas_threads, pinned_cores
 from stage_worker.stage_model import choose_dense_weights
 from stagemesh.core.layer_split import LayerRange
+from stagemesh.core.memory import StageKV
 from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
 
 GB = 1_000_000_000
@@ -125,7 +126,8 @@ def test_kv_capacity_is_what_the_budget_leaves_after_weights_and_runtime():
     per_token = kv_bytes_per_token(local_layers=15, kv_heads=3, head_dim=64, dtype_bytes=4)
     assert per_token == 15 * 2 * 3 * 64 * 4
     budget = MemoryBudget(total_bytes=24 * GB, available_bytes=20 * GB, fraction=0.8, stages_on_host=2)
-    tokens = kv_token_capacity(budget, weight_bytes=300_000_000, per_token=per_token, max_model_len=8192, stage="s")
+    tokens = kv_token_capacity(budget, weight_bytes=300_000_000, kv=StageKV(per_token),
+                               element_bytes=1, max_num_seqs=8, max_model_len=8192, stage="s")
     assert tokens * per_token <= budget.budget_bytes - 300_000_000
     assert tokens > 8192
 
@@ -133,13 +135,15 @@ def test_kv_capacity_is_what_the_budget_leaves_after_weights_and_runtime():
 def test_a_budget_too_small_for_one_sequence_names_the_flags():
     budget = MemoryBudget(total_bytes=2 * GB, available_bytes=2 * GB, fraction=0.2, stages_on_host=1)
     with pytest.raises(MemoryBudgetError, match="--max-model-len 8192.*--memory-fraction"):
-        kv_token_capacity(budget, weight_bytes=100_000_000, per_token=200_000, max_model_len=8192, stage="stage 1")
+        kv_token_capacity(budget, weight_bytes=100_000_000, kv=StageKV(200_000),
+                          element_bytes=1, max_num_seqs=8, max_model_len=8192, stage="stage 1")
 
 
 def test_a_host_without_free_memory_is_refused():
     budget = MemoryBudget(total_bytes=64 * GB, available_bytes=100_000_000, fraction=0.8, stages_on_host=1)
     with pytest.raises(MemoryBudgetError, match="only 100 MB free"):
-        kv_token_capacity(budget, weight_bytes=90_000_000, per_token=10_000, max_model_len=4096, stage="stage 0")
+        kv_token_capacity(budget, weight_bytes=90_000_000, kv=StageKV(10_000),
+                          element_bytes=1, max_num_seqs=8, max_model_len=4096, stage="stage 0")
 
 
 def test_pinning_per_stage_puts_global_stage_g_on_core_g():

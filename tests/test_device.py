@@ -20,6 +20,7 @@ from stage_worker.memory import MemoryBudgetError, budget_for, kv_token_capacity
 from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
 from stage_worker.warmup import WarmupPlan, largest_decode_batch, warm_up, warmup_plan
 from stagemesh.core.layer_split import LayerRange
+from stagemesh.core.memory import StageKV
 
 GB = 1_000_000_000
 
@@ -109,7 +110,8 @@ def test_a_gpu_stage_budgets_its_gpus_memory():
 def test_a_gpu_budget_that_cannot_hold_a_sequence_says_so():
     budget = budget_for(0.5, 4, host_total=64 * GB, host_available=60 * GB, backend="cuda", device_total=8 * GB)
     with pytest.raises(MemoryBudgetError, match="stage\\(s\\) on this GPU"):
-        kv_token_capacity(budget, weight_bytes=900_000_000, per_token=1_000_000, max_model_len=4096, stage="s")
+        kv_token_capacity(budget, weight_bytes=900_000_000, kv=StageKV(1_000_000),
+                          element_bytes=1, max_num_seqs=8, max_model_len=4096, stage="s")
 
 
 def test_stages_share_the_gpu_they_were_given_else_the_hosts():

@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from stage_worker.default_model import default_model_path
-from stage_worker.model_spec import read_model_spec
+from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_weights import load_stage_weights
 
 

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagemesh.bench import flags
+from stagemesh.bench.random_checkpoint import check_shape_flags, write_shape_checkpoint
 from stagemesh.core.errors import UserError
 
 COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix")
@@ -129,8 +130,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(chosen) - set(COMPARISONS)
     if unknown:
         raise UserError(f"--comparisons: unknown {sorted(unknown)}; choose from {', '.join(COMPARISONS)}")
-    if args.shape and args.model:
-        raise UserError("give MODEL or --shape, not both")
+    check_shape_flags(args)
     if "prefix" in chosen:  # before any server starts (stagemesh bench serve checks the rest, e.g. the lengths)
         for flag, value in (("--conversations", args.conversations), ("--system-len", args.system_len),
                             ("--user-len", args.user_len), ("--turns", args.turns)):
@@ -146,11 +146,8 @@ def run(args: argparse.Namespace) -> int:
     serve_args = args.serve_args.split()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-compare-") as tmp:
         if args.shape:
-            from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
-
             started = time.monotonic()
-            model = str(write_random_checkpoint(shape_config(args.shape), Path(tmp) / args.shape, args.shape_dtype,
-                                                tokenizer_dir=args.shape_tokenizer))
+            model = write_shape_checkpoint(args, Path(tmp))
             print(f"{args.shape}: random {args.shape_dtype} checkpoint in {time.monotonic() - started:.0f} s",
                   file=sys.stderr)
             tokenizer_dir = model

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from stagemesh.bench import flags
+from stagemesh.bench.random_checkpoint import check_shape_flags, write_shape_checkpoint
 from stagemesh.core.errors import UserError
 
 
@@ -83,17 +84,13 @@ def run(args: argparse.Namespace) -> int:
     if min(args.output_len, args.streams, args.input_len, args.mixed_max_prompt) < 1 or args.mixed < 0:
         raise UserError("--output-len, --streams, --input-len and --mixed-max-prompt must be positive, "
                         "--mixed not negative")
-    if args.shape and args.model:
-        raise UserError("give MODEL or --shape, not both")
+    check_shape_flags(args)
     if args.compare_projections < 0 or (args.compare_projections and args.profile):
         raise UserError("--compare-projections takes a positive count of loads, without --profile")
     started_at = now()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-engine-") as tmp:
         if args.shape:
-            from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
-
-            model_path = str(write_random_checkpoint(shape_config(args.shape), Path(tmp) / args.shape,
-                                                     args.shape_dtype, tokenizer_dir=args.shape_tokenizer))
+            model_path = write_shape_checkpoint(args, Path(tmp))
         else:
             model_path = resolve_model_path(args.model)
         spec = read_model_spec(model_path)

@@ -22,7 +22,10 @@ HELP: dict[str, str] = {
     "--output": "write the report (JSON: kind, command, environment, config, results, ratios) to FILE",
     "--json": "print the report as JSON on stdout instead of the text (progress stays on stderr)",
     "model": "a model stagemesh serve reads: GGUF file or model directory (default: the embedded default model)",
-    "--shape": "a real-sized model with random weights instead of MODEL: llama-3.2-1b, llama-3.1-8b, qwen3-8b",
+    "--shape": "a real-sized model with random weights instead of MODEL: a shipped shape (llama-3.2-1b, "
+               "llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, gpt-oss-20b, ...; stagemesh serve --help lists them all)",
+    "--shape-layers": "only the --shape model's first N decoder layers (its layer pattern kept: dense first layers, "
+                      "sliding and full attention), to run part of a model too big for the machine",
     "--shape-dtype": "dtype of the --shape checkpoint",
     "--shape-tokenizer": "Hugging Face tokenizer directory for the --shape checkpoint (default: the embedded model's)",
     "--dtype": "compute dtype: auto (the backend's), float32, float16, bfloat16",
@@ -56,6 +59,7 @@ def add_model_argument(parser: Flags, note: str = "") -> None:
 
 def add_shape_flags(parser: Flags) -> None:
     parser.add_argument("--shape", default=None, metavar="NAME", help=_help("--shape"))
+    parser.add_argument("--shape-layers", type=int, default=None, metavar="N", help=_help("--shape-layers"))
     parser.add_argument("--shape-dtype", default="bfloat16", help=_help("--shape-dtype", "bfloat16"))
     parser.add_argument("--shape-tokenizer", default=None, metavar="DIR", help=_help("--shape-tokenizer"))
 

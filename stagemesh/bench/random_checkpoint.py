@@ -9,11 +9,14 @@ the shape's vocabulary, so every id either server samples decodes (the extra
 ones as ``<|reserved_N|>`` text, which a benchmark counting streamed text
 sees). Both servers then read the same files, so neither gets a lighter model
 than the other. ``stagemesh serve --load-format dummy`` draws random weights
-inside each stage instead, without files.
+inside each stage instead, without files. ``--shape-layers N`` cuts the shape to
+its first N decoder layers (``shape_config``), so part of a model too big for the
+machine can run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -27,21 +30,52 @@ def shape_names() -> list[str]:
     return sorted(p.name for p in SHAPES_DIR.iterdir() if (p / "config.json").is_file())
 
 
-def shape_config(name: str) -> dict:
+def shape_config(name: str, layers: int | None = None) -> dict:
+    """The shape's config.json; with ``layers``, cut to its first ``layers`` decoder layers, its layer pattern
+    kept (``stage_worker.first_layers``)."""
     path = SHAPES_DIR / name / "config.json"
     if not path.is_file():
         from stagemesh.core.errors import UserError
 
         raise UserError(f"--shape {name!r} is not one of the shipped shapes: {', '.join(shape_names())}")
-    return json.loads(path.read_text())
+    config = json.loads(path.read_text())
+    if layers is None:
+        return config
+    from stage_worker.first_layers import first_layers_config
+
+    return first_layers_config(config, layers)
+
+
+def check_shape_flags(args: argparse.Namespace) -> None:
+    """A bench kind's MODEL, ``--shape`` and ``--shape-layers`` together make sense, else ``UserError``."""
+    from stagemesh.core.errors import UserError
+
+    if args.shape and args.model:
+        raise UserError("give MODEL or --shape, not both")
+    if args.shape_layers is not None and not args.shape:
+        raise UserError("--shape-layers cuts a --shape model; give --shape NAME too")
+    if args.shape:
+        shape_config(args.shape, args.shape_layers)  # an unknown shape or a layer count it cannot take
+
+
+def write_shape_checkpoint(args: argparse.Namespace, root: Path) -> str:
+    """The ``--shape`` checkpoint (its first ``--shape-layers`` layers when given) written under ``root``."""
+    name = args.shape + (f"-{args.shape_layers}-layers" if args.shape_layers is not None else "")
+    return str(write_random_checkpoint(shape_config(args.shape, args.shape_layers), root / name, args.shape_dtype,
+                                       tokenizer_dir=args.shape_tokenizer))
+
+
+SHARD_BYTES = 2 * 1024**3  # a shard's size: the most weights in memory at once while writing
 
 
 def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0,
-                            tokenizer_dir: str | None = None) -> Path:
+                            tokenizer_dir: str | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write ``config`` with random weights (``dtype``) and an extended tokenizer to ``out_dir``.
 
-    The tokenizer is ``tokenizer_dir``'s (a Hugging Face tokenizer directory), else the embedded
-    default model's."""
+    Weights up to ``shard_bytes`` go to ``model.safetensors``; more are drawn and written one shard at a
+    time (``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``, Hugging Face's
+    layout), so a checkpoint larger than memory can be written. The tokenizer is ``tokenizer_dir``'s (a
+    Hugging Face tokenizer directory), else the embedded default model's."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -53,13 +87,42 @@ def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfl
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    del weights, model
+    # Nothing is drawn yet: each shard's weights are drawn (and freed) when it is written.
+    weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
+    del model
+    shards = _shards({name: array.nbytes for name, array in weights.items()}, shard_bytes)
+    if len(shards) == 1:
+        mx.eval(weights)
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    else:
+        index: dict[str, str] = {}
+        total = sum(array.nbytes for array in weights.values())
+        for number, names in enumerate(shards, 1):
+            file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            shard = {name: weights.pop(name) for name in names}
+            mx.eval(shard)
+            mx.save_safetensors(str(out / file), shard, metadata={"format": "mlx"})
+            index.update(dict.fromkeys(names, file))
+            del shard
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=2))
+    del weights
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(out, int(config["vocab_size"]), tokenizer_dir)
     return out
+
+
+def _shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
+    """Tensor names in order, cut into runs of at most ``shard_bytes`` (a larger tensor alone in its own)."""
+    shards: list[list[str]] = [[]]
+    held = 0
+    for name, size in sizes.items():
+        if shards[-1] and held + size > shard_bytes:
+            shards.append([])
+            held = 0
+        shards[-1].append(name)
+        held += size
+    return shards
 
 
 def _write_tokenizer(out: Path, vocab_size: int, tokenizer_dir: str | None) -> None:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from stagemesh.bench import flags
+from stagemesh.bench.random_checkpoint import check_shape_flags, write_shape_checkpoint
 from stagemesh.bench.stats import percentile
 from stagemesh.core.errors import UserError
 
@@ -66,8 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if min(args.streams, args.output_len, args.input_len, args.rounds) < 1:
         raise UserError("--streams, --output-len, --input-len and --rounds must be positive")
-    if args.shape and args.model:
-        raise UserError("give MODEL or --shape, not both")
+    check_shape_flags(args)
     from stagemesh.bench.compare import server_process
     from stagemesh.bench.report import build_report, emit, flags_of, now
     from stagemesh.core.mesh_token import generate_token
@@ -101,10 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace, tmp: Path) -> str:
     if args.shape:
-        from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
-
-        return str(write_random_checkpoint(shape_config(args.shape), tmp / args.shape, args.shape_dtype,
-                                           tokenizer_dir=args.shape_tokenizer))
+        return write_shape_checkpoint(args, tmp)
     from stage_worker.default_model import resolve_model_path
 
     return resolve_model_path(args.model)

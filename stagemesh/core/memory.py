@@ -11,9 +11,12 @@ coordinator thinks fits would be refused by the stage that loads it:
   recommended working set; CUDA: the GPU's memory; CPU: the host's), times
   ``--memory-fraction``, split evenly between the stages sharing that memory.
 - ``RUNTIME_OVERHEAD_BYTES``: what a stage process needs beyond weights and KV.
-- ``ModelFacts``: a model's size as the planner needs it (bytes of one decoder
-  layer, the embedding, the head, KV elements per token per layer), kept as
-  packed bytes plus elements so each stage's compute dtype gives its bytes.
+- ``ModelFacts``: a model's size as the planner needs it (bytes of each decoder
+  layer, the embedding, the head, each layer's KV: per position, bounded by a
+  sliding window, or a fixed state per sequence), kept as packed bytes plus
+  elements so each stage's compute dtype gives its bytes.
+- ``StageKV`` / ``kv_capacity_tokens``: a slice's KV and the token positions of
+  it a room of memory holds, counted the same way by the planner and the stage.
 - ``AUTO_DTYPES`` / ``dtype_bytes``: the compute dtype ``--dtype auto`` picks per backend.
 
 Pure standard library: the core must not load MLX, NumPy or Ray.
@@ -21,7 +24,7 @@ Pure standard library: the core must not load MLX, NumPy or Ray.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -152,40 +155,129 @@ class TensorBytes:
 
 
 @dataclass(frozen=True)
+class LayerKV:
+    """What one decoder layer keeps per sequence: ``per_token`` elements of keys and values per position
+    (MLA: its latent and rotary key) for at most ``window`` positions (a sliding window; None: every position),
+    plus a fixed ``state`` per sequence whatever its length (linear attention's or an SSM's recurrent state)."""
+
+    per_token: int = 0
+    window: int | None = None
+    state: TensorBytes = TensorBytes()
+
+
+@dataclass(frozen=True)
+class StageKV:
+    """The KV a slice of layers keeps: ``per_token`` elements per position across its full-context layers,
+    ``windows`` ((elements per position, window) of its sliding-window layers, by window size, smallest
+    first) and ``state`` per sequence.
+
+    A stage's KV capacity is counted in token positions (the scheduler reserves prompt + max_tokens per
+    sequence). Capacity C must hold any set of at most ``max_sequences`` sequences totalling C positions:
+    full layers hold C positions, a window layer at most min(C, max_sequences x window) (each sequence keeps
+    at most its window), and every sequence its state. ``reserved_bytes`` is that bound, ``capacity`` the
+    largest C whose bound fits some room."""
+
+    per_token: int = 0
+    windows: tuple[tuple[int, int], ...] = ()
+    state: TensorBytes = TensorBytes()
+
+    @classmethod
+    def of_layers(cls, layers: Sequence[LayerKV]) -> StageKV:
+        state = TensorBytes()
+        by_window: dict[int, int] = {}
+        for layer in layers:
+            state += layer.state
+            if layer.window is not None and layer.per_token:
+                by_window[layer.window] = by_window.get(layer.window, 0) + layer.per_token
+        return cls(per_token=sum(layer.per_token for layer in layers if layer.window is None),
+                   windows=tuple((elements, window) for window, elements in sorted(by_window.items())),
+                   state=state)
+
+    def per_token_bytes(self, element_bytes: int) -> int:
+        """Bytes of one more position in the full-context layers (the part that grows without bound)."""
+        return self.per_token * element_bytes
+
+    def sequence_bytes(self, tokens: int, element_bytes: int) -> int:
+        """What one sequence of ``tokens`` positions holds in these layers."""
+        held = self.per_token * tokens + sum(e * min(tokens, w) for e, w in self.windows)
+        return held * element_bytes + self.state.nbytes(element_bytes)
+
+    def reserved_bytes(self, tokens: int, element_bytes: int, max_sequences: int) -> int:
+        """The most that ``tokens`` positions held by up to ``max_sequences`` sequences can take."""
+        held = self.per_token * tokens + sum(e * min(tokens, max_sequences * w) for e, w in self.windows)
+        return held * element_bytes + max_sequences * self.state.nbytes(element_bytes)
+
+    def capacity(self, room: int, element_bytes: int, max_sequences: int) -> int | None:
+        """The most positions whose ``reserved_bytes`` fit ``room`` (0 when not even the states fit); None when
+        any number fits (no full-context layer, and every window and state of ``max_sequences`` fits)."""
+        room -= max_sequences * self.state.nbytes(element_bytes)
+        if room < 0:
+            return 0
+        # reserved_bytes grows piecewise linearly: each window layer stops growing at max_sequences x window.
+        slope = self.per_token_bytes(element_bytes) + sum(e for e, _ in self.windows) * element_bytes
+        used = position = 0
+        for limit, elements in sorted((max_sequences * w, e) for e, w in self.windows):
+            if used + slope * (limit - position) > room:
+                break
+            used, position = used + slope * (limit - position), limit
+            slope -= elements * element_bytes
+        else:
+            if slope == 0:
+                return None
+        return position + (room - used) // slope
+
+
+def kv_capacity_tokens(room: int, kv: StageKV, element_bytes: int, max_sequences: int, max_model_len: int) -> int:
+    """Token positions of KV a stage holds in ``room`` bytes (its budget less weights and runtime): ``capacity``,
+    or every sequence at full length when any number fits. The planner and the stage both count by this."""
+    tokens = kv.capacity(room, element_bytes, max_sequences)
+    return max_sequences * max_model_len if tokens is None else max(0, tokens)
+
+
+@dataclass(frozen=True)
 class ModelFacts:
-    """A model's size as the planner needs it; every decoder layer counts as ``layer``."""
+    """A model's size as the planner needs it: each decoder layer's weights and KV, the embedding, the head."""
 
     num_layers: int
-    layer: TensorBytes  # one decoder layer
+    layer: TensorBytes  # the largest decoder layer
     embedding: TensorBytes  # on the first stage (and on the last when the head is tied)
     head: TensorBytes  # the final norm plus the output projection (the embedding again when tied)
-    kv_elements_per_token: int  # keys + values of one token in one layer (2 x kv_heads x head_dim)
+    kv_elements_per_token: int  # keys + values of one token in the widest layer (2 x kv_heads x head_dim)
     tied_embeddings: bool = False
     # Each decoder layer's own size where they differ (dense first layers beside experts, linear-attention
-    # layers beside attention ones); empty when every layer is ``layer``. The planner sizes every layer as
-    # ``layer`` (the largest), so a plan never undercounts; ``slice_weight_bytes`` is a given slice's exact size.
+    # layers beside attention ones); empty when every layer is ``layer``.
     layer_sizes: tuple[TensorBytes, ...] = ()
+    # Each decoder layer's KV where layers differ in kind (sliding windows, recurrent state, widths); empty
+    # when every layer keeps ``kv_elements_per_token`` per position of the whole context.
+    kv_layers: tuple[LayerKV, ...] = ()
 
-    def stage_weight_bytes(self, layers: int, *, first: bool, last: bool, element_bytes: int) -> int:
-        """Weights of a stage holding ``layers`` layers (plus the embedding when first, the head when last)."""
-        total = self.layer.nbytes(element_bytes) * layers
-        if first:
-            total += self.embedding.nbytes(element_bytes)
+    def layer_bytes(self, index: int, element_bytes: int) -> int:
+        return (self.layer_sizes[index] if self.layer_sizes else self.layer).nbytes(element_bytes)
+
+    def ends_bytes(self, *, first: bool, last: bool, element_bytes: int) -> int:
+        """The embedding when first, the head when last (a lone stage holds a tied matrix once)."""
+        total = self.embedding.nbytes(element_bytes) if first else 0
         if last:
-            # A tied head is the embedding itself: a single stage holds it once.
             total += self.head.nbytes(element_bytes) - (
                 self.embedding.nbytes(element_bytes) if first and self.tied_embeddings else 0)
         return total
 
-    def slice_weight_bytes(self, start: int, end: int, *, first: bool, last: bool, element_bytes: int) -> int:
-        """Weights of the stage holding layers ``[start, end)``, each at its own size."""
-        if not self.layer_sizes:
-            return self.stage_weight_bytes(end - start, first=first, last=last, element_bytes=element_bytes)
-        ends = self.stage_weight_bytes(0, first=first, last=last, element_bytes=element_bytes)
-        return ends + sum(t.nbytes(element_bytes) for t in self.layer_sizes[start:end])
+    def stage_weight_bytes(self, layers: int, *, first: bool, last: bool, element_bytes: int) -> int:
+        """Weights of a stage holding ``layers`` layers each counted as the largest (plus its ends)."""
+        return self.layer.nbytes(element_bytes) * layers + self.ends_bytes(first=first, last=last,
+                                                                           element_bytes=element_bytes)
 
-    def kv_bytes_per_token(self, layers: int, element_bytes: int) -> int:
-        return layers * self.kv_elements_per_token * element_bytes
+    def slice_weight_bytes(self, start: int, end: int, *, first: bool, last: bool, element_bytes: int) -> int:
+        """Weights of the stage holding layers ``[start, end)``, each at its own size: what it loads."""
+        ends = self.ends_bytes(first=first, last=last, element_bytes=element_bytes)
+        return ends + sum(self.layer_bytes(i, element_bytes) for i in range(start, end))
+
+    def layer_kv(self, index: int) -> LayerKV:
+        return self.kv_layers[index] if self.kv_layers else LayerKV(self.kv_elements_per_token)
+
+    def slice_kv(self, start: int, end: int) -> StageKV:
+        """The KV the stage holding layers ``[start, end)`` keeps (see ``StageKV``)."""
+        return StageKV.of_layers([self.layer_kv(i) for i in range(start, end)])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -55,6 +55,9 @@ class PipelinePlan:
     # auto: read the weights from model_path; dummy: each stage makes random ones for its slice
     # (model_path then needs only the config), to benchmark a model's size without its weights.
     load_format: str = "auto"
+    # --shape-layers (with load_format dummy): the model is its config's first N decoder layers, its layer
+    # pattern kept (stage_worker.first_layers); None: all of them.
+    first_layers: int | None = None
     # How hidden states travel between stages: "lane" (their bytes after the header on the stage's
     # TCP lane) or "ring" (MLX's ring). Every stage of a pipeline must use the same.
     hop_transport: str = "lane"

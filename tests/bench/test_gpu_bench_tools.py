@@ -29,6 +29,52 @@ def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_f
     assert (spec.model_type, spec.num_layers, spec.hidden_size, spec.format) == ("llama", 2, 64, "mlx")
 
 
+def test_a_checkpoint_larger_than_a_shard_is_written_shard_by_shard_with_the_same_weights(tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from stage_worker.model_reader import read_model_spec
+    from tests.architectures import TINY_CONFIGS
+
+    config = TINY_CONFIGS["qwen3_moe"]
+    whole = write_random_checkpoint(config, tmp_path / "whole", "float32", seed=3)
+    sharded = write_random_checkpoint(config, tmp_path / "sharded", "float32", seed=3, shard_bytes=4_000_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (sharded / "model.safetensors").exists()
+    expected = mx.load(str(whole / "model.safetensors"))
+    assert set(index["weight_map"]) == set(expected)
+    for file in files:
+        for name, array in mx.load(str(sharded / file)).items():
+            assert index["weight_map"][name] == file and mx.array_equal(array, expected[name])
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in expected.values())
+    load(str(sharded))  # mlx-lm reads the shards, stagemesh the index
+    assert read_model_spec(str(sharded)).details["weight_map"] == index["weight_map"]
+
+
+# Gigabytes of random weights each: the two shapes the GPU benchmarks run. The larger ones' fewest layers
+# (DeepSeek V3's three dense layers and a 256-expert one) outgrow a CI machine's memory; their shapes are
+# checked against the published sizes in tests/test_architectures.py instead.
+@pytest.mark.e2e
+@pytest.mark.parametrize("shape", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_the_mixture_of_experts_shapes_write_as_checkpoints_a_stage_loads(tmp_path, shape):
+    import mlx.core as mx
+
+    from stage_worker.first_layers import least_layers
+    from stage_worker.model_reader import read_model_spec
+    from stage_worker.stage_model import StageModel, StageRole
+    from stagemesh.core.layer_split import LayerRange
+
+    layers = least_layers(shape_config(shape))[0]  # as few as keep its layer pattern
+    out = write_random_checkpoint(shape_config(shape, layers), tmp_path / shape, "bfloat16", shard_bytes=1 << 30)
+    spec = read_model_spec(str(out))
+    assert spec.num_layers == layers and spec.model_type == shape_config(shape)["model_type"]
+    # The first stage's slice (embedding and first layer) loads strictly: every tensor is there, in its shape.
+    stage = StageModel.load(spec, StageRole(LayerRange(0, 1), True, layers == 1), mx.bfloat16)
+    assert stage.weight_bytes > 0
+
+
 @pytest.mark.e2e
 def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
     out = tmp_path / "hop.json"

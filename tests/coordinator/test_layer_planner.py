@@ -7,6 +7,8 @@ sized by ``stage_worker.model_facts`` exactly as ``serve`` sizes them; nodes are
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator.layer_planner import (
@@ -24,7 +26,7 @@ from stage_worker.model_facts import model_facts
 from stage_worker.model_reader import read_model_spec
 from stagemesh.bench.random_checkpoint import SHAPES_DIR
 from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.memory import RUNTIME_OVERHEAD_BYTES, NodeMemory
+from stagemesh.core.memory import RUNTIME_OVERHEAD_BYTES, LayerKV, ModelFacts, NodeMemory, TensorBytes
 
 GB = 10**9
 
@@ -77,8 +79,8 @@ def test_uneven_pair_every_stage_fits_with_headroom(max_model_len):
     # The stage's own rule accepts it and computes the same KV capacity.
     small = stages[1]
     budget = MemoryBudget(16 * GB, 16 * GB, 0.8, 1, "GPU")
-    assert kv_token_capacity(budget, small.weight_bytes, small.kv_bytes_per_token, max_model_len, "s") \
-        == small.kv_tokens
+    kv = LLAMA_8B.slice_kv(small.layers.start, small.layers.end)
+    assert kv_token_capacity(budget, small.weight_bytes, kv, 2, 64, max_model_len, "s") == small.kv_tokens
 
 
 def test_long_contexts_where_kv_dominates_move_layers_to_the_big_node():
@@ -189,3 +191,82 @@ def test_node_memory_cap_and_runtime_allowance_shape_the_budget():
     (stage,), _ = plan_pipeline(LLAMA_1B, [StageSeat("n", "h", capped)], PlanRequest(64, memory_fraction=1.0,
                                                                                     compute_dtype="float16"))
     assert stage.kv_tokens == (4 * GB - stage.weight_bytes - RUNTIME_OVERHEAD_BYTES) // stage.kv_bytes_per_token
+
+
+# -- models whose layers differ: plain facts -------------------------------------------------------
+
+def layered(sizes_gb: list[float], kv_layers=(), per_token: int = 1024) -> ModelFacts:
+    """A model of ``sizes_gb`` layers (quantized bytes, whatever the dtype) with a 0.1 GB embedding and head."""
+    sizes = tuple(TensorBytes(packed=int(gb * GB)) for gb in sizes_gb)
+    return ModelFacts(num_layers=len(sizes), layer=max(sizes, key=lambda t: t.packed),
+                      embedding=TensorBytes(packed=GB // 10), head=TensorBytes(packed=GB // 10),
+                      kv_elements_per_token=per_token, layer_sizes=sizes, kv_layers=tuple(kv_layers))
+
+
+def test_the_split_weighs_each_layer_at_its_own_size():
+    # Three small dense layers before three expert layers: 1+1+1+3 = 3+3 GB per stage.
+    model = layered([1, 1, 1, 3, 3, 3])
+    stages, _ = plan_pipeline(model, seats(STUDIO, STUDIO), PlanRequest(8192))
+    assert layers(stages) == [4, 2]
+    for stage, (first, last) in zip(stages, [(True, False), (False, True)]):
+        assert stage.weight_bytes == model.slice_weight_bytes(stage.layers.start, stage.layers.end, first=first,
+                                                              last=last, element_bytes=2)
+
+
+def test_a_model_fits_that_counting_every_layer_as_the_largest_would_refuse():
+    # Six 1 GB layers and an 8 GB one on two 16 GB Macs (11.5 GB each with headroom): 6 GB and 8 GB fit;
+    # seven layers of 8 GB would not.
+    model = layered([1] * 6 + [8])
+    stages, _ = plan_pipeline(model, seats(MINI, MINI), PlanRequest(4096))
+    assert layers(stages) == [6, 1]
+    assert all(s.headroom_bytes >= HEADROOM_FRACTION * s.budget_bytes for s in stages)
+    with pytest.raises(PlanError, match="short by"):
+        plan_pipeline(replace(model, layer_sizes=()), seats(MINI, MINI), PlanRequest(4096))
+    # Layers that fit by count but not in order: the refusal says so.
+    with pytest.raises(PlanError, match="no split into contiguous slices fits") as refused:
+        plan_pipeline(layered([1] * 6 + [8, 8]), seats(MINI, MINI), PlanRequest(4096))
+    assert "largest layer 8.00 GB" in str(refused.value)
+
+
+def _stage_rule(model: ModelFacts, stage, max_num_seqs: int, max_model_len: int) -> int:
+    budget = MemoryBudget(stage.budget_bytes * 5 // 4, stage.budget_bytes * 5 // 4, 0.8, 1, "GPU")
+    return kv_token_capacity(budget, stage.weight_bytes, model.slice_kv(stage.layers.start, stage.layers.end), 2,
+                             max_num_seqs, max_model_len, "s")
+
+
+def test_sliding_window_layers_hold_at_most_their_window_per_sequence():
+    # Every other layer slides over 128 positions: at 128k tokens they hold 128 per sequence, not 128k.
+    kv = [LayerKV(2048, 128), LayerKV(2048)] * 8
+    windowed = layered([0.5] * 16, kv, per_token=2048)
+    full = replace(windowed, kv_layers=())
+    request = PlanRequest(131072, max_num_seqs=16)
+    stages, _ = plan_pipeline(windowed, seats(MINI, MINI), request)
+    counted_full, _ = plan_pipeline(full, seats(MINI, MINI), request)
+    for stage, other in zip(stages, counted_full):
+        assert stage.kv_tokens == _stage_rule(windowed, stage, 16, 131072)  # what the stage will compute
+        assert stage.kv_tokens > 1.9 * other.kv_tokens  # half the layers stop growing at their window
+        kv_slice = windowed.slice_kv(stage.layers.start, stage.layers.end)
+        assert stage.kv_bytes == kv_slice.reserved_bytes(stage.kv_tokens, 2, 16)
+        assert stage.kv_bytes_per_token == kv_slice.per_token * 2  # only the full layers grow per position
+        assert stage.weight_bytes + stage.kv_bytes + RUNTIME_OVERHEAD_BYTES <= stage.budget_bytes
+
+
+def test_linear_attention_state_is_a_fixed_size_per_sequence():
+    # Three linear-attention layers (a 40 MB state per sequence each) to one attention layer, as Qwen3-Next.
+    state = LayerKV(state=TensorBytes(packed=40_000_000))
+    model = layered([1] * 8, [state, state, state, LayerKV(1024)] * 2)
+    request = PlanRequest(32768, max_num_seqs=32)
+    stages, _ = plan_pipeline(model, seats(STUDIO, STUDIO), request)
+    for stage in stages:
+        assert stage.kv_tokens == _stage_rule(model, stage, 32, 32768)
+        room = stage.budget_bytes - stage.weight_bytes - RUNTIME_OVERHEAD_BYTES
+        kv_slice = model.slice_kv(stage.layers.start, stage.layers.end)
+        # Every sequence's states are set aside before positions: 32 x 3 x 40 MB.
+        assert kv_slice.state.packed == 3 * 40_000_000
+        assert stage.kv_tokens == (room - 32 * 3 * 40_000_000) // (1024 * 2)
+    # A stage of linear-attention layers only holds every sequence at full length once their states fit.
+    (only,), _ = plan_pipeline(layered([1] * 3, [state] * 3), seats(STUDIO), request)
+    assert only.kv_tokens == 32 * 32768 and only.kv_bytes == 32 * 3 * 40_000_000
+    # More sequences' states than a stage holds: refused with the numbers.
+    with pytest.raises(PlanError, match="do not fit"):
+        plan_pipeline(model, seats(MINI), PlanRequest(4096, max_num_seqs=256))
