@@ -32,7 +32,7 @@ import json
 from typing import Any
 
 from ..chat_translation import FieldNames, Translated, chat_request
-from ..errors import bad_request, unsupported
+from ..errors import APIError, bad_request, unsupported
 from .protocol import CountTokensRequest, MessagesRequest
 
 _MEDIA = ("image", "document", "search_result", "container_upload")
@@ -46,9 +46,15 @@ def _kind(block: Any, where: str) -> str:
     if not isinstance(kind, str):
         raise bad_request(f"{where} must be a content block: an object with a 'type'.", where)
     if kind in _MEDIA:
-        raise bad_request(f"{where} is a {kind} block; this server serves a text-only model, so content blocks are "
-                          "text, tool_use, tool_result, thinking and redacted_thinking.", f"{where}.type")
+        raise bad_request(f"{where}.type: {kind} blocks are not supported; this server serves a text-only model "
+                          "(content blocks are text, tool_use, tool_result, thinking, redacted_thinking).",
+                          f"{where}.type")
     return kind
+
+
+def _unknown(kind: str, where: str) -> APIError:
+    return bad_request(f"{where}.type {kind!r} is not a content block this server takes (text, tool_use, "
+                       "tool_result, thinking, redacted_thinking).", f"{where}.type")
 
 
 def _text(block: dict[str, Any], where: str) -> dict[str, str]:
@@ -137,9 +143,9 @@ def _messages(req: CountTokensRequest, chat: _Conversation) -> bool:
                     chat.add(_tool_result(block, at, answerable), at, f"{at}.content")
                     added = True
                 elif kind in _ASSISTANT_ONLY:
-                    raise bad_request(f"{at} is a {kind} block, which only assistant messages hold.", f"{at}.type")
+                    raise bad_request(f"{at}.type: a {kind} block belongs to an assistant message.", f"{at}.type")
                 else:
-                    raise bad_request(f"{at} has an unknown block type {kind!r}.", f"{at}.type")
+                    raise _unknown(kind, at)
             if texts or not added:
                 chat.add({"role": "user", "content": texts}, where, f"{where}.content")
             answerable = set()
@@ -153,9 +159,9 @@ def _messages(req: CountTokensRequest, chat: _Conversation) -> bool:
             elif kind == "tool_use":
                 calls.append(_tool_call(block, at))
             elif kind == "tool_result":
-                raise bad_request(f"{at} is a tool_result block, which only user messages hold.", f"{at}.type")
+                raise bad_request(f"{at}.type: a tool_result block belongs to a user message.", f"{at}.type")
             elif kind not in _DROPPED:
-                raise bad_request(f"{at} has an unknown block type {kind!r}.", f"{at}.type")
+                raise _unknown(kind, at)
         answerable = {c["id"] for c in calls}
         if last and not calls and not "".join(t["text"] for t in texts):
             continue  # nothing to continue (say, only thinking): the model starts a new turn
