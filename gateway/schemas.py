@@ -76,6 +76,8 @@ RUNTIME_RULES = {
                                       "assistant message just before it.",
     "function-call-output-answers-a-call": "Each function_call_output's call_id is the call_id of a function_call "
                                            "earlier in input.",
+    "namespaced-names-fit": "A namespace's functions are offered to the model as <namespace>__<name>, which is at "
+                            "most 64 characters.",
 }
 _CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _JSON_SCHEMA = {"type": ["object", "boolean"]}

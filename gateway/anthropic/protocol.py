@@ -80,7 +80,7 @@ STOP_SEQUENCES_SCHEMA = _nullable(*(s for s in _STOP["anyOf"] if s.get("type") =
 
 class AnthropicMessage(_Strict):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]] = _doc(**_content(*USER_BLOCKS, *ASSISTANT_BLOCKS[1:]))
+    content: str | list[dict[str, Any]] = Field(json_schema_extra=_content(*USER_BLOCKS, *ASSISTANT_BLOCKS[1:]))
 
     model_config = ConfigDict(json_schema_extra=MESSAGE_RULE)
 

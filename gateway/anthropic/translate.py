@@ -10,8 +10,8 @@ raises a 400 ``APIError`` naming the block or field:
   content and its ``tool_use`` blocks its ``tool_calls``; ``thinking`` and
   ``redacted_thinking`` blocks are dropped (the templates that reason drop past
   reasoning too); images, documents and any other block type are a 400;
-- a conversation ending with the assistant's text is prefilled: the model
-  continues that text (``continue_final_message``);
+- a conversation ending with the assistant's text (and no tool_use) is
+  prefilled: the model continues that text (``continue_final_message``);
 - ``tools`` (``name``, ``description``, ``input_schema``) are function tools;
   Anthropic's own server tools (a ``type`` other than ``custom``) are a 400;
   ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` is chat's ``auto`` /
@@ -163,12 +163,9 @@ def _messages(req: CountTokensRequest, chat: _Conversation) -> bool:
             elif kind not in _DROPPED:
                 raise _unknown(kind, at)
         answerable = {c["id"] for c in calls}
-        if last and not calls and not "".join(t["text"] for t in texts):
-            continue  # nothing to continue (say, only thinking): the model starts a new turn
-        if last and calls:
-            raise bad_request(f"{where} ends the conversation with a tool_use; send its tool_result in a user "
-                              "message after it.", where)
-        prefill = last
+        # Only text is continued; an assistant message with calls (or nothing to continue) is history before
+        # a new turn.
+        prefill = last and not calls and bool("".join(t["text"] for t in texts))
         chat.add({"role": "assistant", "content": texts or None, "tool_calls": calls or None}, where,
                  f"{where}.content")
     return prefill

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field
 
 from ..chat_translation import chat_field_schema
 from ..schemas import TOOL_NAME_PATTERN, _doc, _either, _fields, _nullable, _set_to, _Strict, request_rules
@@ -44,8 +44,10 @@ FUNCTION_CALL_OUTPUT_ITEM = {"type": "object", "required": ["type", "call_id", "
 REASONING_ITEM = {"type": "object", "required": ["type", "summary"], "properties": {
     "type": {"const": "reasoning"}, "summary": {"type": "array"}, "content": {"type": ["array", "null"]},
     "encrypted_content": {"type": ["string", "null"]}, "id": {"type": ["string", "null"]}, "status": _STATUS}}
+# At least one item besides reasoning (which is dropped): there is a conversation to answer.
 INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
-    MESSAGE_ITEM, FUNCTION_CALL_ITEM, FUNCTION_CALL_OUTPUT_ITEM, REASONING_ITEM]}}]}
+    MESSAGE_ITEM, FUNCTION_CALL_ITEM, FUNCTION_CALL_OUTPUT_ITEM, REASONING_ITEM]},
+    "contains": {"anyOf": [MESSAGE_ITEM, FUNCTION_CALL_ITEM, FUNCTION_CALL_OUTPUT_ITEM]}}]}
 FUNCTION_TOOL = {"type": "object", "required": ["type", "name"], "properties": {
     "type": {"const": "function"}, "name": {"type": "string", "pattern": TOOL_NAME_PATTERN},
     "description": {"type": ["string", "null"]}, "parameters": _nullable({"type": "object"}),
@@ -92,7 +94,7 @@ class InputTokensRequest(_Strict):
     """What shapes the prompt: the fields ``input_tokens`` takes, and the start of every Responses request."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]] = _doc(**INPUT_SCHEMA)
+    input: str | list[dict[str, Any]] = Field(json_schema_extra=INPUT_SCHEMA)
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = _doc(**TOOLS_SCHEMA)
     tool_choice: str | dict[str, Any] | None = _doc(**TOOL_CHOICE_SCHEMA)
@@ -107,7 +109,7 @@ class InputTokensRequest(_Strict):
     model_config = ConfigDict(json_schema_extra=request_rules(
         *FORCED_TOOL_RULES,
         runtime=("grammar-compiles", "tool-names-distinct", "tool-choice-names-a-tool",
-                 "function-call-output-answers-a-call")))
+                 "function-call-output-answers-a-call", "namespaced-names-fit")))
 
 
 class ResponsesRequest(InputTokensRequest):
@@ -136,4 +138,4 @@ class ResponsesRequest(InputTokensRequest):
     model_config = ConfigDict(json_schema_extra=request_rules(
         *FORCED_TOOL_RULES, _STREAM_OPTIONS_NEED_STREAM,
         runtime=("prompt-fits-context", "grammar-compiles", "tool-names-distinct", "tool-choice-names-a-tool",
-                 "function-call-output-answers-a-call")))
+                 "function-call-output-answers-a-call", "namespaced-names-fit")))

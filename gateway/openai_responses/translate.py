@@ -38,6 +38,7 @@ from ..errors import bad_request, unsupported
 from .protocol import WEB_SEARCH_TYPES, InputTokensRequest, ResponsesRequest
 
 NAMESPACE_SEPARATOR = "__"
+MAX_OFFERED_NAME = 64  # the chat endpoint's limit on a function's name (gateway.schemas.TOOL_NAME_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,10 @@ def _tools(tools: list[dict[str, Any]] | None, names: dict[str, str]) -> tuple[l
                 if not isinstance(function, dict) or function.get("type") != "function":
                     raise bad_request(f"{at} must be a function tool.", f"{at}.type")
                 offered = f"{tool['name']}{NAMESPACE_SEPARATOR}{function.get('name')}"
+                if len(offered) > MAX_OFFERED_NAME:
+                    raise bad_request(f"{at}.name: a namespace's functions are offered to the model as "
+                                      f"<namespace>{NAMESPACE_SEPARATOR}<name>, at most {MAX_OFFERED_NAME} "
+                                      f"characters; {offered!r} has {len(offered)}.", f"{at}.name")
                 namespaced[offered] = (tool["name"], str(function.get("name")))
                 offer(function, offered, at)
         elif kind in WEB_SEARCH_TYPES:
