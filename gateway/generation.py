@@ -68,7 +68,8 @@ class TokenObserver(Protocol):
 
 
 class Generator(Protocol):
-    def generate(self, request: stage_pb2.GenerateRequest) -> AsyncGenerator[stage_pb2.GenerateResponse, None]: ...
+    def generate(self, request: stage_pb2.GenerateRequest,
+                 affinity: str | None = None) -> AsyncGenerator[stage_pb2.GenerateResponse, None]: ...
     def replica_of(self, request_id: str) -> int | None: ...
 
 
@@ -83,6 +84,7 @@ class RunContext:
     arrived: float | None = None  # time.monotonic() when the HTTP request arrived (TTFT starts there)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    affinity: str | None = None  # a client's cache key: the replica choice follows it (gateway.balancer)
 
 
 async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGenerator[ChoiceEvent, None]:
@@ -101,7 +103,7 @@ async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGe
     generated = 0
     last_arrival: float | None = None
     prompt_tokens = len(job.prompt_ids)
-    async with aclosing(ctx.client.generate(request)) as responses:
+    async with aclosing(ctx.client.generate(request, affinity=ctx.affinity)) as responses:
         async for response in responses:
             ids = list(response.token_ids)
             finish = response.finish_reason

@@ -130,9 +130,11 @@ class OpenAIServing:
         prompt = render_chat(req.messages, self._tokenizer, chat_options(req, self._config.openai), tools)
         return ChatPlan(model, settings, prompt, tools, arrived)
 
-    def run_chat(self, plan: ChatPlan, request_id: str) -> AsyncGenerator[ChoiceEvent, None]:
-        """The plan's one choice on the mesh (the token budget is checked here, before any call)."""
-        _jobs, events = self._start([plan.prompt], plan.settings, "messages", plan.arrived, request_id)
+    def run_chat(self, plan: ChatPlan, request_id: str,
+                 affinity: str | None = None) -> AsyncGenerator[ChoiceEvent, None]:
+        """The plan's one choice on the mesh (the token budget is checked here, before any call); ``affinity``:
+        a client's cache key, which the replica choice follows."""
+        _jobs, events = self._start([plan.prompt], plan.settings, "messages", plan.arrived, request_id, affinity)
         return events
 
     def record_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
@@ -160,7 +162,8 @@ class OpenAIServing:
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     def _start(self, prompts: list[tuple[int, ...]], settings: SamplingSettings, prompt_param: str, arrived: float,
-               request_id: str) -> tuple[list[ChoiceJob], AsyncGenerator[ChoiceEvent, None]]:
+               request_id: str,
+               affinity: str | None = None) -> tuple[list[ChoiceJob], AsyncGenerator[ChoiceEvent, None]]:
         max_len = self._config.max_model_len
         jobs = [
             ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
@@ -172,7 +175,7 @@ class OpenAIServing:
                          stop_token_ids=settings.stop_token_ids(self._eos), stop=settings.stop,
                          request_id=request_id, observer=self._metrics, arrived=arrived,
                          skip_special_tokens=settings.skip_special_tokens,
-                         include_stop_str_in_output=settings.include_stop_str_in_output)
+                         include_stop_str_in_output=settings.include_stop_str_in_output, affinity=affinity)
         return jobs, run_choices(jobs, ctx)
 
     def _format_logprobs(self, kind: Kind, entries: list[TokenLogprobs], offset: int) -> tuple[dict[str, Any], int]:

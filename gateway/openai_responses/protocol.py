@@ -45,7 +45,7 @@ REASONING_ITEM = {"type": "object", "required": ["type", "summary"], "properties
     "type": {"const": "reasoning"}, "summary": {"type": "array"}, "content": {"type": ["array", "null"]},
     "encrypted_content": {"type": ["string", "null"]}, "id": {"type": ["string", "null"]}, "status": _STATUS}}
 # At least one item besides reasoning (which is dropped): there is a conversation to answer.
-INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
+INPUT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
     MESSAGE_ITEM, FUNCTION_CALL_ITEM, FUNCTION_CALL_OUTPUT_ITEM, REASONING_ITEM]},
     "contains": {"anyOf": [MESSAGE_ITEM, FUNCTION_CALL_ITEM, FUNCTION_CALL_OUTPUT_ITEM]}}]}
 FUNCTION_TOOL = {"type": "object", "required": ["type", "name"], "properties": {

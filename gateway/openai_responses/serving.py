@@ -242,7 +242,8 @@ class ResponsesServing:
         translation = to_chat(req, thinking_switch=self._thinking_switch)
         plan = self._named(translation, lambda: self._serving.plan_chat(translation.translated.chat, arrived))
         response = _Response(req, plan, translation)
-        events = self._named(translation, lambda: self._serving.run_chat(plan, response.id))
+        # prompt_cache_key keeps a conversation on one replica, whose prefix cache holds it.
+        events = self._named(translation, lambda: self._serving.run_chat(plan, response.id, req.prompt_cache_key))
         reader = TurnReader(plan, self._serving)
         if not plan.settings.stream:
             turn = await reader.whole(events)

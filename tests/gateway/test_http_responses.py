@@ -197,3 +197,16 @@ def test_unknown_model_is_openais_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="gpt-x", input=ASK)
     assert e.value.body["param"] == "model"
+
+
+def test_prompt_cache_key_keeps_a_conversation_on_one_replica(client, stages, healthy_mesh):
+    healthy_mesh.ports[:] = [s.port for s in stages]
+    try:
+        for _ in range(4):
+            client.responses.create(model=MODEL, input=ASK, prompt_cache_key="conversation-7")
+        assert sorted(len(s.servicer.requests) for s in stages) == [0, 4]
+        for _ in range(4):
+            client.responses.create(model=MODEL, input=ASK)  # without a key: least outstanding, ties in turn
+        assert sorted(len(s.servicer.requests) for s in stages) == [2, 6]
+    finally:
+        healthy_mesh.ports[:] = [stages[0].port]
