@@ -133,7 +133,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
     anthropic_envelope = ("AnthropicErrorResponse", anthropic_errors.ERROR_SCHEMA)
     install_openapi(app, vocab_size=len(tokenizer), max_model_len=config.max_model_len,
                     error_envelopes={anthropic_errors.PREFIX: anthropic_envelope})
-    known = frozenset(route.path for route in app.routes if hasattr(route, "path") and "{" not in route.path)
+    known = frozenset(path for path in _route_paths(app.routes) if "{" not in path)
     # Added innermost first. A request meets: metrics (counts every response, 401s too), CORS, Anthropic's error
     # envelope, the key check, then the body and in-flight limits (gateway.limits), so an unkeyed request takes
     # no slot.
@@ -145,3 +145,15 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
     add_cors(app, config.allowed_origins)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=lambda: known)
     return app
+
+
+def _route_paths(routes: list[Any]) -> set[str]:
+    """Every route's path, those of included routers too (FastAPI keeps an included router as one entry)."""
+    paths: set[str] = set()
+    for route in routes:
+        if isinstance(getattr(route, "path", None), str):
+            paths.add(route.path)
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            paths |= _route_paths(included.routes)
+    return paths

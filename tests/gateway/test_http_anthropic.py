@@ -279,3 +279,18 @@ def test_thinking_disabled_switches_the_templates_reasoning_off(thinking_server,
     r = claude.messages.create(model=MODEL, max_tokens=50, messages=ASK, thinking={"type": "disabled"})
     assert tokenizer.decode(list(stage.requests[-1].prompt_token_ids)).endswith("</think>\n\n")
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == "Hello there!"
+
+
+def test_metrics_count_the_new_endpoints_and_their_tokens(claude, server, stage):
+    def scrape() -> dict[str, float]:
+        rows = httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+        return {r.rsplit(" ", 1)[0]: float(r.rsplit(" ", 1)[1]) for r in rows if r and not r.startswith("#")}
+
+    before = scrape()
+    claude.messages.create(model=MODEL, max_tokens=50, messages=ASK)
+    httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "Hi"}, timeout=20)
+    after = scrape()
+    for endpoint in ("/v1/messages", "/v1/responses"):
+        key = f'stagemesh_gateway_requests_total{{endpoint="{endpoint}",status="200"}}'
+        assert after[key] == before.get(key, 0) + 1
+    assert after["stagemesh_gateway_generation_tokens_total"] == before["stagemesh_gateway_generation_tokens_total"] + 8
