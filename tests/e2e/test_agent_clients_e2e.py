@@ -36,7 +36,12 @@ AGENT_TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    s = start_serve(tmp_path_factory.mktemp("agent-clients"), "--api-key", API_KEY, pp=2)
+    # The agents send no sampling settings and Codex no token budget: the server's defaults (--generation-config)
+    # make their one-line answers greedy and short. The SDK tests send their own.
+    defaults = tmp_path_factory.mktemp("generation-config")
+    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 48}))
+    s = start_serve(tmp_path_factory.mktemp("agent-clients"), "--api-key", API_KEY, "--generation-config",
+                    str(defaults), pp=2)
     yield s
     s.stop()
 
@@ -176,8 +181,9 @@ def test_codex_exec_answers_a_one_line_prompt(serve, tmp_path):
         pytest.skip("needs Codex CLI (npm install -g @openai/codex; .ci/run installs it)")
     instructions = tmp_path / "instructions.md"
     instructions.write_text("You are brief.")
-    work = tmp_path / "work"
+    work, codex_home = tmp_path / "work", tmp_path / ".codex"
     work.mkdir()
+    codex_home.mkdir()
     provider = (f'{{name="stagemesh", base_url="{serve.url}/v1", env_key="STAGEMESH_API_KEY", wire_api="responses", '
                 'request_max_retries=0, stream_max_retries=0}')
     settings = {"model_provider": "stagemesh", "model_providers.stagemesh": provider,
@@ -185,16 +191,18 @@ def test_codex_exec_answers_a_one_line_prompt(serve, tmp_path):
                 "model_instructions_file": json.dumps(str(instructions)), "include_permissions_instructions": "false",
                 "include_apps_instructions": "false", "include_environment_context": "false",
                 "include_collaboration_mode_instructions": "false", "web_search": '"disabled"',
-                "model_context_window": "8192", "check_for_update_on_startup": "false",
-                "analytics.enabled": "false"}
+                "tools.experimental_request_user_input": "{enabled=false}", "model_context_window": "8192",
+                "check_for_update_on_startup": "false", "analytics.enabled": "false"}
     disabled = ("multi_agent", "goals", "shell_tool", "plugins", "apps", "skill_search", "image_generation",
-                "tool_suggest", "sleep_tool")
+                "tool_suggest", "sleep_tool", "view_image")
+    enabled = ("skip_host_skill_discovery", "omit_skill_descriptions")
     before = _served(serve, "/v1/responses")
     done = subprocess.run(
         [CODEX, "exec", "--json", "--skip-git-repo-check", "-C", str(work), "-m", MODEL,
          *(arg for key, value in settings.items() for arg in ("-c", f"{key}={value}")),
-         *(arg for feature in disabled for arg in ("--disable", feature)), "Say hi in one short sentence."],
-        env=_agent_env(tmp_path, CODEX_HOME=str(tmp_path / ".codex"), STAGEMESH_API_KEY=API_KEY),
+         *(arg for feature in disabled for arg in ("--disable", feature)),
+         *(arg for feature in enabled for arg in ("--enable", feature)), "Say hi in one short sentence."],
+        env=_agent_env(tmp_path, CODEX_HOME=str(codex_home), STAGEMESH_API_KEY=API_KEY),
         cwd=work, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=AGENT_TIMEOUT_S)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     failures = [e for e in events if e["type"] in ("turn.failed", "error")]
