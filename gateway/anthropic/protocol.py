@@ -42,9 +42,11 @@ def _content(*blocks: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": list(blocks)}}]}
 
 
-# The blocks a message may hold depend on its role: tool results come from the user, calls from the assistant.
+# The blocks a message may hold depend on its role: tool results come from the user, calls from the assistant,
+# and a system message (mid-conversation instructions, as Claude Code sends them) holds text.
 MESSAGE_RULE: dict[str, Any] = {"anyOf": [_fields(role={"const": "user"}, content=_content(*USER_BLOCKS)),
-                          _fields(role={"const": "assistant"}, content=_content(*ASSISTANT_BLOCKS))]}
+                                          _fields(role={"const": "assistant"}, content=_content(*ASSISTANT_BLOCKS)),
+                                          _fields(role={"const": "system"}, content=_content(TEXT_BLOCK))]}
 SYSTEM_SCHEMA = _nullable({"type": "string"}, {"type": "array", "items": TEXT_BLOCK})
 TOOL_SCHEMA = {"type": "object", "required": ["name", "input_schema"], "properties": {
     "type": {"enum": ["custom", None]}, "name": {"type": "string", "pattern": TOOL_NAME_PATTERN},
@@ -79,7 +81,7 @@ STOP_SEQUENCES_SCHEMA = _nullable(*(s for s in _STOP["anyOf"] if s.get("type") =
 
 
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]] = Field(json_schema_extra=_content(*USER_BLOCKS, *ASSISTANT_BLOCKS[1:]))
 
     model_config = ConfigDict(json_schema_extra=MESSAGE_RULE)

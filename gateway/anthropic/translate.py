@@ -3,7 +3,8 @@
 Contract: ``to_chat(req, thinking_switch=...)`` returns a ``Translated`` (the
 ``ChatCompletionRequest`` and the way back to this API's field names) or
 raises a 400 ``APIError`` naming the block or field:
-- ``system`` (a string or text blocks) is the first, system message;
+- ``system`` (a string or text blocks) is the first, system message; a
+  message of role ``system`` (text) is a system message where it stands;
 - a user message's text blocks are its content; each ``tool_result`` is a
   ``tool`` message answering a ``tool_use`` of the assistant message just
   before (any other id is a 400); an assistant message's text blocks are its
@@ -128,6 +129,15 @@ def _messages(req: CountTokensRequest, chat: _Conversation) -> bool:
         where = f"messages[{i}]"
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         last = i == len(req.messages) - 1
+        if message.role == "system":
+            parts = []
+            for j, block in enumerate(blocks):
+                at = f"{where}.content[{j}]"
+                if _kind(block, at) != "text":
+                    raise bad_request(f"{at}.type: a system message holds text blocks.", f"{at}.type")
+                parts.append(_text(block, at))
+            chat.add({"role": "system", "content": parts}, where, f"{where}.content")
+            continue  # instructions between turns: the calls before still await their results
         if message.role == "user":
             texts: list[dict[str, str]] = []
             added = False

@@ -164,6 +164,14 @@ def test_claude_codes_request_shape_is_accepted(server, stage, healthy_mesh):
     assert [k for k, _ in _events(r)][-1] == "message_stop"
 
 
+def test_system_messages_between_turns_are_system_messages(claude, server, stage):
+    """Claude Code 2.1 sends its environment as a message of role system after the first user message."""
+    claude.messages.create(model=MODEL, max_tokens=20, messages=[
+        *ASK, {"role": "system", "content": [{"type": "text", "text": "# Environment", "cache_control": None}]}])
+    sent = list(stage.requests[-1].prompt_token_ids)
+    assert sent == _chat_prompt(server, stage, {"messages": [*ASK, {"role": "system", "content": "# Environment"}]})
+
+
 def test_structured_output_through_output_config(claude, stage, tokenizer):
     stage.script.reply_ids = tokenizer.encode('{"ok": true}', add_special_tokens=False)
     schema = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}

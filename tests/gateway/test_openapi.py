@@ -218,7 +218,8 @@ def _runtime_rules(server_url: str, tokenizer) -> dict[str, tuple[list[str], Cal
             if message["role"] == "user" and any(b["type"] == "tool_result" and b["tool_use_id"] not in asked
                                                  for b in blocks):
                 return False
-            asked = {b["id"] for b in blocks if b["type"] == "tool_use"} if message["role"] == "assistant" else set()
+            if message["role"] != "system":  # a system message between a call and its result changes nothing
+                asked = {b["id"] for b in blocks if message["role"] == "assistant" and b["type"] == "tool_use"}
         return True
 
     def answers_call(_path: str, body: dict) -> bool:
