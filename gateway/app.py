@@ -9,16 +9,18 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
 not), Anthropic's ``POST /v1/messages`` (and ``/v1/messages/count_tokens``;
 ``gateway.anthropic``) and OpenAI's ``POST /v1/responses`` (and
 ``/v1/responses/input_tokens``; ``gateway.openai_responses``), both run through
-the chat endpoint's checks and generation, ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200 when at
-least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
-snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
-own registry), ``POST /tokenize`` / ``/detokenize`` and ``GET /version``
+the chat endpoint's checks and generation, ``GET /v1/models`` (and
+``/v1/models/{id}``), ``GET /health`` (200 when at least one replica is
+healthy, else 503), ``GET /mesh`` (the coordinator's snapshot,
+``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's own
+registry), ``POST /tokenize`` / ``/detokenize`` and ``GET /version``
 (``gateway.tokenize_routes``), ``GET /`` (the dashboard) and ``GET
 /dashboard/live`` (its data; ``gateway.dashboard``). ``/v1/*`` and
-``/dashboard/live`` require a key when ``api_keys`` is set; CORS, the
-body limit and the in-flight caps are ``gateway.limits``. Every error is an
-OpenAI envelope (``gateway.errors``), Anthropic's on ``/v1/messages``. gRPC channels to the entry stages are
-opened lazily on the server's event loop and closed at shutdown.
+``/dashboard/live`` require a key when ``api_keys`` is set; CORS, the body
+limit and the in-flight caps are ``gateway.limits``. Every error is an OpenAI
+envelope (``gateway.errors``), Anthropic's on ``/v1/messages``. gRPC channels
+to the entry stages are opened lazily on the server's event loop and closed at
+shutdown.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ no-op. Otherwise every HTTP request under ``/v1`` (except CORS preflight
 OPTIONS) must carry ``Authorization: Bearer <key>`` (scheme case-insensitive)
 or ``x-api-key: <key>`` (Anthropic's clients send that) matching one of the
 keys, or it gets a 401 OpenAI envelope (Anthropic's on its routes:
-``gateway.anthropic.errors``). ``/health``,
-``/metrics`` and ``/mesh`` stay open so probes and scrapers need no secret.
+``gateway.anthropic.errors``). ``/health``, ``/metrics`` and ``/mesh`` stay
+open so probes and scrapers need no secret.
 Keys are compared as sha256 digests with ``secrets.compare_digest`` so the
 time taken does not leak how much of a key matched.
 """

@@ -8,7 +8,8 @@ FastAPI's generated document with one where
   (``#/components/schemas/ErrorResponse``), or the envelope ``error_envelopes``
   names for the routes under a prefix (Anthropic's on ``/v1/messages``);
 - the generation routes (completions, chat, messages, responses) answer
-  ``application/json`` or ``text/event-stream``; ``/metrics`` answers Prometheus ``text/plain``;
+  ``application/json`` or ``text/event-stream``; ``/metrics`` answers
+  Prometheus ``text/plain``;
 - token ids in requests (``logit_bias``'s keys too) are bounded by the
   vocabulary (``vocab_size``) and ``max_tokens`` / ``min_tokens`` by the context
   (``max_model_len``), on top of the ranges and cross-field rules the request
