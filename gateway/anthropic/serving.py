@@ -51,20 +51,14 @@ def sse_event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:  # a forced call cut short: send what was generated
-        return {}
-
-
 def message_json(message_id: str, model: str, turn: Turn) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     if turn.reasoning is not None:
         content.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
     if turn.content:
         content.append({"type": "text", "text": turn.content})
-    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _arguments(c.arguments)}
+    # A call is whole JSON (a forced call cut short stays text): its input parses.
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
                 for c in turn.calls]
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": STOP_REASONS[turn.end.stop], "stop_sequence": turn.end.stop_string,
