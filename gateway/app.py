@@ -6,16 +6,21 @@ Contract::
                      mesh=mesh_view, tokenizer=tok, eos_token_ids=frozenset({2}))
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
-not), ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200 when at
-least one replica is healthy, else 503), ``GET /mesh`` (the coordinator's
-snapshot, ``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's
-own registry), ``POST /tokenize`` / ``/detokenize`` and ``GET /version``
+not), Anthropic's ``POST /v1/messages`` (and ``/v1/messages/count_tokens``;
+``gateway.anthropic``) and OpenAI's ``POST /v1/responses`` (and
+``/v1/responses/input_tokens``; ``gateway.openai_responses``), both run through
+the chat endpoint's checks and generation, ``GET /v1/models`` (and
+``/v1/models/{id}``), ``GET /health`` (200 when at least one replica is
+healthy, else 503), ``GET /mesh`` (the coordinator's snapshot,
+``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's own
+registry), ``POST /tokenize`` / ``/detokenize`` and ``GET /version``
 (``gateway.tokenize_routes``), ``GET /`` (the dashboard) and ``GET
 /dashboard/live`` (its data; ``gateway.dashboard``). ``/v1/*`` and
-``/dashboard/live`` require a bearer key when ``api_keys`` is set; CORS, the
-body limit and the in-flight caps are ``gateway.limits``. Every error is an
-OpenAI envelope (``gateway.errors``). gRPC channels to the entry stages are
-opened lazily on the server's event loop and closed at shutdown.
+``/dashboard/live`` require a key when ``api_keys`` is set; CORS, the body
+limit and the in-flight caps are ``gateway.limits``. Every error is an OpenAI
+envelope (``gateway.errors``), Anthropic's on ``/v1/messages``. gRPC channels
+to the entry stages are opened lazily on the server's event loop and closed at
+shutdown.
 """
 
 from __future__ import annotations
@@ -32,12 +37,18 @@ from stagemesh.core.settings import stagemesh_version
 from stagemesh.core.snapshots import MeshView
 
 from . import errors
+from .anthropic import errors as anthropic_errors
+from .anthropic import routes as anthropic_routes
+from .anthropic.errors import AnthropicErrorMiddleware
+from .anthropic.serving import AnthropicServing
 from .auth import ApiKeyMiddleware
 from .cancellation import until_disconnect
 from .config import GatewayConfig
 from .dashboard import dashboard_router
 from .limits import RequestLimitsMiddleware, add_cors
 from .metrics import GatewayMetrics, RequestMetricsMiddleware
+from .openai_responses import routes as responses_routes
+from .openai_responses.serving import ResponsesServing
 from .openapi import install_openapi
 from .replica_client import ReplicaClient, ReplicaKey
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -117,16 +128,34 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    app.include_router(anthropic_routes.router(AnthropicServing(serving)))
+    app.include_router(responses_routes.router(ResponsesServing(serving)))
     app.include_router(dashboard_router(mesh, metrics, outstanding_by_replica, config.api_keys))
 
-    install_openapi(app, vocab_size=len(tokenizer), max_model_len=config.max_model_len)
-    known = frozenset(route.path for route in app.routes if hasattr(route, "path") and "{" not in route.path)
-    # Added innermost first. A request meets: metrics (counts every response, 401s too), CORS, the key
-    # check, then the body and in-flight limits (gateway.limits), so an unkeyed request takes no slot.
+    anthropic_envelope = ("AnthropicErrorResponse", anthropic_errors.ERROR_SCHEMA)
+    install_openapi(app, vocab_size=len(tokenizer), max_model_len=config.max_model_len,
+                    error_envelopes={anthropic_errors.PREFIX: anthropic_envelope})
+    known = frozenset(path for path in _route_paths(app.routes) if "{" not in path)
+    # Added innermost first. A request meets: metrics (counts every response, 401s too), CORS, Anthropic's error
+    # envelope, the key check, then the body and in-flight limits (gateway.limits), so an unkeyed request takes
+    # no slot.
     app.add_middleware(RequestLimitsMiddleware, max_request_bytes=config.max_request_bytes,
                        max_in_flight=config.max_concurrent_requests,
                        max_in_flight_per_key=config.max_concurrent_requests_per_key)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
+    app.add_middleware(AnthropicErrorMiddleware)  # outside the key check and limits: their errors too
     add_cors(app, config.allowed_origins)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=lambda: known)
     return app
+
+
+def _route_paths(routes: list[Any]) -> set[str]:
+    """Every route's path, those of included routers too (FastAPI keeps an included router as one entry)."""
+    paths: set[str] = set()
+    for route in routes:
+        if isinstance(getattr(route, "path", None), str):
+            paths.add(route.path)
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            paths |= _route_paths(included.routes)
+    return paths

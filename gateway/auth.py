@@ -3,8 +3,10 @@
 Contract: ``ApiKeyMiddleware(app, keys)`` is pure ASGI. With no keys it is a
 no-op. Otherwise every HTTP request under ``/v1`` (except CORS preflight
 OPTIONS) must carry ``Authorization: Bearer <key>`` (scheme case-insensitive)
-matching one of the keys, or it gets a 401 OpenAI envelope. ``/health``,
-``/metrics`` and ``/mesh`` stay open so probes and scrapers need no secret.
+or ``x-api-key: <key>`` (Anthropic's clients send that) matching one of the
+keys, or it gets a 401 OpenAI envelope (Anthropic's on its routes:
+``gateway.anthropic.errors``). ``/health``, ``/metrics`` and ``/mesh`` stay
+open so probes and scrapers need no secret.
 Keys are compared as sha256 digests with ``secrets.compare_digest`` so the
 time taken does not leak how much of a key matched.
 """
@@ -26,6 +28,15 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+def presented_key(scope: dict) -> str:
+    """The key a request carries: its bearer token, else its ``x-api-key``; "" when none."""
+    headers = dict(scope.get("headers", ()))
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").strip().partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get(b"x-api-key", b"").decode("latin-1").strip()
+
+
 class ApiKeyMiddleware:
     def __init__(self, app: Any, keys: Iterable[str]) -> None:
         self.app = app
@@ -37,11 +48,10 @@ class ApiKeyMiddleware:
                 and (path == _GUARDED_PREFIX or path.startswith(_GUARDED_PREFIX + "/")))
 
     def _authorized(self, scope: dict) -> bool:
-        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-        scheme, _, token = header.decode("latin-1").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = presented_key(scope)
+        if not token:
             return False
-        got = _digest(token.strip())
+        got = _digest(token)
         ok = False
         for digest in self._digests:  # no early exit: constant work whichever key matches
             ok |= secrets.compare_digest(got, digest)

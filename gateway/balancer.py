@@ -4,17 +4,28 @@ Contract: ``LeastOutstandingBalancer.pick(candidates, exclude, cap)`` returns
 the candidate key with the fewest requests in flight (keys in ``exclude``
 skipped, keys at ``cap`` skipped when ``cap > 0``), rotating the starting
 point on every pick so equally loaded replicas take turns; ``None`` when no
-candidate qualifies. ``acquire``/``release`` bracket each call. Keys are any
-hashable (the gateway uses ``(replica, entry target)`` so a replica restarted
-on a new port starts from zero). Pure and single-threaded (the event loop).
+candidate qualifies. With an ``affinity`` (a client's cache key, such as the
+Responses API's ``prompt_cache_key``) the pick is instead the qualifying key
+that ranks first for it by rendezvous hashing: the same affinity keeps
+landing on the same replica (whose prefix cache holds its conversation) for
+as long as that replica qualifies, and different affinities spread evenly.
+``acquire``/``release`` bracket each call. Keys are any hashable (the gateway
+uses ``(replica, entry target)`` so a replica restarted on a new port starts
+from zero). Pure and single-threaded (the event loop).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TypeVar
 
 K = TypeVar("K", bound=Hashable)
+
+
+def _rank(affinity: str, key: Hashable) -> bytes:
+    """Rendezvous hashing's weight of ``key`` for ``affinity``: stable across processes and restarts."""
+    return hashlib.blake2b(f"{affinity}\0{key!r}".encode(), digest_size=8).digest()
 
 
 class LeastOutstandingBalancer:
@@ -33,10 +44,13 @@ class LeastOutstandingBalancer:
         excluded = set(exclude)
         return [k for k in candidates if k not in excluded and (cap <= 0 or self.outstanding(k) < cap)]
 
-    def pick(self, candidates: Sequence[K], exclude: Iterable[Hashable] = (), cap: int = 0) -> K | None:
+    def pick(self, candidates: Sequence[K], exclude: Iterable[Hashable] = (), cap: int = 0,
+             affinity: str | None = None) -> K | None:
         pool = self.eligible(candidates, exclude, cap)
         if not pool:
             return None
+        if affinity is not None:
+            return max(pool, key=lambda k: _rank(affinity, k))
         start = self._turn % len(pool)
         self._turn += 1
         rotated = pool[start:] + pool[:start]

@@ -80,7 +80,8 @@ def model_not_found(name: str, served: str) -> APIError:
 
 
 def unauthorized() -> APIError:
-    return APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`.", code="invalid_api_key")
+    return APIError(401, "Missing or invalid API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
+                    code="invalid_api_key")
 
 
 def no_healthy_replica() -> APIError:

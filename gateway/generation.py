@@ -8,10 +8,11 @@ Contract:
   exactly one event whose ``finish_reason`` is set ("stop": EOS or a stop
   string; "length": the token budget). Text is detokenized incrementally (no
   partial characters), stop strings are cut out (kept with
-  ``include_stop_str_in_output``) and end the job, which cancels its gRPC call
-  so the stage frees the slot; a stop token (EOS or one of the request's
-  ``stop_token_ids``) ending the generation counts in ``completion_tokens`` but
-  never shows in the text nor in the logprobs.
+  ``include_stop_str_in_output``) and end the job (the last event names it:
+  ``stop_string``), which cancels its gRPC call so the stage frees the slot; a
+  stop token (EOS or one of the request's ``stop_token_ids``) ending the
+  generation counts in ``completion_tokens`` but never shows in the text nor in
+  the logprobs.
 - With logprobs requested, each event carries the ``TokenLogprobs`` of the
   tokens received since the previous event (the tokens behind its text, or
   held back with it).
@@ -58,6 +59,7 @@ class ChoiceEvent:
     prompt_tokens: int
     completion_tokens: int  # so far
     logprobs: tuple[TokenLogprobs, ...] = ()
+    stop_string: str | None = None  # the request's stop string that ended the choice
 
 
 class TokenObserver(Protocol):
@@ -66,7 +68,8 @@ class TokenObserver(Protocol):
 
 
 class Generator(Protocol):
-    def generate(self, request: stage_pb2.GenerateRequest) -> AsyncGenerator[stage_pb2.GenerateResponse, None]: ...
+    def generate(self, request: stage_pb2.GenerateRequest,
+                 affinity: str | None = None) -> AsyncGenerator[stage_pb2.GenerateResponse, None]: ...
     def replica_of(self, request_id: str) -> int | None: ...
 
 
@@ -81,6 +84,7 @@ class RunContext:
     arrived: float | None = None  # time.monotonic() when the HTTP request arrived (TTFT starts there)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    affinity: str | None = None  # a client's cache key: the replica choice follows it (gateway.balancer)
 
 
 async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGenerator[ChoiceEvent, None]:
@@ -99,7 +103,7 @@ async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGe
     generated = 0
     last_arrival: float | None = None
     prompt_tokens = len(job.prompt_ids)
-    async with aclosing(ctx.client.generate(request)) as responses:
+    async with aclosing(ctx.client.generate(request, affinity=ctx.affinity)) as responses:
         async for response in responses:
             ids = list(response.token_ids)
             finish = response.finish_reason
@@ -128,7 +132,7 @@ async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGe
                 if ctx.include_stop_str_in_output:
                     emit += stops.matched
                 # Leaving the ``aclosing`` block cancels the call: the stage frees the slot now.
-                yield ChoiceEvent(job.index, emit, "stop", prompt_tokens, generated, taken())
+                yield ChoiceEvent(job.index, emit, "stop", prompt_tokens, generated, taken(), stops.matched)
                 return
             if finish:
                 yield ChoiceEvent(job.index, emit + stops.flush(), _FINISH.get(finish, "stop"),

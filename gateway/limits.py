@@ -33,6 +33,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from .auth import presented_key
 from .errors import APIError
 
 _GUARDED_PREFIX = "/v1"
@@ -82,9 +83,9 @@ def _header(scope: dict, name: bytes) -> bytes:
 
 
 def key_identity(scope: dict) -> str:
-    """Who the request counts against: a digest of its bearer key (never the key itself)."""
-    token = _header(scope, b"authorization").partition(b" ")[2].strip()
-    return hashlib.sha256(token).hexdigest()[:16] if token else "anonymous"
+    """Who the request counts against: a digest of its key (never the key itself)."""
+    token = presented_key(scope)
+    return hashlib.sha256(token.encode("latin-1")).hexdigest()[:16] if token else "anonymous"
 
 
 async def send_error(send: Callable, err: APIError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:

@@ -5,9 +5,11 @@ FastAPI's generated document with one where
 - no route documents FastAPI's 422 (the gateway answers 400, ``gateway.errors``);
 - every route documents the error statuses it can answer (400, 401 on ``/v1``,
   404, 500, 503, 504 on generation) with OpenAI's error envelope
-  (``#/components/schemas/ErrorResponse``);
-- ``/v1/completions`` and ``/v1/chat/completions`` answer ``application/json``
-  or ``text/event-stream``; ``/metrics`` answers Prometheus ``text/plain``;
+  (``#/components/schemas/ErrorResponse``), or the envelope ``error_envelopes``
+  names for the routes under a prefix (Anthropic's on ``/v1/messages``);
+- the generation routes (completions, chat, messages, responses) answer
+  ``application/json`` or ``text/event-stream``; ``/metrics`` answers
+  Prometheus ``text/plain``;
 - token ids in requests (``logit_bias``'s keys too) are bounded by the
   vocabulary (``vocab_size``) and ``max_tokens`` / ``min_tokens`` by the context
   (``max_model_len``), on top of the ranges and cross-field rules the request
@@ -20,6 +22,7 @@ naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -43,7 +46,7 @@ _DESCRIPTIONS = {400: "Invalid request: `param` names the field to change", 401:
                  429: "Too many requests in flight (--max-concurrent-requests[-per-key]); see Retry-After",
                  500: "Server bug", 503: "No healthy replica, overloaded, or the "
                  "pipeline failed", 504: "The request outlived the server's deadline"}
-_GENERATION = ("/v1/completions", "/v1/chat/completions")
+_GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
 
 
 def _statuses(path: str, method: str) -> list[int]:
@@ -97,7 +100,11 @@ def _bound_token_ids(node: Any, vocab_size: int, max_model_len: int) -> None:
             _bound_token_ids(value, vocab_size, max_model_len)
 
 
-def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int) -> None:
+def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int,
+                    error_envelopes: Mapping[str, tuple[str, dict[str, Any]]] | None = None) -> None:
+    """``error_envelopes``: path prefix -> (component name, JSON Schema) of its routes' error body."""
+    envelopes = dict(error_envelopes or {})
+
     def document() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
@@ -108,8 +115,12 @@ def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int) -> Non
                                        "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}}}
         components.pop("HTTPValidationError", None)
         components.pop("ValidationError", None)
-        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for name, envelope in envelopes.values():
+            components[name] = envelope
         for path, operations in schema["paths"].items():
+            name = next((n for prefix, (n, _) in envelopes.items()
+                         if path == prefix or path.startswith(prefix + "/")), "ErrorResponse")
+            error = {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
             for method, operation in operations.items():
                 responses = operation["responses"]
                 responses.pop("422", None)

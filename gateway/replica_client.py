@@ -6,9 +6,10 @@ Contract:
   and reused; ``close()`` closes them all.
 - Every call carries the mesh token as metadata (``stagemesh.core.mesh_token``);
   with ``tls`` the channels are mutual TLS (``stagemesh.core.grpc_tls``).
-- ``generate(request)`` is an async generator of ``GenerateResponse``
+- ``generate(request, affinity=None)`` is an async generator of ``GenerateResponse``
   messages from one healthy replica chosen by least outstanding requests
-  (ties round-robin), under a per-request deadline. Requests to one entry
+  (ties round-robin; with an ``affinity``, the replica that key hashes to:
+  ``gateway.balancer``), under a per-request deadline. Requests to one entry
   stage share one ``GenerateStream`` call (``gateway.stage_streams``: one
   message per engine step for all of them), the one RPC path to a stage.
   Close the generator (``aclosing``) or cancel the task consuming it and the
@@ -101,11 +102,11 @@ class ReplicaClient:
         healthy: tuple[ReplicaSnapshot, ...] = self._mesh.snapshot().healthy_replicas
         return [(r.replica, r.entry.grpc_target) for r in healthy]
 
-    def _pick(self, tried: set[ReplicaKey]) -> ReplicaKey:
+    def _pick(self, tried: set[ReplicaKey], affinity: str | None = None) -> ReplicaKey:
         keys = self._healthy_keys()
         if not keys:
             raise errors.no_healthy_replica()
-        key = self.balancer.pick(keys, exclude=tried, cap=self._cap)
+        key = self.balancer.pick(keys, exclude=tried, cap=self._cap, affinity=affinity)
         if key is None:
             raise errors.overloaded(f"every healthy replica has {self._cap} requests in flight")
         return key
@@ -113,11 +114,12 @@ class ReplicaClient:
     def _another_replica(self, tried: set[ReplicaKey]) -> bool:
         return bool(self.balancer.eligible(self._healthy_keys(), exclude=tried, cap=self._cap))
 
-    async def generate(self, request: stage_pb2.GenerateRequest) -> AsyncGenerator[stage_pb2.GenerateResponse, None]:
+    async def generate(self, request: stage_pb2.GenerateRequest,
+                       affinity: str | None = None) -> AsyncGenerator[stage_pb2.GenerateResponse, None]:
         tried: set[ReplicaKey] = set()
         attempt = 0
         while True:
-            key = self._pick(tried)
+            key = self._pick(tried, affinity)
             tried.add(key)
             self.balancer.acquire(key)
             self._serving[request.request_id] = key[0]

@@ -90,6 +90,13 @@ RUNTIME_RULES = {
     "tool-choice-names-a-tool": "A named tool_choice names one of the tools.",
     "continue-final-message-after-assistant": "continue_final_message needs the last message to be the "
                                               "assistant's.",
+    # The Messages API (gateway.anthropic) and the Responses API (gateway.openai_responses).
+    "tool-result-answers-a-tool-use": "Each tool_result's tool_use_id is the id of a tool_use block in the "
+                                      "assistant message just before it.",
+    "function-call-output-answers-a-call": "Each function_call_output's call_id is the call_id of a function_call "
+                                           "earlier in input.",
+    "namespaced-names-fit": "A namespace's functions are offered to the model as <namespace>__<name>, which is at "
+                            "most 64 characters.",
 }
 _CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _JSON_SCHEMA = {"type": ["object", "boolean"]}

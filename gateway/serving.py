@@ -10,6 +10,11 @@ proper 503 status; once a stream has started, a failure is sent as
 for, ride each chunk (the tokens behind its text) or the whole choice; a
 completion's ``echo`` puts the prompt's text before the completion (in the
 first chunk of a stream).
+
+``plan_chat(req)`` / ``run_chat(plan, request_id)`` are the chat endpoint's two halves for
+the other APIs the gateway speaks (``gateway.anthropic``, ``gateway.openai_responses``):
+every check and the rendered prompt, then the generation's ``ChoiceEvent``s, which
+they shape into their own responses.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,7 +40,7 @@ from .sampling_params import SamplingSettings, settings_from_request
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .structured_output import json_schema_grammar
 from .tool_output import ToolStream, final_message
-from .tool_parsers import PARSERS, pick_parser
+from .tool_parsers import PARSERS, ToolFormat, pick_parser
 from .tools import ToolPlan, tool_plan
 
 log = logging.getLogger("stagemesh.gateway")
@@ -53,6 +59,17 @@ class SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request checked and rendered: what goes to the mesh (nothing was sent yet)."""
+
+    model: str
+    settings: SamplingSettings
+    prompt: tuple[int, ...]
+    tools: ToolPlan
+    arrived: float  # time.monotonic() when the request arrived
+
+
 class OpenAIServing:
     def __init__(self, config: GatewayConfig, client: Generator, tokenizer: Any, eos_token_ids: frozenset[int],
                  metrics: GatewayMetrics) -> None:
@@ -66,8 +83,16 @@ class OpenAIServing:
         self._metrics = metrics
         self._logprobs = LogprobFormatter(tokenizer)
         template = config.openai.chat_template or getattr(tokenizer, "chat_template", None)
-        self._tool_parser = PARSERS[pick_parser(config.openai.tool_call_parser,
-                                                template if isinstance(template, str) else None)]
+        self.chat_template: str | None = template if isinstance(template, str) else None  # the server's
+        self._tool_parser = PARSERS[pick_parser(config.openai.tool_call_parser, self.chat_template)]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def tool_parser(self) -> ToolFormat:
+        return self._tool_parser
 
     def check_model(self, model: str | None) -> str:
         served = self._config.served_model_name
@@ -85,7 +110,13 @@ class OpenAIServing:
         return await self._serve("completion", model, prompts, settings, "prompt", arrived, echo)
 
     async def chat(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-        arrived = time.monotonic()
+        plan = self.plan_chat(req)
+        return await self._serve("chat", plan.model, [plan.prompt], plan.settings, "messages", plan.arrived,
+                                 tools=plan.tools)
+
+    def plan_chat(self, req: ChatCompletionRequest, arrived: float | None = None) -> ChatPlan:
+        """Every check of a chat request and its rendered prompt; raises ``APIError`` (nothing is sent)."""
+        arrived = time.monotonic() if arrived is None else arrived
         model = self.check_model(req.model)
         settings = self._settings(req)
         tools = tool_plan(req)
@@ -96,7 +127,17 @@ class OpenAIServing:
                                          "combined with response_format or guided_*.", "tool_choice")
             settings = settings.with_grammar(json_schema_grammar(forced, "tools"))
         prompt = render_chat(req.messages, self._tokenizer, chat_options(req, self._config.openai), tools)
-        return await self._serve("chat", model, [prompt], settings, "messages", arrived, tools=tools)
+        return ChatPlan(model, settings, prompt, tools, arrived)
+
+    def run_chat(self, plan: ChatPlan, request_id: str,
+                 affinity: str | None = None) -> AsyncGenerator[ChoiceEvent, None]:
+        """The plan's one choice on the mesh (the token budget is checked here, before any call); ``affinity``:
+        a client's cache key, which the replica choice follows."""
+        _jobs, events = self._start([plan.prompt], plan.settings, "messages", plan.arrived, request_id, affinity)
+        return events
+
+    def record_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self._metrics.usage(prompt_tokens, completion_tokens)
 
     def _settings(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingSettings:
         return settings_from_request(req, self._config.openai.generation, self._vocab_size)
@@ -105,21 +146,9 @@ class OpenAIServing:
                      prompt_param: str, arrived: float, echo: list[str] | None = None,
                      tools: ToolPlan | None = None) -> JSONResponse | StreamingResponse:
         tools = tools or ToolPlan()
-        max_len = self._config.max_model_len
-        jobs = [
-            ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
-                      max_tokens=settings.max_tokens_for(len(ids), max_len, prompt_param),
-                      sampling=settings.stage_sampling(i))
-            for p, ids in enumerate(prompts) for i in range(settings.n)
-        ]
         header = ResponseHeader.new(kind, model)
-        ctx = RunContext(client=self._client, tokenizer=self._tokenizer,
-                         stop_token_ids=settings.stop_token_ids(self._eos), stop=settings.stop,
-                         request_id=header.id, observer=self._metrics, arrived=arrived,
-                         skip_special_tokens=settings.skip_special_tokens,
-                         include_stop_str_in_output=settings.include_stop_str_in_output)
+        jobs, events = self._start(prompts, settings, prompt_param, arrived, header.id)
         echoes = [echo[j.index // settings.n] for j in jobs] if echo is not None else None
-        events = run_choices(jobs, ctx)
         if not settings.stream:
             return await self._collect(header, jobs, settings, events, echoes, tools)
         try:
@@ -130,6 +159,23 @@ class OpenAIServing:
         # no-cache / no buffering: proxies must pass each event on at once.
         return SSEResponse(self._stream(header, jobs, settings, first, events, echoes, tools),
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    def _start(self, prompts: list[tuple[int, ...]], settings: SamplingSettings, prompt_param: str, arrived: float,
+               request_id: str,
+               affinity: str | None = None) -> tuple[list[ChoiceJob], AsyncGenerator[ChoiceEvent, None]]:
+        max_len = self._config.max_model_len
+        jobs = [
+            ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
+                      max_tokens=settings.max_tokens_for(len(ids), max_len, prompt_param),
+                      sampling=settings.stage_sampling(i))
+            for p, ids in enumerate(prompts) for i in range(settings.n)
+        ]
+        ctx = RunContext(client=self._client, tokenizer=self._tokenizer,
+                         stop_token_ids=settings.stop_token_ids(self._eos), stop=settings.stop,
+                         request_id=request_id, observer=self._metrics, arrived=arrived,
+                         skip_special_tokens=settings.skip_special_tokens,
+                         include_stop_str_in_output=settings.include_stop_str_in_output, affinity=affinity)
+        return jobs, run_choices(jobs, ctx)
 
     def _format_logprobs(self, kind: Kind, entries: list[TokenLogprobs], offset: int) -> tuple[dict[str, Any], int]:
         if kind == "chat":

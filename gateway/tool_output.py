@@ -16,6 +16,9 @@ Contract:
   as the ``FORCED`` format and ``auto`` output as ``fmt``, by
   ``gateway.tool_call_stream``, which streams the text before any call as
   content. The finish reason is ``tool_calls`` when calls were made whole.
+  ``events`` / ``finish_events`` give the same as typed events
+  (``ContentDelta``, ``CallStart``, ``ArgumentsDelta``) for the APIs that shape
+  them otherwise (``gateway.assistant_turn``).
 """
 
 from __future__ import annotations
@@ -60,21 +63,28 @@ class ToolStream:
             self._parser = ToolCallStream(FORCED)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
+        return [_delta(e) for e in self.events(text)]
+
+    def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        events, reason = self.finish_events(reason)
+        return [_delta(e) for e in events], reason
+
+    def events(self, text: str) -> list[Event]:
+        """``feed``'s deltas as typed events (``gateway.tool_call_stream``), for the APIs shaped otherwise."""
         if not text:
             return []
         if self._parser is not None:
-            return [_delta(e) for e in self._parser.feed(text)]
+            return self._parser.feed(text)
         if self._plan.mode == "named" and self._plan.name is not None:
             first = not self._named
             self._named += text
-            deltas = [_delta(ArgumentsDelta(0, text))]
-            return [_delta(CallStart(0, self._named_id, self._plan.name)), *deltas] if first else deltas
-        return [{"content": text}]
+            delta = ArgumentsDelta(0, text)
+            return [CallStart(0, self._named_id, self._plan.name), delta] if first else [delta]
+        return [ContentDelta(text)]
 
-    def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    def finish_events(self, reason: str | None) -> tuple[list[Event], str | None]:
         if self._parser is not None:
-            deltas = [_delta(e) for e in self._parser.finish()]
-            return deltas, "tool_calls" if self._parser.complete else reason
+            return self._parser.finish(), "tool_calls" if self._parser.complete else reason
         if self._named:
             return [], "tool_calls" if self._plan.forced_calls(self._named) else reason
         return [], reason

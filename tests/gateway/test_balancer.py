@@ -33,3 +33,15 @@ def test_exclude_and_cap():
     assert b.pick(["a", "b"], exclude=["b"], cap=1) is None
     assert b.eligible(["a", "b"], cap=1) == ["b"]
     assert b.pick([]) is None
+
+
+def test_an_affinity_keeps_its_replica_whatever_the_load():
+    b = LeastOutstandingBalancer()
+    first = b.pick(["a", "b", "c"], affinity="session-1")
+    b.acquire(first)
+    b.acquire(first)
+    assert [b.pick(["a", "b", "c"], affinity="session-1") for _ in range(4)] == [first] * 4
+    assert b.pick(["a", "b", "c"], affinity="session-1", exclude=[first]) != first  # failover goes elsewhere
+    assert b.pick(["a", "b", "c"], affinity="session-1", cap=2) != first  # a full replica is skipped
+    spread = {b.pick(["a", "b", "c"], affinity=f"session-{i}") for i in range(30)}
+    assert spread == {"a", "b", "c"}

@@ -15,6 +15,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
+from gateway.anthropic.protocol import CountTokensRequest
+from gateway.openai_responses.protocol import InputTokensRequest
 from gateway.schemas import RUNTIME_RULES
 
 
@@ -25,17 +27,21 @@ def document(server) -> dict:
 
 def test_statuses_and_content_types_are_the_real_ones(document):
     for path, operations in document["paths"].items():
+        envelope = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
         for method, operation in operations.items():
             responses = operation["responses"]
             assert "422" not in responses, (method, path)
             assert responses["500"]["content"]["application/json"]["schema"] == {
-                "$ref": "#/components/schemas/ErrorResponse"}
+                "$ref": f"#/components/schemas/{envelope}"}
             if method == "post":
                 assert "400" in responses, (method, path)
     assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
-    chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert {"401", "404", "503", "504"} <= set(chat) and "text/event-stream" in chat["200"]["content"]
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
+        generation = document["paths"][path]["post"]["responses"]
+        assert {"401", "404", "503", "504"} <= set(generation) and "text/event-stream" in generation["200"]["content"]
     assert "HTTPValidationError" not in document["components"]["schemas"]
+    anthropic = document["components"]["schemas"]["AnthropicErrorResponse"]
+    assert anthropic["properties"]["type"] == {"const": "error"}
 
 
 def test_request_schemas_are_as_tight_as_the_validation(document):
@@ -83,14 +89,17 @@ def test_rules_between_fields_are_json_schema(document):
 
 _CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
            checks.positive_data_acceptance]
-_GENERATION = ["/v1/completions", "/v1/chat/completions"]
+_GENERATION = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"]
 _CHATS = ["/v1/chat/completions", "/tokenize"]
+_MESSAGES = ["/v1/messages", "/v1/messages/count_tokens"]
+_RESPONSES = ["/v1/responses", "/v1/responses/input_tokens"]
+_TOOL_CALLERS = ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", *_RESPONSES]
 MAX_MODEL_LEN = 2048  # the session server's (conftest)
 
 
 def _budget(body: dict) -> int | None:
     given = body.get("max_completion_tokens")
-    return given if given is not None else body.get("max_tokens")
+    return given if given is not None else body.get("max_tokens", body.get("max_output_tokens"))
 
 
 def _chat(body: dict) -> bool:
@@ -116,7 +125,33 @@ def _compiles(kind: str, value: Any) -> bool:
     return not LLMatcher.validate_grammar(grammar)
 
 
-def _grammars(body: dict) -> list[tuple[str, Any]]:
+def _functions(path: str, body: dict) -> list[tuple[str, dict | None]]:
+    """The functions a request offers the model: (name as offered, parameters)."""
+    tools = body.get("tools") or []
+    if path in _MESSAGES:
+        return [(t["name"], t["input_schema"]) for t in tools]
+    if path in _RESPONSES:
+        return [(f"{t['name']}__{f['name']}" if t["type"] == "namespace" else f["name"], f.get("parameters"))
+                for t in tools if t["type"] in ("function", "namespace")
+                for f in (t["tools"] if t["type"] == "namespace" else [t])]
+    return [(t["function"]["name"], t["function"].get("parameters", {})) for t in tools]
+
+
+def _forced(path: str, body: dict) -> bool:
+    choice = body.get("tool_choice")
+    if path in _MESSAGES:
+        return isinstance(choice, dict) and choice["type"] in ("any", "tool")
+    return choice == "required" or isinstance(choice, dict)
+
+
+def _grammars(path: str, body: dict) -> list[tuple[str, Any]]:
+    if path in _MESSAGES or path in _RESPONSES:
+        fmt = (body.get("output_config") if path in _MESSAGES else body.get("text")) or {}
+        fmt = fmt.get("format") or {}
+        found = [("json", fmt["schema"])] if fmt.get("type") == "json_schema" else []
+        if _forced(path, body):
+            found += [("json", parameters or {}) for _, parameters in _functions(path, body)]
+        return found
     found = [(k, body.get(f"guided_{k}")) for k in ("json", "regex", "grammar")]
     found += list((body.get("structured_outputs") or {}).items())
     fmt = body.get("response_format") or {}
@@ -131,6 +166,12 @@ def _grammars(body: dict) -> list[tuple[str, Any]]:
 def _prompt_tokens(server_url: str, tokenizer, path: str, body: dict) -> list[int] | None:
     """Each prompt's token count as the endpoint counts it (a chat's through POST /tokenize, which renders
     exactly as the chat endpoint does); None when /tokenize refuses it (another rule's business)."""
+    if path in ("/v1/messages", "/v1/responses"):
+        counter, fields = (("/v1/messages/count_tokens", CountTokensRequest) if path == "/v1/messages"
+                           else ("/v1/responses/input_tokens", InputTokensRequest))
+        r = httpx.post(f"{server_url}{counter}", json={k: v for k, v in body.items() if k in fields.model_fields},
+                       timeout=30)
+        return [r.json()["input_tokens"]] if r.status_code == 200 else None
     if path == "/v1/completions":
         prompt = body["prompt"]
         single = isinstance(prompt, str) or isinstance(prompt[0], int | float)  # 3.0 is an integer too
@@ -157,15 +198,41 @@ def _runtime_rules(server_url: str, tokenizer) -> dict[str, tuple[list[str], Cal
     def min_tokens(_path: str, body: dict) -> bool:
         return body.get("min_tokens") is None or _budget(body) is None or body["min_tokens"] <= _budget(body)
 
-    def tools(body: dict) -> list[str]:
-        return [t["function"]["name"] for t in body.get("tools") or []]
+    def tools(path: str, body: dict) -> list[str]:
+        return [name for name, _ in _functions(path, body)]
 
-    def distinct(_path: str, body: dict) -> bool:
-        return not _chat(body) or len(set(tools(body))) == len(tools(body))
+    def distinct(path: str, body: dict) -> bool:
+        names = tools(path, body)
+        return path == "/tokenize" and not _chat(body) or len(set(names)) == len(names)
 
-    def named(_path: str, body: dict) -> bool:
+    def named(path: str, body: dict) -> bool:
         choice = body.get("tool_choice")
-        return not isinstance(choice, dict) or choice["function"]["name"] in tools(body)
+        if not isinstance(choice, dict) or (path in _MESSAGES and choice["type"] != "tool"):
+            return True
+        return (choice["function"]["name"] if "function" in choice else choice["name"]) in tools(path, body)
+
+    def answers_tool_use(_path: str, body: dict) -> bool:
+        asked: set[str] = set()
+        for message in body["messages"]:
+            blocks = message["content"] if isinstance(message["content"], list) else []
+            if message["role"] == "user" and any(b["type"] == "tool_result" and b["tool_use_id"] not in asked
+                                                 for b in blocks):
+                return False
+            if message["role"] != "system":  # a system message between a call and its result changes nothing
+                asked = {b["id"] for b in blocks if message["role"] == "assistant" and b["type"] == "tool_use"}
+        return True
+
+    def answers_call(_path: str, body: dict) -> bool:
+        called: set[str] = set()
+        for item in body["input"] if isinstance(body["input"], list) else []:
+            if item.get("type") == "function_call":
+                called.add(item["call_id"])
+            elif item.get("type") == "function_call_output" and item["call_id"] not in called:
+                return False
+        return True
+
+    def names_fit(path: str, body: dict) -> bool:
+        return all(len(name) <= 64 for name in tools(path, body))
 
     def renders(_path: str, body: dict) -> bool:
         """The test writes no Jinja: plain text always renders, but never holds the final message to continue."""
@@ -180,11 +247,15 @@ def _runtime_rules(server_url: str, tokenizer) -> dict[str, tuple[list[str], Cal
     return {
         "prompt-fits-context": (_GENERATION, fits),
         "min-tokens-within-max-tokens": (_GENERATION, min_tokens),
-        "grammar-compiles": (_GENERATION, lambda _path, body: all(_compiles(k, v) for k, v in _grammars(body))),
+        "grammar-compiles": ([*_GENERATION, _MESSAGES[1], _RESPONSES[1]],
+                             lambda path, body: all(_compiles(k, v) for k, v in _grammars(path, body))),
         "chat-template-renders": (_CHATS, renders),
-        "tool-names-distinct": (_CHATS, distinct),
-        "tool-choice-names-a-tool": (["/v1/chat/completions"], named),
+        "tool-names-distinct": ([*_CHATS, *_MESSAGES, *_RESPONSES], distinct),
+        "tool-choice-names-a-tool": (_TOOL_CALLERS, named),
         "continue-final-message-after-assistant": (_CHATS, continues),
+        "tool-result-answers-a-tool-use": (_MESSAGES, answers_tool_use),
+        "function-call-output-answers-a-call": (_RESPONSES, answers_call),
+        "namespaced-names-fit": (_RESPONSES, names_fit),
     }
 
 

@@ -1,0 +1,164 @@
+"""``POST /v1/messages``: a Messages request run as the chat endpoint runs it, answered as Anthropic does.
+
+Contract: ``AnthropicServing(serving).messages(req)`` translates the request
+(``gateway.anthropic.translate``), has the chat endpoint check and render it
+(``OpenAIServing.plan_chat``) and run it (``run_chat``), and answers
+- unstreamed: a ``message`` object: ``content`` blocks in order (``thinking``
+  when the template reasons, ``text``, then one ``tool_use`` per call, its
+  ``input`` the parsed arguments), ``stop_reason`` (``end_turn``,
+  ``max_tokens``, ``stop_sequence`` with ``stop_sequence`` set, ``tool_use``)
+  and ``usage`` (``input_tokens``, ``output_tokens``);
+- streamed: Anthropic's events, each as ``event: <type>`` and its ``data:``:
+  ``message_start`` (the message with empty content and the input tokens),
+  ``ping``, then per block ``content_block_start``, ``content_block_delta``
+  (``thinking_delta``, ``text_delta``, ``input_json_delta`` whose
+  ``partial_json`` pieces add up to the call's input) and
+  ``content_block_stop``, then ``message_delta`` (``stop_reason``,
+  ``stop_sequence``, ``usage.output_tokens``) and ``message_stop``. A failure
+  after the stream started is an ``error`` event, and the stream ends.
+Every check fails before anything is generated, with Anthropic's envelope and
+the field named in this API's terms. ``count_tokens(req)`` is
+``{"input_tokens": n}``, the prompt as the same request would render it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse
+
+from ..assistant_turn import ReasoningDelta, Turn, TurnEnd, TurnEvent, TurnReader, first_awaited
+from ..chat_translation import Translated
+from ..errors import APIError
+from ..serving import ChatPlan, OpenAIServing, SSEResponse
+from ..tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
+from . import errors
+from .protocol import CountTokensRequest, MessagesRequest
+from .translate import to_chat
+
+log = logging.getLogger("stagemesh.gateway")
+
+STOP_REASONS = {"end": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
+T = TypeVar("T")
+
+
+def sse_event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def message_json(message_id: str, model: str, turn: Turn) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if turn.reasoning is not None:
+        content.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
+    if turn.content:
+        content.append({"type": "text", "text": turn.content})
+    # A call is whole JSON (a forced call cut short stays text): its input parses.
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+                for c in turn.calls]
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": STOP_REASONS[turn.end.stop], "stop_sequence": turn.end.stop_string,
+            "usage": {"input_tokens": turn.end.prompt_tokens, "output_tokens": turn.end.completion_tokens}}
+
+
+class _Blocks:
+    """The stream's content blocks: one open at a time, each opened by its first delta."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "thinking", "text" or a call's id
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def start(self, key: str, block: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.index += 1
+        self.open = key
+        return out + [sse_event("content_block_start",
+                                {"type": "content_block_start", "index": self.index, "content_block": block})]
+
+    def delta(self, delta: dict[str, Any]) -> str:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def feed(self, event: TurnEvent) -> list[str]:
+        if isinstance(event, ReasoningDelta):
+            opened = [] if self.open == "thinking" else self.start("thinking", {"type": "thinking", "thinking": "",
+                                                                               "signature": ""})
+            return opened + [self.delta({"type": "thinking_delta", "thinking": event.text})]
+        if isinstance(event, ContentDelta):
+            opened = [] if self.open == "text" else self.start("text", {"type": "text", "text": ""})
+            return opened + [self.delta({"type": "text_delta", "text": event.text})]
+        if isinstance(event, CallStart):
+            return self.start(event.id, {"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+        if isinstance(event, ArgumentsDelta):
+            return [self.delta({"type": "input_json_delta", "partial_json": event.text})]
+        return []
+
+
+class AnthropicServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self._serving = serving
+        template = serving.chat_template or ""
+        self._thinking_switch = "enable_thinking" in template
+
+    def _translate(self, req: CountTokensRequest) -> Translated:
+        return to_chat(req, thinking_switch=self._thinking_switch)
+
+    @staticmethod
+    def _named(translated: Translated, step: Callable[[], T]) -> T:
+        try:
+            return step()
+        except APIError as e:
+            raise translated.names.renamed(e) from None
+
+    def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        translated = self._translate(req)
+        plan = self._named(translated, lambda: self._serving.plan_chat(translated.chat))
+        return {"input_tokens": len(plan.prompt)}
+
+    async def messages(self, req: MessagesRequest) -> JSONResponse | SSEResponse:
+        arrived = time.monotonic()
+        translated = self._translate(req)
+        plan: ChatPlan = self._named(translated, lambda: self._serving.plan_chat(translated.chat, arrived))
+        message_id = f"msg_{uuid.uuid4().hex}"
+        events = self._named(translated, lambda: self._serving.run_chat(plan, message_id))
+        reader = TurnReader(plan, self._serving)
+        if not plan.settings.stream:
+            return JSONResponse(message_json(message_id, plan.model, await reader.whole(events)))
+        started = await first_awaited(events)
+        return SSEResponse(self._stream(message_id, plan, reader.stream(started)),
+                           headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def _stream(self, message_id: str, plan: ChatPlan,
+                      turn: AsyncGenerator[TurnEvent, None]) -> AsyncIterator[str]:
+        start: dict[str, Any] = {
+            "id": message_id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(plan.prompt), "output_tokens": 0}}
+        yield sse_event("message_start", {"type": "message_start", "message": start})
+        yield sse_event("ping", {"type": "ping"})
+        blocks = _Blocks()
+        try:
+            async for event in turn:
+                for out in blocks.feed(event):
+                    yield out
+                if isinstance(event, TurnEnd):
+                    for out in blocks.close():
+                        yield out
+                    yield sse_event("message_delta", {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": STOP_REASONS[event.stop], "stop_sequence": event.stop_string},
+                        "usage": {"input_tokens": event.prompt_tokens, "output_tokens": event.completion_tokens}})
+                    yield sse_event("message_stop", {"type": "message_stop"})
+        except APIError as e:
+            log.warning("stream %s failed after it started: %s", message_id, e.message)
+            yield sse_event("error", errors.event(e))
+        finally:
+            await turn.aclose()

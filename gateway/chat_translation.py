@@ -1,0 +1,75 @@
+"""Another API's request as the chat endpoint's own, and its errors back in that API's terms.
+
+Contract:
+- ``chat_request(fields)`` builds the ``ChatCompletionRequest`` a translated
+  request becomes (``gateway.anthropic.translate``, ``gateway.openai_responses.translate``);
+  everything it asks of the mesh then goes through the chat endpoint's checks
+  and generation (``OpenAIServing.plan_chat`` / ``run_chat``): one path.
+- ``FieldNames`` maps the chat request's field paths (``messages[3].content``,
+  ``stop``, ``tools[0].function.parameters``) to the client's own
+  (``messages[1].content[2].content``, ``stop_sequences``, ``tools[0].input_schema``):
+  the longest mapped prefix of a path is replaced. ``renamed(err)`` is the
+  chat check's ``APIError`` naming the client's field, in ``param`` and in the
+  message (where the message names the chat field, it is replaced; otherwise
+  the client's field is put first).
+- ``chat_field_schema(name)`` is the documented JSON Schema of a chat field
+  (its range and limits), so the other APIs' schemas state the same bounds
+  the chat checks enforce, from one definition.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import APIError, bad_request
+from .schemas import ChatCompletionRequest
+
+
+def chat_request(fields: Mapping[str, Any]) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(dict(fields))
+    except ValidationError as e:  # the translation's own output: a field the chat request cannot hold
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise bad_request(f"{where}: {first.get('msg')}", where or None) from None
+
+
+def chat_field_schema(name: str) -> dict[str, Any]:
+    extra = ChatCompletionRequest.model_fields[name].json_schema_extra
+    return copy.deepcopy(extra) if isinstance(extra, dict) else {}
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    renames: Mapping[str, str] = field(default_factory=dict)
+
+    def client_param(self, param: str | None) -> str | None:
+        if param is None:
+            return None
+        for chat in sorted(self.renames, key=len, reverse=True):
+            if param == chat or param.startswith((chat + ".", chat + "[")):
+                return self.renames[chat] + param[len(chat):]
+        return param
+
+    def renamed(self, err: APIError) -> APIError:
+        param = self.client_param(err.param)
+        if param == err.param or err.param is None or param is None:
+            return err
+        # The chat field as a whole name in the message (not inside a longer name such as stop_token_ids).
+        named = re.compile(r"(?<![\w.\[\]])" + re.escape(err.param) + r"(?![\w\[])")
+        message = named.sub(param, err.message) if named.search(err.message) else f"{param}: {err.message}"
+        return APIError(err.status, message, param=param, code=err.code, should_retry=err.should_retry)
+
+
+@dataclass(frozen=True)
+class Translated:
+    """A request in the chat endpoint's terms, and how to name its fields back."""
+
+    chat: ChatCompletionRequest
+    names: FieldNames = field(default_factory=FieldNames)
