@@ -54,7 +54,7 @@ def stack_layers(layers: Sequence[nn.Module], hidden: mx.array, segments: Sequen
         out = run_batch(layers, hidden[rows][:, None, :], decode.caches, array_masks)
         outputs.append(out[:, 0, :])
         order += decode.rows
-    together = set()
+    together: set[int] = set()
     for group in prefill_groups([s for s in segments if _batchable(s.caches)]):
         outputs.append(_prefill_together(layers, hidden, group, array_masks))
         order += [row for segment in group for row in segment.rows]
