@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from stage_worker.layer_stack import prefill_groups
 from stage_worker.mlx_arch import describe, exact_prefix_reuse
 from stage_worker.model_reader import read_model_spec
 from stage_worker.packed_forward import Segment
@@ -33,6 +34,9 @@ MAX_TOKENS = (12, 7, 10)
 # Shares PROMPTS[0]'s first 16 tokens (two prefix-cache blocks of 8).
 SHARED_PREFIX = PROMPTS[0][:16] + (7, 7, 7)
 BLOCK = 8
+# Fresh prompts of nearly one length (longer than the windows), arriving together: prefilled as one left-padded
+# batch (layer_stack.prefill_groups) on the stack path.
+TOGETHER = (tuple(range(300, 320)), tuple(range(400, 419)), tuple(range(500, 520)))
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +67,7 @@ def _stages(spec, depth: int) -> list[StageModel]:
 def test_pipelines_equal_mlx_lm_generation(checkpoints, name):
     path = tiny_checkpoint(name, checkpoints)
     spec = read_model_spec(path)
-    reference = _mlx_lm_greedy(path, PROMPTS + (SHARED_PREFIX,), max(MAX_TOKENS))
+    reference = _mlx_lm_greedy(path, PROMPTS + (SHARED_PREFIX,) + TOGETHER, max(MAX_TOKENS))
     expected = [ref[:n] for ref, n in zip(reference, MAX_TOKENS)]
     exact = exact_prefix_reuse(spec)
     for depth in (1, 2, 3):
@@ -87,6 +91,19 @@ def test_pipelines_equal_mlx_lm_generation(checkpoints, name):
             if exact:
                 assert pipeline.scheduler.prefix_cache is not None
                 assert pipeline.scheduler.prefix_cache.stats.hits >= 2 * BLOCK
+            together, _ = read_until_finished([pipeline.submit(p, MAX_TOKENS[0]) for p in TOGETHER])
+            assert together == [ref[:MAX_TOKENS[0]] for ref in reference[4:]], f"PP={depth}: prefilled together"
+
+
+def test_fresh_prompts_of_nearly_one_length_are_prefilled_together():
+    def groups(*lengths: int) -> list[list[int]]:
+        return [[s.num_tokens for s in g] for g in prefill_groups([Segment([], n) for n in lengths])]
+
+    assert groups(*(len(p) for p in TOGETHER)) == [[20, 20, 19]]
+    assert groups(32, 32, 32) == [[32, 32, 32]]
+    # Padding at most a tenth of the real positions: 20 and 3 run alone, 60 and 58 together.
+    assert groups(20, 3) == [] and groups(5, 60, 17, 58) == [[60, 58]]
+    assert groups(7) == []
 
 
 def test_cache_kinds_follow_the_architecture():
