@@ -24,7 +24,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
@@ -136,24 +136,25 @@ def pytest_configure(config: pytest.Config) -> None:
     _install_model_guard()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
     _install_ray_guard()
     _GUARD.test = None if item.get_closest_marker("e2e") else item.nodeid
     _GUARD.violations.clear()
     try:
-        yield
+        return (yield)
     finally:
         _GUARD.test = None
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Fail the phase even when the code under test caught the guard's exception."""
-    outcome = yield
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, pytest.TestReport,
+                                                                                     pytest.TestReport]:
+    """Fail the phase even when the code under test caught the guard's exception (or it rose in another thread)."""
+    report = yield
     if _GUARD.violations:
-        report = outcome.get_result()
         if report.outcome != "failed":
             report.outcome = "failed"
             report.longrepr = "\n".join(_GUARD.violations)
         _GUARD.violations.clear()
+    return report

@@ -4,6 +4,7 @@ small KV budget evicts cached prefixes instead of failing a request."""
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 
@@ -88,12 +89,19 @@ def _conversation(engine: _Engine) -> list[list[int]]:
     return outputs
 
 
-def test_greedy_output_with_the_prefix_cache_equals_the_cache_off(model):
-    off = _Engine(model, None)
+@functools.cache
+def conversation_without_cache(path: str) -> list[list[int]]:
+    """``_conversation`` on the whole model without a prefix cache: what this file and
+    tests/e2e/test_prefix_cache_e2e.py compare against, computed once a session."""
+    engine = _Engine(load_whole_model(path), None)
     try:
-        expected = _conversation(off)
+        return _conversation(engine)
     finally:
-        off.stop()
+        engine.stop()
+
+
+def test_greedy_output_with_the_prefix_cache_equals_the_cache_off(model, default_model_path):
+    expected = conversation_without_cache(default_model_path)
     cache = PrefixCache(BLOCK)
     on = _Engine(model, cache)
     try:

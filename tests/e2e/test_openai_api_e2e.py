@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import mlx.core as mx
@@ -15,8 +16,6 @@ import mlx.nn as nn
 import numpy as np
 import openai
 import pytest
-
-from tests.e2e.serve_process import start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -26,15 +25,11 @@ REPEATS = "one two one two one two one two"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    started = []
-    try:
-        for pp in (1, 2):
-            started.append(start_serve(tmp_path_factory.mktemp(f"openai-pp{pp}"), pp=pp))
-        yield [openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0) for s in started], started
-    finally:
-        for s in started:
-            s.stop()
+def servers(serve_pp1, serve_pp2):
+    """The package's shared serves (tests/e2e/conftest.py): PP=2's step-ahead and joined projections compute
+    exactly what PP=1 does."""
+    started = [serve_pp1, serve_pp2]
+    return [openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0) for s in started], started
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +38,10 @@ def clients(servers):
 
 
 def both(clients, call):
-    """Run ``call(client)`` on PP=1 and PP=2; they must agree exactly."""
-    first, second = (call(c) for c in clients)
+    """Run ``call(client)`` on PP=1 and PP=2, at once (two servers: the layouts compute side by side); they must
+    agree exactly."""
+    with ThreadPoolExecutor(len(clients)) as pool:
+        first, second = pool.map(call, clients)
     assert first == second, (first, second)
     return first
 

@@ -16,7 +16,7 @@ from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 from tests.e2e.stage_processes import start_stages
 from tests.stage_calls import generate
-from tests.test_prefix_cache_engine import BLOCK, _conversation, _Engine, load_whole_model
+from tests.test_prefix_cache_engine import BLOCK, _conversation, conversation_without_cache
 
 TOKEN = generate_token()  # the stages' gRPC requires the mesh token on GenerateStream
 
@@ -24,19 +24,10 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def cache_off_outputs(model):
+def cache_off_outputs(default_model_path):
     """The conversation without a prefix cache, one stage in this process (PP=N is bit-identical to
     PP=1: tests/e2e/test_pipeline_e2e.py)."""
-    engine = _Engine(model, None)
-    try:
-        return _conversation(engine)
-    finally:
-        engine.stop()
-
-
-@pytest.fixture(scope="module")
-def model(default_model_path):
-    return load_whole_model(default_model_path)
+    return conversation_without_cache(default_model_path)
 
 
 class _GrpcClient:

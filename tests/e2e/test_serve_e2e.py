@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,33 +17,16 @@ import openai
 import psutil
 import pytest
 
+from tests.e2e.conftest import MESH_TOKEN
 from tests.e2e.serve_process import port_is_free, start_serve
 
 pytestmark = pytest.mark.e2e
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
-MESH_TOKEN = "e2e-mesh-token-" + "k" * 24  # given through STAGEMESH_MESH_TOKEN, as a cluster's nodes would
 COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
-
-@pytest.fixture(scope="module")
-def serve_pp1(tmp_path_factory):
-    serve = start_serve(tmp_path_factory.mktemp("pp1"), pp=1)
-    yield serve
-    serve.stop()
-
-
-@pytest.fixture(scope="module")
-def serve_pp2(tmp_path_factory):
-    # Step-ahead and joined projections on (auto leaves both off on the CPU), so PP=2 below also covers
-    # decode steps built ahead and the GPU's layer form; on the CPU backend joined layers compute exactly
-    # what separate ones do, so PP=2 still equals PP=1 token for token.
-    serve = start_serve(tmp_path_factory.mktemp("pp2"), pp=2,
-                        env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN, "STAGEMESH_STEP_AHEAD": "on",
-                             "STAGEMESH_FUSE_PROJECTIONS": "on"})
-    yield serve
-    serve.stop()
+# serve_pp1 and serve_pp2 (tests/e2e/conftest.py) are shared with the other tests that only send requests.
 
 
 def _grpcurl() -> str:
@@ -72,8 +56,9 @@ def test_chat_answers_paris_streaming_and_not(which, request):
 
 def test_greedy_completions_at_pp2_equal_pp1_token_for_token(serve_pp1, serve_pp2):
     for prompt in COMPLETION_PROMPTS:
-        one = _client(serve_pp1).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
-        two = _client(serve_pp2).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        with ThreadPoolExecutor(2) as pool:  # two servers: the layouts compute side by side
+            one, two = pool.map(lambda serve, p=prompt: _client(serve).completions.create(
+                model=MODEL, prompt=p, max_tokens=24, temperature=0), (serve_pp1, serve_pp2))
         assert two.choices[0].text == one.choices[0].text
         assert two.usage.completion_tokens == one.usage.completion_tokens
 
