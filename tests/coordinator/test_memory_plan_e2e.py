@@ -79,13 +79,13 @@ def _generate(target: str, token: str, prompt: list[int], max_tokens: int = 8) -
 
     from stagemesh.core.mesh_token import call_metadata
     from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+    from tests.stage_calls import generate
 
     with grpc.insecure_channel(target) as channel:
         request = stage_pb2.GenerateRequest(
             request_id="plan-test", prompt_token_ids=prompt, max_tokens=max_tokens,
             sampling=stage_pb2.SamplingParams(temperature=0.0, top_p=1.0))
-        return [t for message in stage_pb2_grpc.StageStub(channel).Generate(
-                    request, timeout=120, metadata=call_metadata(token)) for t in message.token_ids]
+        return generate(stage_pb2_grpc.StageStub(channel), request, metadata=call_metadata(token), timeout=120)
 
 
 def test_plan_command_reads_each_nodes_memory_where_it_runs(cluster):
