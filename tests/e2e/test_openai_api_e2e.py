@@ -17,6 +17,8 @@ import numpy as np
 import openai
 import pytest
 
+from tests.e2e.serve_process import start_serve
+
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,11 +27,14 @@ REPEATS = "one two one two one two one two"
 
 
 @pytest.fixture(scope="module")
-def servers(serve_pp1, serve_pp2):
-    """The package's shared serves (tests/e2e/conftest.py): PP=2's step-ahead and joined projections compute
-    exactly what PP=1 does."""
-    started = [serve_pp1, serve_pp2]
-    return [openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0) for s in started], started
+def servers(serve_pp1, tmp_path_factory):
+    """PP=1 (the package's shared serve, tests/e2e/conftest.py) and a PP=2 of this module's own."""
+    pp2 = start_serve(tmp_path_factory.mktemp("openai-pp2"), pp=2)
+    started = [serve_pp1, pp2]
+    try:
+        yield [openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0) for s in started], started
+    finally:
+        pp2.stop()
 
 
 @pytest.fixture(scope="module")
