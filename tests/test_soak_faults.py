@@ -24,6 +24,7 @@ def _connects(port: int) -> bool:
         return False
 
 
+@pytest.mark.e2e  # runs iptables: a process
 def test_a_blocked_port_answers_nothing_until_the_block_is_removed():
     port = free_port_base(1)
     listener = socket.create_server(("127.0.0.1", port))
