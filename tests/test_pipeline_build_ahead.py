@@ -5,7 +5,6 @@ three, real control lanes over loopback, each relay in its own thread: the token
 generation on one stage, stop tokens and micro-batches included.
 """
 
-import socket
 import threading
 
 import mlx.core as mx
@@ -14,14 +13,13 @@ import pytest
 from stage_worker.default_model import default_model_path
 from stage_worker.engine import EntryEngine
 from stage_worker.generation_job import GenerationJob, run_generation
-from stage_worker.links import InboundLink, OutboundLink, RingWatchdog
 from stage_worker.model_reader import read_model_spec
 from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
 from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import EntryPipeline, StageCompute, relay_loop
 from stage_worker.stage_status import StageStatus
 from stagemesh.core.layer_split import LayerRange
-from tests.engine_helpers import CountingPipeline, read_until_finished
+from tests.engine_helpers import CountingPipeline, lane, read_until_finished
 
 pytestmark = pytest.mark.e2e
 
@@ -49,27 +47,10 @@ def reference(models):
     return run_generation(pipeline, GenerationJob(tuple(tuple(p) for p in PROMPTS), 12)).outputs
 
 
-def _lane(name_in: str, name_out: str) -> tuple[InboundLink, OutboundLink]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    inbound = InboundLink(None, 0, name_in)
-    inbound.listen("127.0.0.1", port)
-    accepted = threading.Thread(target=inbound.accept, args=(10, lambda body: None))
-    accepted.start()
-    outbound = OutboundLink(None, 1, name_out)
-    outbound.connect("127.0.0.1", port, 10)
-    outbound.handshake({"hello": 1}, 10)
-    accepted.join()
-    inbound.attach_lane_payloads()
-    outbound.attach_lane_payloads(RingWatchdog(120, name_out))
-    return inbound, outbound
-
-
 def _serve(models, micro_batches, stop=frozenset(), build_ahead=True, prompts=PROMPTS, depth=2):
     stages = models[1][depth]
     # lanes[g]: from stage g to stage g+1 (the last one wraps round to the entry stage)
-    lanes = [_lane(f"stage {g}", f"stage {(g + 1) % depth}") for g in range(depth)]
+    lanes = [lane(f"stage {g}", f"stage {(g + 1) % depth}") for g in range(depth)]
     relays = [threading.Thread(target=relay_loop,
                                args=(StageCompute(stages[g], 8), lanes[g - 1][0], lanes[g][1], g == depth - 1),
                                kwargs={"build_ahead": build_ahead}) for g in range(1, depth)]
