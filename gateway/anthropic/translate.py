@@ -68,12 +68,17 @@ def _text(block: dict[str, Any], where: str) -> dict[str, str]:
 def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, str]]:
     if system is None or isinstance(system, str):
         return [{"type": "text", "text": system}] if system else []
+    return _text_blocks(system, "system")
+
+
+def _text_blocks(blocks: list[dict[str, Any]], where: str) -> list[dict[str, str]]:
+    """A list that may hold only text blocks (a system prompt, a tool result's content), each checked."""
     parts = []
-    for j, block in enumerate(system):
-        where = f"system[{j}]"
-        if _kind(block, where) != "text":
-            raise bad_request(f"{where} must be a text block.", f"{where}.type")
-        parts.append(_text(block, where))
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        if _kind(block, at) != "text":
+            raise bad_request(f"{at} must be a text block.", f"{at}.type")
+        parts.append(_text(block, at))
     return parts
 
 
@@ -87,12 +92,7 @@ def _tool_result(block: dict[str, Any], where: str, answerable: set[str]) -> dic
     if content is None or isinstance(content, str):
         parts = [{"type": "text", "text": content or ""}]
     elif isinstance(content, list):
-        parts = []
-        for k, part in enumerate(content):
-            at = f"{where}.content[{k}]"
-            if _kind(part, at) != "text":
-                raise bad_request(f"{at} must be a text block.", f"{at}.type")
-            parts.append(_text(part, at))
+        parts = _text_blocks(content, f"{where}.content")
     else:
         raise bad_request(f"{where}.content must be a string or a list of text blocks.", f"{where}.content")
     return {"role": "tool", "tool_call_id": call_id, "content": parts}
