@@ -44,6 +44,7 @@ from stage_worker.fused_projections import fusion_wanted
 from stage_worker.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.handshake import StageIdentity, connect_neighbours, init_ring
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
+from stage_worker.load_progress import WeightProgress, reporting
 from stage_worker.memory import (
     MemoryBudgetError,
     host_memory_budget,
@@ -179,7 +180,11 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
         log.info("MLX CUDA settings: %s",
                  " ".join(f"{name}={os.environ.get(name, 'unset')}" for name in SERVING_MLX_CUDA_DEFAULTS))
     started = time.monotonic()
-    model = StageModel.load(spec, StageRole(me.layers, launch.is_first, launch.is_last), ctx.dtype)
+    # The readers report the bytes they read: a line in the log every few seconds, and GetStageInfo's stats
+    # (so `stagemesh status`, /mesh and the dashboard show how far a long load has got).
+    progress = WeightProgress(log=log, on_change=lambda counts: setattr(status, "load", counts))
+    with reporting(progress):
+        model = StageModel.load(spec, StageRole(me.layers, launch.is_first, launch.is_last), ctx.dtype)
     sharing = launch.stages_sharing_host()
     own_gpu = stage_has_own_gpu(options.gpu_index, settings.GPU_PER_STAGE)
     budget = host_memory_budget(options.memory_fraction,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from stage_worker.load_progress import LoadCounts
 from stagemesh.core.snapshots import StageStats
 from stagemesh.core.states import StageState
 
@@ -53,6 +54,7 @@ class StageStatus:
         # Read at GetStageInfo time from the stage's KV store (set once it exists); plain int reads.
         self.prefix_cache: Callable[[], PrefixCacheCounts] | None = None
         self.prefix_block_size = 1
+        self.load = LoadCounts()  # replaced whole by the loading thread (stage_worker.load_progress)
 
     def on_state(self, listener: Callable[[StageState], None]) -> None:
         with self._lock:
@@ -111,4 +113,5 @@ class StageStatus:
                               kv_token_capacity=self.kv_token_capacity, generated_tokens=self.generated_tokens,
                               prefix_cache_queries=counts.queried_tokens, prefix_cache_hits=counts.reused_tokens,
                               prefix_cache_blocks=counts.cached_tokens // block,
-                              prefix_cache_evictions=counts.evicted_tokens // block)
+                              prefix_cache_evictions=counts.evicted_tokens // block,
+                              load_done_bytes=self.load.done_bytes, load_total_bytes=self.load.total_bytes)

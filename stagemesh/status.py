@@ -46,7 +46,7 @@ def format_mesh(mesh: dict, now: float | None = None) -> str:
                 str(stage.get("grpc_port")), str(stage.get("ring_port")), str(stage.get("pid") or "-"),
                 str(stage.get("compute_dtype")), "yes" if stage.get("quantized") else "no",
                 str(stage.get("backend") or "-"), str(stage.get("device") or "-"),
-                str(stage.get("state", "")), "yes" if stage.get("healthy") else "NO",
+                _state_cell(stage), "yes" if stage.get("healthy") else "NO",
                 _kv_cell(stage.get("stats") or {}),
                 *_prefix_cache_cells(stage.get("stats") or {}),
             ))
@@ -75,6 +75,17 @@ def _supervision_line(replica: dict, now: float | None) -> str:
         plural = "s" if failures != 1 else ""
         line += f" ({failures} failure{plural} in a row, {replica.get('restarts') or 0} restarts so far)"
     return line
+
+
+def _state_cell(stage: dict) -> str:
+    """The stage's state; while it loads, how much of its weights it has read ("loading 31% of 10.4 GB")."""
+    state = str(stage.get("state", ""))
+    stats = stage.get("stats") or {}
+    total = stats.get("load_total_bytes") or 0
+    if state == "loading" and total:
+        done = min(stats.get("load_done_bytes") or 0, total)
+        return f"loading {100 * done // total}% of {total / 1e9:.1f} GB"
+    return state
 
 
 def _kv_cell(stats: dict) -> str:

@@ -119,6 +119,14 @@ function depthBar(replica, depth) {
 const COLUMNS = ["stage", "host", "layers", "dtype", "state", "health", "pid", "uptime", "restarts",
   "running / waiting", "batches/s", "compute / wait / send", "KV cache"];
 
+// While a stage loads, how much of its weights it has read (the stage counts them: load_*_bytes).
+function stateText(stage) {
+  const total = stage.stats.load_total_bytes || 0;
+  if (stage.state !== "loading" || !total) return stage.state;
+  const done = Math.min(stage.stats.load_done_bytes || 0, total);
+  return "loading " + Math.floor(100 * done / total) + "% of " + (total / 1e9).toFixed(1) + " GB";
+}
+
 function stageRow(replica, stage) {
   const r = stage.rates;
   const quant = stage.quantized ? "quantized" : "dense";
@@ -130,7 +138,7 @@ function stageRow(replica, stage) {
   el("td", {}, stage.host + (stage.device ? " (" + stage.device + ")" : "")),
   el("td", { class: "layers" }, "[" + stage.layers[0] + ", " + stage.layers[1] + ")"),
   el("td", {}, stage.compute_dtype + ", " + quant),
-  el("td", { class: "state", title: stage.error || "" }, stage.state),
+  el("td", { class: "state", title: stage.error || "" }, stateText(stage)),
   el("td", { class: "health " + (stage.healthy ? "ok" : "bad") }, stage.healthy ? "healthy" : "UNHEALTHY"),
   el("td", { class: "pid" }, stage.pid === null ? "–" : String(stage.pid)),
   el("td", {}, duration(stage.uptime_s)),

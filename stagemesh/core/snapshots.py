@@ -50,6 +50,8 @@ class StageStats:
     prefix_cache_hits: int = 0  # of those, positions copied from a cached prefix
     prefix_cache_blocks: int = 0  # blocks cached now
     prefix_cache_evictions: int = 0  # blocks dropped (least recently used for room, or superseded)
+    load_done_bytes: int = 0  # bytes of model files read (or converted) so far
+    load_total_bytes: int = 0  # of the total it reads (0: not loading yet, or nothing to read)
 
     def to_proto(self) -> stage_pb2.StageStats:
         return stage_pb2.StageStats(**asdict(self))
