@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from . import load_progress
 from .model_spec import (
     GGUF_ARCHITECTURES,
     ModelFormatError,
@@ -415,6 +416,8 @@ def read_gguf_spec(path: str) -> ModelSpec:
 def _read_bytes(path: str, infos: Iterable[GGUFTensorInfo]) -> dict[str, np.ndarray]:
     """Copy each tensor's raw bytes out of the file (in file order, no mapping kept)."""
     out: dict[str, np.ndarray] = {}
+    infos = list(infos)
+    load_progress.expect(sum(info.nbytes for info in infos))
     with open(path, "rb", buffering=0) as f:
         for info in sorted(infos, key=lambda i: i.offset):
             buf = np.empty(info.nbytes, dtype=np.uint8)
@@ -423,6 +426,7 @@ def _read_bytes(path: str, infos: Iterable[GGUFTensorInfo]) -> dict[str, np.ndar
             if f.readinto(memoryview(buf)) != info.nbytes:  # type: ignore[arg-type]
                 raise ModelFormatError(f"{path} is truncated inside tensor {info.name}.")
             out[info.name] = buf
+            load_progress.read(info.nbytes)
     return out
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import load_progress
 from .model_spec import (
     ModelFormatError,
     ModelSpec,
@@ -202,6 +203,7 @@ def load_safetensors_weights(
         if wanted(name, layers, with_embedding, with_head, spec.tie_word_embeddings):
             by_file[file].append(name)
     weights: dict[str, mx.array] = {}
+    shards: list[list[str]] = []
     for file, keys in sorted(by_file.items()):
         full = os.path.join(spec.path, file)
         if not os.path.isfile(full):
@@ -217,8 +219,30 @@ def load_safetensors_weights(
                 raise ModelFormatError(f"{full} lacks {key}, which {INDEX_FILE} places there.")
             weights[key] = arrays[key]
         del arrays
-        mx.eval(list(weights[k] for k in keys))  # read this shard's slice before opening the next
+        shards.append(keys)
+    load_progress.expect(sum(weights[k].nbytes for k in weights))
+    for keys in shards:  # one shard after the other, a few hundred MB per evaluation, so progress moves
+        for chunk in _chunks(keys, weights, _READ_CHUNK_BYTES):
+            mx.eval([weights[k] for k in chunk])
+            load_progress.read(sum(weights[k].nbytes for k in chunk))
     return sanitize_slice(spec, weights, layers)
+
+
+_READ_CHUNK_BYTES = 256 << 20
+
+
+def _chunks(keys: list[str], arrays: Mapping[str, mx.array], limit: int) -> Iterable[list[str]]:
+    """``keys`` in order, grouped so each group's arrays hold about ``limit`` bytes (at least one key)."""
+    group: list[str] = []
+    size = 0
+    for key in keys:
+        group.append(key)
+        size += arrays[key].nbytes
+        if size >= limit:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
 def sanitize_slice(spec: ModelSpec, weights: dict[str, mx.array], layers: range) -> dict[str, mx.array]:

@@ -88,3 +88,21 @@ def test_sharded_conversion_loads_the_same(converted, tmp_path):
     tokens = mx.array([[1, 4093, 198, 19556, 2]])
     model_single, _ = load(str(converted))
     assert mx.array_equal(reference(tokens), model_single(tokens)).item()
+
+
+def test_the_command_shows_a_progress_bar_of_the_bytes_converted(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from stage_worker.gguf_format import read_gguf_header
+
+    total = sum(info.nbytes for info in read_gguf_header(DEFAULT).tensors.values())
+    env = {**os.environ, "COLUMNS": "120"}
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "convert", DEFAULT, str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "converting" in done.stderr
+    # rich's DownloadColumn shows "done/total MB" at the end: every byte of the file's tensors was read.
+    megabytes = f"{total / 1e6:.1f}"
+    assert f"{megabytes}/{megabytes} MB" in done.stderr, done.stderr[-500:]

@@ -59,3 +59,23 @@ def test_status_carries_the_counts_and_the_table_shows_them():
     serving = format_mesh(MeshSnapshot("m", (ReplicaSnapshot(0, (
         StageSnapshot(**{**stage.__dict__, "state": StageState.SERVING}),)),)).to_json())
     assert "loading" not in serving and "serving" in serving
+
+
+def test_both_readers_count_exactly_the_bytes_of_the_slice_they_read(tmp_path):
+    from stage_worker.model_reader import read_model_spec
+    from stage_worker.stage_weights import load_stage_weights
+    from tests.architectures import tiny_checkpoint
+    from tests.test_gguf_format import write_tiny_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, n_layers=3)
+    for path in (str(gguf), tiny_checkpoint("qwen3", tmp_path)):
+        spec = read_model_spec(path)
+        with reporting(WeightProgress()) as progress:
+            load_stage_weights(spec, range(1, 2), with_embedding=False, with_head=False)
+        counts = progress.snapshot()
+        # Only layer 1's tensors: a middle stage of three reads a third of the layers and no embedding.
+        assert 0 < counts.done_bytes == counts.total_bytes, (path, counts)
+        with reporting(WeightProgress()) as whole:
+            load_stage_weights(spec, range(0, spec.num_layers), with_embedding=True, with_head=True)
+        assert whole.snapshot().done_bytes > counts.done_bytes * spec.num_layers >= counts.done_bytes
