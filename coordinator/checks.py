@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from coordinator.health import StageChannel, StageProbe, Verdict
 from coordinator.replica import LiveReplica, LiveStage
+from stagemesh.core.snapshots import StageStats
 from stagemesh.core.states import StageState
 
 log = logging.getLogger("stagemesh.coordinator")
@@ -79,3 +80,14 @@ def record_verdict(stage: LiveStage, probe: StageProbe, verdict: Verdict, reason
             log.info("%s: %s", stage.name, stage.state.value)
     elif verdict is Verdict.SUSPECT:
         log.warning("%s: not serving (%s), check %d of %d", stage.name, reason, stage.misses, max_misses)
+    if stage.state is StageState.LOADING and (tenth := loaded_tenths(stage.stats)) > stage.load_tenths_logged:
+        # The serve log shows each stage's weights arriving, a line per tenth (a large model loads for minutes).
+        stage.load_tenths_logged = tenth
+        log.info("%s: loading, %d%% of %.1f GB read", stage.name, 10 * tenth, stage.stats.load_total_bytes / 1e9)
+
+
+def loaded_tenths(stats: StageStats) -> int:
+    """How many whole tenths of its weights a loading stage has read (0 before it knows its total)."""
+    if not stats.load_total_bytes:
+        return 0
+    return min(10, 10 * stats.load_done_bytes // stats.load_total_bytes)

@@ -48,6 +48,7 @@ class LiveStage:
     stats: StageStats = field(default_factory=StageStats)
     misses: int = 0
     started_at: float = 0.0
+    load_tenths_logged: int = 0  # tenths of its weights' loading already logged (coordinator.checks)
 
     @property
     def rank(self) -> int:

@@ -100,3 +100,23 @@ def test_stage_info_carries_the_backend_and_device():
                                          device="NVIDIA H200"))
     assert (view.backend, view.device) == ("cuda", "NVIDIA H200")
     assert info_view(stage_pb2.StageInfo(state=state_to_proto(StageState.LOADING))).backend == ""
+
+
+def test_the_serve_log_shows_a_loading_stage_a_line_per_tenth_of_its_weights(caplog):
+    import logging
+    from dataclasses import replace
+
+    from coordinator.checks import record_verdict
+    from coordinator.placement import StageSlot
+    from coordinator.replica import LiveStage
+
+    stage = LiveStage(0, StageSlot(0, 1, "node", "10.0.0.2"), actor=None)
+    events = []
+    with caplog.at_level(logging.INFO, logger="stagemesh.coordinator"):
+        for done in (0, 1_000, 3_500, 3_900, 10_000):
+            info = replace(_info("loading"), stats=StageStats(load_done_bytes=done * 10**6,
+                                                              load_total_bytes=10_000 * 10**6))
+            record_verdict(stage, StageProbe(health="NOT_SERVING", info=info), Verdict.STARTING, None,
+                           max_misses=3, seconds_running=1.0, on_event=lambda *a, **k: events.append(a))
+    lines = [r.getMessage() for r in caplog.records if "read" in r.getMessage()]
+    assert lines == [f"replica 0 stage 1: loading, {p}% of 10.0 GB read" for p in (10, 30, 100)]
