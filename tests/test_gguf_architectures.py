@@ -178,6 +178,15 @@ def test_planner_facts_equal_the_bytes_each_stage_loads(root, arch, qtype):
         assert facts.slice_weight_bytes(start, end, first=first, last=last, element_bytes=4) == stage.weight_bytes
 
 
+def test_convert_writes_a_directory_mlx_lm_generates_the_same_tokens_from(root, tmp_path):
+    from stage_worker.convert import convert_gguf_to_mlx_dir
+
+    for arch in sorted(CONFIGS):
+        path, reference = _gguf(arch, Q.Q8_0, root, quantized_reference=True)
+        out = convert_gguf_to_mlx_dir(path, str(tmp_path / arch))
+        assert _mlx_lm_greedy(out) == _mlx_lm_greedy(reference), arch
+
+
 def test_the_gguf_tokenizer_is_the_one_it_carries(root):
     from stage_worker.default_model import default_model_path
     from stage_worker.tokenizer import load_tokenizer
@@ -190,22 +199,52 @@ def test_the_gguf_tokenizer_is_the_one_it_carries(root):
         assert tok.chat_template == default.chat_template
 
 
+# ---------------------------------------------------------------- what llama.cpp fixes in code
+
+
+@pytest.mark.parametrize("layers", [6, 62])
+def test_gemma3_attention_scale_window_pattern_and_rope_as_llama_cpp_fixes_them(tmp_path, layers):
+    path = _tiny_gguf(tmp_path / "g.gguf", "gemma3", layers=layers, key_length=8,
+                      rope_scaling=gguf.RopeScalingType.LINEAR)
+    args = read_model_spec(path).args
+    # The 27B (62 layers) scales attention by hidden/heads (32/2), every other Gemma 3 by its head_dim (8).
+    assert args["query_pre_attn_scalar"] == (16 if layers == 62 else 8)
+    assert (args["sliding_window"], args["sliding_window_pattern"], args["rope_local_base_freq"]) == (4, 6, 10000.0)
+    assert args["rope_scaling"] == {"type": "linear", "factor": 4.0}
+    from mlx_lm.models import gemma3_text
+
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(dict(args)))
+    # The scaling applies to the global layers only, as llama.cpp's rope_freq_scale_train_swa = 1 leaves local ones.
+    assert model.model.layers[5].self_attn.rope.scale == 0.25 and model.model.layers[0].self_attn.rope.scale == 1.0
+
+
+def test_a_qwen3moe_layer_without_a_router_is_a_dense_layer(tmp_path):
+    router = np.zeros((2, 32), np.float32)
+    path = _tiny_gguf(tmp_path / "q.gguf", "qwen3moe", layers=3,
+                      tensors={"blk.0.ffn_gate_inp.weight": router, "blk.2.ffn_gate_inp.weight": router})
+    args = read_model_spec(path).args
+    assert args["mlp_only_layers"] == [1] and args["num_experts"] == 2 and args["norm_topk_prob"] is True
+    assert (args["moe_intermediate_size"], args["intermediate_size"]) == (32, 64)
+
+
 # ---------------------------------------------------------------- refused at spec time
 
 
 def _tiny_gguf(path, arch: str, *, extra: dict | None = None, tensors: dict | None = None,
-               rope_scaling: gguf.RopeScalingType | None = None) -> str:
-    """A header-complete GGUF of ``arch`` with tiny tensors (values irrelevant: the spec refuses first)."""
+               rope_scaling: gguf.RopeScalingType | None = None, layers: int = 1, key_length: int = 16) -> str:
+    """A GGUF of ``arch`` whose header is complete, with tiny tensors: what a spec is read from."""
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
+    writer.add_block_count(layers)
     writer.add_context_length(64)
     writer.add_embedding_length(32)
     writer.add_feed_forward_length(64)
     writer.add_head_count(2)
     writer.add_head_count_kv(1)
-    writer.add_key_length(16)
-    writer.add_value_length(16)
+    writer.add_key_length(key_length)
+    writer.add_value_length(key_length)
     writer.add_layer_norm_rms_eps(1e-6)
+    if arch == "gemma3":
+        writer.add_sliding_window(4)
     if arch == "qwen3moe":
         writer.add_expert_count(2)
         writer.add_expert_used_count(1)
