@@ -199,6 +199,48 @@ def test_the_gguf_tokenizer_is_the_one_it_carries(root):
         assert tok.chat_template == default.chat_template
 
 
+def test_a_gemma3_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
+    """Gemma 3's GGUFs carry a sentencepiece vocabulary (tokens, scores, token types), written as llama.cpp's
+    ``_create_vocab_sentencepiece`` writes them; the tokenizer built from it splits text as sentencepiece does."""
+    import io
+
+    import sentencepiece as spm
+
+    from stage_worker.tokenizer import load_tokenizer
+
+    text = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello stagemesh!",
+            "Pipelines split layers across machines.", "Numbers like 12345 and 678 appear too."] * 50
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=proto, vocab_size=400, model_type="bpe", byte_fallback=True,
+        add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        split_digits=True, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], pad_id=0, eos_id=1, bos_id=2,
+        unk_id=3, minloglevel=2)  # Gemma's own settings, at a tiny size
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    # llama.cpp's token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else
+             4 if pieces[i].endswith("_turn>") else 1 for i in range(len(pieces))]
+
+    def vocabulary(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(pieces)
+        writer.add_token_scores([sp.get_score(i) for i in range(len(pieces))])
+        writer.add_token_types(types)
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_space_prefix(False)
+        writer.add_add_bos_token(True)
+
+    tok = load_tokenizer(read_model_spec(_tiny_gguf(tmp_path / "g.gguf", "gemma3", vocabulary=vocabulary)))
+    for sample in ["Hello world, the quick fox!", "Numbers 12345 split", "  two spaces <start_of_turn>user\n"]:
+        assert tok.encode(sample) == [2] + sp.encode(sample), sample
+        assert tok.decode(tok.encode(sample), skip_special_tokens=True) == sample
+
+
 # ---------------------------------------------------------------- what llama.cpp fixes in code
 
 
@@ -231,7 +273,8 @@ def test_a_qwen3moe_layer_without_a_router_is_a_dense_layer(tmp_path):
 
 
 def _tiny_gguf(path, arch: str, *, extra: dict | None = None, tensors: dict | None = None,
-               rope_scaling: gguf.RopeScalingType | None = None, layers: int = 1, key_length: int = 16) -> str:
+               rope_scaling: gguf.RopeScalingType | None = None, layers: int = 1, key_length: int = 16,
+               vocabulary=None) -> str:
     """A GGUF of ``arch`` whose header is complete, with tiny tensors: what a spec is read from."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
@@ -253,6 +296,8 @@ def _tiny_gguf(path, arch: str, *, extra: dict | None = None, tensors: dict | No
         writer.add_rope_scaling_type(rope_scaling)
         writer.add_rope_scaling_factor(4.0)
         writer.add_rope_scaling_orig_ctx_len(32)
+    if vocabulary is not None:
+        vocabulary(writer)
     for key, value in (extra or {}).items():
         writer.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType.FLOAT32)
     defaults = {"token_embd.weight": np.zeros((8, 32), np.float32), "output_norm.weight": np.ones(32, np.float32)}
