@@ -2,16 +2,19 @@
 
 Contract:
 - ``read_gguf_spec(path)`` builds a ``ModelSpec`` from the GGUF header only
-  (architectures llama / qwen2 / qwen3; tensor types F32, F16, BF16, Q4_0,
-  Q4_1, Q8_0); anything else raises ``ModelFormatError`` before any weight is
-  read.
+  (the architectures of ``gguf_architectures``: llama, qwen2, qwen3, qwen3moe,
+  gemma3; tensor types F32, F16, BF16, Q4_0, Q4_1, Q8_0); anything else (an
+  architecture, a tensor type, a tensor the architecture's mlx-lm model has no
+  counterpart of) raises ``ModelFormatError`` before any weight is read.
 - ``load_gguf_weights(spec, layers, with_embedding, with_head)`` reads the
   bytes of only the tensors that slice needs (plain file reads, no mapping
   kept) and returns them under mlx-lm's parameter names, layer indices global.
   Quantized tensors come out in MLX's affine layout (packed uint32 weight,
   float16 scales and biases, group size 32), bit-identical to
-  ``mx.load(path)`` for the same GGUF tensor; llama q/k rows are un-permuted
-  back to the Hugging Face layout, so the model runs with standard RoPE.
+  ``mx.load(path)`` for the same GGUF tensor. The converter's quirks are
+  undone: llama q/k rows are un-permuted back to the Hugging Face layout (so
+  the model runs with standard RoPE), and Gemma 3's norm scales, stored as
+  ``1 + weight``, come back as ``weight`` in float32.
 - ``convert_gguf_tensor(path, name)`` gives one tensor exactly as ``mx.load``
   names and lays it out (no permutation undone); tests compare the two.
 
@@ -26,7 +29,6 @@ import functools
 import math
 import mmap
 import os
-import re
 import struct
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -38,8 +40,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from . import load_progress
+from .gguf_architectures import BLOCK_RE, CommonFacts, GGUFArchitecture, gguf_architecture
 from .model_spec import (
-    GGUF_ARCHITECTURES,
     ModelFormatError,
     ModelSpec,
     served_name_from_path,
@@ -56,29 +58,9 @@ QUANT_BITS: Mapping[int, int] = {T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8}
 GGUF_GROUP_SIZE = 32
 SUPPORTED_TYPES_TEXT = "F32, F16, BF16, Q4_0, Q4_1 and Q8_0"
 
-# GGUF per-layer tensor base names -> mlx-lm module names inside model.layers.N.
-_LAYER_MODULES: Mapping[str, str] = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_MODULES: Mapping[str, str] = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 # Tensors a GGUF may carry that mlx-lm recomputes itself.
 _IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+_BLOCK_RE = BLOCK_RE  # the tensor-name tables per architecture live in gguf_architectures
 
 
 # --------------------------------------------------------------------------- header
@@ -224,15 +206,13 @@ def _unsupported_type_error(info: GGUFTensorInfo) -> ModelFormatError:
     )
 
 
-def gguf_to_mlx_name(name: str) -> str | None:
-    """GGUF tensor name -> mlx-lm parameter name (None if not a model parameter)."""
-    if m := _BLOCK_RE.match(name):
-        module = _LAYER_MODULES.get(m.group(2))
-        return None if module is None else f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
-    if m := _GLOBAL_RE.match(name):
-        module = _GLOBAL_MODULES.get(m.group(1))
-        return None if module is None else f"{module}.{m.group(2)}"
-    return None
+def gguf_to_mlx_name(name: str, architecture: str = "llama") -> str | None:
+    """GGUF tensor name -> mlx-lm parameter name in ``architecture``'s model (None if not one of its parameters)."""
+    return gguf_architecture(architecture).mlx_name(name)
+
+
+def _architecture(header: GGUFHeader) -> GGUFArchitecture:
+    return gguf_architecture(header.metadata.get("general.architecture"))
 
 
 def _meta(md: Mapping[str, Any], arch: str, key: str, default: Any = ...) -> Any:
@@ -308,9 +288,11 @@ def _llama3_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str
 def _quantization_map(header: GGUFHeader) -> dict[str, Any] | None:
     """mlx-lm quantization config from the tensor types of every 2-D weight."""
     per_module: dict[str, tuple[int, int] | None] = {}
+    arch = _architecture(header)
     for name, info in header.tensors.items():
-        mlx_name = gguf_to_mlx_name(name)
-        if mlx_name is None or not mlx_name.endswith(".weight") or len(info.shape) != 2:
+        mlx_name = arch.mlx_name(name)
+        # Matrices and expert stacks (experts, out, in); norms are never quantized.
+        if mlx_name is None or not mlx_name.endswith(".weight") or len(info.shape) < 2:
             continue
         bits = QUANT_BITS.get(info.ggml_type)
         per_module[mlx_name[: -len(".weight")]] = None if bits is None else (GGUF_GROUP_SIZE, bits)
@@ -328,17 +310,21 @@ def _quantization_map(header: GGUFHeader) -> dict[str, Any] | None:
 
 
 def _check_tensors(header: GGUFHeader, num_layers: int) -> None:
+    arch = _architecture(header)
     for name, info in header.tensors.items():
         if name in _IGNORED_TENSORS:
             continue
         if info.ggml_type not in PLAIN_TYPES and info.ggml_type not in QUANT_BITS:
             raise _unsupported_type_error(info)
-        mlx_name = gguf_to_mlx_name(name)
+        mlx_name = arch.mlx_name(name)
         if mlx_name is None:
             raise ModelFormatError(
-                f"GGUF tensor {name} has no counterpart in mlx-lm's llama/qwen2/qwen3 models; "
-                "this file is a variant stagemesh does not serve. Use an MLX model directory."
+                f"GGUF tensor {name} has no counterpart in mlx-lm's {arch.model_type} model (the {arch.name} "
+                "architecture); this file is a variant stagemesh does not serve. Use an MLX model directory."
             )
+        if arch.norm_shift and mlx_name.endswith("norm.weight") and info.ggml_type not in PLAIN_TYPES:
+            raise ModelFormatError(f"GGUF norm tensor {name} is {info.type_name}; a {arch.name} norm must be "
+                                   "F32, F16 or BF16 (llama.cpp never quantizes norms). The file is corrupt.")
         if (m := _BLOCK_RE.match(name)) and int(m.group(1)) >= num_layers:
             raise ModelFormatError(f"GGUF tensor {name} lies beyond block_count={num_layers}; the file is corrupt.")
         if info.ggml_type in QUANT_BITS and info.shape[-1] % GGUF_GROUP_SIZE:
@@ -348,13 +334,8 @@ def _check_tensors(header: GGUFHeader, num_layers: int) -> None:
 def read_gguf_spec(path: str) -> ModelSpec:
     header = read_gguf_header(path)
     md = header.metadata
-    arch = md.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelFormatError(
-            f"GGUF architecture {arch!r} is not supported; stagemesh serves "
-            f"{', '.join(GGUF_ARCHITECTURES)} GGUFs (llama covers SmolLM2, Llama 3.x "
-            "and Mistral). Use a model of one of these architectures."
-        )
+    table = _architecture(header)
+    arch = table.name
     num_layers = int(_meta(md, arch, "block_count"))
     hidden = int(_meta(md, arch, "embedding_length"))
     heads = _meta(md, arch, "attention.head_count")
@@ -366,39 +347,42 @@ def read_gguf_spec(path: str) -> ModelSpec:
     rope_dims = int(_meta(md, arch, "rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ModelFormatError(f"GGUF uses partial rotary embeddings ({rope_dims} of {head_dim} dims); not supported.")
-    if arch == "qwen2" and head_dim != hidden // heads:
-        raise ModelFormatError("qwen2 GGUF with head_dim != hidden/heads is not supported by mlx-lm's qwen2 model.")
     _check_tensors(header, num_layers)
     if "token_embd.weight" not in header.tensors:
         raise ModelFormatError(f"GGUF {path} has no token_embd.weight tensor; the file is incomplete.")
     vocab = header.tensors["token_embd.weight"].shape[0]
     tied = "output.weight" not in header.tensors
-    theta = _f32(_meta(md, arch, "rope.freq_base", 1_000_000.0 if arch.startswith("qwen") else 10_000.0))
+    theta = _f32(_meta(md, arch, "rope.freq_base", table.default_rope_theta))
+    context = int(_meta(md, arch, "context_length", 4096))
+    rope_scaling = _rope_scaling(header, arch, head_dim, theta)
+    common = CommonFacts(num_layers=num_layers, hidden_size=hidden, num_heads=heads, head_dim=head_dim,
+                         context_length=context, rope_scaling=rope_scaling, tensor_names=frozenset(header.tensors))
     args: dict[str, Any] = {
-        "model_type": arch,
-        "architectures": [
-            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
-        ],
+        "model_type": table.model_type,
+        "architectures": [table.hf_architecture],
         "hidden_size": hidden,
         "num_hidden_layers": num_layers,
-        "intermediate_size": int(_meta(md, arch, "feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "rms_norm_eps": _f32(_meta(md, arch, "attention.layer_norm_rms_epsilon")),
         "vocab_size": vocab,
-        "max_position_embeddings": int(_meta(md, arch, "context_length", 4096)),
+        "max_position_embeddings": context,
         "rope_theta": theta,
         "rope_traditional": False,  # q/k rows are un-permuted on load
-        "rope_scaling": _rope_scaling(header, arch, head_dim, theta),
+        "rope_scaling": rope_scaling,
         "tie_word_embeddings": tied,
         "attention_bias": "blk.0.attn_q.bias" in header.tensors,
         "mlp_bias": False,
     }
+    if (ffn := _meta(md, arch, "feed_forward_length", None)) is not None:
+        args["intermediate_size"] = int(ffn)
+    args.update(table.model_args(lambda key, default=...: _meta(md, arch, key, default), common))
+    _check_model_args(path, table, args)
     return ModelSpec(
         path=os.path.abspath(path),
         format="gguf",
-        model_type=arch,
+        model_type=table.model_type,
         args=args,
         num_layers=num_layers,
         hidden_size=hidden,
@@ -406,8 +390,21 @@ def read_gguf_spec(path: str) -> ModelSpec:
         tie_word_embeddings=tied,
         quantization=_quantization_map(header),
         default_served_name=served_name_from_path(path),
-        details={"gguf_version": header.version, "general.name": md.get("general.name")},
+        details={"gguf_version": header.version, "general.name": md.get("general.name"),
+                 "general.architecture": arch},
     )
+
+
+def _check_model_args(path: str, table: GGUFArchitecture, args: Mapping[str, Any]) -> None:
+    """``ModelFormatError`` unless mlx-lm's model for the architecture takes ``args`` (metadata it needs is there)."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{table.model_type}")
+    try:
+        module.ModelArgs.from_dict(dict(args))
+    except TypeError as e:
+        raise ModelFormatError(f"GGUF {path} lacks metadata mlx-lm's {table.model_type} model needs ({e}); the file "
+                               f"is incomplete or not a {table.name} model.") from e
 
 
 # --------------------------------------------------------------------------- tensors
@@ -522,18 +519,19 @@ def needed_gguf_tensors(
 def load_gguf_weights(
     spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool
 ) -> dict[str, mx.array]:
-    """Read only the slice's tensors from a GGUF and return them under mlx-lm names."""
+    """Read only the slice's tensors from a GGUF and return them under mlx-lm names, the converter's quirks undone."""
     header = read_gguf_header(spec.path)
+    table = _architecture(header)
     names = needed_gguf_tensors(header, layers, with_embedding, with_head, spec.tie_word_embeddings)
     infos = [header.tensors[n] for n in names]
     raw = _read_bytes(spec.path, infos)
     permute = {
         "attn_q": int(spec.args["num_attention_heads"]),
         "attn_k": int(spec.args["num_key_value_heads"]),
-    } if spec.model_type == "llama" else {}
+    } if table.permuted_qk else {}
     weights: dict[str, mx.array] = {}
     for info in infos:
-        mlx_name = gguf_to_mlx_name(info.name)
+        mlx_name = table.mlx_name(info.name)
         assert mlx_name is not None  # _check_tensors ran when the spec was read
         module, kind = mlx_name.rsplit(".", 1)
         m = _BLOCK_RE.match(info.name)
@@ -542,5 +540,16 @@ def load_gguf_weights(
             if n_head is not None:
                 arr = _unpermute_rows(arr, n_head)  # exact for quantized rows too
             key = f"{module}.{kind}" if suffix == "weight" else f"{module}.{suffix}"
-            weights[key] = _to_mx(arr, info.ggml_type)
+            if table.norm_shift and key.endswith("norm.weight"):
+                # Stored as shift + weight; float32 keeps the difference exact for every stored value near 1.
+                weights[key] = mx.array(_float32(arr, info.ggml_type) - np.float32(table.norm_shift))
+            else:
+                weights[key] = _to_mx(arr, info.ggml_type)
     return weights
+
+
+def _float32(arr: np.ndarray, ggml_type: int) -> np.ndarray:
+    """A plain (F32 / F16 / BF16) tensor's values as float32."""
+    if ggml_type == T.BF16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)

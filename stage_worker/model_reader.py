@@ -18,7 +18,7 @@ import os
 from dataclasses import replace
 
 from stage_worker.gguf_format import read_gguf_spec
-from stage_worker.model_spec import LOAD_FORMATS, ModelFormatError, ModelSpec
+from stage_worker.model_spec import GGUF_ARCHITECTURES, LOAD_FORMATS, ModelFormatError, ModelSpec
 from stage_worker.safetensors_format import read_safetensors_spec
 
 
@@ -55,7 +55,7 @@ def read_model_spec(path: str, load_format: str = "auto", first_layers: int | No
             return replace(read_gguf_spec(path), load_format=load_format)
         raise ModelFormatError(
             f"{path} is neither a .gguf file nor a model directory; stagemesh reads "
-            "GGUF files (llama, qwen2, qwen3) and MLX / Hugging Face model directories."
+            f"GGUF files ({', '.join(GGUF_ARCHITECTURES)}) and MLX / Hugging Face model directories."
         )
     raise ModelFormatError(
         f"model {path!r} does not exist; pass a .gguf file, a model directory with "

@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 from stagemesh.core.errors import UserError
 
-# GGUF files of these architectures are read (gguf_format); safetensors directories of every architecture
-# stage_worker.mlx_arch serves.
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+# GGUF files of these llama.cpp architectures are read (gguf_format; one table each in gguf_architectures);
+# safetensors directories of every architecture stage_worker.mlx_arch serves.
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 # Bits that mx.quantize's affine mode accepts.
 SUPPORTED_AFFINE_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)

@@ -69,7 +69,7 @@ def write_tiny_gguf(
     gg: list[tuple[str, np.ndarray, Q]] = []
 
     def add(gname: str, w: np.ndarray, qt: Q, permute_heads: int | None = None) -> None:
-        hf[gguf_to_mlx_name(gname)] = w
+        hf[gguf_to_mlx_name(gname, arch)] = w
         stored = hf_to_gguf_permute(w, permute_heads) if permute_heads and arch == "llama" else w
         gg.append((gname, stored, qt))
 
