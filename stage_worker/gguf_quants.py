@@ -7,7 +7,7 @@ Contract:
   rows first) into ``{"weight", "scales", "biases"}``: ``weight`` is ``(*rows, cols * bits / 32)`` uint32
   (MLX's packing: element j at bits ``[bits*j, bits*(j+1))`` of the row's little-endian bit stream),
   ``scales`` and ``biases`` are ``(*rows, cols / 32)``. A byte count that does not match ``shape`` raises
-  ``ValueError``. Decoding is vectorised numpy over all blocks at once.
+  ``ValueError``. Decoding is vectorised numpy over chunks of blocks, on a few threads.
 
 How close the values MLX dequantizes (``scale * code + bias`` in float32) are to ``gguf.quants.dequantize``:
 - bit-identical: Q4_0, Q4_1, Q8_0 (float16 scales and biases, exactly ``mx.load``'s own layout); Q5_0,
@@ -17,8 +17,8 @@ How close the values MLX dequantizes (``scale * code + bias`` in float32) are to
   ``128 + entry``, scale ``d``, bias ``-128*d``).
 - requantized: Q2_K and Q6_K scale 16-element sub-blocks, a group MLX does not have; each group of 32 of
   their exact float32 values is requantized to 8 bits over its own [min, max], so no value moves by more
-  than ``(max - min) / 510`` of its group (a quarter of a Q6_K step at most, 1/80 of a Q2_K step) plus
-  float32 rounding.
+  than ``(max - min) / 510`` of its group (for Q6_K, whose values lie within 32 steps of zero, an eighth of
+  the larger sub-block step) plus float32 rounding.
 Every type but the first three gives float32 scales and biases (``d*sc`` needs 17 bits of mantissa); a stage
 then casts them to its compute dtype, which rounds them like any dense weight in float16 or bfloat16.
 """
@@ -26,7 +26,9 @@ then casts them to its compute dtype, which rounds them like any dense weight in
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -41,6 +43,8 @@ AFFINE_BITS: Mapping[int, int] = {
 # Types whose MLX values equal gguf's dequantized values exactly (the rest are requantized, see above).
 EXACT_TYPES = frozenset(AFFINE_BITS) - {T.Q2_K, T.Q6_K}
 
+_CHUNK_ELEMENTS = 1 << 19
+_MAX_THREADS = 8
 _IQ4_NL_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
 
 # A decoder: (n_blocks, block_bytes) uint8 -> per group of 32: codes (n_groups, 32) uint8, scales, biases.
@@ -56,14 +60,24 @@ def blocks_to_affine(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) ->
             f"{raw.size} bytes of {T(ggml_type).name} blocks do not hold a tensor of shape {shape} "
             f"({block_elements}-element blocks of {block_bytes} bytes)"
         )
-    codes, scales, biases = _DECODERS[ggml_type](raw.reshape(-1, block_bytes))
-    bits = AFFINE_BITS[ggml_type]
-    rows = shape[:-1]
-    return {
-        "weight": pack_codes(codes.reshape(-1, shape[-1]), bits).reshape(*rows, -1),
-        "scales": scales.reshape(*rows, -1),
-        "biases": biases.reshape(*rows, -1),
-    }
+    blocks, bits, decode = raw.reshape(-1, block_bytes), AFFINE_BITS[ggml_type], _DECODERS[ggml_type]
+
+    def convert(start: int) -> Affine:
+        codes, scales, biases = decode(blocks[start : start + chunk])
+        # Every group of 32 codes packs into whole uint32 words, so groups pack alone, in row order.
+        return pack_codes(codes.reshape(-1, GROUP_SIZE), bits), scales, biases
+
+    # Chunks small enough for the CPU caches (numpy's temporaries then stay in them), on threads: numpy
+    # releases the GIL inside its loops.
+    chunk = max(1, _CHUNK_ELEMENTS // block_elements)
+    starts = range(0, blocks.shape[0], chunk)
+    if len(starts) == 1:
+        parts = [convert(0)]
+    else:
+        with ThreadPoolExecutor(min(_MAX_THREADS, os.cpu_count() or 1)) as pool:
+            parts = list(pool.map(convert, starts))
+    return {key: np.concatenate([part[i] for part in parts]).reshape(*shape[:-1], -1)
+            for i, key in enumerate(("weight", "scales", "biases"))}
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -115,9 +129,12 @@ def _requantize_8bit(values: np.ndarray) -> Affine:
     groups = values.reshape(-1, GROUP_SIZE)
     low = groups.min(axis=1, keepdims=True)
     step = (groups.max(axis=1, keepdims=True) - low) / np.float32(255)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.where(step > 0, np.rint((groups - low) / step), 0)
-    return np.clip(codes, 0, 255).astype(np.uint8), step[:, 0], low[:, 0]
+    inverse = np.divide(1, step, out=np.zeros_like(step), where=step > 0)  # a constant group: every code 0
+    scaled = groups - low
+    scaled *= inverse
+    np.rint(scaled, out=scaled)
+    np.clip(scaled, 0, 255, out=scaled)
+    return scaled.astype(np.uint8), step[:, 0], low[:, 0]
 
 
 def _per_group(value: np.ndarray) -> np.ndarray:
