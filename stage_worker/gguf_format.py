@@ -5,9 +5,9 @@ Contract:
   (architectures llama / qwen2 / qwen3; tensor types F32, F16, BF16 and the
   block types of ``gguf_quants``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K to
   Q6_K); anything else, and a truncated or corrupt tensor table (data past the
-  end of the file, a misaligned offset, a row that does not fill whole blocks),
-  raises ``ModelFormatError`` naming the file and the offset before any weight
-  is read.
+  end of the file, a misaligned offset, tensors that overlap, a row that does
+  not fill whole blocks), raises ``ModelFormatError`` naming the file and the
+  offset before any weight is read.
 - ``load_gguf_weights(spec, layers, with_embedding, with_head)`` reads the
   bytes of only the tensors that slice needs (plain file reads, no mapping
   kept) and returns them under mlx-lm's parameter names, layer indices global.
@@ -214,6 +214,13 @@ def _parse_header(path: str, buf: mmap.mmap, size: int) -> GGUFHeader:
         info = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_start + rel, nbytes)
         _check_extent(path, info, block, alignment, size)
         tensors[name] = info
+    in_file_order = sorted(tensors.values(), key=lambda i: i.offset)
+    for before, after in zip(in_file_order, in_file_order[1:]):
+        if before.offset + before.nbytes > after.offset:
+            raise ModelFormatError(
+                f"{path}: tensor {after.name} at byte offset {after.offset} overlaps tensor {before.name} "
+                f"(offset {before.offset}, {before.nbytes} bytes); the file is corrupt."
+            )
     return GGUFHeader(path, version, metadata, tensors)
 
 

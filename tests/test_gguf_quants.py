@@ -292,9 +292,32 @@ def test_misaligned_tensor_offset(small_gguf):
         read_model_spec(str(small_gguf))
 
 
+def test_overlapping_tensors(small_gguf):
+    record = _tensor_record(small_gguf, "blk.0.ffn_down.weight")
+    _patch(small_gguf, record + 4 + 2 * 8 + 4, 0, 8)  # its data now starts where ffn_up's does
+    with pytest.raises(ModelFormatError, match=r"tensor blk\.0\.ffn_(up|down)\.weight at byte offset \d+ overlaps "
+                                                r"tensor blk\.0\.ffn_(up|down)\.weight .*; the file is corrupt"):
+        read_model_spec(str(small_gguf))
+
+
 def test_rows_that_do_not_fill_whole_blocks(small_gguf):
     record = _tensor_record(small_gguf, "blk.0.ffn_up.weight")
     _patch(small_gguf, record + 4, 288, 8)  # GGUF's first dim is the row length: 256 -> 288
     with pytest.raises(ModelFormatError, match=r"blk\.0\.ffn_up\.weight \(Q4_K, shape \(288, 288\)\) at byte "
                                                 r"offset \d+ has rows of 288 elements, not whole 256-element blocks"):
         read_model_spec(str(small_gguf))
+
+
+@pytest.mark.e2e
+def test_serve_exits_2_before_any_stage_on_an_unsupported_type_or_a_truncated_file(tmp_path, small_gguf):
+    import subprocess
+    import sys
+
+    odd = tmp_path / "odd.gguf"
+    _write_gguf(odd, [("blk.0.ffn_down.weight", np.zeros((HIDDEN, 66), np.uint8), Q.IQ2_XXS)], n_layers=1)
+    small_gguf.write_bytes(small_gguf.read_bytes()[:-100])
+    for path, message in ((odd, "blk.0.ffn_down.weight has type IQ2_XXS"), (small_gguf, "it is truncated")):
+        done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "serve", str(path), "--port", "1"],
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr
