@@ -24,7 +24,7 @@ from stage_worker.model_reader import read_model_spec
 from stage_worker.model_spec import ModelFormatError
 from stage_worker.stage_model import StageModel, StageRole
 from stagemesh.core.layer_split import LayerRange, even_split
-from tests.engine_helpers import InProcessPipeline
+from tests.engine_helpers import InProcessPipeline, read_until_finished
 from tests.gguf_blocks import random_blocks
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, LAYERS = 256, 4, 2, 288, 128, 4
@@ -204,7 +204,9 @@ def test_q4_k_m_mix_at_pp2_equals_mlx_lm_on_gguf_dequantized_weights(mixed):
                 for p in prompts]
     assert len(set(expected[0])) > 2  # the random model does not just repeat one token
     with InProcessPipeline(_stages(spec)) as pipeline:
-        assert [pipeline.generate(p, max_tokens) for p in prompts] == expected
+        assert [pipeline.generate(p, max_tokens) for p in prompts] == expected  # each alone
+        together, _ = read_until_finished([pipeline.submit(p, max_tokens) for p in prompts])
+        assert together == expected  # both in one batch
 
 
 # ---------------------------------------------------------------- the planner's bytes
