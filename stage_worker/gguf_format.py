@@ -3,18 +3,24 @@
 Contract:
 - ``read_gguf_spec(path)`` builds a ``ModelSpec`` from the GGUF header only
   (the architectures of ``gguf_architectures``: llama, qwen2, qwen3, qwen3moe,
-  gemma3; tensor types F32, F16, BF16, Q4_0, Q4_1, Q8_0); anything else (an
+  gemma3; tensor types F32, F16, BF16 and the block types of ``gguf_quants``:
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K to Q6_K); anything else (an
   architecture, a tensor type, a tensor the architecture's mlx-lm model has no
-  counterpart of) raises ``ModelFormatError`` before any weight is read.
+  counterpart of), and a truncated or corrupt tensor table (data past the end
+  of the file, a misaligned offset, tensors that overlap, a row that does not
+  fill whole blocks), raises ``ModelFormatError`` naming the file and the
+  offset before any weight is read.
 - ``load_gguf_weights(spec, layers, with_embedding, with_head)`` reads the
   bytes of only the tensors that slice needs (plain file reads, no mapping
   kept) and returns them under mlx-lm's parameter names, layer indices global.
-  Quantized tensors come out in MLX's affine layout (packed uint32 weight,
-  float16 scales and biases, group size 32), bit-identical to
-  ``mx.load(path)`` for the same GGUF tensor. The converter's quirks are
-  undone: llama q/k rows are un-permuted back to the Hugging Face layout (so
-  the model runs with standard RoPE), and Gemma 3's norm scales, stored as
-  ``1 + weight``, come back as ``weight`` in float32.
+  Quantized tensors come out in MLX's affine layout (group size 32, bits per
+  type and closeness to ``gguf.quants.dequantize`` as ``gguf_quants`` states:
+  bit-identical but for Q2_K and Q6_K), Q4_0/Q4_1/Q8_0 bit-identical to
+  ``mx.load(path)`` for the same GGUF tensor; the spec's quantization map says
+  the same bits. The converter's quirks are undone: llama q/k rows are
+  un-permuted back to the Hugging Face layout (so the model runs with
+  standard RoPE), and Gemma 3's norm scales, stored as ``1 + weight``, come
+  back as ``weight`` in float32.
 - ``convert_gguf_tensor(path, name)`` gives one tensor exactly as ``mx.load``
   names and lays it out (no permutation undone); tests compare the two.
 
@@ -41,6 +47,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from . import load_progress
 from .gguf_architectures import BLOCK_RE, CommonFacts, GGUFArchitecture, gguf_architecture
+from .gguf_quants import AFFINE_BITS, GROUP_SIZE, blocks_to_affine
 from .model_spec import (
     ModelFormatError,
     ModelSpec,
@@ -53,10 +60,10 @@ PLAIN_TYPES: Mapping[int, np.dtype] = {
     T.F16: np.dtype("<f2"),
     T.BF16: np.dtype("<u2"),  # reinterpreted as bfloat16 on the MLX side
 }
-# GGML block type -> bits of the MLX affine layout it maps to (group size 32).
-QUANT_BITS: Mapping[int, int] = {T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8}
-GGUF_GROUP_SIZE = 32
-SUPPORTED_TYPES_TEXT = "F32, F16, BF16, Q4_0, Q4_1 and Q8_0"
+# GGML block type -> bits of the MLX affine layout it maps to (group size 32; gguf_quants converts).
+QUANT_BITS: Mapping[int, int] = AFFINE_BITS
+GGUF_GROUP_SIZE = GROUP_SIZE
+SUPPORTED_TYPES_TEXT = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K"
 
 # Tensors a GGUF may carry that mlx-lm recomputes itself.
 _IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
@@ -189,10 +196,32 @@ def _parse_header(path: str, buf: mmap.mmap, size: int) -> GGUFHeader:
         block, type_size = GGML_QUANT_SIZES.get(ggml_type, (1, 0))
         nbytes = n_elements // block * type_size
         info = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_start + rel, nbytes)
-        if info.offset + nbytes > size:
-            raise ModelFormatError(f"{path} is truncated: tensor {name} ends past the end of the file.")
+        _check_extent(path, info, block, alignment, size)
         tensors[name] = info
+    in_file_order = sorted(tensors.values(), key=lambda i: i.offset)
+    for before, after in zip(in_file_order, in_file_order[1:]):
+        if before.offset + before.nbytes > after.offset:
+            raise ModelFormatError(
+                f"{path}: tensor {after.name} at byte offset {after.offset} overlaps tensor {before.name} "
+                f"(offset {before.offset}, {before.nbytes} bytes); the file is corrupt."
+            )
     return GGUFHeader(path, version, metadata, tensors)
+
+
+def _check_extent(path: str, info: GGUFTensorInfo, block: int, alignment: int, size: int) -> None:
+    """Refuse a tensor whose data cannot be where the table says: the file is corrupt or cut short."""
+    where = f"{path}: tensor {info.name} ({info.type_name}, shape {info.shape}) at byte offset {info.offset}"
+    if info.offset % alignment:
+        raise ModelFormatError(f"{where} is not aligned to {alignment} bytes; the file is corrupt.")
+    if info.shape and info.shape[-1] % block:
+        raise ModelFormatError(
+            f"{where} has rows of {info.shape[-1]} elements, not whole {block}-element blocks; the file is corrupt."
+        )
+    if info.offset + info.nbytes > size:
+        raise ModelFormatError(
+            f"{where} needs {info.nbytes} bytes, up to offset {info.offset + info.nbytes}, but the file ends at "
+            f"{size}: it is truncated. Download it again."
+        )
 
 
 # --------------------------------------------------------------------------- spec
@@ -201,8 +230,8 @@ def _parse_header(path: str, buf: mmap.mmap, size: int) -> GGUFHeader:
 def _unsupported_type_error(info: GGUFTensorInfo) -> ModelFormatError:
     return ModelFormatError(
         f"GGUF tensor {info.name} has type {info.type_name}; stagemesh reads "
-        f"{SUPPORTED_TYPES_TEXT} GGUF tensors. Re-quantize with llama-quantize to "
-        "Q4_0/Q4_1/Q8_0, or use an MLX model directory."
+        f"{SUPPORTED_TYPES_TEXT} GGUF tensors. Use a GGUF quantized to one of these "
+        "(llama-quantize Q4_K_M, Q5_K_M, Q6_K or Q8_0, say), or an MLX model directory."
     )
 
 
@@ -328,7 +357,10 @@ def _check_tensors(header: GGUFHeader, num_layers: int) -> None:
         if (m := _BLOCK_RE.match(name)) and int(m.group(1)) >= num_layers:
             raise ModelFormatError(f"GGUF tensor {name} lies beyond block_count={num_layers}; the file is corrupt.")
         if info.ggml_type in QUANT_BITS and info.shape[-1] % GGUF_GROUP_SIZE:
-            raise ModelFormatError(f"GGUF tensor {name} has a row length not divisible by 32.")
+            raise ModelFormatError(
+                f"GGUF tensor {name} has rows of {info.shape[-1]} elements; MLX's quantized layers need a "
+                f"multiple of {GGUF_GROUP_SIZE}."
+            )
 
 
 def read_gguf_spec(path: str) -> ModelSpec:
@@ -420,51 +452,21 @@ def _read_bytes(path: str, infos: Iterable[GGUFTensorInfo]) -> dict[str, np.ndar
             buf = np.empty(info.nbytes, dtype=np.uint8)
             f.seek(info.offset)
             # numpy's stubs give ndarray ``__buffer__`` only for Python 3.12+, but it is a buffer on 3.11 too.
-            if f.readinto(memoryview(buf)) != info.nbytes:  # type: ignore[arg-type]
-                raise ModelFormatError(f"{path} is truncated inside tensor {info.name}.")
+            got = f.readinto(memoryview(buf))  # type: ignore[arg-type]
+            if got != info.nbytes:
+                raise ModelFormatError(
+                    f"{path} is truncated inside tensor {info.name}: {info.nbytes} bytes from offset "
+                    f"{info.offset}, the file ends at {info.offset + (got or 0)}. Download it again."
+                )
             out[info.name] = buf
             load_progress.read(info.nbytes)
     return out
 
 
-def _pack_4bit(q: np.ndarray) -> np.ndarray:
-    """(rows, cols) nibbles -> (rows, cols//8) uint32; element j at bits 4*(j%8) of word j//8."""
-    pairs = q[:, 0::2] | (q[:, 1::2] << 4)
-    return np.ascontiguousarray(pairs).view("<u4")
-
-
-def _blocks_to_affine(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """GGML 32-element blocks -> MLX affine (weight, scales, biases), as mx.load does."""
-    rows, cols = math.prod(shape[:-1]), shape[-1]
-    n_blocks = rows * cols // GGUF_GROUP_SIZE
-    blocks = raw.reshape(n_blocks, -1)
-    d = np.ascontiguousarray(blocks[:, 0:2]).view("<f2")[:, 0]
-    if ggml_type == T.Q8_0:
-        # int8 q -> q + 128 unsigned (flip the sign bit); w = d*q = d*(q+128) - 128d.
-        weight = np.ascontiguousarray(blocks[:, 2:34] ^ 0x80).view("<u4").reshape(rows, cols // 4)
-        biases = (np.float32(-128) * d.astype(np.float32)).astype(np.float16)
-    else:
-        start = 4 if ggml_type == T.Q4_1 else 2
-        qs = blocks[:, start : start + 16]
-        # A block keeps element i in the low nibble of byte i, element i+16 in the high one.
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-        weight = _pack_4bit(q).reshape(rows, cols // 8)
-        if ggml_type == T.Q4_1:
-            biases = np.ascontiguousarray(blocks[:, 2:4]).view("<f2")[:, 0]  # w = d*q + m
-        else:
-            biases = (np.float32(-8) * d.astype(np.float32)).astype(np.float16)  # w = d*(q-8)
-    group_shape = (*shape[:-1], cols // GGUF_GROUP_SIZE)
-    return {
-        "weight": weight.reshape(*shape[:-1], weight.shape[-1]),
-        "scales": d.reshape(group_shape),
-        "biases": biases.reshape(group_shape),
-    }
-
-
 def _tensor_arrays(info: GGUFTensorInfo, raw: np.ndarray) -> dict[str, np.ndarray]:
     """Raw GGUF bytes -> {suffix: numpy array} in GGUF row order."""
     if info.ggml_type in QUANT_BITS:
-        return _blocks_to_affine(raw, info.ggml_type, info.shape)
+        return blocks_to_affine(raw, info.ggml_type, info.shape)
     if info.ggml_type in PLAIN_TYPES:
         return {"weight": raw.view(PLAIN_TYPES[info.ggml_type]).reshape(info.shape)}
     raise _unsupported_type_error(info)

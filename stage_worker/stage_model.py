@@ -169,7 +169,7 @@ class StageModel:
         total = 0
         for _, m in self._module.named_modules():
             if _is_quantized(m):
-                total += m.weight.size * (32 // m.bits) * self.dtype.size
+                total += m.weight.size * 32 // m.bits * self.dtype.size  # 3, 5, 6 bits do not divide 32
                 if "bias" in m:
                     total += m.bias.nbytes
             elif not list(m.children()):

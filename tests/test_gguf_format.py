@@ -325,14 +325,15 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = tmp_path / "q6k.gguf"
-    q6k = np.zeros((64, 210), np.uint8)  # 64 rows of one 256-element Q6_K block
-    write_tiny_gguf(path, "llama", qtype=Q.F32, extra={"blk.1.attn_qkv.weight": (q6k, Q.Q6_K)})
+    path = tmp_path / "iq2.gguf"
+    iq2 = np.zeros((64, 66), np.uint8)  # 64 rows of one 256-element IQ2_XXS block
+    write_tiny_gguf(path, "llama", qtype=Q.F32, extra={"blk.1.attn_qkv.weight": (iq2, Q.IQ2_XXS)})
     with pytest.raises(ModelFormatError) as err:
         read_model_spec(str(path))
     message = str(err.value)
-    assert "blk.1.attn_qkv.weight has type Q6_K" in message
-    assert "F32, F16, BF16, Q4_0, Q4_1 and Q8_0" in message and "llama-quantize" in message
+    assert "blk.1.attn_qkv.weight has type IQ2_XXS" in message
+    assert "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K" in message
+    assert "llama-quantize" in message
 
 
 def test_unknown_tensor_name(tmp_path):
