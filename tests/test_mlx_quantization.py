@@ -1,0 +1,255 @@
+"""Every MLX quantization mode, written by mlx-lm's own code, served at PP=2 equals mlx-lm on the same files.
+
+Each case is a tiny random checkpoint (``tests/architectures.py``) quantized as mlx_lm.convert quantizes:
+affine at 2 to 8 bits through mixed recipes (per-module overrides in config.json) and plain widths, mxfp4, nvfp4
+and mxfp8, a mixture of experts in mxfp4, and gpt-oss as mlx-community ships it (its experts mxfp4, the rest
+affine 8-bit: overrides whose mode differs from the top level's). For each, two stages loaded by the real
+stage code, kept quantized (``--dequantize off``), run a real in-process pipeline whose greedy tokens must equal
+mlx-lm's ``generate_step`` on ``mlx_lm.utils.load_model`` of the same directory, token for token; the planner's
+facts must equal the bytes each stage holds; dequantized (``--dequantize on``), the stages must equal mlx-lm's
+model dequantized by ``mlx_lm.utils.dequantize_model``. What MLX cannot serve is refused at spec time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from stage_worker.checkpoint_check import check_checkpoint
+from stage_worker.model_facts import model_facts
+from stage_worker.model_reader import read_model_spec
+from stage_worker.model_spec import QUANT_MODES, ModelFormatError, QuantParams
+from stage_worker.stage_model import StageModel, StageRole
+from stagemesh.bench.random_checkpoint import SHAPE_QUANTIZATIONS
+from stagemesh.core.layer_split import LayerRange, even_split
+from tests.architectures import TINY_CONFIGS, mlx_lm_greedy, tiny_checkpoint
+from tests.engine_helpers import InProcessPipeline, read_until_finished
+
+PROMPTS = ((504, 35, 282, 46, 314, 108, 28, 227, 253, 11, 12), (17, 42, 99))
+MAX_TOKENS = 5
+SMALL_VOCAB = 512  # the cases written without a tokenizer: quicker to draw and quantize
+GPT_OSS_AS_PUBLISHED = "gpt_oss-mxfp4-experts"
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+# A mode per layer of the tiny qwen3 (4 layers), its embedding and head affine 8-bit.
+EVERY_MODE = {0: MXFP4, 1: {"group_size": 16, "bits": 4, "mode": "nvfp4"},
+              2: {"group_size": 32, "bits": 8, "mode": "mxfp8"}, 3: {"group_size": 32, "bits": 5, "mode": "affine"}}
+
+
+def _every_mode(model: nn.Module):
+    def predicate(path: str, module: nn.Module) -> dict | bool:
+        parts = path.split(".")
+        return dict(EVERY_MODE[int(parts[2])]) if parts[1] == "layers" else True
+
+    return predicate
+
+
+def _mixed_3_4(model: nn.Module):
+    from mlx_lm.convert import mixed_quant_predicate_builder
+
+    return mixed_quant_predicate_builder("mixed_3_4", model, 64)
+
+
+def _gpt_oss_as_published(model: nn.Module):
+    return lambda path, module: dict(MXFP4) if ".experts." in path else True
+
+
+# case: how it is quantized. Together: affine 2, 3, 4, 5, 6 and 8 bits (mixed recipes' per-module overrides),
+# mxfp4, nvfp4 and mxfp8 (as the top-level mode and as overrides), experts (SwitchLinear) in mxfp4.
+# The first goes through the bench's --shape-quantization (SHAPE_QUANTIZATIONS); the others through
+# mlx_lm.utils.quantize_model as mlx_lm.convert calls it: (architecture, q_mode, q_bits, q_group_size, a builder
+# of the quant_predicate from the model, or None).
+CASES = {
+    "llama-mixed_2_6": "mixed_2_6",
+    "qwen2-mixed_3_4": ("qwen2", "affine", None, 64, _mixed_3_4),
+    "qwen3-every-mode": ("qwen3", "affine", 8, 64, _every_mode),
+    "qwen3_moe-mxfp4": ("qwen3_moe", "mxfp4", None, None, None),
+    # as mlx-community ships gpt-oss: experts mxfp4 (their own mode in config.json), the rest affine 8-bit
+    GPT_OSS_AS_PUBLISHED: ("gpt_oss", "affine", 8, 64, _gpt_oss_as_published),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlx-quantization")
+
+    def made(case: str) -> str:
+        how = CASES[case]
+        if isinstance(how, str):
+            return tiny_checkpoint(case.split("-")[0], root, quantization=how)
+        return _quantized_by_mlx_lm(root / case, *how)
+
+    return made
+
+
+def _quantized_by_mlx_lm(out: Path, name: str, mode: str, bits, group_size, predicate_of) -> str:
+    """A tiny random model quantized and saved by mlx-lm's own code (``quantize_model``, ``save_model``,
+    ``save_config``), without a tokenizer (token ids in, token ids out)."""
+    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+    if not out.is_dir():
+        config = {**TINY_CONFIGS[name], "vocab_size": SMALL_VOCAB}
+        model_class, args_class = _get_classes(config)
+        mx.random.seed(sum(map(ord, name)))
+        model = model_class(args_class.from_dict(config))
+        model, config = quantize_model(model, config, group_size, bits, mode=mode,
+                                       quant_predicate=predicate_of(model) if predicate_of else None)
+        save_model(out, model)
+        save_config(config, out / "config.json")
+    return str(out)
+
+
+def _stages(spec) -> list[StageModel]:
+    ranges = even_split(spec.num_layers, 2)
+    return [StageModel.load(spec, StageRole(LayerRange(r.start, r.end), i == 0, i == 1), mx.float32)
+            for i, r in enumerate(ranges)]
+
+
+def _served(stages: list[StageModel]) -> list[list[int]]:
+    with InProcessPipeline(stages) as pipeline:
+        outputs, _ = read_until_finished([pipeline.submit(p, MAX_TOKENS) for p in PROMPTS])
+    return outputs
+
+
+def _assert_facts_equal_the_stages(spec, stages: list[StageModel], dense: bool) -> None:
+    facts = model_facts(spec, dense=dense)
+    for stage in stages:
+        role = stage.role
+        assert facts.slice_weight_bytes(role.layers.start, role.layers.end, first=role.is_first,
+                                        last=role.is_last, element_bytes=4) == stage.weight_bytes, role
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_quantized_pipeline_equals_mlx_lm_and_the_planner(checkpoints, case):
+    from mlx_lm.utils import load_model
+
+    path = checkpoints(case)
+    spec = read_model_spec(path)
+    check_checkpoint(spec)
+    reference = mlx_lm_greedy(load_model(Path(path))[0], PROMPTS, MAX_TOKENS)
+    stages = _stages(spec)
+    assert all(stage.quantized for stage in stages)
+    _assert_facts_equal_the_stages(spec, stages, dense=False)
+    assert _served(stages) == reference
+    if case == GPT_OSS_AS_PUBLISHED:
+        experts = spec.quantization_for("model.layers.1.mlp.experts.gate_proj")
+        assert experts == QuantParams(32, 4, "mxfp4")
+        assert spec.quantization_for("model.layers.1.self_attn.q_proj") == QuantParams(64, 8, "affine")
+        assert stages[1].layers[0].mlp.experts.gate_proj.mode == "mxfp4"
+
+
+@pytest.mark.parametrize("case", ["qwen3-every-mode", "qwen3_moe-mxfp4"])
+def test_dequantized_pipeline_equals_mlx_lm_dequantized(checkpoints, case):
+    from mlx_lm.utils import dequantize_model, load_model
+
+    path = checkpoints(case)
+    spec = read_model_spec(path)
+    model = load_model(Path(path))[0]
+    reference = mlx_lm_greedy(dequantize_model(model), PROMPTS, MAX_TOKENS)
+    stages = _stages(spec)
+    dense_bytes = [stage.dense_bytes() for stage in stages]
+    for stage in stages:
+        stage.dequantize()
+    assert not any(stage.quantized for stage in stages)
+    assert [stage.weight_bytes for stage in stages] == dense_bytes
+    _assert_facts_equal_the_stages(spec, stages, dense=True)
+    assert _served(stages) == reference
+
+
+def test_mixed_recipe_layers_are_counted_each_at_its_own_size(checkpoints):
+    spec = read_model_spec(checkpoints("llama-mixed_2_6"))
+    facts = model_facts(spec)
+    # mlx_lm's mixed_2_6 keeps v_proj and down_proj at 6 bits in the last layers (of 4: 2 and 3), 2 bits elsewhere.
+    assert facts.layer_sizes and facts.layer_sizes[0] == facts.layer_sizes[1] != facts.layer_sizes[3]
+    assert facts.layer == max(facts.layer_sizes, key=lambda t: t.packed)
+
+
+def test_shape_quantizations_are_mlx_lms():
+    from mlx_lm.convert import QUANT_RECIPES
+
+    assert {q.recipe for q in SHAPE_QUANTIZATIONS.values() if q.recipe} == set(QUANT_RECIPES)
+    assert {q.mode for q in SHAPE_QUANTIZATIONS.values()} == set(QUANT_MODES)
+
+
+def test_bench_compare_takes_a_shape_quantization(tmp_path):
+    import argparse
+
+    from stagemesh.bench import compare
+    from stagemesh.bench.random_checkpoint import check_shape_flags, shape_description
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args(["--shape", "llama-3.1-8b", "--shape-layers", "8", "--shape-quantization", "mxfp4"])
+    check_shape_flags(args)
+    assert (args.shape_quantization, shape_description(args)) == ("mxfp4", "random bfloat16, mxfp4")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--shape", "llama-3.1-8b", "--shape-quantization", "q4_k_m"])
+
+
+def test_served_modes_are_what_mx_quantize_takes():
+    weight = mx.zeros((8, 128))
+    for mode in QUANT_MODES:
+        for group_size in (16, 32, 64, 128):
+            for bits in (2, 3, 4, 5, 6, 8):
+                try:
+                    mx.eval(mx.quantize(weight, group_size, bits, mode=mode))
+                    takes = True
+                except ValueError:
+                    takes = False
+                served = bits in QUANT_MODES[mode][0] and group_size in QUANT_MODES[mode][1]
+                assert served == takes, (mode, group_size, bits)
+
+
+def _with_quantization(source: str, tmp_path: Path, quantization: dict, **extra) -> str:
+    """``source``'s files with config.json's quantization replaced."""
+    import shutil
+
+    out = tmp_path / "edited"
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(quantization=quantization, quantization_config=quantization, **extra)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.mark.parametrize("quantization,extra,message", [
+    ({"group_size": 64, "bits": 4, "mode": "mxfp4"}, {}, "mxfp4 4-bit, group size 64"),
+    ({"group_size": 32, "bits": 4, "mode": "fp3"}, {}, "quantization mode 'fp3'"),
+    ({"group_size": 64, "bits": 4, "model.layers.1.mlp.down_proj": {"group_size": 32, "bits": 8, "mode": "nvfp4"}},
+     {}, "module model.layers.1.mlp.down_proj uses nvfp4 8-bit, group size 32"),
+    ({"group_size": 64, "bits": 7}, {}, "affine 7-bit, group size 64"),
+    ({"group_size": 16, "bits": 4, "mode": "nvfp4",
+      "model.layers.0.mlp.switch_mlp.up_proj": {"group_size": 16, "bits": 4, "mode": "nvfp4", "global_scale": True}},
+     {}, "global scale"),
+    ({"group_size": 32, "bits": 8, "mode": "mxfp8"}, {"quantize_activations": True}, "quantize_activations"),
+])
+def test_what_mlx_cannot_serve_is_refused_naming_module_mode_and_what_is_served(checkpoints, tmp_path, quantization,
+                                                                              extra, message):
+    path = _with_quantization(checkpoints("qwen3_moe-mxfp4"), tmp_path, quantization, **extra)
+    with pytest.raises(ModelFormatError, match="(?s)" + message.replace("(", r"\(")) as refused:
+        read_model_spec(path)
+    if "MLX serves" in str(refused.value):
+        assert "mxfp4 with 4 bits in groups of 32" in str(refused.value)
+        assert "affine with 2/3/4/5/6/8 bits in groups of 32/64/128" in str(refused.value)
+
+
+def test_scales_of_another_mode_than_the_config_says_are_named(checkpoints, tmp_path):
+    # mxfp4 files under a config saying affine 4-bit in groups of 32: the codes and scales have the same shapes.
+    path = _with_quantization(checkpoints("qwen3_moe-mxfp4"), tmp_path, {"group_size": 32, "bits": 4})
+    with pytest.raises(ModelFormatError, match="model.layers.0.self_attn.q_proj.scales in model.safetensors: its "
+                                               r"scales are uint8 \(an mxfp4, nvfp4 or mxfp8 module\) in the files, "
+                                               r"floating \(an affine module\) by the config"):
+        check_checkpoint(read_model_spec(path))
+
+
+def test_a_dummy_model_in_an_fp_mode_loads_as_the_planner_counts(tmp_path):
+    config = {**TINY_CONFIGS["qwen3"], "quantization": {"group_size": 16, "bits": 4, "mode": "nvfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = read_model_spec(str(tmp_path), "dummy")
+    stages = _stages(spec)
+    assert all(isinstance(s.layers[0].mlp.up_proj, nn.QuantizedLinear) and s.layers[0].mlp.up_proj.mode == "nvfp4"
+               for s in stages)
+    _assert_facts_equal_the_stages(spec, stages, dense=False)
