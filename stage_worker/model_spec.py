@@ -12,7 +12,7 @@ Contract:
 - One module's quantization is resolved in one place: ``quantization_for`` gives
   a frozen ``QuantParams`` (group_size, bits, mode), or None for a dense module.
   ``check_quantization`` accepts exactly what ``mx.quantize`` serves
-  (``QUANT_MODES``): affine 2/3/4/5/6/8 bits in groups of 32/64/128, mxfp4 (4
+  (``QUANT_MODES``): affine 1/2/3/4/5/6/8 bits in groups of 32/64/128, mxfp4 (4
   bits, groups of 32), nvfp4 (4 bits, groups of 16), mxfp8 (8 bits, groups of 32).
   The fp modes store uint8 scales and no biases.
 - Anything we cannot serve (architecture: ``mlx_arch`` says which and why,
@@ -34,17 +34,15 @@ from stagemesh.core.errors import UserError
 # stage_worker.mlx_arch serves.
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 # mx.quantize's modes: (bits, group sizes) each serves. The fp modes allow one pair each (their scale format
-# fixes it); affine's 1 bit is left out, as mlx-lm's convert does not write it.
+# fixes it).
 QUANT_MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
+    "affine": ((1, 2, 3, 4, 5, 6, 8), (32, 64, 128)),
     "mxfp4": ((4,), (32,)),
     "nvfp4": ((4,), (16,)),
     "mxfp8": ((8,), (32,)),
 }
 # The (group_size, bits) a mode takes where the config leaves them null (MLX's and mlx-lm's defaults).
 MODE_DEFAULTS: dict[str, tuple[int, int]] = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
-SUPPORTED_AFFINE_BITS: tuple[int, ...] = QUANT_MODES["affine"][0]
-SUPPORTED_GROUP_SIZES: tuple[int, ...] = QUANT_MODES["affine"][1]
 # --load-format: auto reads the weights from the model's files; dummy generates random ones of the same shapes.
 LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 
@@ -140,7 +138,13 @@ def quant_params(entry: Mapping[str, Any], where: str) -> QuantParams:
 
 def quantization_for(quantization: Mapping[str, Any] | None, module_path: str) -> QuantParams | None:
     """Resolve one module's ``QuantParams`` from an mlx-lm quantization map, as mlx-lm's loader does: the
-    module's own entry (``False``: kept dense; a mapping: its own parameters), else the top level."""
+    module's own entry (``False``: kept dense; a mapping: its own parameters), else the top level.
+
+    For a quantized module without an entry, mlx-lm's loader reads the parameters off the stored tensors
+    (``mlx_lm.utils.infer_quant_config``) instead; the map alone serves here because the planner and dummy
+    weights have no tensors. mlx-lm's ``quantize_model`` writes an entry for every module quantized other
+    than the top level says, so the two agree on its checkpoints; ``checkpoint_check`` names a module
+    whose stored codes or scales disagree with the map."""
     if not quantization:
         return None
     override = quantization.get(module_path)
@@ -156,11 +160,6 @@ def check_quantization(params: QuantParams, where: str) -> None:
     bits, group_sizes = QUANT_MODES.get(params.mode, ((), ()))
     if params.bits not in bits or params.group_size not in group_sizes:
         raise ModelFormatError(f"{where} uses {params.describe()} quantization; {_SERVED_MODES}. {_REQUANTIZE}")
-
-
-def check_affine(group_size: int, bits: int, where: str) -> None:
-    """Raise unless mx.quantize's affine mode can represent (group_size, bits)."""
-    check_quantization(QuantParams(group_size, bits, "affine"), where)
 
 
 _SERVED_MODES = "MLX serves " + "; ".join(

@@ -8,7 +8,7 @@ Contract:
   (``quantization`` / ``quantization_config`` as mlx-lm's convert writes it: a
   group_size, bits and mode at the top and per-module overrides, each with its
   own mode): every mode and width ``model_spec.QUANT_MODES`` lists, so affine
-  2-8 bits and mixed recipes, mxfp4, nvfp4, mxfp8. An entry MLX cannot serve,
+  1-8 bits and mixed recipes, mxfp4, nvfp4, mxfp8. An entry MLX cannot serve,
   a per-expert nvfp4 global scale or quantized activations, and other
   quantizers (AWQ, GPTQ, fp8 ``quant_method``) raise ``ModelFormatError``
   naming the module and what is served. The spec's quantization map is made
@@ -91,7 +91,7 @@ def _mlx_quantization(config: Mapping[str, Any], path: str) -> dict[str, Any] | 
         if legacy and "quant_method" in legacy:
             raise ModelFormatError(
                 f"{path} is quantized with {legacy['quant_method']!r}; stagemesh serves checkpoints quantized by "
-                "MLX (mlx_lm.convert -q: affine 2-8 bits, mixed recipes, mxfp4, nvfp4, mxfp8) or unquantized "
+                "MLX (mlx_lm.convert -q: affine 1-8 bits, mixed recipes, mxfp4, nvfp4, mxfp8) or unquantized "
                 "bf16/f16/f32 ones. Convert it with `mlx_lm.convert --hf-path <model> -q`."
             )
         quant = legacy or None

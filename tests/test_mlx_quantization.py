@@ -1,7 +1,7 @@
 """Every MLX quantization mode, written by mlx-lm's own code, served at PP=2 equals mlx-lm on the same files.
 
 Each case is a tiny random checkpoint (``tests/architectures.py``) quantized as mlx_lm.convert quantizes:
-affine at 2 to 8 bits through mixed recipes (per-module overrides in config.json) and plain widths, mxfp4, nvfp4
+affine at 1 to 8 bits through mixed recipes (per-module overrides in config.json) and plain widths, mxfp4, nvfp4
 and mxfp8, a mixture of experts in mxfp4, and gpt-oss as mlx-community ships it (its experts mxfp4, the rest
 affine 8-bit: overrides whose mode differs from the top level's). For each, two stages loaded by the real
 stage code, kept quantized (``--dequantize off``), run a real in-process pipeline whose greedy tokens must equal
@@ -34,15 +34,19 @@ MAX_TOKENS = 5
 SMALL_VOCAB = 512  # the cases written without a tokenizer: quicker to draw and quantize
 GPT_OSS_AS_PUBLISHED = "gpt_oss-mxfp4-experts"
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-# A mode per layer of the tiny qwen3 (4 layers), its embedding and head affine 8-bit.
+# A mode per layer of the tiny qwen3 (4 layers; the last one's down_proj affine 1-bit), its embedding and head
+# affine 8-bit.
 EVERY_MODE = {0: MXFP4, 1: {"group_size": 16, "bits": 4, "mode": "nvfp4"},
               2: {"group_size": 32, "bits": 8, "mode": "mxfp8"}, 3: {"group_size": 32, "bits": 5, "mode": "affine"}}
+ONE_BIT = {"group_size": 64, "bits": 1, "mode": "affine"}
 
 
 def _every_mode(model: nn.Module):
     def predicate(path: str, module: nn.Module) -> dict | bool:
         parts = path.split(".")
-        return dict(EVERY_MODE[int(parts[2])]) if parts[1] == "layers" else True
+        if parts[1] != "layers":
+            return True
+        return dict(ONE_BIT if path == "model.layers.3.mlp.down_proj" else EVERY_MODE[int(parts[2])])
 
     return predicate
 
@@ -57,7 +61,7 @@ def _gpt_oss_as_published(model: nn.Module):
     return lambda path, module: dict(MXFP4) if ".experts." in path else True
 
 
-# case: how it is quantized. Together: affine 2, 3, 4, 5, 6 and 8 bits (mixed recipes' per-module overrides),
+# case: how it is quantized. Together: affine 1, 2, 3, 4, 5, 6 and 8 bits (mixed recipes' per-module overrides),
 # mxfp4, nvfp4 and mxfp8 (as the top-level mode and as overrides), experts (SwitchLinear) in mxfp4.
 # The first goes through the bench's --shape-quantization (SHAPE_QUANTIZATIONS); the others through
 # mlx_lm.utils.quantize_model as mlx_lm.convert calls it: (architecture, q_mode, q_bits, q_group_size, a builder
@@ -134,6 +138,10 @@ def test_quantized_pipeline_equals_mlx_lm_and_the_planner(checkpoints, case):
     assert all(stage.quantized for stage in stages)
     _assert_facts_equal_the_stages(spec, stages, dense=False)
     assert _served(stages) == reference
+    if case == "qwen3-every-mode":
+        held = [(layer.mlp.up_proj.mode, layer.mlp.up_proj.bits, layer.mlp.down_proj.bits)
+                for stage in stages for layer in stage.layers]
+        assert held == [("mxfp4", 4, 4), ("nvfp4", 4, 4), ("mxfp8", 8, 8), ("affine", 5, 1)]
     if case == GPT_OSS_AS_PUBLISHED:
         experts = spec.quantization_for("model.layers.1.mlp.experts.gate_proj")
         assert experts == QuantParams(32, 4, "mxfp4")
@@ -193,7 +201,7 @@ def test_served_modes_are_what_mx_quantize_takes():
     weight = mx.zeros((8, 128))
     for mode in QUANT_MODES:
         for group_size in (16, 32, 64, 128):
-            for bits in (2, 3, 4, 5, 6, 8):
+            for bits in range(1, 9):
                 try:
                     mx.eval(mx.quantize(weight, group_size, bits, mode=mode))
                     takes = True
@@ -233,7 +241,7 @@ def test_what_mlx_cannot_serve_is_refused_naming_module_mode_and_what_is_served(
         read_model_spec(path)
     if "MLX serves" in str(refused.value):
         assert "mxfp4 with 4 bits in groups of 32" in str(refused.value)
-        assert "affine with 2/3/4/5/6/8 bits in groups of 32/64/128" in str(refused.value)
+        assert "affine with 1/2/3/4/5/6/8 bits in groups of 32/64/128" in str(refused.value)
 
 
 def test_scales_of_another_mode_than_the_config_says_are_named(checkpoints, tmp_path):
@@ -246,7 +254,8 @@ def test_scales_of_another_mode_than_the_config_says_are_named(checkpoints, tmp_
 
 
 def test_a_dummy_model_in_an_fp_mode_loads_as_the_planner_counts(tmp_path):
-    config = {**TINY_CONFIGS["qwen3"], "quantization": {"group_size": 16, "bits": 4, "mode": "nvfp4"}}
+    config = {**TINY_CONFIGS["qwen3"], "vocab_size": SMALL_VOCAB,
+              "quantization": {"group_size": 16, "bits": 4, "mode": "nvfp4"}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = read_model_spec(str(tmp_path), "dummy")
     stages = _stages(spec)
