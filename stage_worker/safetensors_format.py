@@ -11,7 +11,8 @@ Contract:
   1-8 bits and mixed recipes, mxfp4, nvfp4, mxfp8. An entry MLX cannot serve,
   a per-expert nvfp4 global scale or quantized activations, and other
   quantizers (AWQ, GPTQ, fp8 ``quant_method``) raise ``ModelFormatError``
-  naming the module and what is served. The spec's quantization map is made
+  naming the module and what is served; a ``quant_method`` of ``mxfp4`` (openai's
+  gpt-oss) reads as MLX's mxfp4, as mlx-lm reads it. The spec's quantization map is made
   explicit: a quantizable module stored without ``.scales`` gets ``False``.
   ``read_safetensors_spec(path, load_format="dummy")`` needs config.json only
   (the weights will be random); tensor names are still read when there are
@@ -83,11 +84,18 @@ def weight_map(path: str) -> dict[str, str]:
     return {key: os.path.basename(file) for file in files for key in _safetensors_keys(file)}
 
 
+# Other quantizers' checkpoints that mlx-lm's loader reads as an MLX mode (mlx_lm.utils.load_model): openai's gpt-oss
+# ships its experts as mxfp4 blocks and scales, which the architecture's sanitize lays out as MLX's mxfp4.
+_MLX_EQUIVALENTS: dict[str, dict[str, Any]] = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+
+
 def _mlx_quantization(config: Mapping[str, Any], path: str) -> dict[str, Any] | None:
     """The config's MLX quantization map, every entry checked against what MLX serves (module docstring)."""
     quant = config.get("quantization")
     if quant is None:
         legacy = config.get("quantization_config")
+        if legacy and legacy.get("quant_method") in _MLX_EQUIVALENTS:
+            return dict(_MLX_EQUIVALENTS[legacy["quant_method"]])
         if legacy and "quant_method" in legacy:
             raise ModelFormatError(
                 f"{path} is quantized with {legacy['quant_method']!r}; stagemesh serves checkpoints quantized by "

@@ -7,7 +7,9 @@ affine 8-bit: overrides whose mode differs from the top level's). For each, two 
 stage code, kept quantized (``--dequantize off``), run a real in-process pipeline whose greedy tokens must equal
 mlx-lm's ``generate_step`` on ``mlx_lm.utils.load_model`` of the same directory, token for token; the planner's
 facts must equal the bytes each stage holds; dequantized (``--dequantize on``), the stages must equal mlx-lm's
-model dequantized by ``mlx_lm.utils.dequantize_model``. What MLX cannot serve is refused at spec time.
+model dequantized by ``mlx_lm.utils.dequantize_model``. gpt-oss as openai publishes it (``quant_method: mxfp4``,
+experts in blocks that mlx-lm's ``sanitize`` lays out) serves as mlx-lm reads it. What MLX cannot serve is refused
+at spec time.
 """
 
 from __future__ import annotations
@@ -87,6 +89,69 @@ def checkpoints(tmp_path_factory):
         return _quantized_by_mlx_lm(root / case, *how)
 
     return made
+
+
+def _experts_only(model: nn.Module):
+    return lambda path, module: dict(MXFP4) if ".experts." in path else False
+
+
+def _openai_gpt_oss_layout(root: Path) -> str:
+    """gpt-oss as openai publishes it (``quant_method: mxfp4``): each layer's experts as
+    ``gate_up_proj_blocks`` (gate and up rows interleaved, the codes as bytes of 16 per group), ``_scales`` and
+    ``_bias``, the rest dense; made from mlx-lm's own mxfp4 quantization of the experts, so mlx-lm's gpt_oss
+    ``sanitize`` must give back exactly those tensors."""
+    out = root / "gpt_oss-openai"
+    if out.is_dir():
+        return str(out)
+    source = Path(_quantized_by_mlx_lm(root / "gpt_oss-experts-only", "gpt_oss", "mxfp4", None, None, _experts_only))
+    stacked: dict[str, mx.array] = mx.load(str(source / "model.safetensors"))  # type: ignore[assignment]
+
+    def interleaved(gate: mx.array, up: mx.array, axis: int) -> mx.array:
+        return mx.stack([gate, up], axis=axis + 1).reshape(*gate.shape[:axis], -1, *gate.shape[axis + 1:])
+
+    def blocks(codes: mx.array) -> mx.array:  # [..., rows, in * 4 / 32] uint32 -> [..., rows, groups, 16] uint8
+        return codes.view(mx.uint8).reshape(*codes.shape[:-1], -1, 16)
+
+    weights = {}
+    for name, array in stacked.items():
+        prefix, _, rest = name.partition(".mlp.experts.")
+        if not rest:
+            weights[name] = array
+        elif rest == "down_proj.weight":
+            weights[f"{prefix}.mlp.experts.down_proj_blocks"] = blocks(array)
+        elif rest in ("down_proj.scales", "down_proj.bias"):
+            weights[f"{prefix}.mlp.experts.down_proj_{rest.split('.')[1]}"] = array
+        elif rest.startswith("gate_proj."):
+            kind = rest.split(".")[1]
+            up = stacked[f"{prefix}.mlp.experts.up_proj.{kind}"]
+            joined = interleaved(array, up, array.ndim - (1 if kind == "bias" else 2))
+            suffix = {"weight": "blocks", "scales": "scales", "bias": "bias"}[kind]
+            weights[f"{prefix}.mlp.experts.gate_up_proj_{suffix}"] = blocks(joined) if kind == "weight" else joined
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    config = json.loads((source / "config.json").read_text())
+    del config["quantization"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_openai_gpt_oss_in_mxfp4_blocks_equals_mlx_lm(tmp_path_factory):
+    from mlx_lm.utils import load_model
+
+    root = tmp_path_factory.mktemp("gpt-oss-openai")
+    path = _openai_gpt_oss_layout(root)
+    spec = read_model_spec(path)
+    check_checkpoint(spec)
+    assert spec.quantization_for("model.layers.2.mlp.experts.down_proj") == QuantParams(32, 4, "mxfp4")
+    assert spec.quantization_for("model.layers.2.self_attn.q_proj") is None
+    stages = _stages(spec)
+    assert stages[1].layers[0].mlp.experts.up_proj.mode == "mxfp4"
+    _assert_facts_equal_the_stages(spec, stages, dense=False)
+    served = _served(stages)
+    assert served == mlx_lm_greedy(load_model(Path(path))[0], PROMPTS, MAX_TOKENS)
+    # The layout round-trips: the same tokens as mlx-lm's own mxfp4 files it was made from.
+    assert served == mlx_lm_greedy(load_model(root / "gpt_oss-experts-only")[0], PROMPTS, MAX_TOKENS)
 
 
 def _quantized_by_mlx_lm(out: Path, name: str, mode: str, bits, group_size, predicate_of) -> str:
