@@ -5,10 +5,11 @@ for ``spec``'s config needs and the files lack, holds in another shape (with the
 holds beyond what the model has, judged as the stages will load them: every tensor a stage keeps
 (``safetensors_format.wanted``), after the architecture's own ``sanitize`` (a Hugging Face layout's
 experts stacked: an expert missing there is named as the tensor the sanitizer could not find),
-quantized where the files hold scales. ``stagemesh serve`` and ``stagemesh plan`` call it before any
-stage starts, so such a checkpoint exits 2 with the tensor's name rather than failing in a stage
-(which checks its own slice again, ``stage_model``). GGUF files and ``--load-format dummy`` pass
-unchecked: their tensors are the format reader's or generated.
+quantized where the files hold scales, as config.json's quantization says (scales of another kind
+than that mode's, uint8 for mxfp4/nvfp4/mxfp8 and floating for affine, are named too). ``stagemesh
+serve`` and ``stagemesh plan`` call it before any stage starts, so such a checkpoint exits 2 with the
+tensor's name rather than failing in a stage (which checks its own slice again, ``stage_model``). GGUF
+files and ``--load-format dummy`` pass unchecked: their tensors are the format reader's or generated.
 
 The sanitizer runs on placeholder arrays of the headers' shapes and dtypes (``mx.zeros``, never
 evaluated), so stacking experts costs nothing but shape arithmetic.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import mlx.core as mx
@@ -53,6 +55,8 @@ def check_checkpoint(spec: ModelSpec) -> None:
     shapes = [f"{n} is {tuple(given[n].shape)} in {where.get(n, 'the files (as sanitize assembles it)')}, "
               f"{tuple(a.shape)} by the config" for n, a in expected.items()
               if n in given and given[n].shape != a.shape]
+    # The scales' kind first: a mislabelled mode shows there, where its shapes may agree.
+    shapes = mismatched_scales(expected, given, lambda name: f"{name} in {where.get(name, 'the files')}") + shapes
     problems = tensor_mismatch(missing, shapes, [n for n in given if n not in expected])
     if problems:
         raise ModelFormatError(f"{spec.path} does not match mlx-lm's {spec.model_type} model for its config.json: "
@@ -70,9 +74,21 @@ def _expected_parameters(spec: ModelSpec, given: dict[str, Any]) -> dict[str, mx
         params = spec.quantization_for(path)
         if params is None:
             raise ModelFormatError(f"{spec.path}: {path} arrives quantized but config.json gives no bits")
-        return {"group_size": params[0], "bits": params[1]}
+        return params.as_kwargs()
 
     nn.quantize(model, class_predicate=quantized)
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     head = describe(spec.model_type, spec.args).head_names if spec.tie_word_embeddings else ()
     return {name: array for name, array in flat if name not in head}
+
+
+def mismatched_scales(expected: Mapping[str, mx.array], given: Mapping[str, mx.array],
+                      name: Callable[[str], str]) -> list[str]:
+    """Quantization scales whose kind differs between the model as the config quantizes it and the files: an fp
+    mode (mxfp4, nvfp4, mxfp8) keeps uint8 scales, affine floating ones, and the codes of affine 4-bit in groups
+    of 32 have mxfp4's shapes, so the shapes alone cannot tell a mislabelled module."""
+    def kind(array: mx.array) -> str:
+        return "uint8 (an mxfp4, nvfp4 or mxfp8 module)" if array.dtype == mx.uint8 else "floating (an affine module)"
+
+    return [f"{name(n)}: its scales are {kind(given[n])} in the files, {kind(a)} by the config"
+            for n, a in expected.items() if n.endswith(".scales") and n in given and kind(given[n]) != kind(a)]

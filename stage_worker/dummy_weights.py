@@ -18,8 +18,8 @@ tensors, evaluated), except that the values are random:
   config has none), norm scales are 1, biases are 0.
 - Tensors are generated directly in ``dtype`` (no float32 copy of the model);
   a module the spec quantizes (``spec.quantization_for``) arrives as
-  ``mx.quantize`` of its random dense weight (``.weight``, ``.scales``,
-  ``.biases``). Each decoder layer is evaluated before the next is made, so
+  ``mx.quantize`` of its random dense weight in the module's mode (``.weight``,
+  ``.scales`` and, affine only, ``.biases``). Each decoder layer is evaluated before the next is made, so
   memory peaks at the slice plus a few of its largest tensors.
 """
 
@@ -114,15 +114,15 @@ def dummy_stage_weights(
             if quant is None:
                 made[name] = dense
                 continue
-            group_size, bits = quant
             try:
-                made[name], made[f"{module}.scales"], made[f"{module}.biases"] = mx.quantize(
-                    dense, group_size=group_size, bits=bits)
+                made[name], made[f"{module}.scales"], *biases = mx.quantize(dense, **quant.as_kwargs())
             except ValueError as exc:
                 raise ModelFormatError(
-                    f"cannot quantize {module} {list(dense.shape)} with group size {group_size} and {bits} "
-                    f"bits: {exc}; change the config's quantization block."
+                    f"cannot quantize {module} {list(dense.shape)} as {quant.describe()}: {exc}; change the "
+                    "config's quantization block."
                 ) from exc
+            if biases:  # affine only; the fp modes have none
+                made[f"{module}.biases"] = biases[0]
         # One layer at a time: its lazy dense weights (quantized or not) are freed before the next is made.
         mx.eval(list(made.values()))
         weights.update(made)

@@ -14,11 +14,13 @@ shapes an architecture has, are the stage worker's knowledge (``model_spec``,
 
 A quantized Linear or Embedding of shape (out, in) with ``bits`` and
 ``group_size`` holds ``out * in * bits / 8`` bytes of codes (whatever the
-compute dtype) plus a scale and a bias per group, stored in the compute dtype
-like every dense weight and norm (``TensorBytes``). With ``dense=True``
-(``--dequantize on``) every weight counts as dense. Layers of mixed
-quantization (a GGUF's Q4_K_M) count as the largest layer, so a plan never
-undercounts.
+compute dtype) plus, per group, in the affine mode a scale and a bias stored in
+the compute dtype like every dense weight and norm, in the fp modes (mxfp4,
+nvfp4, mxfp8) one uint8 scale (``TensorBytes``: packed bytes and elements).
+With ``dense=True`` (``--dequantize on``) every weight counts as dense. Each
+layer is counted at its own size (``ModelFacts.layer_sizes`` where layers
+differ: a mixed recipe's 6-bit layers beside 4-bit ones), so the facts of a
+slice are the bytes its stage holds.
 
 Every other architecture (``mlx_arch.STACK_ARCHITECTURES``: experts, MLA,
 sliding windows, linear attention) is measured on mlx-lm's own model, built
@@ -48,9 +50,11 @@ def _linear(spec: ModelSpec, path: str, out_features: int, in_features: int, den
     quant = None if dense else spec.quantization_for(path)
     if quant is None:
         return TensorBytes(0, out_features * in_features)
-    group_size, bits = quant
-    groups = out_features * in_features // group_size
-    return TensorBytes(out_features * in_features * bits // 8, 2 * groups)
+    codes = out_features * in_features * quant.bits // 8
+    groups = out_features * in_features // quant.group_size
+    if quant.has_biases:
+        return TensorBytes(codes, 2 * groups)  # a scale and a bias per group, in the compute dtype
+    return TensorBytes(codes + groups, 0)  # a uint8 scale per group
 
 
 def _dims(args: Mapping[str, Any], hidden: int) -> tuple[int, int, int, int]:
@@ -88,14 +92,23 @@ def model_facts(spec: ModelSpec, dense: bool = False) -> ModelFacts:
     hidden, vocab = spec.hidden_size, spec.vocab_size
     _, kv_heads, head_dim, _ = _dims(spec.args, hidden)
     layers = [_layer(spec, i, dense) for i in range(spec.num_layers)]
-    layer = max(layers, key=lambda t: (t.packed, t.elements))
     embedding = _linear(spec, "model.embed_tokens", vocab, hidden, dense)
     output = embedding if spec.tie_word_embeddings else _linear(spec, "lm_head", vocab, hidden, dense)
     return ModelFacts(
-        num_layers=spec.num_layers, layer=layer, embedding=embedding,
+        num_layers=spec.num_layers, layer=_largest(layers), embedding=embedding,
         head=output + TensorBytes(0, hidden),  # the final norm
         kv_elements_per_token=2 * kv_heads * head_dim, tied_embeddings=spec.tie_word_embeddings,
+        layer_sizes=_differing(layers),
     )
+
+
+def _largest(layers: list[TensorBytes]) -> TensorBytes:
+    return max(layers, key=lambda t: (t.packed, t.elements))
+
+
+def _differing(layers: list[TensorBytes]) -> tuple[TensorBytes, ...]:
+    """Each layer's size where they are not all alike (``ModelFacts.layer_sizes``), else nothing."""
+    return tuple(layers) if len(set(layers)) > 1 else ()
 
 
 def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
@@ -112,17 +125,19 @@ def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
     model = arch.Model(arch.ModelArgs.from_dict(dict(spec.args)))
     facts = describe(spec.model_type, spec.args)
     if not dense:
-        def quantized(path: str, module: nn.Module) -> dict[str, int] | bool:
+        def quantized(path: str, module: nn.Module) -> dict[str, Any] | bool:
             params = spec.quantization_for(path) if hasattr(module, "to_quantized") else None
-            return False if params is None else {"group_size": params[0], "bits": params[1]}
+            return False if params is None else params.as_kwargs()
 
         nn.quantize(model, class_predicate=quantized)
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
 
     def size(names: list[tuple[str, mx.array]]) -> TensorBytes:
-        # Quantized codes are uint32 and keep their size; every floating parameter is cast to the compute dtype.
-        return TensorBytes(sum(a.nbytes for _, a in names if a.dtype == mx.uint32),
-                           sum(a.size for _, a in names if a.dtype != mx.uint32))
+        # Every floating parameter is cast to the compute dtype; the rest (uint32 codes, the fp modes' uint8
+        # scales) keeps its size.
+        floating = [a for _, a in names if mx.issubdtype(a.dtype, mx.floating)]
+        return TensorBytes(sum(a.nbytes for _, a in names if not mx.issubdtype(a.dtype, mx.floating)),
+                           sum(a.size for a in floating))
 
     layers = [size([(n, a) for n, a in flat if n.startswith(f"model.layers.{i}.")]) for i in range(spec.num_layers)]
     embedding = size([(n, a) for n, a in flat if n.startswith("model.embed_tokens.")])
@@ -131,9 +146,9 @@ def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
         [(n, a) for n, a in flat if not n.startswith("model.")])
     kv_layers = _measured_kv(model, spec, facts)
     return ModelFacts(
-        num_layers=spec.num_layers, layer=max(layers, key=lambda t: (t.packed, t.elements)), embedding=embedding,
+        num_layers=spec.num_layers, layer=_largest(layers), embedding=embedding,
         head=head + norm, kv_elements_per_token=max((kv.per_token for kv in kv_layers), default=0),
-        tied_embeddings=spec.tie_word_embeddings, layer_sizes=tuple(layers) if len(set(layers)) > 1 else (),
+        tied_embeddings=spec.tie_word_embeddings, layer_sizes=_differing(layers),
         kv_layers=() if all(kv == LayerKV(kv_layers[0].per_token) for kv in kv_layers) else kv_layers,
     )
 

@@ -7,8 +7,14 @@ Contract:
   and rules (supported architectures, quantization checks, the served name).
 - ``ModelSpec.args`` is a plain dict that ``mlx_lm.models.<model_type>.ModelArgs
   .from_dict`` accepts; ``ModelSpec.quantization`` is in mlx-lm's config style
-  (top-level ``group_size``/``bits``, per-module overrides, ``False`` for a
-  module kept unquantized).
+  (top-level ``group_size``/``bits``/``mode``, per-module overrides that may carry
+  their own ``mode``, ``False`` for a module kept unquantized).
+- One module's quantization is resolved in one place: ``quantization_for`` gives
+  a frozen ``QuantParams`` (group_size, bits, mode), or None for a dense module.
+  ``check_quantization`` accepts exactly what ``mx.quantize`` serves
+  (``QUANT_MODES``): affine 1/2/3/4/5/6/8 bits in groups of 32/64/128, mxfp4 (4
+  bits, groups of 32), nvfp4 (4 bits, groups of 16), mxfp8 (8 bits, groups of 32).
+  The fp modes store uint8 scales and no biases.
 - Anything we cannot serve (architecture: ``mlx_arch`` says which and why,
   tensor type, quantization mode, a missing file) raises ``ModelFormatError`` (a ``ValueError``) whose message
   says what is supported and what the user should change.
@@ -27,9 +33,16 @@ from stagemesh.core.errors import UserError
 # GGUF files of these llama.cpp architectures are read (gguf_format; one table each in gguf_architectures);
 # safetensors directories of every architecture stage_worker.mlx_arch serves.
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
-# Bits that mx.quantize's affine mode accepts.
-SUPPORTED_AFFINE_BITS: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
-SUPPORTED_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+# mx.quantize's modes: (bits, group sizes) each serves. The fp modes allow one pair each (their scale format
+# fixes it).
+QUANT_MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "affine": ((1, 2, 3, 4, 5, 6, 8), (32, 64, 128)),
+    "mxfp4": ((4,), (32,)),
+    "nvfp4": ((4,), (16,)),
+    "mxfp8": ((8,), (32,)),
+}
+# The (group_size, bits) a mode takes where the config leaves them null (MLX's and mlx-lm's defaults).
+MODE_DEFAULTS: dict[str, tuple[int, int]] = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 # --load-format: auto reads the weights from the model's files; dummy generates random ones of the same shapes.
 LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 
@@ -67,8 +80,8 @@ class ModelSpec:
     # "dummy": the weights are generated, not read (``format`` still says where the shapes came from).
     load_format: str = "auto"
 
-    def quantization_for(self, module_path: str) -> tuple[int, int] | None:
-        """(group_size, bits) for a quantizable module (Linear/Embedding), or None.
+    def quantization_for(self, module_path: str) -> QuantParams | None:
+        """How a quantizable module (Linear, Embedding, expert stack) is quantized, or None if it is not.
 
         ``module_path`` is mlx-lm's module name, e.g. ``model.layers.3.mlp.up_proj``.
         Norms are never quantized; do not ask for them.
@@ -84,29 +97,76 @@ class ModelSpec:
         return self.load_format == "dummy"
 
 
-def quantization_for(
-    quantization: Mapping[str, Any] | None, module_path: str
-) -> tuple[int, int] | None:
-    """Resolve one module's (group_size, bits) from an mlx-lm quantization map."""
+@dataclass(frozen=True)
+class QuantParams:
+    """How one module's weight is quantized: ``mx.quantize``'s group_size, bits and mode."""
+
+    group_size: int
+    bits: int
+    mode: str = "affine"
+
+    @property
+    def has_biases(self) -> bool:
+        """affine stores a scale and a bias per group in the weights' dtype; the fp modes a uint8 scale only."""
+        return self.mode == "affine"
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``mx.quantize`` and of a module's ``to_quantized``."""
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+    def describe(self) -> str:
+        return f"{self.mode} {self.bits}-bit, group size {self.group_size}"
+
+
+def quant_params(entry: Mapping[str, Any], where: str) -> QuantParams:
+    """One quantization entry of an mlx-lm config (the top level or a module's override) as ``QuantParams``,
+    a null group size or bit width taking the mode's default as MLX does; ``ModelFormatError`` naming
+    ``where`` for what MLX cannot serve (``check_quantization``)."""
+    mode = str(entry.get("mode") or "affine")
+    if mode not in QUANT_MODES:
+        raise ModelFormatError(f"{where} uses quantization mode {mode!r}; {_SERVED_MODES}. {_REQUANTIZE}")
+    default_group, default_bits = MODE_DEFAULTS[mode]
+    group_size, bits = entry.get("group_size"), entry.get("bits")
+    try:
+        params = QuantParams(default_group if group_size is None else int(group_size),
+                             default_bits if bits is None else int(bits), mode)
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{where} has a quantization entry MLX cannot read ({dict(entry)}): {e}") from e
+    check_quantization(params, where)
+    return params
+
+
+def quantization_for(quantization: Mapping[str, Any] | None, module_path: str) -> QuantParams | None:
+    """Resolve one module's ``QuantParams`` from an mlx-lm quantization map, as mlx-lm's loader does: the
+    module's own entry (``False``: kept dense; a mapping: its own parameters), else the top level.
+
+    For a quantized module without an entry, mlx-lm's loader reads the parameters off the stored tensors
+    (``mlx_lm.utils.infer_quant_config``) instead; the map alone serves here because the planner and dummy
+    weights have no tensors. mlx-lm's ``quantize_model`` writes an entry for every module quantized other
+    than the top level says, so the two agree on its checkpoints; ``checkpoint_check`` names a module
+    whose stored codes or scales disagree with the map."""
     if not quantization:
         return None
     override = quantization.get(module_path)
     if override is False:
         return None
     if isinstance(override, Mapping):
-        return int(override["group_size"]), int(override["bits"])
-    return int(quantization["group_size"]), int(quantization["bits"])
+        return quant_params(override, f"module {module_path}")
+    return quant_params(quantization, "the quantization config")
 
 
-def check_affine(group_size: int, bits: int, where: str) -> None:
-    """Raise unless mx.quantize's affine mode can represent (group_size, bits)."""
-    if bits not in SUPPORTED_AFFINE_BITS or group_size not in SUPPORTED_GROUP_SIZES:
-        raise ModelFormatError(
-            f"{where} uses {bits}-bit quantization with group size {group_size}; "
-            f"stagemesh serves MLX affine quantization with bits in "
-            f"{list(SUPPORTED_AFFINE_BITS)} and group size in {list(SUPPORTED_GROUP_SIZES)}. "
-            "Re-quantize with `mlx_lm.convert -q --q-bits 4` (or 8), or use an unquantized model."
-        )
+def check_quantization(params: QuantParams, where: str) -> None:
+    """Raise unless ``mx.quantize`` serves ``params`` (``QUANT_MODES``), naming ``where`` and what is served."""
+    bits, group_sizes = QUANT_MODES.get(params.mode, ((), ()))
+    if params.bits not in bits or params.group_size not in group_sizes:
+        raise ModelFormatError(f"{where} uses {params.describe()} quantization; {_SERVED_MODES}. {_REQUANTIZE}")
+
+
+_SERVED_MODES = "MLX serves " + "; ".join(
+    f"{mode} with {'/'.join(map(str, bits))} bits in groups of {'/'.join(map(str, groups))}"
+    for mode, (bits, groups) in QUANT_MODES.items())
+_REQUANTIZE = ("Re-quantize with `mlx_lm.convert -q --q-mode affine --q-bits 4` (or --q-mode mxfp4, nvfp4, mxfp8), "
+               "or use an unquantized model.")
 
 
 _GGUF_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)

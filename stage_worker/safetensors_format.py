@@ -4,11 +4,16 @@ Contract:
 - ``read_safetensors_spec(path)`` builds a ``ModelSpec`` from config.json and
   the tensor *names* (model.safetensors.index.json when present, else the
   safetensors headers); no tensor data is read. The architectures
-  ``mlx_arch`` serves; unquantized (bf16/f16/f32) or MLX affine
-  quantization (``quantization`` / ``quantization_config`` with group_size and
-  bits, per-module overrides). Other quantizers (AWQ, GPTQ, fp8, mxfp4, ...)
-  raise ``ModelFormatError``. The spec's quantization map is made explicit:
-  a quantizable module stored without ``.scales`` gets ``False``.
+  ``mlx_arch`` serves; unquantized (bf16/f16/f32) or quantized by MLX
+  (``quantization`` / ``quantization_config`` as mlx-lm's convert writes it: a
+  group_size, bits and mode at the top and per-module overrides, each with its
+  own mode): every mode and width ``model_spec.QUANT_MODES`` lists, so affine
+  1-8 bits and mixed recipes, mxfp4, nvfp4, mxfp8. An entry MLX cannot serve,
+  a per-expert nvfp4 global scale or quantized activations, and other
+  quantizers (AWQ, GPTQ, fp8 ``quant_method``) raise ``ModelFormatError``
+  naming the module and what is served; a ``quant_method`` of ``mxfp4`` (openai's
+  gpt-oss) reads as MLX's mxfp4, as mlx-lm reads it. The spec's quantization map is made
+  explicit: a quantizable module stored without ``.scales`` gets ``False``.
   ``read_safetensors_spec(path, load_format="dummy")`` needs config.json only
   (the weights will be random); tensor names are still read when there are
   weight files, so a stored head or unquantized module is honoured.
@@ -40,7 +45,7 @@ from . import load_progress
 from .model_spec import (
     ModelFormatError,
     ModelSpec,
-    check_affine,
+    quant_params,
     served_name_from_path,
 )
 
@@ -80,34 +85,39 @@ def weight_map(path: str) -> dict[str, str]:
     return {key: os.path.basename(file) for file in files for key in _safetensors_keys(file)}
 
 
+# Other quantizers' checkpoints that mlx-lm's loader reads as an MLX mode (mlx_lm.utils.load_model): openai's gpt-oss
+# ships its experts as mxfp4 blocks and scales, which the architecture's sanitize lays out as MLX's mxfp4.
+_MLX_EQUIVALENTS: dict[str, dict[str, Any]] = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+
+
 def _mlx_quantization(config: Mapping[str, Any], path: str) -> dict[str, Any] | None:
+    """The config's MLX quantization map, every entry checked against what MLX serves (module docstring)."""
     quant = config.get("quantization")
     if quant is None:
         legacy = config.get("quantization_config")
+        if legacy and legacy.get("quant_method") in _MLX_EQUIVALENTS:
+            return dict(_MLX_EQUIVALENTS[legacy["quant_method"]])
         if legacy and "quant_method" in legacy:
             raise ModelFormatError(
-                f"{path} is quantized with {legacy['quant_method']!r}; stagemesh serves MLX affine "
-                "quantization (mlx_lm.convert -q) or unquantized bf16/f16/f32 checkpoints. "
-                "Convert it with `mlx_lm.convert --hf-path <model> -q`."
+                f"{path} is quantized with {legacy['quant_method']!r}; stagemesh serves checkpoints quantized by "
+                "MLX (mlx_lm.convert -q: affine 1-8 bits, mixed recipes, mxfp4, nvfp4, mxfp8) or unquantized "
+                "bf16/f16/f32 ones. Convert it with `mlx_lm.convert --hf-path <model> -q`."
             )
         quant = legacy or None
     if not quant:
         return None
+    if config.get("quantize_activations"):
+        raise ModelFormatError(f"{path}/config.json quantizes activations (quantize_activations); stagemesh serves "
+                               "weight-only quantization. Convert the model without activation quantization.")
     quant = dict(quant)
-    mode = quant.get("mode", "affine")
-    if mode != "affine":
-        raise ModelFormatError(
-            f"{path} uses MLX quantization mode {mode!r}; stagemesh serves the affine mode "
-            "(2/3/4/5/6/8 bits). Re-quantize with `mlx_lm.convert -q --q-mode affine`."
-        )
-    check_affine(int(quant["group_size"]), int(quant["bits"]), f"{path}/config.json")
+    quant_params(quant, f"{path}/config.json's quantization")
     for module, value in quant.items():
         if isinstance(value, Mapping):
-            if value.get("mode", "affine") != "affine":
-                raise ModelFormatError(
-                    f"{path}: module {module} uses quantization mode {value['mode']!r}; only affine is served."
-                )
-            check_affine(int(value["group_size"]), int(value["bits"]), f"{path}: module {module}")
+            where = f"{path}: module {module}"
+            if value.get("global_scale"):
+                raise ModelFormatError(f"{where} holds a per-expert nvfp4 global scale, which stagemesh does not "
+                                       "serve; re-quantize without global scales (mlx_lm.convert -q --q-mode nvfp4).")
+            quant_params(value, where)
     return quant
 
 

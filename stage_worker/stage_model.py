@@ -41,6 +41,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model
 
+from stage_worker.checkpoint_check import mismatched_scales
 from stage_worker.fused_projections import FusedLayer, fuse_layer_projections
 from stage_worker.layer_stack import stack_layers
 from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
@@ -169,7 +170,8 @@ class StageModel:
         total = 0
         for _, m in self._module.named_modules():
             if _is_quantized(m):
-                total += m.weight.size * 32 // m.bits * self.dtype.size  # 3, 5, 6 bits do not divide 32
+                # 3, 5 and 6-bit codes straddle uint32 words: count the weights by bits, not per word.
+                total += m.weight.size * 32 // m.bits * self.dtype.size
                 if "bias" in m:
                     total += m.bias.nbytes
             elif not list(m.children()):
@@ -417,8 +419,7 @@ def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dty
         params = spec.quantization_for(global_path(path, role.layers))
         if params is None:
             raise ModelFormatError(f"{path} arrives quantized but the model config gives no bits")
-        group_size, bits = params
-        return {"group_size": group_size, "bits": bits}
+        return params.as_kwargs()
 
     nn.quantize(module, class_predicate=quantize_predicate)
     _check_tensors(spec, role, dict(_flat_parameters(module)), local, lambda name: global_path(name, role.layers))
@@ -435,6 +436,8 @@ def _check_tensors(spec: ModelSpec, role: StageRole, expected: dict[str, mx.arra
     missing = [global_name(n) for n in expected if n not in given]
     shapes = [f"{global_name(n)} is {tuple(given[n].shape)} in the files, {tuple(a.shape)} by the config"
               for n, a in expected.items() if n in given and given[n].shape != a.shape]
+    # The scales' kind first: a mislabelled mode shows there, where its shapes may agree.
+    shapes = mismatched_scales(expected, given, global_name) + shapes
     problems = tensor_mismatch(missing, shapes, [global_name(n) for n in given if n not in expected])
     if problems:
         raise ModelFormatError(f"{spec.path}: the weights of layers {role.layers} do not match mlx-lm's "

@@ -65,14 +65,30 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def tiny_checkpoint(name: str, root: Path, dtype: str = "float32") -> str:
-    """``TINY_CONFIGS[name]`` written under ``root/name`` (once): config.json, model.safetensors, tokenizer."""
+def tiny_checkpoint(name: str, root: Path, dtype: str = "float32", quantization: str | None = None) -> str:
+    """``TINY_CONFIGS[name]`` written under ``root/name`` (once): config.json, model.safetensors, tokenizer;
+    with ``quantization`` (``random_checkpoint.SHAPE_QUANTIZATIONS``) quantized by mlx-lm's own code, under
+    ``root/name-quantization``."""
     from stagemesh.bench.random_checkpoint import write_random_checkpoint
 
-    out = root / name
+    out = root / (name + (f"-{quantization}" if quantization else ""))
     if not (out / "model.safetensors").is_file():
-        write_random_checkpoint(TINY_CONFIGS[name], out, dtype=dtype, seed=sum(map(ord, name)))
+        write_random_checkpoint(TINY_CONFIGS[name], out, dtype=dtype, seed=sum(map(ord, name)),
+                                quantization=quantization)
     return str(out)
+
+
+def mlx_lm_greedy(model, prompts, max_tokens: int) -> list[list[int]]:
+    """mlx-lm's own greedy generation (``generate_step``) of each prompt alone on ``model`` (mlx-lm's, loaded)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    outputs = []
+    for prompt in prompts:
+        steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                              sampler=lambda logits: mx.argmax(logits, axis=-1))
+        outputs.append([int(token) for token, _ in steps])
+    return outputs
 
 
 # mlx-lm's stacked expert projections -> Hugging Face's original per-expert names, per architecture:

@@ -21,7 +21,7 @@ from stage_worker.packed_forward import Segment
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.stage_model import StackStageModel, StageModel, StageRole, runs_packed
 from stagemesh.core.layer_split import LayerRange, even_split
-from tests.architectures import TINY_CONFIGS, tiny_checkpoint
+from tests.architectures import TINY_CONFIGS, mlx_lm_greedy, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 
 # Longer than the sliding windows (8) of the tiny gpt_oss and gemma3_text, so windows rotate.
@@ -45,16 +45,10 @@ def checkpoints(tmp_path_factory):
 
 
 def _mlx_lm_greedy(path: str, prompts, max_tokens: int) -> list[list[int]]:
-    from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
 
     model, _ = load(path)
-    outputs = []
-    for prompt in prompts:
-        steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                              sampler=lambda logits: mx.argmax(logits, axis=-1))
-        outputs.append([int(token) for token, _ in steps])
-    return outputs
+    return mlx_lm_greedy(model, prompts, max_tokens)
 
 
 def _stages(spec, depth: int) -> list[StageModel]:

@@ -38,8 +38,7 @@ def gguf_model():
     def predicate(path, module):
         if f"{path}.scales" not in weights:
             return False
-        group_size, bits = spec.quantization_for(path)
-        return {"group_size": group_size, "bits": bits}
+        return spec.quantization_for(path).as_kwargs()
 
     nn.quantize(model, class_predicate=predicate)
     model.load_weights(list(weights.items()), strict=True)

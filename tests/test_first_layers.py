@@ -82,13 +82,16 @@ def test_the_cut_travels_to_every_stage_in_the_plan():
 
 def test_bench_kinds_take_shape_layers_with_a_shape_only():
     def args(**given) -> argparse.Namespace:
-        return argparse.Namespace(**{"model": None, "shape": None, "shape_layers": None, **given})
+        return argparse.Namespace(**{"model": None, "shape": None, "shape_layers": None, "shape_quantization": None,
+                                     **given})
 
     check_shape_flags(args(shape="qwen3-30b-a3b", shape_layers=12))
     with pytest.raises(UserError, match="give --shape NAME too"):
         check_shape_flags(args(model="m", shape_layers=12))
     with pytest.raises(UserError, match="use at least 2"):
         check_shape_flags(args(shape="gpt-oss-20b", shape_layers=1))
+    with pytest.raises(UserError, match="--shape-quantization quantizes a --shape model; give --shape NAME too"):
+        check_shape_flags(args(model="m", shape_quantization="mxfp4"))
 
 
 @pytest.mark.e2e  # starts stagemesh plan

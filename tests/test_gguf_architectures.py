@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from stage_worker.gguf_format import needed_gguf_tensors, read_gguf_header
 from stage_worker.model_facts import model_facts
 from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError
+from stage_worker.model_spec import ModelFormatError, QuantParams
 from stage_worker.stage_model import StackStageModel, StageModel, StageRole
 from stage_worker.stage_weights import load_stage_weights
 from stagemesh.core.layer_split import LayerRange, even_split
@@ -129,7 +129,7 @@ def test_q8_0_gguf_served_quantized_equals_mlx_lm_on_mlx_quantized_weights(root,
     spec = read_model_spec(path)
     assert spec.quantization["bits"] == 8 and spec.quantization["group_size"] == 32
     if arch == "qwen3moe":  # expert stacks quantized, the router kept in F32 as llama.cpp keeps it
-        assert spec.quantization_for("model.layers.1.mlp.switch_mlp.down_proj") == (32, 8)
+        assert spec.quantization_for("model.layers.1.mlp.switch_mlp.down_proj") == QuantParams(32, 8)
         assert spec.quantization_for("model.layers.1.mlp.gate") is None
     expected = _mlx_lm_greedy(reference)
     assert _stages(spec, 1)[0].quantized

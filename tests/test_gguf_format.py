@@ -20,7 +20,7 @@ from stage_worker.gguf_format import (
     read_gguf_header,
 )
 from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError
+from stage_worker.model_spec import ModelFormatError, QuantParams
 from stage_worker.stage_weights import load_stage_weights
 
 DEFAULT = default_model_path()
@@ -140,8 +140,7 @@ def build_model(spec, weights):
     def predicate(path, m):
         if f"{path}.scales" not in weights:
             return False
-        group_size, bits = spec.quantization_for(path)
-        return {"group_size": group_size, "bits": bits}
+        return spec.quantization_for(path).as_kwargs()
 
     nn.quantize(model, class_predicate=predicate)
     model.load_weights(list(weights.items()), strict=True)
@@ -264,8 +263,8 @@ def test_block_types_match_mx_load(tmp_path, qtype):
             assert mx.array_equal(ours, reference[key]).item(), key
     spec = read_model_spec(str(path))
     bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}.get(qtype)
-    assert spec.quantization_for("model.layers.1.mlp.down_proj") == (None if bits is None else (32, bits))
-    assert spec.quantization_for("model.embed_tokens") == (32, 8)
+    assert spec.quantization_for("model.layers.1.mlp.down_proj") == (None if bits is None else QuantParams(32, bits))
+    assert spec.quantization_for("model.embed_tokens") == QuantParams(32, 8)
     build_model(spec, load_stage_weights(spec, range(0, 2), True, True))  # strict names and shapes
 
 

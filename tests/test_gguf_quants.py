@@ -21,7 +21,7 @@ from stage_worker.gguf_format import convert_gguf_tensor, gguf_to_mlx_name, read
 from stage_worker.gguf_quants import AFFINE_BITS, EXACT_TYPES, GROUP_SIZE
 from stage_worker.model_facts import model_facts
 from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError
+from stage_worker.model_spec import ModelFormatError, QuantParams
 from stage_worker.stage_model import StageModel, StageRole
 from stagemesh.core.layer_split import LayerRange, even_split
 from tests.engine_helpers import InProcessPipeline, read_until_finished
@@ -193,10 +193,10 @@ def test_q4_k_m_mix_at_pp2_equals_mlx_lm_on_gguf_dequantized_weights(mixed):
 
     path, reference_dir = mixed
     spec = read_model_spec(path)
-    assert spec.quantization_for("model.layers.0.self_attn.q_proj") == (32, 4)  # Q4_K
-    assert spec.quantization_for("model.layers.0.self_attn.v_proj") == (32, 8)  # Q6_K, requantized
-    assert spec.quantization_for("model.layers.1.mlp.down_proj") == (32, 5)  # Q5_0
-    assert spec.quantization_for("lm_head") == (32, 8)
+    assert spec.quantization_for("model.layers.0.self_attn.q_proj") == QuantParams(32, 4)  # Q4_K
+    assert spec.quantization_for("model.layers.0.self_attn.v_proj") == QuantParams(32, 8)  # Q6_K, requantized
+    assert spec.quantization_for("model.layers.1.mlp.down_proj") == QuantParams(32, 5)  # Q5_0
+    assert spec.quantization_for("lm_head") == QuantParams(32, 8)
     model, _ = load_model(Path(reference_dir))
     prompts, max_tokens = [(1, 17, 42, 99, 5, 6, 7, 8, 9, 10, 11), (3, 2, 1)], 12
     expected = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=max_tokens,
@@ -218,9 +218,7 @@ def _uniform(layer: int) -> dict[str, Q]:
 
 @pytest.mark.parametrize("mix", [
     pytest.param(_uniform, id="same-types-every-layer"),
-    pytest.param(_mix, id="types-differ-by-layer", marks=pytest.mark.xfail(
-        strict=True, reason="model_facts counts every layer of a llama/qwen model as its largest one "
-        "(ModelFacts.layer); exact needs per-layer sizes (layer_sizes) where a GGUF's layers differ")),
+    pytest.param(_mix, id="types-differ-by-layer"),
 ])
 def test_planner_bytes_equal_the_loaded_stages(tmp_path, mix):
     path = tmp_path / "tiny.gguf"

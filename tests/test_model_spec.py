@@ -18,7 +18,7 @@ from stage_worker.default_model import (
 )
 from stage_worker.gguf_format import read_gguf_header
 from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError, ModelSpec, served_name_from_path
+from stage_worker.model_spec import ModelFormatError, ModelSpec, QuantParams, served_name_from_path
 
 DEFAULT = default_model_path()
 
@@ -43,11 +43,11 @@ def test_default_model_spec(spec):
 
 
 def test_quantization_for(spec):
-    assert spec.quantization_for("model.embed_tokens") == (32, 8)
-    assert spec.quantization_for("model.layers.12.self_attn.q_proj") == (32, 4)
+    assert spec.quantization_for("model.embed_tokens") == QuantParams(32, 8)
+    assert spec.quantization_for("model.layers.12.self_attn.q_proj") == QuantParams(32, 4, "affine")
     partly = dataclasses.replace(spec, quantization={"group_size": 64, "bits": 4, "lm_head": False})
     assert partly.quantization_for("lm_head") is None
-    assert partly.quantization_for("model.layers.0.mlp.up_proj") == (64, 4)
+    assert partly.quantization_for("model.layers.0.mlp.up_proj") == QuantParams(64, 4)
     assert dataclasses.replace(spec, quantization=None).quantization_for("model.embed_tokens") is None
 
 

@@ -17,7 +17,7 @@ from mlx_lm.utils import load_model
 from stage_worker.convert import convert_gguf_to_mlx_dir
 from stage_worker.default_model import default_model_path
 from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError
+from stage_worker.model_spec import ModelFormatError, QuantParams
 from stage_worker.stage_weights import load_stage_weights
 
 QWEN3 = {
@@ -114,8 +114,8 @@ def test_quantized_qwen3_spec(qwen3_dir):
     spec = read_model_spec(str(path))
     assert (spec.format, spec.model_type, spec.num_layers, spec.tie_word_embeddings) == ("mlx", "qwen3", 3, True)
     assert spec.default_served_name == path.name
-    assert spec.quantization_for("model.embed_tokens") == (32, 8)
-    assert spec.quantization_for("model.layers.2.self_attn.o_proj") == (32, 4)
+    assert spec.quantization_for("model.embed_tokens") == QuantParams(32, 8)
+    assert spec.quantization_for("model.layers.2.self_attn.o_proj") == QuantParams(32, 4)
     assert spec.quantization_for(UNQUANTIZED_MODULE) is None  # inferred from the missing scales
     assert "quantization" not in spec.args
 
@@ -210,7 +210,7 @@ def test_middle_third_of_converted_default_model(converted, tmp_path):
 @pytest.mark.e2e
 def test_converted_first_and_last_stage(converted):
     spec = read_model_spec(str(converted))
-    assert spec.quantization_for("model.embed_tokens") == (32, 8) and spec.tie_word_embeddings
+    assert spec.quantization_for("model.embed_tokens") == QuantParams(32, 8) and spec.tie_word_embeddings
     first = load_stage_weights(spec, range(0, 10), True, False)
     assert "model.embed_tokens.scales" in first and "model.norm.weight" not in first
     last = load_stage_weights(spec, range(20, 30), False, True)
@@ -243,9 +243,10 @@ def test_unsupported_architecture_is_refused_by_name_with_the_reason(tmp_path, m
     ("config", "message"),
     [
         ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantized with 'awq'"),
-        ({"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}, "mode 'mxfp4'"),
-        ({"quantization": {"group_size": 32, "bits": 7}}, "7-bit quantization"),
-        ({"quantization": {"group_size": 32, "bits": 4, "lm_head": {"group_size": 48, "bits": 4}}}, "group size 48"),
+        ({"quantization": {"group_size": 64, "bits": 4, "mode": "mxfp4"}}, "mxfp4 4-bit, group size 64"),
+        ({"quantization": {"group_size": 32, "bits": 7}}, "affine 7-bit, group size 32 quantization"),
+        ({"quantization": {"group_size": 32, "bits": 4, "lm_head": {"group_size": 48, "bits": 4}}},
+         "module lm_head uses affine 4-bit, group size 48"),
     ],
 )
 def test_unsupported_quantization(tmp_path, config, message):

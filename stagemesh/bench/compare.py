@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagemesh.bench import flags
-from stagemesh.bench.random_checkpoint import check_shape_flags, write_shape_checkpoint
+from stagemesh.bench.random_checkpoint import check_shape_flags, shape_description, write_shape_checkpoint
 from stagemesh.core.errors import UserError
 
 COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix")
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         if args.shape:
             started = time.monotonic()
             model = write_shape_checkpoint(args, Path(tmp))
-            print(f"{args.shape}: random {args.shape_dtype} checkpoint in {time.monotonic() - started:.0f} s",
+            print(f"{args.shape}: {shape_description(args)} checkpoint in {time.monotonic() - started:.0f} s",
                   file=sys.stderr)
             tokenizer_dir = model
         else:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from stagemesh.bench.random_checkpoint import SHAPE_QUANTIZATIONS
+
 # A parser or one of its argument groups (both add arguments; argparse names their common base privately).
 Flags = argparse._ActionsContainer
 
@@ -27,6 +29,10 @@ HELP: dict[str, str] = {
     "--shape-layers": "only the --shape model's first N decoder layers (its layer pattern kept: dense first layers, "
                       "sliding and full attention), to run part of a model too big for the machine",
     "--shape-dtype": "dtype of the --shape checkpoint",
+    "--shape-quantization": "quantize the --shape checkpoint with mlx-lm's own code, as mlx_lm.convert -q would: "
+                            "affine2-affine8 (groups of 64), mxfp4, nvfp4, mxfp8, or a mixed recipe (mixed_2_6, "
+                            "mixed_3_4, mixed_3_6, mixed_4_6); stagemesh serve's --dequantize auto may still run it "
+                            "dense (CUDA, CPU), --serve-args '--dequantize off' keeps it quantized",
     "--shape-tokenizer": "Hugging Face tokenizer directory for the --shape checkpoint (default: the embedded model's)",
     "--dtype": "compute dtype: auto (the backend's), float32, float16, bfloat16",
     "--input-len": "prompt tokens per request",
@@ -62,6 +68,8 @@ def add_shape_flags(parser: Flags) -> None:
     parser.add_argument("--shape-layers", type=int, default=None, metavar="N", help=_help("--shape-layers"))
     parser.add_argument("--shape-dtype", default="bfloat16", help=_help("--shape-dtype", "bfloat16"))
     parser.add_argument("--shape-tokenizer", default=None, metavar="DIR", help=_help("--shape-tokenizer"))
+    parser.add_argument("--shape-quantization", default=None, choices=list(SHAPE_QUANTIZATIONS), metavar="NAME",
+                        help=_help("--shape-quantization"))
 
 
 def add_dtype(parser: Flags) -> None:

@@ -11,16 +11,43 @@ sees). Both servers then read the same files, so neither gets a lighter model
 than the other. ``stagemesh serve --load-format dummy`` draws random weights
 inside each stage instead, without files. ``--shape-layers N`` cuts the shape to
 its first N decoder layers (``shape_config``), so part of a model too big for the
-machine can run.
+machine can run. ``--shape-quantization NAME`` (``SHAPE_QUANTIZATIONS``) quantizes
+the random weights with mlx-lm's own ``quantize_model`` (and, for a mixed recipe,
+``mlx_lm.convert``'s predicate), as ``mlx_lm.convert -q`` would: the files and
+config.json's ``quantization`` are a genuine mlx-lm quantized checkpoint, which
+``mlx_lm.server`` and stagemesh both load.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SHAPES_DIR = Path(__file__).resolve().parent / "model_configs"
+
+
+@dataclass(frozen=True)
+class ShapeQuantization:
+    """One of mlx_lm.convert's quantizations: ``--q-mode``, ``--q-bits`` and ``--q-group-size`` (None: the mode's
+    default), and a mixed ``--quant-predicate`` recipe (affine, its low and high bits by layer)."""
+
+    mode: str
+    bits: int | None = None
+    group_size: int | None = None
+    recipe: str | None = None
+
+
+# --shape-quantization NAME: affine at each width mlx-lm writes (groups of 64, its default), the fp modes at their
+# only width, and mlx_lm.convert's mixed recipes (mlx_lm.convert.QUANT_RECIPES).
+SHAPE_QUANTIZATIONS: dict[str, ShapeQuantization] = {
+    **{f"affine{bits}": ShapeQuantization("affine", bits, 64) for bits in (2, 3, 4, 5, 6, 8)},
+    "mxfp4": ShapeQuantization("mxfp4"), "nvfp4": ShapeQuantization("nvfp4"), "mxfp8": ShapeQuantization("mxfp8"),
+    **{recipe: ShapeQuantization("affine", group_size=64, recipe=recipe)
+       for recipe in ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")},
+}
 
 
 def shape_names() -> list[str]:
@@ -54,23 +81,34 @@ def check_shape_flags(args: argparse.Namespace) -> None:
         raise UserError("give MODEL or --shape, not both")
     if args.shape_layers is not None and not args.shape:
         raise UserError("--shape-layers cuts a --shape model; give --shape NAME too")
+    if args.shape_quantization is not None and not args.shape:
+        raise UserError("--shape-quantization quantizes a --shape model; give --shape NAME too")
     if args.shape:
         shape_config(args.shape, args.shape_layers)  # an unknown shape or a layer count it cannot take
 
 
 def write_shape_checkpoint(args: argparse.Namespace, root: Path) -> str:
-    """The ``--shape`` checkpoint (its first ``--shape-layers`` layers when given) written under ``root``."""
+    """The ``--shape`` checkpoint (its first ``--shape-layers`` layers when given, quantized as
+    ``--shape-quantization`` says) written under ``root``."""
     name = args.shape + (f"-{args.shape_layers}-layers" if args.shape_layers is not None else "")
+    name += f"-{args.shape_quantization}" if args.shape_quantization else ""
     return str(write_random_checkpoint(shape_config(args.shape, args.shape_layers), root / name, args.shape_dtype,
-                                       tokenizer_dir=args.shape_tokenizer))
+                                       tokenizer_dir=args.shape_tokenizer, quantization=args.shape_quantization))
+
+
+def shape_description(args: argparse.Namespace) -> str:
+    """What the ``--shape`` checkpoint holds, for a progress line: its dtype, and its quantization if any."""
+    return f"random {args.shape_dtype}" + (f", {args.shape_quantization}" if args.shape_quantization else "")
 
 
 SHARD_BYTES = 2 * 1024**3  # a shard's size: the most weights in memory at once while writing
 
 
 def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0,
-                            tokenizer_dir: str | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write ``config`` with random weights (``dtype``) and an extended tokenizer to ``out_dir``.
+                            tokenizer_dir: str | None = None, shard_bytes: int = SHARD_BYTES,
+                            quantization: str | None = None) -> Path:
+    """Write ``config`` with random weights (``dtype``) and an extended tokenizer to ``out_dir``; with
+    ``quantization`` (a ``SHAPE_QUANTIZATIONS`` name) the weights quantized as mlx_lm.convert would.
 
     Weights up to ``shard_bytes`` go to ``model.safetensors``; more are drawn and written one shard at a
     time (``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``, Hugging Face's
@@ -87,6 +125,8 @@ def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfl
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
+    if quantization is not None:
+        model, config = _quantize(model, config, quantization)
     # Nothing is drawn yet: each shard's weights are drawn (and freed) when it is written.
     weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
     del model
@@ -110,6 +150,28 @@ def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfl
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(out, int(config["vocab_size"]), tokenizer_dir)
     return out
+
+
+def _quantize(model: Any, config: dict, name: str) -> tuple[Any, dict]:
+    """mlx-lm's own quantization of ``model`` (lazily: each weight is drawn and quantized as its shard is
+    written) and the config it writes for it, the ``quantization`` block mlx-lm's loader reads."""
+    import contextlib
+    import sys
+
+    from mlx_lm.convert import mixed_quant_predicate_builder
+    from mlx_lm.utils import quantize_model
+
+    if name not in SHAPE_QUANTIZATIONS:
+        from stagemesh.core.errors import UserError
+
+        raise UserError(f"--shape-quantization {name!r}: choose from {', '.join(SHAPE_QUANTIZATIONS)}")
+    chosen = SHAPE_QUANTIZATIONS[name]
+    # Any: mlx-lm annotates the recipe's predicate with a third argument that quantize_model never passes.
+    predicate: Any = (mixed_quant_predicate_builder(chosen.recipe, model, chosen.group_size or 64)
+                      if chosen.recipe else None)
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints the bits per weight; stdout may carry a report
+        return quantize_model(model, config, chosen.group_size, chosen.bits, mode=chosen.mode,
+                              quant_predicate=predicate)
 
 
 def _shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:

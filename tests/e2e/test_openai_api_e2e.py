@@ -73,8 +73,7 @@ def mlx_lm_model(default_model_path):
     def quantized(path: str, _module: nn.Module):
         if f"{path}.scales" not in weights:
             return False
-        group_size, bits = spec.quantization_for(path)
-        return {"group_size": group_size, "bits": bits}
+        return spec.quantization_for(path).as_kwargs()
 
     nn.quantize(model, class_predicate=quantized)
     model.load_weights(list(weights.items()), strict=True)
