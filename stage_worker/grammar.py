@@ -4,10 +4,8 @@ Contract:
 - ``GrammarRows(spec)`` holds an ``llguidance.LLMatcher`` per sequence whose
   ``RowOptions.sampling.grammar`` is set (an llguidance grammar: the gateway compiles
   JSON schemas, regexes and Lark into it). The llguidance tokenizer is built
-  from the model's own tokenizer once per stage process: on a thread by
-  ``prepare(vocab)`` (the serving last stage calls it at start, so a busy
-  machine's seconds of building never stall the stage loop and trip its
-  neighbours' link watchdog), else on the first constrained sequence.
+  from the model's own tokenizer on the first constrained sequence (about a
+  second, once per stage process); stages that never see one never load it.
 - ``masks(seq_ids, vocab)`` computes the allowed tokens of every constrained
   row at once, in llguidance's thread pool (``LLExecutor``: Rust, the GIL
   released), as an ``int32[k, ceil(vocab/32)]`` bitmask; ``apply(logits, bitmask)``
@@ -26,7 +24,6 @@ Contract:
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,27 +39,10 @@ class GrammarRows:
     def __init__(self, spec: ModelSpec) -> None:
         self._spec = spec
         self._tokenizer: Any = None
-        self._vocab = 0  # the logits' width the tokenizer was built for
         self._executor: Any = None
         self._eos: int | None = None
         self._matchers: dict[int, Any] = {}
         self._stops: dict[int, tuple[int, ...]] = {}
-        self._built = threading.Lock()  # held while the tokenizer is built, so a request waits for one build
-        self._preparing: threading.Thread | None = None
-
-    def prepare(self, vocab: int) -> None:
-        """Build the llguidance tokenizer on a daemon thread (a failure is logged; the first request retries)."""
-        if self._tokenizer is not None or self._preparing is not None:
-            return
-
-        def build() -> None:
-            try:
-                self._load(vocab)
-            except Exception:  # the first constrained request builds it again and reports the error there
-                log.exception("constrained decoding: building the llguidance tokenizer failed")
-
-        self._preparing = threading.Thread(target=build, name="grammar-tokenizer", daemon=True)
-        self._preparing.start()
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -71,21 +51,19 @@ class GrammarRows:
         return seq_id in self._matchers
 
     def _load(self, vocab: int) -> None:
-        with self._built:
-            if self._tokenizer is not None and self._vocab == vocab:
-                return
-            # llguidance and the tokenizer (transformers) load only where constrained decoding may happen.
-            import llguidance
-            import llguidance.hf
+        if self._tokenizer is not None:
+            return
+        # llguidance and the tokenizer (transformers) load only for a stage's first constrained sequence.
+        import llguidance
+        import llguidance.hf
 
-            from stage_worker.tokenizer import load_tokenizer
+        from stage_worker.tokenizer import load_tokenizer
 
-            hf = load_tokenizer(self._spec)
-            self._eos = hf.eos_token_id
-            self._executor = llguidance.LLExecutor()
-            self._vocab = vocab
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)  # set last: "built" for readers
-            log.info("constrained decoding: llguidance tokenizer built (%d tokens)", vocab)
+        hf = load_tokenizer(self._spec)
+        self._eos = hf.eos_token_id
+        self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+        self._executor = llguidance.LLExecutor()
+        log.info("constrained decoding: llguidance tokenizer built (%d tokens)", vocab)
 
     def add(self, seq_id: int, grammar: str, stop_token_ids: Sequence[int], vocab: int) -> None:
         import llguidance

@@ -131,14 +131,6 @@ class RowProcessors:
         self._pending: list[mx.array] = []
         self._grammars: GrammarRows | None = None
 
-    def prepare_grammars(self, vocab: int) -> None:
-        """Build constrained decoding's tokenizer now, off the stage loop (see ``GrammarRows.prepare``)."""
-        if self._spec is None:
-            return
-        if self._grammars is None:
-            self._grammars = GrammarRows(self._spec)
-        self._grammars.prepare(vocab)
-
     @property
     def has_grammar(self) -> bool:
         return self._grammars is not None and len(self._grammars) > 0

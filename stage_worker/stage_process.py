@@ -273,8 +273,6 @@ def run_stage(ctx: StageContext, status: StageStatus, body: Callable[[RunningSta
         log.error("%s", exc)
         return ExitCode.CONFIG
     compute = StageCompute(loaded.model, ctx.launch.options.max_num_seqs, recorder, loaded.blas_threads)
-    if ctx.launch.is_last:
-        compute.rows.prepare_grammars(loaded.model.spec.vocab_size)
     status.watch_kv(compute.kv, loaded.kv_capacity)
     status.prefix_cache = compute.kv.prefix_counts
     status.prefix_block_size = ctx.launch.options.prefix_cache_block_size
