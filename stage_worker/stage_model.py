@@ -90,10 +90,11 @@ def choose_dense_weights(
     """Whether to run a quantized checkpoint with dense weights, and why (pure).
 
     ``auto`` weighs speed against memory, per ``backend`` (stage_worker.device): on
-    Metal the quantized kernels are the fast path; on CUDA MLX's quantized matmul
-    does not batch (docs/performance.md, ``--dequantize``), and on the CPU only a tuned
-    BLAS gains from batching; so on both, dense weights when they fit in half the
-    stage's memory budget (and, on the CPU, when an optimized BLAS is loaded).
+    Metal the quantized kernels are the fast path; on CUDA MLX compiles its
+    quantized kernels per new batch shape on first use, a 30-40 s stall each
+    (docs/performance.md, ``--dequantize``), and on the CPU only a tuned BLAS gains
+    from batching; so on both, dense weights when they fit in half the stage's memory
+    budget (and, on the CPU, when an optimized BLAS is loaded).
     """
     if setting not in DEQUANTIZE_CHOICES:
         raise ValueError(f"--dequantize {setting!r}: choose auto, on or off")
@@ -106,9 +107,9 @@ def choose_dense_weights(
     if backend == "cuda":
         if dense_bytes > memory_budget // 2:
             return False, (f"auto: dense weights ({dense_bytes / 1e6:.0f} MB) would exceed half this stage's "
-                           f"GPU memory budget ({memory_budget / 1e6:.0f} MB); quantized kernels do not batch")
-        return True, (f"auto: CUDA's quantized matmul does not batch; dense weights {dense_bytes / 1e6:.0f} MB "
-                      f"fit the memory budget")
+                           f"GPU memory budget ({memory_budget / 1e6:.0f} MB); quantized weights")
+        return True, (f"auto: CUDA's quantized kernels stall on each new batch shape; dense weights "
+                      f"{dense_bytes / 1e6:.0f} MB fit the memory budget")
     if blas not in ("openblas", "mkl"):
         return False, (f"auto: the {blas} BLAS gains nothing from dense weights; install libopenblas0-pthread "
                        f"for the fast path")

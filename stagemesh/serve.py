@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stages' TCP lane (default; lowest latency) or over MLX's distributed ring")
     parser.add_argument("--dequantize", default="auto", choices=("auto", "on", "off"),
                         help="run a quantized checkpoint with dense weights: auto does so when the dense weights "
-                             "fit half the memory budget, on CUDA (its quantized matmul does not batch) and on the "
-                             "CPU backend with an optimized BLAS; never on Metal")
+                             "fit half the memory budget, on CUDA (its quantized kernels stall on each new batch "
+                             "shape) and on the CPU backend with an optimized BLAS; never on Metal")
     parser.add_argument("--memory-fraction", type=float, default=defaults.MEMORY_FRACTION,
                         help="share of each host's memory (on Metal and CUDA: of its GPU's) its stages may use for "
                              "weights and KV cache (like vLLM's --gpu-memory-utilization)")

@@ -103,8 +103,8 @@ def test_adaptive_threads_set_the_pool_only_when_the_count_changes():
         ("on", "cpu", "reference", True, 300, 1000, True, "--dequantize on"),
         ("off", "cpu", "openblas", True, 300, 1000, False, "--dequantize off"),
         ("auto", "cpu", "openblas", False, 300, 1000, False, "not quantized"),
-        # CUDA: the quantized matmul does not batch, so dense whenever they fit (the BLAS is irrelevant)
-        ("auto", "cuda", "reference", True, 500, 1000, True, "CUDA's quantized matmul does not batch"),
+        # CUDA: the quantized kernels stall on each new batch shape, so dense whenever they fit (the BLAS is irrelevant)
+        ("auto", "cuda", "reference", True, 500, 1000, True, "CUDA's quantized kernels stall on each new batch shape"),
         ("auto", "cuda", "reference", True, 501, 1000, False, "half this stage's GPU memory budget"),
         ("off", "cuda", "reference", True, 300, 1000, False, "--dequantize off"),
         ("auto", "cuda", "reference", False, 300, 1000, False, "not quantized"),
