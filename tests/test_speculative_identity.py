@@ -1,0 +1,100 @@
+"""Speculative decoding through real pipelines gives, token for token, what the same greedy requests give
+without it: at PP=1, 2 and 3 (stages on threads joined by real lanes), a request alone and requests of other
+lengths batched with it, next to requests that do not speculate (seeded sampling, a repetition penalty), with
+a stop token and max_tokens cutting an accepted run. The workload repeats itself (prompts with repeated
+phrases, greedy loops), so proposals are often right and often wrong: the counters must show both, i.e.
+every stage dropped rejected positions and kept going.
+
+The fast tier runs a tiny random llama (``tests/architectures.py``); the e2e tier the real default model.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from stage_worker.model_reader import read_model_spec
+from stage_worker.stage_model import StageModel, StageRole
+from stagemesh.core.layer_split import LayerRange, even_split
+from stagemesh.core.sampling import GREEDY, SamplingParams
+from stagemesh.core.speculative import SpeculativeConfig
+from tests.architectures import tiny_checkpoint
+from tests.engine_helpers import InProcessPipeline, read_until_finished
+
+SPECULATIVE = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
+                                disable_by_batch_size=8)
+# Repeated phrases, so the prompt itself offers proposals, right or wrong.
+REPEATING = (5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7)
+OTHERS = (
+    (101, 102, 103, 101, 102, 103, 101, 102),
+    (504, 3575, 282, 4649, 314, 1018, 28, 2270, 253, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24),
+    (1, 2, 3),
+)
+NOT_SPECULATING = (SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=0.0, repetition_penalty=1.3))
+
+
+def _stages(path: str, depth: int, dtype=mx.float32) -> list[StageModel]:
+    spec = read_model_spec(path)
+    ranges = even_split(spec.num_layers, depth)
+    return [StageModel.load(spec, StageRole(LayerRange(r.start, r.end), i == 0, i == depth - 1), dtype)
+            for i, r in enumerate(ranges)]
+
+
+def _workload(pipeline: InProcessPipeline, max_tokens: int) -> dict[str, list[list[int]]]:
+    alone = [pipeline.generate(REPEATING, max_tokens)]
+    batched_handles = [pipeline.submit(p, max_tokens - 3 * i) for i, p in enumerate((REPEATING, *OTHERS))]
+    batched_handles += [pipeline.submit(OTHERS[0], max_tokens, sampling=s) for s in NOT_SPECULATING]
+    batched, _ = read_until_finished(batched_handles)
+    return {"alone": alone, "batched": batched}
+
+
+def _stop_token_case(pipeline: InProcessPipeline, reference: list[int], max_tokens: int) -> list[int]:
+    """A stop token inside what a verification may accept: the output ends right there, as without it."""
+    handle = pipeline.submit(REPEATING, max_tokens, stop_token_ids={reference[len(reference) // 2]})
+    return read_until_finished([handle])[0][0]
+
+
+def _check_identity(path: str, depths, max_tokens: int, dtype=mx.float32) -> None:
+    for depth in depths:
+        stages = _stages(path, depth, dtype)
+        with InProcessPipeline(stages) as plain:
+            expected = _workload(plain, max_tokens)
+            stop = expected["alone"][0][len(expected["alone"][0]) // 2]
+            expected_stop = _stop_token_case(plain, expected["alone"][0], max_tokens)
+        assert expected_stop == expected["alone"][0][:expected["alone"][0].index(stop) + 1]
+        with InProcessPipeline(stages, speculative=SPECULATIVE) as speculating:
+            got = _workload(speculating, max_tokens)
+            got_stop = _stop_token_case(speculating, expected["alone"][0], max_tokens)
+            counts = speculating.scheduler.spec_decode.counts
+        assert got == expected, f"PP={depth}: speculation changed greedy tokens"
+        assert got_stop == expected_stop, f"PP={depth}: a stop token inside an accepted run"
+        assert counts.accepted_tokens > 0, f"PP={depth}: no proposal was ever accepted: {counts}"
+        assert counts.accepted_tokens < counts.draft_tokens, f"PP={depth}: no proposal was ever rejected: {counts}"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return tiny_checkpoint("llama", tmp_path_factory.mktemp("speculative"))
+
+
+def test_speculation_keeps_greedy_tokens_on_a_tiny_llama(tiny_llama):
+    _check_identity(tiny_llama, (1, 2, 3), max_tokens=24)
+
+
+def test_requests_speculation_cannot_honour_run_without_it(tiny_llama):
+    with InProcessPipeline(_stages(tiny_llama, 1), speculative=SPECULATIVE) as pipeline:
+        for sampling in NOT_SPECULATING:
+            read_until_finished([pipeline.submit(REPEATING, 16, sampling=sampling)])
+        assert pipeline.scheduler.spec_decode.counts.drafts == 0
+        pipeline.generate(REPEATING, 16)
+        assert pipeline.scheduler.spec_decode.counts.drafts > 0
+
+
+@pytest.mark.e2e
+def test_speculation_keeps_greedy_tokens_on_the_default_model():
+    from stage_worker.default_model import default_model_path
+
+    _check_identity(str(default_model_path()), (1, 2, 3), max_tokens=32)
+
+
+assert GREEDY.greedy  # the requests above without ``sampling`` are greedy
