@@ -164,7 +164,7 @@ class Scheduler:
         self._reserved_tokens = 0
         self.prefix_cache = prefix_cache
         self.speculative = speculative
-        self.spec_decode = SpecDecodeCounter()
+        self.spec_decode = SpecDecodeCounter(speculative.num_speculative_tokens if speculative else 0)
 
     # -- admission -------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:

@@ -114,13 +114,14 @@ class SpecDecodeCounts:
 
 
 class SpecDecodeCounter:
-    """The running counts; ``counts`` is a frozen copy another thread can read."""
+    """The running counts over ``positions`` proposal positions; ``counts`` is a frozen copy another thread
+    can read."""
 
-    def __init__(self) -> None:
-        self.counts = SpecDecodeCounts()
+    def __init__(self, positions: int = MAX_SPECULATIVE_TOKENS) -> None:
+        self.counts = SpecDecodeCounts(accepted_per_position=(0,) * positions)
 
     def record(self, drafted: int, accepted: int) -> None:
-        per_position = list(self.counts.accepted_per_position) or [0] * MAX_SPECULATIVE_TOKENS
+        per_position = list(self.counts.accepted_per_position)
         for position in range(accepted):
             per_position[position] += 1
         c = self.counts

@@ -310,6 +310,7 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
                          step_ahead=step_ahead_wanted(settings.STEP_AHEAD, ctx.device.backend),
                          on_delivered=servicer.on_delivered)
     servicer.engine = engine
+    status.spec_decode = lambda: scheduler.spec_decode.counts
     on_stop_signal(engine.stop)
     status.set_state(StageState.SERVING)
     log.info("serving (max_num_seqs=%d max_model_len=%d, pipeline KV capacity %d tokens, %d micro-batches, "
