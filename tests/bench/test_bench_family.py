@@ -17,7 +17,7 @@ from stagemesh.bench import command, flags
 from stagemesh.bench.report import ENVELOPE_KEYS, build_report, flags_of
 
 PRODUCT = ("serve", "chat", "status", "plan", "doctor", "convert", "certs", "soak")
-KINDS = ("serve", "compare", "stack", "gateway", "engine", "prefix", "pipeline", "hop", "parity")
+KINDS = ("serve", "compare", "stack", "gateway", "engine", "prefix", "speculative", "pipeline", "hop", "parity")
 OLD_FLAGS = ("--out", "--tokens", "--prompt-len", "--max-tokens", "--repeats", "--port", "--stage-rpc")
 
 
