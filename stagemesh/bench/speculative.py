@@ -74,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
     model, dense = load_stage_as_served(spec)
     tokenizer = load_tokenizer(spec)
     stops = eos_token_ids(spec, tokenizer)
-    prompts = [tuple(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                   tokenize=True)) for text in PROMPTS]
+    # As the gateway does (gateway.chat_template): the template's text, then its tokens.
+    prompts = [tuple(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                                    add_generation_prompt=True, tokenize=False),
+                                      add_special_tokens=False)) for text in PROMPTS]
     _drive(model, prompts[:1], stops, 16, None)  # warm the kernels
     arms: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     outputs: dict[str, list[list[int]]] = {}
