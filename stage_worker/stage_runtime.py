@@ -212,7 +212,11 @@ class StageCompute:
         evaluate = mx.eval if wait or self._recorder is not None else mx.async_eval
         evaluate(*sampling.evaluate)
         if self._recorder is not None and sampling.logits is not None:
-            self._recorder.add(sampling.chosen, sampling.logits)
+            logits = sampling.logits
+            if sampling.verifies:  # each record's last row, as without a verification
+                last = sampling.last_rows()
+                logits = logits[mx.array([last[r.seq_id] for r in sampling.chosen])]
+            self._recorder.add(sampling.chosen, logits)
 
     def accept(self, sampled: Sequence[SampledToken]) -> None:
         """Advance constrained sequences' grammars with their sampled ids (nothing to do without one)."""

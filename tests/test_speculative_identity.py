@@ -15,7 +15,8 @@ import mlx.core as mx
 import pytest
 
 from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.prefix_cache import PrefixCache
+from stage_worker.stage_model import StageModel, StageRole, runs_packed
 from stagemesh.core.layer_split import LayerRange, even_split
 from stagemesh.core.sampling import GREEDY, SamplingParams
 from stagemesh.core.speculative import SpeculativeConfig
@@ -57,15 +58,16 @@ def _stop_token_case(pipeline: InProcessPipeline, reference: list[int], max_toke
 
 def _check_identity(path: str, depths, max_tokens: int, dtype=mx.float32, stop_case: bool = True) -> None:
     """Speculating pipelines of each depth against one plain PP=1 pipeline (every depth computes the same greedy
-    tokens without speculation: tests/test_architectures.py)."""
-    with InProcessPipeline(_stages(path, 1, dtype)) as plain:
+    tokens without speculation: tests/test_architectures.py), both with the prefix cache on, as served."""
+    with InProcessPipeline(_stages(path, 1, dtype), prefix_cache=PrefixCache(8, b"test")) as plain:
         expected = _workload(plain, max_tokens)
         stop = expected["alone"][0][len(expected["alone"][0]) // 2]
         expected_stop = _stop_token_case(plain, expected["alone"][0], max_tokens) if stop_case else None
     if stop_case:
         assert expected_stop == expected["alone"][0][:expected["alone"][0].index(stop) + 1]
     for depth in depths:
-        with InProcessPipeline(_stages(path, depth, dtype), speculative=SPECULATIVE) as speculating:
+        with InProcessPipeline(_stages(path, depth, dtype), speculative=SPECULATIVE,
+                               prefix_cache=PrefixCache(8, b"test")) as speculating:
             got = _workload(speculating, max_tokens)
             got_stop = _stop_token_case(speculating, expected["alone"][0], max_tokens) if stop_case else None
             counts = speculating.scheduler.spec_decode.counts
@@ -76,12 +78,25 @@ def _check_identity(path: str, depths, max_tokens: int, dtype=mx.float32, stop_c
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return tiny_checkpoint("llama", tmp_path_factory.mktemp("speculative"))
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("speculative")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(checkpoints):
+    return tiny_checkpoint("llama", checkpoints)
 
 
 def test_speculation_keeps_greedy_tokens_on_a_tiny_llama(tiny_llama):
     _check_identity(tiny_llama, (1, 2, 3), max_tokens=24)
+
+
+def test_speculation_keeps_greedy_tokens_on_the_layer_stack_path(checkpoints):
+    """DeepSeek V3's MLA runs mlx-lm's own layers over a stack of caches (not the packed forward): its latent
+    KV caches drop rejected positions alike."""
+    path = tiny_checkpoint("deepseek_v3", checkpoints)
+    assert not runs_packed(read_model_spec(path))
+    _check_identity(path, (1, 2), max_tokens=16, stop_case=False)
 
 
 def test_requests_speculation_cannot_honour_run_without_it(tiny_llama):
