@@ -350,7 +350,7 @@ class Scheduler:
             if chunk.record.has(RecordFlag.VERIFY):
                 drafted, accepted = chunk.record.num_tokens - 1, len(tokens) - 1
                 self.spec_decode.record(drafted, accepted)
-                seq.acceptance = seq.acceptance.after_verification(drafted, accepted)
+                seq.acceptance = seq.acceptance.after_verification(accepted)
             new_ids: list[int] = []
             logprobs: list[TokenLogprob] = []
             finish = None

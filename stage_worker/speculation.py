@@ -7,9 +7,10 @@ Contract:
   than ``disable_by_batch_size`` sequences run, its recent acceptance has not paused it (``Acceptance``),
   and it may still produce at least two tokens; it then asks for at most as many proposals as leave room
   for the bonus token within ``max_tokens``, the model length and the batch's token budget.
-- ``Acceptance`` is a sequence's recent record: the draft tokens it proposed and had accepted, halved at
-  every verification so recent steps count most. Below ``MIN_ACCEPTANCE_RATE`` (after at least
-  ``MIN_EVIDENCE_TOKENS`` drafted) it pauses for ``PAUSE_STEPS`` decode steps, then tries afresh.
+- ``Acceptance`` is a sequence's recent record: its verifications and the proposed tokens they accepted,
+  halved at every verification so recent steps count most. Below ``MIN_ACCEPTED_PER_VERIFICATION`` accepted
+  tokens per verification (over at least two in a row) it pauses for ``PAUSE_STEPS`` decode steps, then
+  tries afresh.
 - ``accept_greedy(targets, drafts)`` is the last stage's rule: the target's argmax after each prefix of the
   drafts, kept while it equals the next draft, plus the one after the last match (1..k+1 tokens).
 - The draft ids travel to the last stage in the FORWARD body (``drafts_body`` / ``drafts_from_body``), next
@@ -28,26 +29,31 @@ from stage_worker.batch import RowOptions
 from stagemesh.core.sampling import SamplingParams
 from stagemesh.core.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
-MIN_ACCEPTANCE_RATE = 0.25  # below this a verification's extra rows cost more than the tokens they add
-MIN_EVIDENCE_TOKENS = 4  # drafted tokens (decayed) before the rate is trusted
-PAUSE_STEPS = 16  # decode steps a sequence below the rate runs without proposals
+# A verification of k proposals costs about 1 + k/25 plain steps on a CPU (more rows through the same weights;
+# docs/performance.md) and yields its accepted tokens plus one: below half a token accepted per verification
+# it no longer pays there. Across stages the extra rows cost still less against the trip.
+MIN_ACCEPTED_PER_VERIFICATION = 0.5
+MIN_EVIDENCE_VERIFICATIONS = 1.5  # two verifications in a row, decayed, before the rate is trusted
+PAUSE_STEPS = 8  # decode steps a sequence below the rate runs without proposals
 
 
 @dataclass(frozen=True)
 class Acceptance:
-    """A sequence's recent acceptance (decayed sums) and the plain steps it still waits before proposing."""
+    """A sequence's recent verifications and accepted tokens (decayed sums) and the plain steps it still
+    waits before proposing again."""
 
-    drafted: float = 0.0
+    verifications: float = 0.0
     accepted: float = 0.0
     paused_steps: int = 0
 
     @property
-    def rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 1.0
+    def accepted_per_verification(self) -> float:
+        return self.accepted / self.verifications if self.verifications else 0.0
 
-    def after_verification(self, drafted: int, accepted: int) -> Acceptance:
-        recent = Acceptance(self.drafted / 2 + drafted, self.accepted / 2 + accepted)
-        if recent.drafted >= MIN_EVIDENCE_TOKENS and recent.rate < MIN_ACCEPTANCE_RATE:
+    def after_verification(self, accepted: int) -> Acceptance:
+        recent = Acceptance(self.verifications / 2 + 1, self.accepted / 2 + accepted)
+        if recent.verifications >= MIN_EVIDENCE_VERIFICATIONS and \
+                recent.accepted_per_verification < MIN_ACCEPTED_PER_VERIFICATION:
             return Acceptance(paused_steps=PAUSE_STEPS)
         return recent
 

@@ -154,6 +154,8 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
         result["acceptance_rate"] = round(counts.acceptance_rate, 3)
         result["tokens_per_verification"] = round((counts.accepted_tokens + counts.drafts) / counts.drafts, 2)
         result["spec_decode"] = asdict(counts)
+        # Steps that fed one token: every token is a prompt's first, one of a plain step, or a verification's.
+        result["plain_decode_steps"] = tokens - len(prompts) - counts.accepted_tokens - counts.drafts
     return result
 
 
