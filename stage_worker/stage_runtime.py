@@ -393,7 +393,9 @@ class EntryPipeline:
             drafts = {c.record.seq_id: c.token_ids[1:] for c in chunks if c.record.has(RecordFlag.VERIFY)}
             sampling = self._compute.sample(records, hidden, wait=False, drafts=drafts)
             # Its compute is counted in ``collect``, once the device has finished it.
-            self._local_results.append(_LocalBatch(sampling, int(ids.size), time.perf_counter() - started))
+            # Kept until ``collect`` without what only its evaluation needed (the batch's hidden states, logits).
+            kept = replace(sampling, evaluate=(), logits=None)
+            self._local_results.append(_LocalBatch(kept, int(ids.size), time.perf_counter() - started))
             self._compute.release_finished(records)
             return self._batch_id
         assert self._outbound is not None

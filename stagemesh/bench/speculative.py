@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=DEFAULT_CONFIG, metavar="JSON",
                         help="the speculation of the 'on' arm, as stagemesh serve takes it (default %(default)s)")
     flags.add_lengths(parser, input_len=None, output_len=256, with_input=False, output_note="at most, per prompt")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of every prompt per arm (default %(default)s)")
+    flags.add_rounds(parser, 3)
 
 
 def run(args: argparse.Namespace) -> int:
