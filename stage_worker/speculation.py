@@ -2,8 +2,9 @@
 
 Contract:
 - Which sequences speculate, per step: ``speculative_tokens`` is the one rule. A sequence proposes only if
-  speculation can honour its request exactly (``can_speculate``: greedy, and nothing the last stage applies
-  per sequence: no logprobs, penalties, logit bias, allowed tokens, min_p, min_tokens or grammar), no more
+  speculation can honour its request exactly (``can_speculate``: nothing the last stage applies per sequence
+  beyond the record's temperature, top_p, top_k and seed: no logprobs, penalties, logit bias, allowed tokens,
+  min_p, min_tokens or grammar), no more
   than ``disable_by_batch_size`` sequences run, its recent acceptance has not paused it (``Acceptance``),
   and it may still produce at least two tokens; it then asks for at most as many proposals as leave room
   for the bonus token within ``max_tokens``, the model length and the batch's token budget.
@@ -11,8 +12,13 @@ Contract:
   halved at every verification so recent steps count most. Below ``MIN_ACCEPTED_PER_VERIFICATION`` accepted
   tokens per verification (over at least two in a row) it pauses for ``PAUSE_STEPS`` decode steps, then
   tries afresh.
-- ``accept_greedy(targets, drafts)`` is the last stage's rule: the target's argmax after each prefix of the
-  drafts, kept while it equals the next draft, plus the one after the last match (1..k+1 tokens).
+- ``accept_proposals(targets, drafts)`` is the last stage's rule: the target's token after each prefix of
+  the drafts, kept while it equals the next draft, plus the one after the last match (1..k+1 tokens). The
+  target's token at each row is what the sequence would have got there without speculation: the argmax, or a
+  draw keyed by the request's (seed, position) as every sampled row is (``sampling.sample_rows``). So the
+  output is the one without speculation, token for token, greedy or seeded. For a proposer as sure of its
+  proposal as prompt lookup, this is the standard rejection rule too: a proposal x is kept with probability
+  p(x) under the target's filtered distribution, and a rejected row's token is drawn from p without x.
 - The draft ids travel to the last stage in the FORWARD body (``drafts_body`` / ``drafts_from_body``), next
   to the ``RowOptions`` the body announces; every stage in between passes the body on.
 - ``SpecDecodeCounter`` counts what vLLM's ``spec_decode_*`` metrics report: verifications (drafts), draft
@@ -26,7 +32,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stage_worker.batch import RowOptions
-from stagemesh.core.sampling import SamplingParams
 from stagemesh.core.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 # A verification of k proposals costs about 1 + k/25 plain steps on a CPU (more rows through the same weights;
@@ -61,10 +66,11 @@ class Acceptance:
         return replace(self, paused_steps=self.paused_steps - 1) if self.paused_steps else self
 
 
-def can_speculate(sampling: SamplingParams, row_options: RowOptions | None) -> bool:
-    """Whether speculation reproduces this request exactly: greedy, with nothing the last stage applies per
-    sequence (``RowOptions.for_sequence`` gave None: no logprobs, penalties, biases, min_p or grammar)."""
-    return sampling.greedy and row_options is None
+def can_speculate(row_options: RowOptions | None) -> bool:
+    """Whether speculation reproduces a request exactly, given its ``RowOptions.for_sequence``: None means
+    nothing the last stage applies per sequence beyond the temperature, top_p, top_k and seed every record
+    carries (no logprobs, penalties, biases, min_p or grammar), so each verified row samples as it would without."""
+    return row_options is None
 
 
 def speculative_tokens(config: SpeculativeConfig | None, *, eligible: bool, running: int, remaining: int,
@@ -79,8 +85,8 @@ def speculative_tokens(config: SpeculativeConfig | None, *, eligible: bool, runn
     return max(0, min(config.num_speculative_tokens, remaining - 1, budget - 1))
 
 
-def accept_greedy(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int, ...]:
-    """The tokens a greedy verification keeps: ``targets[i]`` is the argmax after the first i drafts."""
+def accept_proposals(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int, ...]:
+    """The tokens a verification keeps: ``targets[i]`` is the target's token after the first i drafts."""
     if len(targets) != len(drafts) + 1:
         raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target tokens, got {len(targets)}")
     accepted: list[int] = []
@@ -135,5 +141,5 @@ class SpecDecodeCounter:
                                        tuple(per_position))
 
 
-__all__ = ["Acceptance", "SpecDecodeCounter", "SpecDecodeCounts", "accept_greedy", "can_speculate",
+__all__ = ["Acceptance", "SpecDecodeCounter", "SpecDecodeCounts", "accept_proposals", "can_speculate",
            "drafts_body", "drafts_from_body", "speculative_tokens"]

@@ -16,8 +16,8 @@ FORWARD frame that starts it, once, and live on the last stage until its
 RELEASE (``row_options``); logprobs come back in the TOKENS frame's body.
 
 A VERIFY record (speculative decoding, ``stage_worker.speculation``) has the
-last stage take the argmax of every one of its rows and keep the tokens
-``accept_greedy`` keeps against the proposals (their ids ride the FORWARD
+last stage sample every one of its rows (as each would be sampled without
+speculation) and keep the tokens ``accept_proposals`` keeps against the proposals (their ids ride the FORWARD
 body); its TOKENS record holds that many ids. Every stage drops a sequence's
 rejected positions when its next record starts before them (``kv_store``).
 """
@@ -43,7 +43,7 @@ from stage_worker.links import InboundLink, LinkError, OutboundLink
 from stage_worker.packed_forward import DecodeRows, Segment
 from stage_worker.row_options import LogprobRows, RowProcessors, logprobs_from_body, rows_body, rows_from_body
 from stage_worker.sampling import sample_rows
-from stage_worker.speculation import accept_greedy, drafts_body, drafts_from_body
+from stage_worker.speculation import accept_proposals, drafts_body, drafts_from_body
 from stage_worker.stage_model import StageModel
 from stage_worker.wire import FrameKind
 
@@ -202,9 +202,9 @@ class StageCompute:
             raise wire.WireMismatchError(
                 f"sequence {record.seq_id}: a verification of {record.num_tokens} tokens came with "
                 f"{'no' if proposed is None else len(proposed)} proposals, expected {record.num_tokens - 1}")
-        if not record.sampling.greedy or self.rows.options(record.seq_id) is not None:
-            raise wire.WireMismatchError(f"sequence {record.seq_id}: only greedy sequences without logits "
-                                         f"processors are verified; the entry stage sent another")
+        if self.rows.options(record.seq_id) is not None:
+            raise wire.WireMismatchError(f"sequence {record.seq_id}: only sequences without logits processors "
+                                         f"are verified; the entry stage sent another")
         return record.num_tokens
 
     def evaluate_sample(self, sampling: PendingSample, wait: bool = True) -> None:
@@ -258,7 +258,7 @@ class PendingSample:
         row = 0
         for r in self.chosen:
             if r.has(RecordFlag.VERIFY):
-                kept = accept_greedy(token_ids[row:row + r.num_tokens], self.drafts[r.seq_id])
+                kept = accept_proposals(token_ids[row:row + r.num_tokens], self.drafts[r.seq_id])
                 row += r.num_tokens
             else:
                 kept = (int(token_ids[row]),)

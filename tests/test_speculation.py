@@ -1,4 +1,4 @@
-"""Speculative decoding's pure parts: the flag's checks, prompt lookup, the greedy acceptance rule, which
+"""Speculative decoding's pure parts: the flag's checks, prompt lookup, the acceptance rule, which
 sequences speculate, how the scheduler feeds and cuts a verification, and a stage's KV dropping rejected
 positions."""
 
@@ -16,7 +16,7 @@ from stage_worker.speculation import (
     PAUSE_STEPS,
     Acceptance,
     SpecDecodeCounter,
-    accept_greedy,
+    accept_proposals,
     can_speculate,
     drafts_body,
     drafts_from_body,
@@ -90,12 +90,12 @@ def test_proposals_never_exceed_k():
 
 
 # -- acceptance ------------------------------------------------------------------------------------------------
-def test_greedy_acceptance_keeps_the_agreeing_prefix_and_one_more():
-    assert accept_greedy([4, 5, 6, 7], [4, 5, 6]) == (4, 5, 6, 7)  # all accepted plus the bonus
-    assert accept_greedy([4, 9, 6, 7], [4, 5, 6]) == (4, 9)  # the first disagreement is the target's token
-    assert accept_greedy([8, 5, 6, 7], [4, 5, 6]) == (8,)
+def test_acceptance_keeps_the_agreeing_prefix_and_one_more():
+    assert accept_proposals([4, 5, 6, 7], [4, 5, 6]) == (4, 5, 6, 7)  # all accepted plus the bonus
+    assert accept_proposals([4, 9, 6, 7], [4, 5, 6]) == (4, 9)  # the first disagreement is the target's token
+    assert accept_proposals([8, 5, 6, 7], [4, 5, 6]) == (8,)
     with pytest.raises(ValueError):
-        accept_greedy([1, 2], [1, 2])
+        accept_proposals([1, 2], [1, 2])
 
 
 def test_drafts_travel_in_the_forward_body():
@@ -116,13 +116,14 @@ def test_counters_count_drafts_tokens_and_positions():
 def test_only_requests_speculation_reproduces_exactly_speculate():
     from stage_worker.batch import RowOptions
 
-    assert can_speculate(GREEDY, None)
-    assert not can_speculate(SamplingParams(temperature=0.7), None)
+    def speculates(sampling: SamplingParams) -> bool:
+        return can_speculate(RowOptions.for_sequence(sampling, (1, 2), (), False))
+
+    assert speculates(GREEDY) and speculates(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3))
     for sampling in (SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0, grammar="x"),
-                     SamplingParams(temperature=0.0, presence_penalty=0.5),
+                     SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(min_p=0.1),
                      SamplingParams(temperature=0.0, logit_bias=((3, 1.0),))):
-        options = RowOptions.for_sequence(sampling, (1, 2), (), False)
-        assert not can_speculate(sampling, options)
+        assert not speculates(sampling)
 
 
 def test_the_rule_turns_speculation_off_where_it_cannot_pay():
@@ -200,7 +201,7 @@ def test_max_tokens_and_stop_tokens_cut_an_accepted_run_where_decoding_would_sto
 
 def test_a_sequence_that_cannot_speculate_decodes_one_token_at_a_time():
     s = _scheduler()
-    s.add(GenerationRequest("r", (1, 2, 3, 1, 2), 10, sampling=SamplingParams(temperature=0.5, seed=1)))
+    s.add(GenerationRequest("r", (1, 2, 3, 1, 2), 10, sampling=SamplingParams(temperature=0.5, seed=1, logprobs=1)))
     batch = s.next_batch()
     s.on_sampled(batch, [SampledToken(batch.chunks[0].record.seq_id, 5, 3)])
     (chunk,) = s.next_batch().chunks

@@ -1,7 +1,7 @@
-"""Speculative decoding through real pipelines gives, token for token, what the same greedy requests give
-without it: at PP=1, 2 and 3 (stages on threads joined by real lanes), a request alone and requests of other
-lengths batched with it, next to requests that do not speculate (seeded sampling, a repetition penalty), with
-a stop token and max_tokens cutting an accepted run. The workload repeats itself (prompts with repeated
+"""Speculative decoding through real pipelines gives, token for token, what the same greedy (and seeded
+sampled) requests give without it: at PP=1, 2 and 3 (stages on threads joined by real lanes), a request alone
+and requests of other lengths batched with it, next to requests that do not speculate (a repetition penalty,
+logprobs), with a stop token and max_tokens cutting an accepted run. The workload repeats itself (prompts with repeated
 phrases, greedy loops), so proposals are often right and often wrong: the counters must show both, i.e.
 every stage dropped rejected positions and kept going.
 
@@ -33,7 +33,8 @@ OTHERS = (
     (504, 3575, 282, 4649, 314, 1018, 28, 2270, 253, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24),
     (1, 2, 3),
 )
-NOT_SPECULATING = (SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=0.0, repetition_penalty=1.3))
+NOT_SPECULATING = (SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0, logprobs=1))
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=7)  # speculates: each row draws as without
 
 
 def _stages(path: str, depth: int, dtype=mx.float32) -> list[StageModel]:
@@ -49,6 +50,7 @@ def _workload(pipeline: InProcessPipeline, repeating, max_tokens: int, small: bo
     alone = [pipeline.generate(repeating, max_tokens)]
     batched_handles = [pipeline.submit(p, max_tokens - 3 * i) for i, p in enumerate((repeating, *others))]
     batched_handles += [pipeline.submit(OTHERS[0], max_tokens, sampling=s) for s in not_speculating]
+    batched_handles.append(pipeline.submit(repeating, max_tokens, sampling=SEEDED))
     batched, _ = read_until_finished(batched_handles)
     return {"alone": alone, "batched": batched}
 
@@ -126,3 +128,16 @@ def test_speculation_keeps_greedy_tokens_on_the_default_model():
 
 
 assert GREEDY.greedy  # the requests above without ``sampling`` are greedy
+
+
+def test_seeded_sampling_speculates_and_keeps_its_tokens(tiny_llama):
+    """Each verified row is drawn with the request's (seed, position) key, as without speculation: the same
+    tokens, and proposals accepted where the draw agrees with them."""
+    sampling = SamplingParams(temperature=0.3, top_k=40, seed=11)
+    with InProcessPipeline(_stages(tiny_llama, 1)) as plain:
+        expected = read_until_finished([plain.submit(REPEATING, 24, sampling=sampling)])[0]
+    with InProcessPipeline(_stages(tiny_llama, 2), speculative=SPECULATIVE) as speculating:
+        got = read_until_finished([speculating.submit(REPEATING, 24, sampling=sampling)])[0]
+        counts = speculating.scheduler.spec_decode.counts
+    assert got == expected
+    assert 0 < counts.accepted_tokens < counts.draft_tokens, counts
