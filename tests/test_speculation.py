@@ -240,3 +240,16 @@ def test_a_grouped_sequence_leaves_its_group_to_drop_positions():
     # Sequence 1 holds its first 4 positions and the new one; sequence 2 all of its 7.
     assert group.keys[0, 0, group._idx - 5:group._idx, 0].tolist() == [10.0] * 4 + [0.5]
     assert group.keys[1, 0, group._idx - 7:group._idx, 0].tolist() == [20.0] * 5 + [0.5, 0.5]
+
+
+def test_an_abort_during_a_verification_drops_its_tokens_and_frees_the_kv():
+    s = _scheduler()
+    seq_id = _prefilled(s, [1, 2, 3, 1, 2], 10, first=3)
+    batch = s.next_batch()
+    assert batch.chunks[0].record.has(RecordFlag.VERIFY)
+    (final,) = [s.abort("r")]
+    assert final is not None and final.finish == Finish.ABORT
+    assert s.on_sampled(batch, [SampledToken(seq_id, 6 + i, t) for i, t in enumerate((1, 2, 3, 1))]) == []
+    (release,) = s.next_batch().chunks
+    assert release.record.has(RecordFlag.RELEASE) and release.record.seq_id == seq_id
+
