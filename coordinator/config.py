@@ -24,6 +24,7 @@ from stagemesh.core.layer_split import plan_layer_split
 from stagemesh.core.memory import ModelFacts
 from stagemesh.core.plan import StageOptions
 from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
+from stagemesh.core.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class MeshConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching
     prefix_cache_block_size: int | None = None  # --prefix-cache-block-size
+    speculative: SpeculativeConfig | None = None  # --speculative-config
     ray_address: str | None = None  # None: RAY_ADDRESS, else a local loopback Ray
     startup_timeout_s: float = defaults.STARTUP_TIMEOUT_S
     placement_timeout_s: float = 30.0
@@ -101,7 +103,8 @@ def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1, gpu
     given: dict[str, Any] = {"memory_fraction": config.memory_fraction, "max_num_seqs": config.max_num_seqs,
                              "max_model_len": config.max_model_len,
                              "enable_prefix_caching": config.enable_prefix_caching,
-                             "prefix_cache_block_size": config.prefix_cache_block_size}
+                             "prefix_cache_block_size": config.prefix_cache_block_size,
+                             "speculative": config.speculative}
     return StageOptions(node_id=node_id, connect_timeout_s=config.connect_timeout_s,
                         stages_on_host=stages_on_node, gpu_index=gpu_index,
                         stages_on_gpu=stages_on_gpu if gpu_index is not None else 0,

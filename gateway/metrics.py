@@ -17,6 +17,9 @@ Contract:
   ``stagemesh_stage_kv_tokens``, ``stagemesh_stage_kv_token_capacity``,
   ``stagemesh_stage_prefix_cache_{queries,hits,evictions}_total`` (tokens, tokens, blocks),
   ``stagemesh_stage_prefix_cache_blocks``,
+  ``stagemesh_stage_spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` and
+  ``stagemesh_stage_spec_decode_num_accepted_tokens_per_pos_total{position}`` (vLLM's speculative decoding
+  counters, on the entry stage),
   ``stagemesh_stage_healthy``; plus
   ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer
   and ``stagemesh_gateway_replica_failures_total{replica}`` (generations
@@ -77,8 +80,14 @@ class StageCollector(Collector):
                 ("prefix_cache_queries", "Prompt tokens of new sequences (as vLLM's prefix_cache_queries)"),
                 ("prefix_cache_hits", "Prompt tokens copied from the prefix cache (as vLLM's prefix_cache_hits)"),
                 ("prefix_cache_evictions", "Blocks the stage dropped from its prefix cache"),
+                ("spec_decode_num_drafts", "Verifications of proposed tokens (as vLLM's spec_decode_num_drafts)"),
+                ("spec_decode_num_draft_tokens", "Tokens proposed for verification (as vLLM's)"),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens the model agreed with (as vLLM's)"),
             )
         }
+        per_position = CounterMetricFamily("stagemesh_stage_spec_decode_num_accepted_tokens_per_pos",
+                                           "Verifications whose proposal at this position was accepted (as vLLM's)",
+                                           labels=[*labels, "position"])
         gauges = {
             name: GaugeMetricFamily(f"stagemesh_stage_{name}", doc, labels=labels)
             for name, doc in (
@@ -98,6 +107,8 @@ class StageCollector(Collector):
                     family.add_metric(values, float(getattr(stage.stats, name)))
                 for name, gauge in gauges.items():
                     gauge.add_metric(values, float(getattr(stage.stats, name)))
+                for position, count in enumerate(stage.stats.spec_decode_num_accepted_tokens_per_pos):
+                    per_position.add_metric([*values, str(position)], float(count))
                 healthy.add_metric(values, 1.0 if stage.healthy else 0.0)
         outstanding = GaugeMetricFamily("stagemesh_gateway_replica_outstanding_requests",
                                         "Generations in flight from this gateway, per replica", labels=["replica"])
@@ -110,6 +121,7 @@ class StageCollector(Collector):
             failures.add_metric([str(replica_id)], float(count))
         yield from counters.values()
         yield from gauges.values()
+        yield per_position
         yield healthy
         yield outstanding
         yield failures

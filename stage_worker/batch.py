@@ -31,11 +31,19 @@ class RecordFlag(enum.IntFlag):
     # Prefix caching (stage_worker.prefix_cache decides on the entry stage; every stage obeys):
     RETAIN = 8  # with RELEASE: keep the first start_pos positions as prefix entry ``prefix_entry``
     EVICT = 16  # drop prefix entry ``prefix_entry`` (zero tokens; seq_id unused)
+    # Speculative decoding (stage_worker.speculation): with SAMPLE, the record's tokens are the last sampled one
+    # and proposals (their ids in the FORWARD body); the last stage keeps the longest prefix its argmax agrees
+    # with plus one token, and replies with a TOKENS record of that many tokens.
+    VERIFY = 32
 
 
 @dataclass(frozen=True)
 class SequenceRecord:
-    """One sequence's share of a batch; for TOKENS, ``num_tokens`` is 1 per sampled id.
+    """One sequence's share of a batch; for TOKENS, ``num_tokens`` is the sampled ids of the sequence (1, or
+    the tokens a VERIFY record kept), ``start_pos`` the position the first of them occupies.
+
+    A record starting before the position a stage's KV holds for its sequence drops the positions from
+    ``start_pos`` on first (a verification's rejected proposals).
 
     ``sampling``: its sequence's sampling; the wire carries its temperature, top_p, top_k and seed with
     every record (what the sampler reads per row), the rest once in ``RowOptions``."""

@@ -21,7 +21,13 @@ in the same order, so all stages make the same changes.
 
 Positions are tracked here too: a chunk must continue its sequence exactly
 where this stage's cache ends, so a stage that missed a message fails loudly
-instead of attending to the wrong positions.
+instead of attending to the wrong positions. The one exception is a rollback:
+a record starting *before* the cache's end (the positions after it held a
+verification's rejected proposals, ``stage_worker.speculation``) first trims
+the sequence's caches back to its ``start_pos`` (a grouped sequence leaves its
+group for that: mlx-lm's ``KVCache.trim`` on its own caches). Only models
+whose every layer holds a plain ``KVCache`` speculate (the same
+``exact_prefix_reuse`` as prefix caching); ``rewind`` refuses other caches.
 
 Shrinking a group of ``BatchKVCache`` never reads the device: mlx-lm's
 ``BatchKVCache.filter`` reads the left padding back (``tolist``) to trim it, one
@@ -86,9 +92,9 @@ class KVStore:
 
     # -- prompt chunks --------------------------------------------------------
     def for_chunk(self, seq_id: int, start_pos: int, new_sequence: bool, num_tokens: int,
-                  prefix_entry: int = 0) -> list[KVCache]:
-        """The standalone caches a prompt chunk starting at ``start_pos`` extends (a new sequence
-        starting past 0 starts from a copy of prefix entry ``prefix_entry``)."""
+                  prefix_entry: int = 0, verify: bool = False) -> list[KVCache]:
+        """The standalone caches a prompt chunk (or a ``verify``-cation's tokens) starting at ``start_pos``
+        extends (a new sequence starting past 0 starts from a copy of prefix entry ``prefix_entry``)."""
         if new_sequence:
             if start_pos != 0 and not prefix_entry:
                 raise WireMismatchError(f"sequence {seq_id} starts at position {start_pos}, not 0")
@@ -102,7 +108,9 @@ class KVStore:
             self._positions[seq_id] = start_pos
             self.tokens_held += start_pos
             self.prefix_queried_tokens += start_pos
-        if new_sequence or num_tokens > 1:  # a prompt chunk (a one-token continuation reads as a decode)
+        else:
+            self._rewind(seq_id, start_pos)
+        if new_sequence or (num_tokens > 1 and not verify):  # a prompt chunk (not a decode, nor a verification)
             self.prefix_queried_tokens += num_tokens
         self._check_position(seq_id, start_pos)
         caches = self._standalone.get(seq_id)
@@ -194,6 +202,7 @@ class KVStore:
     def for_decode(self, seq_ids: Sequence[int], positions: Sequence[int]) -> list[BatchKVCache]:
         """Per-layer batch caches holding exactly ``seq_ids`` in that order, each one token on."""
         for seq_id, position in zip(seq_ids, positions):
+            self._rewind(seq_id, position)
             self._check_position(seq_id, position)
         wanted = list(seq_ids)
         # The group of the first member that is in one (a newcomer may come first after a reorder).
@@ -325,6 +334,23 @@ class KVStore:
                 cache.offset = held
             caches.append(cache)
         return caches
+
+    def _rewind(self, seq_id: int, start_pos: int) -> None:
+        """Drop ``seq_id``'s positions from ``start_pos`` on, if it holds more (see the module's contract)."""
+        held = self._positions.get(seq_id)
+        if held is None or held <= start_pos or start_pos < 0:
+            return  # nothing to drop; ``_check_position`` judges the rest
+        caches = self._standalone.get(seq_id)
+        if caches is None:
+            caches = self._ungroup(seq_id)
+        for cache in caches:
+            if not isinstance(cache, KVCache) or cache.offset != held:
+                raise WireMismatchError(
+                    f"sequence {seq_id} continues at position {start_pos} but this stage's KV holds {held}, "
+                    f"in a {type(cache).__name__} that cannot drop positions")
+            cache.trim(held - start_pos)
+        self._positions[seq_id] = start_pos
+        self.tokens_held -= held - start_pos
 
     def _check_position(self, seq_id: int, start_pos: int) -> None:
         held = self._positions.get(seq_id)

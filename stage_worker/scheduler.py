@@ -31,6 +31,14 @@ and that may still continue, fed on the device with the token being sampled
 (``Chunk.carried``), so the device computes step N+1 while the host reads step
 N's tokens. A sequence that finishes at step N (a stop token) has its
 continued step's token discarded by ``on_sampled``; nothing else changes.
+
+With a ``SpeculativeConfig`` (``--speculative-config``), a decode step of a sequence that
+``speculation.speculative_tokens`` lets speculate feeds its last sampled token and up to k proposals
+(``ngram_proposer``) as one VERIFY record at its position; the last stage returns the 1..k+1 tokens it
+keeps, which ``on_sampled`` appends one by one, cutting the run where ``max_tokens``, the model length or a
+stop token would have ended the sequence without speculation. The sequence's next record starts right
+after the kept tokens, and every stage drops the rejected positions when it sees that record
+(``kv_store``). A VERIFY step is never continued (``continuation``): its next input is not one token.
 """
 
 from __future__ import annotations
@@ -41,9 +49,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stage_worker.batch import Chunk, RecordFlag, RowOptions, SampledToken, SequenceRecord, TokenLogprob
+from stage_worker.ngram_proposer import propose_ngram
 from stage_worker.prefix_cache import PrefixCache
+from stage_worker.speculation import Acceptance, SpecDecodeCounter, can_speculate, speculative_tokens
 from stagemesh.core import defaults
 from stagemesh.core.sampling import GREEDY, SamplingParams
+from stagemesh.core.speculative import SpeculativeConfig
 
 
 class Finish(enum.Enum):
@@ -94,6 +105,8 @@ class _Sequence:
     in_flight_steps: int = 0  # batches holding this sequence now (2 with a continuation)
     aborted: bool = False
     prefix_entry: int = 0  # the prefix entry its first chunk copies (a reference held until it is sent)
+    speculates: bool = False  # speculation can honour its request exactly (``speculation.can_speculate``)
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     @property
     def in_flight(self) -> bool:
@@ -129,6 +142,7 @@ class Scheduler:
         prefill_chunk_tokens: int = defaults.MAX_BATCH_TOKENS,
         kv_token_capacity: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_model_len < 2 or max_waiting < 0 or max_batch_tokens < 1:
             raise ValueError("max_num_seqs >= 1, max_model_len >= 2, max_waiting >= 0, max_batch_tokens >= 1")
@@ -149,6 +163,8 @@ class Scheduler:
         self.kv_token_capacity = kv_token_capacity
         self._reserved_tokens = 0
         self.prefix_cache = prefix_cache
+        self.speculative = speculative
+        self.spec_decode = SpecDecodeCounter(speculative.num_speculative_tokens if speculative else 0)
 
     # -- admission -------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -219,7 +235,8 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_num_seqs and self._fits(self._waiting[0]):
             request = self._waiting.popleft()
             self._reserved_tokens += _reservation(request)
-            seq = _Sequence(self._next_seq_id, request)
+            seq = _Sequence(self._next_seq_id, request,
+                            speculates=can_speculate(_row_options(request)))
             self._next_seq_id += 1
             self._reuse_prefix(seq)
             self._running[seq.seq_id] = seq
@@ -234,11 +251,12 @@ class Scheduler:
         for seq in self._running.values():
             if seq.in_flight or seq.aborted or not seq.prefill_done or budget <= 0 or seats <= 0:
                 continue
-            token = seq.generated[-1]
-            record = SequenceRecord(seq.seq_id, seq.position, 1, RecordFlag.SAMPLE, seq.request.sampling)
-            chunks.append(Chunk(record, (token,)))
+            tokens = (seq.generated[-1], *self._proposals(seq, budget))
+            flags = RecordFlag.SAMPLE | RecordFlag.VERIFY if len(tokens) > 1 else RecordFlag.SAMPLE
+            record = SequenceRecord(seq.seq_id, seq.position, len(tokens), flags, seq.request.sampling)
+            chunks.append(Chunk(record, tokens))
             seq.in_flight_steps += 1
-            budget -= 1
+            budget -= len(tokens)
             seats -= 1
         finished_prompts: list[int] = []
         for seq in self._running.values():
@@ -264,17 +282,38 @@ class Scheduler:
             self._running.move_to_end(seq_id)
         return Batch(tuple(chunks))
 
+    def _speculation_wanted(self, seq: _Sequence, budget: int, generated_after: int) -> int:
+        """How many proposals ``seq`` may have verified in its next step (``speculation.speculative_tokens``),
+        once it has ``generated_after`` tokens."""
+        remaining = min(seq.request.max_tokens - generated_after,
+                        self.max_model_len - len(seq.request.prompt) - generated_after)
+        return speculative_tokens(self.speculative, eligible=seq.speculates, running=len(self._running),
+                                  remaining=remaining, budget=budget, acceptance=seq.acceptance)
+
+    def _proposals(self, seq: _Sequence, budget: int) -> tuple[int, ...]:
+        """The tokens ``seq`` proposes to have verified this step (none: a plain decode step)."""
+        config = self.speculative
+        wanted = self._speculation_wanted(seq, budget, len(seq.generated))
+        if config is None or not wanted:
+            seq.acceptance = seq.acceptance.after_plain_step()
+            return ()
+        return propose_ngram(seq.request.prompt + tuple(seq.generated), wanted, config.prompt_lookup_min,
+                             config.prompt_lookup_max)
+
     def continuation(self, batch: Batch) -> Batch:
         """The next decode step of ``batch``'s sampling sequences, submitted before its tokens are read.
 
         A sequence continues only if its step in ``batch`` cannot be its last by length; whether that
-        step's token is a stop token is known only later (``on_sampled`` then drops the extra token).
+        step's token is a stop token is known only later (``on_sampled`` then drops the extra token). A
+        sequence that may speculate in its next step does not continue: its proposals come from the token
+        being sampled, so its next step waits for it (``next_batch``).
         """
         chunks = []
         for chunk in batch.chunks:
             record = chunk.record
             seq = self._running.get(record.seq_id)
-            if seq is None or seq.aborted or record.num_tokens == 0 or not record.has(RecordFlag.SAMPLE):
+            if seq is None or seq.aborted or record.num_tokens == 0 or not record.has(RecordFlag.SAMPLE) or \
+                    record.has(RecordFlag.VERIFY):
                 continue
             if seq.request.sampling.grammar:
                 continue  # its next token's mask needs this token on the host first
@@ -282,6 +321,9 @@ class Scheduler:
             if generated_after >= seq.request.max_tokens or \
                     len(seq.request.prompt) + generated_after >= self.max_model_len:
                 continue
+            if self._speculation_wanted(seq, self.max_batch_tokens, generated_after):
+                continue
+            seq.acceptance = seq.acceptance.after_plain_step()
             position = record.start_pos + record.num_tokens
             chunks.append(Chunk(SequenceRecord(seq.seq_id, position, 1, RecordFlag.SAMPLE, seq.request.sampling),
                                 (), carried=True))
@@ -290,7 +332,9 @@ class Scheduler:
 
     def on_sampled(self, batch: Batch, sampled: Sequence[SampledToken]) -> list[RequestEvent]:
         """Account for a finished batch; return the events to deliver."""
-        by_seq = {t.seq_id: t for t in sampled}
+        by_seq: dict[int, list[SampledToken]] = {}
+        for token in sampled:
+            by_seq.setdefault(token.seq_id, []).append(token)
         events = []
         for chunk in batch.chunks:
             seq = self._running.get(chunk.record.seq_id)
@@ -300,15 +344,27 @@ class Scheduler:
             if seq.aborted:
                 self._retire(seq)
                 continue
-            token = by_seq.get(seq.seq_id)
-            if token is None:
+            tokens = by_seq.get(seq.seq_id)
+            if not tokens:
                 continue  # a prompt chunk that did not sample yet
-            seq.generated.append(token.token_id)
-            self.generated_count += 1
-            finish = self._finish_reason(seq, token.token_id)
-            events.append(RequestEvent(seq.request.request_id, (token.token_id,), finish,
-                                       len(seq.request.prompt), len(seq.generated),
-                                       (token.logprob,) if token.logprob is not None else ()))
+            if chunk.record.has(RecordFlag.VERIFY):
+                drafted, accepted = chunk.record.num_tokens - 1, len(tokens) - 1
+                self.spec_decode.record(drafted, accepted)
+                seq.acceptance = seq.acceptance.after_verification(accepted)
+            new_ids: list[int] = []
+            logprobs: list[TokenLogprob] = []
+            finish = None
+            for token in tokens:  # a verification's run is cut where the sequence would have ended without it
+                seq.generated.append(token.token_id)
+                self.generated_count += 1
+                new_ids.append(token.token_id)
+                if token.logprob is not None:
+                    logprobs.append(token.logprob)
+                finish = self._finish_reason(seq, token.token_id)
+                if finish is not None:
+                    break
+            events.append(RequestEvent(seq.request.request_id, tuple(new_ids), finish,
+                                       len(seq.request.prompt), len(seq.generated), tuple(logprobs)))
             if finish is not None:
                 self._retire(seq)
         return events

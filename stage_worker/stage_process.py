@@ -74,6 +74,7 @@ from stagemesh.core.gpus import stage_has_own_gpu
 from stagemesh.core.grpc_tls import read_tls_dir
 from stagemesh.core.plan import StageLaunch
 from stagemesh.core.settings import stagemesh_version
+from stagemesh.core.speculative import SpeculativeConfig
 from stagemesh.core.states import ExitCode, StageState
 
 log = logging.getLogger("stagemesh.stage")
@@ -301,18 +302,35 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
     scheduler = Scheduler(max_num_seqs=options.max_num_seqs, max_model_len=ctx.max_model_len,
                           max_waiting=options.max_waiting, max_batch_tokens=options.max_batch_tokens,
                           prefill_chunk_tokens=options.max_batch_tokens, kv_token_capacity=capacity,
-                          prefix_cache=prefix_cache_for(ctx))
+                          prefix_cache=prefix_cache_for(ctx), speculative=speculation_for(ctx))
     # As many micro-batches in flight as there are stages keeps every stage busy.
     engine = EntryEngine(pipeline, scheduler, status, micro_batches=options.micro_batches or ctx.launch.plan.size,
                          step_ahead=step_ahead_wanted(settings.STEP_AHEAD, ctx.device.backend),
                          on_delivered=servicer.on_delivered)
     servicer.engine = engine
+    status.spec_decode = lambda: scheduler.spec_decode.counts
     on_stop_signal(engine.stop)
     status.set_state(StageState.SERVING)
     log.info("serving (max_num_seqs=%d max_model_len=%d, pipeline KV capacity %d tokens, %d micro-batches, "
              "steps ahead: %s, graphs built ahead: %s)", options.max_num_seqs, ctx.max_model_len, capacity,
              engine.micro_batches, engine.steps_ahead, pipeline.builds_ahead)
     engine.run()
+
+
+def speculation_for(ctx: StageContext) -> SpeculativeConfig | None:
+    """The entry stage's --speculative-config, or None where this model cannot speculate: every stage drops a
+    verification's rejected positions from its KV, which a sliding window or a recurrent state cannot do."""
+    config = ctx.launch.options.speculative
+    if config is None:
+        return None
+    if not exact_prefix_reuse(ctx.spec):
+        log.warning("speculative decoding off: %s layers keep sliding windows or recurrent state, which cannot drop "
+                    "rejected proposals (docs/architecture.md)", ctx.spec.model_type)
+        return None
+    log.info("speculative decoding: %s, up to %d proposals per step (lookup %d..%d tokens), while at most %d "
+             "sequences run", config.method, config.num_speculative_tokens, config.prompt_lookup_min,
+             config.prompt_lookup_max, config.disable_by_batch_size)
+    return config
 
 
 def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:

@@ -14,6 +14,12 @@ flight the entry checks each TOKENS reply against the batch it sent.
 A sequence's ``RowOptions`` (``stage_worker.batch``) ride the body of the
 FORWARD frame that starts it, once, and live on the last stage until its
 RELEASE (``row_options``); logprobs come back in the TOKENS frame's body.
+
+A VERIFY record (speculative decoding, ``stage_worker.speculation``) has the
+last stage sample every one of its rows (as each would be sampled without
+speculation) and keep the tokens ``accept_proposals`` keeps against the proposals (their ids ride the FORWARD
+body); its TOKENS record holds that many ids. Every stage drops a sequence's
+rejected positions when its next record starts before them (``kv_store``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -37,6 +43,7 @@ from stage_worker.links import InboundLink, LinkError, OutboundLink
 from stage_worker.packed_forward import DecodeRows, Segment
 from stage_worker.row_options import LogprobRows, RowProcessors, logprobs_from_body, rows_body, rows_from_body
 from stage_worker.sampling import sample_rows
+from stage_worker.speculation import accept_proposals, drafts_body, drafts_from_body
 from stage_worker.stage_model import StageModel
 from stage_worker.wire import FrameKind
 
@@ -113,7 +120,7 @@ class StageCompute:
                 decode_rows.append(row)
             else:
                 caches = self.kv.for_chunk(r.seq_id, r.start_pos, r.has(RecordFlag.NEW_SEQUENCE), r.num_tokens,
-                                           r.prefix_entry)
+                                           r.prefix_entry, verify=r.has(RecordFlag.VERIFY))
                 segments.append(Segment(caches, r.num_tokens, row))
             row += r.num_tokens
         if row != hidden.shape[0]:
@@ -143,50 +150,73 @@ class StageCompute:
             else:
                 self.kv.retain(r.seq_id, r.prefix_entry, r.start_pos)
 
-    def sample(self, records: Sequence[SequenceRecord], hidden: mx.array,
-               wait: bool = True) -> tuple[list[SequenceRecord], mx.array, LogprobRows | None]:
-        """Norm, head, logits processors and sampling for the records flagged SAMPLE; returns TOKENS
-        records, ids and (when a row asked for them) lazy logprobs.
+    def sample(self, records: Sequence[SequenceRecord], hidden: mx.array, wait: bool = True,
+               drafts: Mapping[int, tuple[int, ...]] | None = None) -> PendingSample:
+        """Norm, head, logits processors and sampling for the records flagged SAMPLE (every row of a
+        VERIFY record, whose ``drafts`` are given); ``PendingSample.reply`` gives the TOKENS records and ids.
 
         Evaluates ``hidden`` (and so the batch's KV writes) together with the tokens: one sync.
         ``wait=False`` only starts that evaluation (``mx.async_eval``): the tokens are read later,
         while the device already runs what was queued after them.
         """
-        sampling = self.build_sample(records, hidden)
+        sampling = self.build_sample(records, hidden, drafts)
         self.evaluate_sample(sampling, wait)
-        return sampling.records, sampling.tokens, sampling.logprobs
+        return sampling
 
-    def build_sample(self, records: Sequence[SequenceRecord], hidden: mx.array) -> PendingSample:
+    def build_sample(self, records: Sequence[SequenceRecord], hidden: mx.array,
+                     drafts: Mapping[int, tuple[int, ...]] | None = None) -> PendingSample:
         """``sample``'s graph, built but not evaluated (its input may still be a placeholder)."""
-        picks, chosen = [], []
+        picks: list[int] = []
+        chosen: list[SequenceRecord] = []
+        row_seq_ids: list[int] = []
+        positions: list[int] = []
         row = 0
         for record in records:
             row += record.num_tokens
-            if record.has(RecordFlag.SAMPLE) and record.num_tokens > 0:
-                picks.append(row - 1)
-                chosen.append(record)
+            if not record.has(RecordFlag.SAMPLE) or record.num_tokens == 0:
+                continue
+            chosen.append(record)
+            # A verification needs the target's token after every proposal prefix: all of its rows.
+            rows = self._verified_rows(record, drafts) if record.has(RecordFlag.VERIFY) else 1
+            picks += range(row - rows, row)
+            row_seq_ids += [record.seq_id] * rows
+            end = record.start_pos + record.num_tokens  # the position the record's last row's token takes
+            positions += range(end - rows + 1, end + 1)
         if not chosen:
-            return PendingSample([], mx.zeros((0,), dtype=mx.int32), None, (hidden,), [], None)
+            return PendingSample(mx.zeros((0,), dtype=mx.int32), None, (hidden,), [], None)
         logits = self.model.logits(hidden[mx.array(picks)])
-        positions = [r.start_pos + r.num_tokens for r in chosen]
-        seq_ids = [r.seq_id for r in chosen]
-        logits = self.rows.process(logits, seq_ids, positions)  # untouched when no row has options
-        tokens = sample_rows(logits, [r.sampling for r in chosen], positions, self.rows.min_ps(seq_ids))
-        logprobs = self.rows.logprobs(logits, tokens, seq_ids)
-        self.rows.observe(seq_ids, tokens)
+        logits = self.rows.process(logits, row_seq_ids, positions)  # untouched when no row has options
+        samplings = [r.sampling for r in chosen for _ in range(r.num_tokens if r.has(RecordFlag.VERIFY) else 1)]
+        tokens = sample_rows(logits, samplings, positions, self.rows.min_ps(row_seq_ids))
+        logprobs = self.rows.logprobs(logits, tokens, row_seq_ids)
+        self.rows.observe(row_seq_ids, tokens)
         extra = self.rows.pending() + (logprobs.arrays() if logprobs is not None else [])
-        out_records = [
-            SequenceRecord(seq_id=r.seq_id, start_pos=r.start_pos + r.num_tokens, num_tokens=1)
-            for r in chosen
-        ]
-        return PendingSample(out_records, tokens, logprobs, (tokens, logits, hidden, *extra), chosen, logits)
+        verify = {r.seq_id: drafts[r.seq_id] for r in chosen if r.has(RecordFlag.VERIFY)} if drafts else {}
+        return PendingSample(tokens, logprobs, (tokens, logits, hidden, *extra), chosen, logits,
+                             tuple(row_seq_ids), verify)
+
+    def _verified_rows(self, record: SequenceRecord, drafts: Mapping[int, tuple[int, ...]] | None) -> int:
+        """A VERIFY record's rows, once its proposals and its sequence are checked to be verifiable here."""
+        proposed = (drafts or {}).get(record.seq_id)
+        if proposed is None or len(proposed) != record.num_tokens - 1:
+            raise wire.WireMismatchError(
+                f"sequence {record.seq_id}: a verification of {record.num_tokens} tokens came with "
+                f"{'no' if proposed is None else len(proposed)} proposals, expected {record.num_tokens - 1}")
+        if self.rows.options(record.seq_id) is not None:
+            raise wire.WireMismatchError(f"sequence {record.seq_id}: only sequences without logits processors "
+                                         f"are verified; the entry stage sent another")
+        return record.num_tokens
 
     def evaluate_sample(self, sampling: PendingSample, wait: bool = True) -> None:
         """Evaluate what ``build_sample`` built (``wait=False``: only start it), recording logits if asked."""
         evaluate = mx.eval if wait or self._recorder is not None else mx.async_eval
         evaluate(*sampling.evaluate)
         if self._recorder is not None and sampling.logits is not None:
-            self._recorder.add(sampling.chosen, sampling.logits)
+            logits = sampling.logits
+            if sampling.verifies:  # each record's last row, as without a verification
+                last = sampling.last_rows()
+                logits = logits[mx.array([last[r.seq_id] for r in sampling.chosen])]
+            self._recorder.add(sampling.chosen, logits)
 
     def accept(self, sampled: Sequence[SampledToken]) -> None:
         """Advance constrained sequences' grammars with their sampled ids (nothing to do without one)."""
@@ -204,12 +234,40 @@ class StageCompute:
 class PendingSample:
     """The last stage's sampling graph for one batch, built and not yet evaluated."""
 
-    records: list[SequenceRecord]  # the TOKENS records: one per sampled row, in row order
-    tokens: mx.array
-    logprobs: LogprobRows | None
+    tokens: mx.array  # one per sampled row: a record's last row, or every row of a VERIFY record
+    logprobs: LogprobRows | None  # its rows index ``tokens``
     evaluate: tuple[mx.array, ...]  # what one evaluation must cover (the batch's KV writes included)
-    chosen: list[SequenceRecord]  # the FORWARD records sampled from
+    chosen: list[SequenceRecord]  # the FORWARD records sampled from, in row order
     logits: mx.array | None
+    row_seq_ids: tuple[int, ...] = ()  # the sequence of each of ``tokens``
+    drafts: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # VERIFY records' proposals
+
+    @property
+    def verifies(self) -> bool:
+        return bool(self.drafts)
+
+    def last_rows(self) -> dict[int, int]:
+        """Each sampled sequence's last row in ``tokens`` (where a carried step takes its input)."""
+        return {seq_id: row for row, seq_id in enumerate(self.row_seq_ids)}
+
+    def reply(self, token_ids: Sequence[int]) -> tuple[list[SequenceRecord], list[int]]:
+        """The TOKENS records and ids of ``token_ids`` (``tokens`` read back): one per plain record, the
+        kept run of a VERIFY record."""
+        records: list[SequenceRecord] = []
+        ids: list[int] = []
+        row = 0
+        for r in self.chosen:
+            if r.has(RecordFlag.VERIFY):
+                kept = accept_proposals(token_ids[row:row + r.num_tokens], self.drafts[r.seq_id])
+                row += r.num_tokens
+            else:
+                kept = (int(token_ids[row]),)
+                row += 1
+            # The position the first kept token occupies: after the record's last row, or after its first.
+            first = r.start_pos + 1 if r.has(RecordFlag.VERIFY) else r.start_pos + r.num_tokens
+            records.append(SequenceRecord(r.seq_id, first, len(kept)))
+            ids += kept
+        return records, ids
 
 
 @dataclass(frozen=True)
@@ -243,13 +301,11 @@ class _PendingLaunch:
 
 @dataclass(frozen=True)
 class _LocalBatch:
-    """A single-stage pipeline's batch in flight: its sampled records and their tokens on the device."""
+    """A single-stage pipeline's batch in flight: its sampling, tokens still on the device."""
 
-    records: list[SequenceRecord]
-    tokens: mx.array
+    sampling: PendingSample
     rows: int  # token rows computed
     build_s: float  # host time spent building it
-    logprobs: LogprobRows | None = None
 
 
 class EntryPipeline:
@@ -334,17 +390,21 @@ class EntryPipeline:
             hidden = self._compute.forward(records, hidden, in_flight, evaluate=False)
             if options:
                 self._compute.rows.register(options)
-            out_records, tokens, logprobs = self._compute.sample(records, hidden, wait=False)
+            drafts = {c.record.seq_id: c.token_ids[1:] for c in chunks if c.record.has(RecordFlag.VERIFY)}
+            sampling = self._compute.sample(records, hidden, wait=False, drafts=drafts)
             # Its compute is counted in ``collect``, once the device has finished it.
-            self._local_results.append(_LocalBatch(out_records, tokens, int(ids.size), time.perf_counter() - started,
-                                                   logprobs))
+            # Kept until ``collect`` without what only its evaluation needed (the batch's hidden states, logits).
+            kept = replace(sampling, evaluate=(), logits=None)
+            self._local_results.append(_LocalBatch(kept, int(ids.size), time.perf_counter() - started))
             self._compute.release_finished(records)
             return self._batch_id
         assert self._outbound is not None
         source = self._remote_carry_source(chunks)
         ids = self._input_ids(chunks, source)
         hidden = self._compute.forward(records, self._embed(ids), in_flight, evaluate=False)
-        body = rows_body({s: o for s, o in options.items() if not o.is_default})
+        body = _forward_body(rows_body({s: o for s, o in options.items() if not o.is_default}),
+                             drafts_body({c.record.seq_id: c.token_ids[1:] for c in chunks
+                                          if c.record.has(RecordFlag.VERIFY)}))
         sampled = tuple(r.seq_id for r in records if r.has(RecordFlag.SAMPLE) and r.num_tokens > 0)
         self._in_flight.append(_RemoteBatch(self._batch_id, sampled))
         rows = int(ids.size)
@@ -387,8 +447,8 @@ class EntryPipeline:
             return None
         if not self._local_results:
             raise ValueError("a carried decode step needs a batch in flight before it on this stage")
-        previous = self._local_results[0]
-        return _CarrySource(previous.tokens, {r.seq_id: i for i, r in enumerate(previous.records)})
+        previous = self._local_results[0].sampling
+        return _CarrySource(previous.tokens, previous.last_rows())
 
     def _remote_carry_source(self, chunks: Sequence[Chunk]) -> _CarrySource | None:
         """Longer pipeline: carried steps continue from the oldest batch in flight, whose tokens the
@@ -435,11 +495,13 @@ class EntryPipeline:
         if self._is_last:
             batch = self._local_results.popleft()
             reading = time.perf_counter()
-            sampled = _sampled(batch.records, batch.tokens)  # reads the tokens back: waits for this batch only
+            sampling = batch.sampling
+            # Reads the tokens back: waits for this batch only.
+            sampled = _sampled(*sampling.reply(np.array(sampling.tokens).tolist()))
             self._compute.accept(sampled)
-            if batch.logprobs is not None:
-                sampled = _with_logprobs(sampled, {batch.records[row].seq_id: lp
-                                                   for row, lp in batch.logprobs.read().items()})
+            if sampling.logprobs is not None:
+                sampled = _with_logprobs(sampled, {sampling.row_seq_ids[row]: lp
+                                                   for row, lp in sampling.logprobs.read().items()})
             if self._on_batch is not None:
                 # Building the batch plus waiting for the device to finish it: this stage's compute.
                 self._on_batch(batch.rows, batch.build_s + time.perf_counter() - reading, 0.0, 0.0)
@@ -455,16 +517,18 @@ class EntryPipeline:
             )
         if self._on_wait is not None:
             self._on_wait(time.perf_counter() - waited)
-        tokens = reply.payload if reply.payload is not None else mx.zeros((0,), mx.int32)
-        sampled = _sampled(reply.records, tokens)
+        ids = np.array(reply.payload).tolist() if reply.payload is not None else []
+        sampled = _sampled(reply.records, ids)
         pending = self._pending
         if pending is not None and pending.after == expected.batch_id:
             self._pending = None
-            if tuple(t.seq_id for t in sampled) != expected.sampled_seq_ids:
+            if tuple(r.seq_id for r in reply.records) != expected.sampled_seq_ids:
                 raise wire.WireMismatchError(
-                    f"batch {expected.batch_id}'s tokens came back for sequences {[t.seq_id for t in sampled]}, "
+                    f"batch {expected.batch_id}'s tokens came back for sequences {[r.seq_id for r in reply.records]}, "
                     f"expected {list(expected.sampled_seq_ids)}")
-            pending.token_slots.write(np.array([t.token_id for t in sampled], dtype=np.int32))
+            # Each sequence's last token feeds its carried step (a verifying sequence is never carried).
+            last = {t.seq_id: t.token_id for t in sampled}
+            pending.token_slots.write(np.array([last[r.seq_id] for r in reply.records], dtype=np.int32))
             self._run_announced(pending.hidden, pending.rows, pending.build_s)
         logprobs = logprobs_from_body(reply.body)
         return _with_logprobs(sampled, logprobs) if logprobs else sampled
@@ -492,9 +556,22 @@ class EntryPipeline:
                 return
 
 
-def _sampled(records: Sequence[SequenceRecord], tokens: mx.array) -> list[SampledToken]:
-    ids = np.array(tokens).tolist()
-    return [SampledToken(r.seq_id, r.start_pos, int(t)) for r, t in zip(records, ids)]
+def _sampled(records: Sequence[SequenceRecord], ids: Sequence[int]) -> list[SampledToken]:
+    """TOKENS records and their ids (each record's ``num_tokens`` in turn) as tokens, in order."""
+    total = sum(r.num_tokens for r in records)
+    if total != len(ids):
+        raise wire.WireMismatchError(f"TOKENS records cover {total} ids but {len(ids)} came")
+    out, row = [], 0
+    for r in records:
+        out += [SampledToken(r.seq_id, r.start_pos + i, int(ids[row + i])) for i in range(r.num_tokens)]
+        row += r.num_tokens
+    return out
+
+
+def _forward_body(*parts: dict | None) -> dict | None:
+    """A FORWARD body of its parts (new sequences' options, proposals to verify); None when all are."""
+    body = {key: value for part in parts if part for key, value in part.items()}
+    return body or None
 
 
 def _with_logprobs(sampled: list[SampledToken], logprobs: dict[int, TokenLogprob]) -> list[SampledToken]:
@@ -560,23 +637,27 @@ def relay_loop(
         if is_last:
             if message.body:
                 compute.rows.register(rows_from_body(message.body))
-            sampling = compute.build_sample(message.records, hidden)
+            sampling = compute.build_sample(message.records, hidden, drafts_from_body(message.body))
         built = time.perf_counter()
         if placeholder is not None:
             inbound.recv_payload_into(header, placeholder.writable())
         arrived = time.perf_counter()
         if sampling is not None:
             compute.evaluate_sample(sampling)
+            token_ids = np.array(sampling.tokens).tolist()
+            reply_records, reply_ids = sampling.reply(token_ids)
             if compute.rows.has_grammar:
-                compute.accept(_sampled(sampling.records, sampling.tokens))
+                compute.accept(_sampled(reply_records, reply_ids))
             computed = time.perf_counter()
             logprobs = sampling.logprobs
+            # Without a verification the reply is the sampled tokens as they are (no copy).
+            tokens = sampling.tokens if not sampling.verifies else mx.array(reply_ids, dtype=mx.int32)
             outbound.send(
                 FrameKind.TOKENS,
-                sampling.records,
-                sampling.tokens if sampling.records else None,
+                reply_records,
+                tokens if reply_records else None,
                 batch_id=header.batch_id,
-                body=logprobs.to_body([r.seq_id for r in sampling.records]) if logprobs is not None else None,
+                body=logprobs.to_body(sampling.row_seq_ids) if logprobs is not None else None,
             )
         else:
             # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stage_worker.load_progress import LoadCounts
+from stage_worker.speculation import SpecDecodeCounts
 from stagemesh.core.snapshots import StageStats
 from stagemesh.core.states import StageState
 
@@ -54,6 +55,7 @@ class StageStatus:
         # Read at GetStageInfo time from the stage's KV store (set once it exists); plain int reads.
         self.prefix_cache: Callable[[], PrefixCacheCounts] | None = None
         self.prefix_block_size = 1
+        self.spec_decode: Callable[[], SpecDecodeCounts] | None = None  # the entry stage's scheduler's counts
         self.load = LoadCounts()  # replaced whole by the loading thread (stage_worker.load_progress)
 
     def on_state(self, listener: Callable[[StageState], None]) -> None:
@@ -106,6 +108,7 @@ class StageStatus:
     def stats(self) -> StageStats:
         counts = self.prefix_cache() if self.prefix_cache is not None else PrefixCacheCounts(0, 0, 0, 0)
         block = max(1, self.prefix_block_size)
+        spec = self.spec_decode() if self.spec_decode is not None else SpecDecodeCounts()
         with self._lock:
             return StageStats(self.batches, self.tokens, self.compute_seconds, self.wait_seconds,
                               self.send_seconds, self.running_sequences, self.waiting_requests,
@@ -114,4 +117,7 @@ class StageStatus:
                               prefix_cache_queries=counts.queried_tokens, prefix_cache_hits=counts.reused_tokens,
                               prefix_cache_blocks=counts.cached_tokens // block,
                               prefix_cache_evictions=counts.evicted_tokens // block,
-                              load_done_bytes=self.load.done_bytes, load_total_bytes=self.load.total_bytes)
+                              load_done_bytes=self.load.done_bytes, load_total_bytes=self.load.total_bytes,
+                              spec_decode_num_drafts=spec.drafts, spec_decode_num_draft_tokens=spec.draft_tokens,
+                              spec_decode_num_accepted_tokens=spec.accepted_tokens,
+                              spec_decode_num_accepted_tokens_per_pos=spec.accepted_per_position)

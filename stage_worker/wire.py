@@ -9,7 +9,7 @@ uses two lanes that carry messages in the same order:
   the exact shape and dtype of the payload before it posts a ring receive;
 * the **payload** the header announced: hidden states ``[num_rows,
   hidden_size]`` in the wire dtype for ``FORWARD``, token ids
-  ``int32[num_records]`` for ``TOKENS``, nothing for ``SHUTDOWN``. It travels
+  ``int32[num_rows]`` for ``TOKENS`` (each record's ids in turn), nothing for ``SHUTDOWN``. It travels
   by the pipeline's hop transport (``HOP_TRANSPORTS``): ``lane`` (the
   default) sends its raw bytes on the same TCP connection right after the
   header (``payload_bytes`` / ``payload_from_bytes``); ``ring`` hands it to
@@ -33,7 +33,8 @@ stage must sample a token for it, whether the sequence ends after this batch
 a JSON body (``body_bytes``) used once at start-up to check that neighbours
 agree; a ``FORWARD`` frame's body announces the ``RowOptions`` of the sequences
 it starts (``row_options.rows_body``: once per sequence, only when a request
-has any; relays pass it on), a ``TOKENS`` frame's body the logprobs of the
+has any; relays pass it on) and the draft ids of its VERIFY records
+(``speculation.drafts_body``), a ``TOKENS`` frame's body the logprobs of the
 rows that asked for them (``LogprobRows.to_body``).
 """
 
@@ -54,7 +55,7 @@ from stage_worker.batch import RecordFlag, SequenceRecord
 from stagemesh.core.sampling import SamplingParams
 
 MAGIC = b"SMW1"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: VERIFY records, TOKENS records of several ids
 # How a hop's payload travels: after the header on the TCP lane, or over MLX's ring.
 HOP_TRANSPORTS = ("lane", "ring")
 

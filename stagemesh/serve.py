@@ -27,6 +27,7 @@ from stagemesh.core import defaults, settings
 from stagemesh.core.errors import UserError
 from stagemesh.core.layer_split import plan_layer_split
 from stagemesh.core.ports import check_port_base, port_is_free
+from stagemesh.core.speculative import parse_speculative_config
 
 log = logging.getLogger("stagemesh.serve")
 
@@ -57,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-block-size", type=int, default=defaults.PREFIX_CACHE_BLOCK_SIZE,
                         help="tokens per prefix-cache block: prefixes are cached and reused in whole blocks "
                              "(default %(default)s)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding, vLLM's flag: e.g. '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                             "proposes tokens from earlier in each sequence and verifies them all in one trip "
+                             "through the stages, with the same tokens as without it (docs/architecture.md)")
     parser.add_argument("--dtype", default="auto",
                         help="compute dtype: auto (float32 on the CPU backend, float16 on Metal, bfloat16 on "
                              "CUDA), float32, float16, bfloat16")
@@ -149,6 +155,7 @@ def build_mesh_config(args: argparse.Namespace):
                         ("--prefix-cache-block-size", args.prefix_cache_block_size)):
         if value < 1:
             raise ServeConfigError(f"{flag} must be at least 1, got {value}")
+    speculative = parse_speculative_config(args.speculative_config) if args.speculative_config else None
     model_path = resolve_model_argument(args.model, args.load_format)
     spec = read_model_spec(model_path, args.load_format, args.shape_layers)
     check_checkpoint(spec)  # files that disagree with the config: named here, not deep in a stage
@@ -187,6 +194,7 @@ def build_mesh_config(args: argparse.Namespace):
         max_model_len=max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_block_size=args.prefix_cache_block_size,
+        speculative=speculative,
         startup_timeout_s=args.startup_timeout,
         # The layer planner sizes quantized weights unless --dequantize on (auto dequantizes only when the
         # dense weights fit half a stage's budget, so a plan that fits quantized still fits).

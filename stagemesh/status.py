@@ -4,7 +4,9 @@ Prints one row per stage (replica, rank, layers, host, gRPC and ring ports,
 pid, dtype, quantized, MLX backend and device, state, health, KV tokens used of its capacity, then its
 prefix cache: the share of prompt tokens it reused, blocks cached now, blocks evicted), then a line for each
 replica that is not serving (restarting, or backing off: when its next restart is due and how many failures in a
-row it has had) or, with ``--json``, the ``/mesh`` document unchanged.
+row it has had) and one for each replica whose entry stage verified proposals (speculative decoding: the share
+of proposed tokens accepted, per position, and tokens per verification) or, with ``--json``, the ``/mesh``
+document unchanged.
 Exits 0 when at least one replica is healthy, 1 when none is, 2 when the
 gateway cannot be reached. ``--watch`` redraws the dashboard's live figures in
 place instead (``stagemesh.status_watch``).
@@ -54,6 +56,7 @@ def format_mesh(mesh: dict, now: float | None = None) -> str:
     lines = [f"model: {mesh.get('model')}"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [line for replica in mesh.get("replicas", []) if (line := _supervision_line(replica, now))]
+    lines += [line for replica in mesh.get("replicas", []) if (line := _speculation_line(replica))]
     healthy = sum(1 for r in mesh.get("replicas", []) if r.get("healthy"))
     lines.append(f"{healthy}/{len(mesh.get('replicas', []))} replicas healthy")
     return "\n".join(lines)
@@ -75,6 +78,22 @@ def _supervision_line(replica: dict, now: float | None) -> str:
         plural = "s" if failures != 1 else ""
         line += f" ({failures} failure{plural} in a row, {replica.get('restarts') or 0} restarts so far)"
     return line
+
+
+def _speculation_line(replica: dict) -> str:
+    """What speculative decoding achieved on the replica's entry stage ("" when it verified nothing)."""
+    for stage in replica.get("stages", []):
+        stats = stage.get("stats") or {}
+        drafted, drafts = stats.get("spec_decode_num_draft_tokens") or 0, stats.get("spec_decode_num_drafts") or 0
+        if not drafted or not drafts:
+            continue
+        accepted = stats.get("spec_decode_num_accepted_tokens") or 0
+        per_position = " ".join(f"{100 * n / drafts:.0f}%" for n in stats.get("spec_decode_num_accepted_tokens_per_pos")
+                                or ())
+        return (f"replica {replica.get('replica')}: speculative decoding accepted {100 * accepted / drafted:.0f}% of "
+                f"{drafted} proposed tokens (by position: {per_position or '-'}), "
+                f"{(accepted + drafts) / drafts:.2f} tokens per verification")
+    return ""
 
 
 def _state_cell(stage: dict) -> str:

@@ -60,7 +60,8 @@ class InProcessPipeline:
     """A real pipeline of ``stages`` (``StageModel``s, first to last) in this process: the entry engine and
     scheduler on one thread, every other stage's relay loop on its own, hidden states over real lanes."""
 
-    def __init__(self, stages, *, max_num_seqs: int = 8, prefix_cache=None, max_batch_tokens: int = 512) -> None:
+    def __init__(self, stages, *, max_num_seqs: int = 8, prefix_cache=None, max_batch_tokens: int = 512,
+                 speculative=None) -> None:
         import threading
 
         from stage_worker.engine import EntryEngine
@@ -84,17 +85,20 @@ class InProcessPipeline:
             pipeline = EntryPipeline(entry, self._lanes[0][1], self._lanes[-1][0], is_last=False, build_ahead=True)
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_model_len=512, max_waiting=64,
                                    max_batch_tokens=max_batch_tokens, prefill_chunk_tokens=max_batch_tokens,
-                                   prefix_cache=prefix_cache)
+                                   prefix_cache=prefix_cache, speculative=speculative)
         self.engine = EntryEngine(pipeline, self.scheduler, StageStatus(), micro_batches=1, step_ahead=True)
         self._runner = threading.Thread(target=self.engine.run, daemon=True)
         self._runner.start()
         self._count = 0
 
-    def submit(self, prompt, max_tokens: int) -> RequestHandle:
+    def submit(self, prompt, max_tokens: int, sampling=None, stop_token_ids=frozenset()) -> RequestHandle:
+        """A request (greedy unless ``sampling`` says otherwise; ignoring EOS unless ``stop_token_ids`` are given)."""
         from stage_worker.scheduler import GenerationRequest
+        from stagemesh.core.sampling import GREEDY
 
         self._count += 1
-        return self.engine.submit(GenerationRequest(f"r{self._count}", tuple(prompt), max_tokens, ignore_eos=True))
+        return self.engine.submit(GenerationRequest(f"r{self._count}", tuple(prompt), max_tokens, sampling or GREEDY,
+                                                    frozenset(stop_token_ids), ignore_eos=not stop_token_ids))
 
     def generate(self, prompt, max_tokens: int) -> list[int]:
         return read_until_finished([self.submit(prompt, max_tokens)])[0][0]

@@ -7,7 +7,8 @@ check imports the core in a fresh interpreter and asserts nothing heavy (MLX,
 NumPy, Ray, FastAPI) came with it. The project's modules import each other
 without a cycle (a function-level import may keep a heavy dependency lazy, never
 hide a cycle), and the entry stage's scheduler reaches nothing of the runtime:
-no MLX, only ``stage_worker.batch`` and ``stage_worker.prefix_cache``.
+no MLX, only ``stage_worker.batch``, ``stage_worker.prefix_cache`` and speculation's pure rules
+(``stage_worker.speculation``, ``stage_worker.ngram_proposer``).
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ def test_the_cycle_check_sees_a_cycle_a_function_level_import_hides(tmp_path, mo
 # -- the scheduler is pure ---------------------------------------------------------------------------------
 
 # The stage_worker modules the entry stage's scheduler may import: plain values and bookkeeping, no runtime.
-SCHEDULER_MAY_IMPORT = ("stage_worker.batch", "stage_worker.prefix_cache")
+SCHEDULER_MAY_IMPORT = ("stage_worker.batch", "stage_worker.prefix_cache", "stage_worker.speculation",
+                        "stage_worker.ngram_proposer")
 
 
 def test_the_scheduler_imports_nothing_of_the_runtime():

@@ -101,3 +101,17 @@ def test_the_table_shows_each_stages_prefix_cache():
     assert header.split()[-3:] == ["prefix_hits", "cached_blocks", "evicted_blocks"]
     assert row.split()[-3:] == ["25%/200", "12", "3"]
     assert StageStats.from_proto(stats.to_proto()) == stats  # the counters travel in GetStageInfo
+
+
+def test_the_table_says_what_speculative_decoding_achieved():
+    stats = StageStats(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30, spec_decode_num_accepted_tokens=15,
+                       spec_decode_num_accepted_tokens_per_pos=(8, 5, 2))
+    stage = StageSnapshot(rank=0, layers=(0, 30), host="h", grpc_port=1, ring_port=2, pid=3, node_id="n",
+                          compute_dtype="float32", quantized=False, healthy=True, state=StageState.SERVING,
+                          stats=stats)
+    mesh = MeshSnapshot("m", (ReplicaSnapshot(0, (stage,)),)).to_json()
+    assert ("replica 0: speculative decoding accepted 50% of 30 proposed tokens (by position: 80% 50% 20%), "
+            "2.50 tokens per verification") in format_mesh(mesh).splitlines()
+    quiet = MeshSnapshot("m", (ReplicaSnapshot(0, (replace(stage, stats=StageStats()),)),)).to_json()
+    assert "speculative" not in format_mesh(quiet)
+    assert StageStats.from_proto(stats.to_proto()) == stats  # the counters travel in GetStageInfo

@@ -30,6 +30,8 @@ KINDS: dict[str, tuple[str, str]] = {
                "time the entry stage alone (engine, scheduler, model): ms per token, streams, profile"),
     "prefix": ("stagemesh.bench.prefix",
                "what the prefix cache is worth: multi-turn chat and distinct prompts, cache off against on"),
+    "speculative": ("stagemesh.bench.speculative",
+                    "what prompt-lookup speculation is worth: repeat/edit-this-code prompts, one stream, off vs on"),
     "pipeline": ("stagemesh.bench.pipeline",
                  "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
     "hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),

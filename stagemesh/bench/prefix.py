@@ -56,30 +56,14 @@ def run(args: argparse.Namespace) -> int:
 
     # As a stage does (stage_worker.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
     reexec_with_optimized_blas(["-m", "stagemesh.cli", *sys.argv[1:]], None)
-    import psutil
-
     from stage_worker.blas import loaded_blas
     from stage_worker.default_model import resolve_model_path
-    from stage_worker.device import current_backend
-    from stage_worker.fused_projections import fusion_wanted
     from stage_worker.model_reader import read_model_spec
-    from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
     from stagemesh.bench.report import build_report, emit, flags_of, now
-    from stagemesh.core import settings
-    from stagemesh.core.layer_split import LayerRange
 
     started_at = now()
     spec = read_model_spec(resolve_model_path(args.model))
-    backend = current_backend()
-    model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True),
-                            resolve_compute_dtype("auto", backend))
-    dense, _ = choose_dense_weights("auto", backend=backend, blas=loaded_blas(), quantized=model.quantized,
-                                    dense_bytes=model.dense_bytes(),
-                                    memory_budget=int(psutil.virtual_memory().total * 0.8))
-    if dense:
-        model.dequantize()
-    if fusion_wanted(settings.FUSE_PROJECTIONS, backend):  # as a stage does
-        model.fuse_projections()
+    model, dense = load_stage_as_served(spec)
     _drive(model, args, cache=False, workload="distinct", conversations=1)  # warm the kernels
     results: dict[str, Any] = {}
     ratios = []
@@ -94,6 +78,31 @@ def run(args: argparse.Namespace) -> int:
                                   "dense_weights": dense})
     emit(report, args, format_prefix(report))
     return 0
+
+
+def load_stage_as_served(spec: Any) -> tuple[Any, bool]:
+    """The whole model as one stage, with what a stage would choose on this machine (dense weights where
+    ``choose_dense_weights`` says so, joined projections where ``fusion_wanted`` does); and whether dense."""
+    import psutil
+
+    from stage_worker.blas import loaded_blas
+    from stage_worker.device import current_backend
+    from stage_worker.fused_projections import fusion_wanted
+    from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
+    from stagemesh.core import settings
+    from stagemesh.core.layer_split import LayerRange
+
+    backend = current_backend()
+    model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True),
+                            resolve_compute_dtype("auto", backend))
+    dense, _ = choose_dense_weights("auto", backend=backend, blas=loaded_blas(), quantized=model.quantized,
+                                    dense_bytes=model.dense_bytes(),
+                                    memory_budget=int(psutil.virtual_memory().total * 0.8))
+    if dense:
+        model.dequantize()
+    if fusion_wanted(settings.FUSE_PROJECTIONS, backend):  # as a stage does
+        model.fuse_projections()
+    return model, dense
 
 
 def format_prefix(report: dict[str, Any]) -> str:

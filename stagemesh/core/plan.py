@@ -24,6 +24,7 @@ from stagemesh.core.errors import UserError
 from stagemesh.core.layer_split import LayerRange, plan_layer_split
 from stagemesh.core.ports import stage_ports
 from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, LOOPBACK
+from stagemesh.core.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,8 @@ class StageOptions:
     # The node's visible GPU this stage computes on (stagemesh.core.gpus); None: the node's default.
     gpu_index: int | None = None
     stages_on_gpu: int = 0  # stages sharing that GPU's memory; 0: unknown (the host's count applies)
+    # --speculative-config (stagemesh.core.speculative): the entry stage proposes, the last verifies; None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens", "prefix_cache_block_size"):
@@ -173,6 +176,12 @@ class StageOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise UserError(f"{name} must be positive, got {value}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> StageOptions:
+        """The options as ``asdict`` wrote them (the launch file)."""
+        speculative = raw.get("speculative")
+        return cls(**{**raw, "speculative": None if speculative is None else SpeculativeConfig.from_json(speculative)})
 
 
 @dataclass(frozen=True)
@@ -219,5 +228,5 @@ class StageLaunch:
     @classmethod
     def from_json(cls, text: str) -> StageLaunch:
         raw = json.loads(text)
-        return cls(PipelinePlan.from_dict(raw["plan"]), int(raw["rank"]), StageOptions(**raw["options"]),
+        return cls(PipelinePlan.from_dict(raw["plan"]), int(raw["rank"]), StageOptions.from_dict(raw["options"]),
                    mesh_token=str(raw.get("mesh_token", "")), grpc_tls_dir=str(raw.get("grpc_tls_dir", "")))

@@ -52,16 +52,25 @@ class StageStats:
     prefix_cache_evictions: int = 0  # blocks dropped (least recently used for room, or superseded)
     load_done_bytes: int = 0  # bytes of model files read (or converted) so far
     load_total_bytes: int = 0  # of the total it reads (0: not loading yet, or nothing to read)
+    # Entry stage, speculative decoding (vLLM's spec_decode_* counters): verifications, tokens proposed, of those
+    # accepted, and per proposal position the verifications that accepted it.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     def to_proto(self) -> stage_pb2.StageStats:
         return stage_pb2.StageStats(**asdict(self))
 
     @classmethod
     def from_proto(cls, message: stage_pb2.StageStats) -> StageStats:
-        return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})
+        values = {f.name: getattr(message, f.name) for f in fields(cls)}
+        values["spec_decode_num_accepted_tokens_per_pos"] = tuple(values["spec_decode_num_accepted_tokens_per_pos"])
+        return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        per_position = list(self.spec_decode_num_accepted_tokens_per_pos)  # JSON's own shape: a list
+        return {**asdict(self), "spec_decode_num_accepted_tokens_per_pos": per_position}
 
 
 @dataclass(frozen=True)

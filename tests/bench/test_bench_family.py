@@ -17,7 +17,7 @@ from stagemesh.bench import command, flags
 from stagemesh.bench.report import ENVELOPE_KEYS, build_report, flags_of
 
 PRODUCT = ("serve", "chat", "status", "plan", "doctor", "convert", "certs", "soak")
-KINDS = ("serve", "compare", "stack", "gateway", "engine", "prefix", "pipeline", "hop", "parity")
+KINDS = ("serve", "compare", "stack", "gateway", "engine", "prefix", "speculative", "pipeline", "hop", "parity")
 OLD_FLAGS = ("--out", "--tokens", "--prompt-len", "--max-tokens", "--repeats", "--port", "--stage-rpc")
 
 
@@ -83,13 +83,14 @@ def test_a_flag_kinds_share_reads_the_same_in_each_and_the_old_names_are_gone():
             assert (positional[0].help or "").startswith(flags.HELP["model"]), kind
             where.setdefault("model", []).append(kind)
     assert where["--output"] == where["--json"] == list(KINDS)
-    assert where["--output-len"] == ["serve", "compare", "stack", "gateway", "engine", "prefix", "pipeline", "parity"]
+    assert where["--output-len"] == ["serve", "compare", "stack", "gateway", "engine", "prefix", "speculative",
+                                     "pipeline", "parity"]
     assert where["--input-len"] == ["serve", "compare", "stack", "gateway", "engine"]
-    assert where["--rounds"] == ["serve", "compare", "stack", "pipeline"]
+    assert where["--rounds"] == ["serve", "compare", "stack", "speculative", "pipeline"]
     assert where["--warmup"] == ["serve", "hop"]
     assert where["--port-base"] == ["compare", "stack", "gateway", "hop"]
     assert where["--shape"] == ["compare", "stack", "engine"]
-    assert where["model"] == ["compare", "stack", "engine", "prefix", "pipeline", "parity"]
+    assert where["model"] == ["compare", "stack", "engine", "prefix", "speculative", "pipeline", "parity"]
 
 
 def test_flags_of_keeps_a_kinds_settings_and_drops_the_clis_own():
@@ -138,6 +139,10 @@ def _fake(kind: str) -> tuple[dict, dict, list[dict]]:
                    {"quantized": False, "fused_projections": True, **_engine_runs()}, []),
         "prefix": ({}, {"multi_turn": {"cache_off": arm, "cache_on": {**arm, "prefix_cache_hit_rate": 0.8}}},
                    [{"workload": "multi_turn", "compares": "cache on / cache off", "ttft_p50_s": 0.4}]),
+        "speculative": ({}, {"off": {"tokens": 100, "seconds": 10.0, "tokens_per_s": 10.0},
+                             "on": {"tokens": 100, "seconds": 6.0, "tokens_per_s": 16.7, "acceptance_rate": 0.5,
+                                    "tokens_per_verification": 3.2, "plain_decode_steps": 20}},
+                        [{"compares": "speculation on / off", "tokens_per_s": 1.67, "identical_greedy_tokens": True}]),
         "pipeline": ({}, {"summary": {"mlx_lm": {"decode_tokens_per_s": 10.0, "peak_rss_bytes": [1e8]},
                                       "pp1": {"decode_tokens_per_s": 9.0, "peak_rss_bytes": [2e8]}}},
                      [{"arm": "mlx_lm", "vs_mlx_lm": 1.0, "vs_pp1": 1.1},
@@ -155,7 +160,18 @@ def _fake(kind: str) -> tuple[dict, dict, list[dict]]:
 
 def _text(kind: str, report: dict) -> str:
     """The kind's own text, rendered from the report."""
-    from stagemesh.bench import compare, engine, gateway, hop, parity, pipeline, prefix, serve_report, stack
+    from stagemesh.bench import (
+        compare,
+        engine,
+        gateway,
+        hop,
+        parity,
+        pipeline,
+        prefix,
+        serve_report,
+        speculative,
+        stack,
+    )
 
     results = report["results"]
     return {
@@ -165,6 +181,7 @@ def _text(kind: str, report: dict) -> str:
         "gateway": lambda: "\n".join(gateway._table(results["levels"])),
         "engine": lambda: engine.format_engine(report),
         "prefix": lambda: prefix.format_prefix(report),
+        "speculative": lambda: speculative.format_speculative(report),
         "pipeline": lambda: pipeline.format_table(results["summary"], report["ratios"]),
         "hop": lambda: hop.format_hop(report),
         "parity": lambda: "\n".join(parity.format_parity(results)),

@@ -175,7 +175,7 @@ class GetStageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("batches", "tokens", "compute_seconds", "wait_seconds", "send_seconds", "running_sequences", "waiting_requests", "requests_finished", "kv_tokens", "kv_token_capacity", "generated_tokens", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_blocks", "prefix_cache_evictions", "load_done_bytes", "load_total_bytes")
+    __slots__ = ("batches", "tokens", "compute_seconds", "wait_seconds", "send_seconds", "running_sequences", "waiting_requests", "requests_finished", "kv_tokens", "kv_token_capacity", "generated_tokens", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_blocks", "prefix_cache_evictions", "load_done_bytes", "load_total_bytes", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,10 @@ class StageStats(_message.Message):
     PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     LOAD_DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     batches: int
     tokens: int
     compute_seconds: float
@@ -210,7 +214,11 @@ class StageStats(_message.Message):
     prefix_cache_evictions: int
     load_done_bytes: int
     load_total_bytes: int
-    def __init__(self, batches: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., running_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_token_capacity: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., load_done_bytes: _Optional[int] = ..., load_total_bytes: _Optional[int] = ...) -> None: ...
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batches: _Optional[int] = ..., tokens: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., running_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_token_capacity: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., load_done_bytes: _Optional[int] = ..., load_total_bytes: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageInfo(_message.Message):
     __slots__ = ("replica", "rank", "world_size", "layer_start", "layer_end", "num_layers", "host", "grpc_port", "ring_port", "lane_port", "pid", "node_id", "model", "compute_dtype", "quantized", "state", "error", "weight_bytes", "peak_rss_bytes", "max_num_seqs", "max_model_len", "version", "stats", "blas", "backend", "device")

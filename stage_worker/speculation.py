@@ -1,0 +1,145 @@
+"""Speculative decoding's decisions and bookkeeping, as pure functions and plain values (no MLX, no I/O).
+
+Contract:
+- Which sequences speculate, per step: ``speculative_tokens`` is the one rule. A sequence proposes only if
+  speculation can honour its request exactly (``can_speculate``: nothing the last stage applies per sequence
+  beyond the record's temperature, top_p, top_k and seed: no logprobs, penalties, logit bias, allowed tokens,
+  min_p, min_tokens or grammar), no more
+  than ``disable_by_batch_size`` sequences run, its recent acceptance has not paused it (``Acceptance``),
+  and it may still produce at least two tokens; it then asks for at most as many proposals as leave room
+  for the bonus token within ``max_tokens``, the model length and the batch's token budget.
+- ``Acceptance`` is a sequence's recent record: its verifications and the proposed tokens they accepted,
+  halved at every verification so recent steps count most. Below ``MIN_ACCEPTED_PER_VERIFICATION`` accepted
+  tokens per verification (over at least two in a row) it pauses for ``PAUSE_STEPS`` decode steps, then
+  tries afresh.
+- ``accept_proposals(targets, drafts)`` is the last stage's rule: the target's token after each prefix of
+  the drafts, kept while it equals the next draft, plus the one after the last match (1..k+1 tokens). The
+  target's token at each row is what the sequence would have got there without speculation: the argmax, or a
+  draw keyed by the request's (seed, position) as every sampled row is (``sampling.sample_rows``). So the
+  output is the one without speculation, token for token, greedy or seeded. For a proposer as sure of its
+  proposal as prompt lookup, this is the standard rejection rule too: a proposal x is kept with probability
+  p(x) under the target's filtered distribution, and a rejected row's token is drawn from p without x.
+- The draft ids travel to the last stage in the FORWARD body (``drafts_body`` / ``drafts_from_body``), next
+  to the ``RowOptions`` the body announces; every stage in between passes the body on.
+- ``SpecDecodeCounter`` counts what vLLM's ``spec_decode_*`` metrics report: verifications (drafts), draft
+  tokens, accepted tokens, and accepted tokens per position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from stage_worker.batch import RowOptions
+from stagemesh.core.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+
+# A verification of k proposals costs about 1 + k/25 plain steps on a CPU (more rows through the same weights;
+# docs/performance.md) and yields its accepted tokens plus one: below half a token accepted per verification
+# it no longer pays there. Across stages the extra rows cost still less against the trip.
+MIN_ACCEPTED_PER_VERIFICATION = 0.5
+MIN_EVIDENCE_VERIFICATIONS = 1.5  # two verifications in a row, decayed, before the rate is trusted
+PAUSE_STEPS = 8  # decode steps a sequence below the rate runs without proposals
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """A sequence's recent verifications and accepted tokens (decayed sums) and the plain steps it still
+    waits before proposing again."""
+
+    verifications: float = 0.0
+    accepted: float = 0.0
+    paused_steps: int = 0
+
+    @property
+    def accepted_per_verification(self) -> float:
+        return self.accepted / self.verifications if self.verifications else 0.0
+
+    def after_verification(self, accepted: int) -> Acceptance:
+        recent = Acceptance(self.verifications / 2 + 1, self.accepted / 2 + accepted)
+        if recent.verifications >= MIN_EVIDENCE_VERIFICATIONS and \
+                recent.accepted_per_verification < MIN_ACCEPTED_PER_VERIFICATION:
+            return Acceptance(paused_steps=PAUSE_STEPS)
+        return recent
+
+    def after_plain_step(self) -> Acceptance:
+        return replace(self, paused_steps=self.paused_steps - 1) if self.paused_steps else self
+
+
+def can_speculate(row_options: RowOptions | None) -> bool:
+    """Whether speculation reproduces a request exactly, given its ``RowOptions.for_sequence``: None means
+    nothing the last stage applies per sequence beyond the temperature, top_p, top_k and seed every record
+    carries (no logprobs, penalties, biases, min_p or grammar), so each verified row samples as it would without."""
+    return row_options is None
+
+
+def speculative_tokens(config: SpeculativeConfig | None, *, eligible: bool, running: int, remaining: int,
+                       budget: int, acceptance: Acceptance) -> int:
+    """How many proposals a sequence may have verified this step (0: a plain decode step).
+
+    ``remaining``: tokens it may still produce (by max_tokens and the model length); ``budget``: token rows
+    left in the batch. A verification of k proposals yields up to k + 1 tokens and feeds k + 1 rows.
+    """
+    if config is None or not eligible or running > config.disable_by_batch_size or acceptance.paused_steps:
+        return 0
+    return max(0, min(config.num_speculative_tokens, remaining - 1, budget - 1))
+
+
+def accept_proposals(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int, ...]:
+    """The tokens a verification keeps: ``targets[i]`` is the target's token after the first i drafts."""
+    if len(targets) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target tokens, got {len(targets)}")
+    accepted: list[int] = []
+    for target, draft in zip(targets, drafts):
+        accepted.append(int(target))
+        if target != draft:
+            return tuple(accepted)
+    accepted.append(int(targets[-1]))
+    return tuple(accepted)
+
+
+def drafts_body(drafts: Mapping[int, Sequence[int]]) -> dict[str, Any] | None:
+    """The FORWARD body's share for verifying sequences (None: none verify)."""
+    if not drafts:
+        return None
+    return {"drafts": {str(seq_id): [int(t) for t in ids] for seq_id, ids in drafts.items()}}
+
+
+def drafts_from_body(body: Mapping[str, Any] | None) -> dict[int, tuple[int, ...]]:
+    if not body or "drafts" not in body:
+        return {}
+    return {int(seq_id): tuple(int(t) for t in ids) for seq_id, ids in body["drafts"].items()}
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounts:
+    """What speculation did, all time (vLLM's ``spec_decode_*`` counters)."""
+
+    drafts: int = 0  # verifications
+    draft_tokens: int = 0
+    accepted_tokens: int = 0  # draft tokens the target agreed with (bonus tokens not counted, as vLLM)
+    accepted_per_position: tuple[int, ...] = ()  # [i]: verifications whose draft i was accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+class SpecDecodeCounter:
+    """The running counts over ``positions`` proposal positions; ``counts`` is a frozen copy another thread
+    can read."""
+
+    def __init__(self, positions: int = MAX_SPECULATIVE_TOKENS) -> None:
+        self.counts = SpecDecodeCounts(accepted_per_position=(0,) * positions)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        per_position = list(self.counts.accepted_per_position)
+        for position in range(accepted):
+            per_position[position] += 1
+        c = self.counts
+        self.counts = SpecDecodeCounts(c.drafts + 1, c.draft_tokens + drafted, c.accepted_tokens + accepted,
+                                       tuple(per_position))
+
+
+__all__ = ["Acceptance", "SpecDecodeCounter", "SpecDecodeCounts", "accept_proposals", "can_speculate",
+           "drafts_body", "drafts_from_body", "speculative_tokens"]

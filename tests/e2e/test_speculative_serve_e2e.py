@@ -1,0 +1,68 @@
+"""``stagemesh serve --speculative-config`` at PP=2 through the OpenAI SDK: greedy text equal to the package's
+plain PP=1 serve, speculation's counters in /metrics and ``stagemesh status``, a draft model refused at start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from stagemesh.status import format_mesh
+from tests.e2e.serve_process import start_serve
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+PROMPTS = [
+    [{"role": "user", "content": f"Repeat this code exactly:\n{CODE}"}],
+    [{"role": "user", "content": "List the days of the week."}],
+]
+
+
+@pytest.fixture(scope="module")
+def speculating(tmp_path_factory):
+    serve = start_serve(tmp_path_factory.mktemp("speculative-pp2"), "--speculative-config", json.dumps(CONFIG), pp=2)
+    yield serve
+    serve.stop()
+
+
+def _greedy(url: str, messages) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def test_greedy_text_is_the_same_with_speculation_at_pp2(serve_pp1, speculating):
+    for messages in PROMPTS:
+        assert _greedy(speculating.url, messages) == _greedy(serve_pp1.url, messages)
+    streamed = openai.OpenAI(base_url=f"{speculating.url}/v1", api_key="none", max_retries=0).chat.completions.create(
+        model=MODEL, messages=PROMPTS[0], max_tokens=64, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == _greedy(serve_pp1.url,
+                                                                                                PROMPTS[0])
+    metrics = httpx.get(f"{speculating.url}/metrics").text
+    drafted = [line for line in metrics.splitlines()
+               if line.startswith("stagemesh_stage_spec_decode_num_draft_tokens_total") and 'rank="0"' in line]
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("stagemesh_stage_spec_decode_num_accepted_tokens_total") and 'rank="0"' in line]
+    assert float(drafted[0].split()[-1]) > 0 and float(accepted[0].split()[-1]) > 0, metrics
+    assert 'stagemesh_stage_spec_decode_num_accepted_tokens_per_pos_total{host="127.0.0.1",position="0"' in metrics
+    # The coordinator polls the stages' counters (once a second): wait for the next poll to bring them.
+    deadline = time.monotonic() + 30
+    while "speculative decoding accepted" not in format_mesh(speculating.mesh()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "speculative decoding accepted" in format_mesh(speculating.mesh())
+
+
+def test_a_draft_model_is_refused_at_start_naming_the_method_that_works(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "serve", "--speculative-config",
+                           '{"model": "/models/draft", "num_speculative_tokens": 4}'],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--speculative-config" in done.stderr and '"method": "ngram"' in done.stderr
