@@ -24,7 +24,8 @@ and the Python that builds them, and hands the GPU wider matrices
 
 Numerics: each output element is the same dot product as in the unfused layer,
 but a GEMM library may block a wider matrix differently, so results can differ
-from it in the last bits (on CUDA; the CPU backend gives identical results).
+from it in the last bits: on CUDA, and on the CPU with an optimized BLAS (what
+a stage preloads); MLX's own reference BLAS gives identical results.
 Every stage of a pipeline fuses alike, so a PP=N pipeline stays bit-identical
 to PP=1.
 """

@@ -7,13 +7,45 @@ tests marked ``e2e``, those that start a process, Ray, a browser or load the rea
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
+
+
+def _load_the_stages_blas() -> None:
+    """Load the optimized BLAS a stage preloads (``stage_worker.blas``) into this test process, before MLX.
+
+    Tests that compute with the real model in this process (engines, pipelines on threads, mlx-lm's own
+    generation as the reference) would otherwise run on MLX's reference BLAS, several times slower than the
+    stages they stand for. Loaded with ``RTLD_GLOBAL`` before MLX, its CBLAS symbols are the ones MLX binds to,
+    as ``LD_PRELOAD`` does for a stage; the environment is left as it was, so processes the tests start get
+    what they would have had.
+    """
+    if "mlx.core" in sys.modules:
+        return  # too late to take MLX's BLAS calls
+    from stage_worker.blas import find_optimized_blas
+
+    library = find_optimized_blas()
+    if library is None:
+        return
+    before = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = "4"  # idle threads sleep at once: test processes share the cores
+    try:
+        ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+    finally:
+        if before is None:
+            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+        else:
+            os.environ["OPENBLAS_THREAD_TIMEOUT"] = before
+
+
+_load_the_stages_blas()
 
 pytest_plugins = ("tests.fast_tier", "pytester")
 

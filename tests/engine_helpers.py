@@ -1,10 +1,31 @@
-"""Shared by the engine tests that drive a real ``EntryEngine``: a counting pipeline and the reader of results."""
+"""Shared by the engine tests that drive a real ``EntryEngine``: a counting pipeline and the reader of results,
+and the weights as a stage on this machine serves them."""
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 from stage_worker.engine import RequestFailed, RequestHandle
 from stage_worker.scheduler import Finish
 from stage_worker.stage_runtime import EntryPipeline
+
+Model = TypeVar("Model")
+
+
+def as_served(model: Model) -> Model:
+    """``model`` (a loaded ``StageModel``) with the weights a stage on this machine would run: dense where
+    ``--dequantize auto`` makes them dense (the CPU with an optimized BLAS, which tests/conftest.py loads into
+    this process; quantized on the CPU the default model's forward is some twenty times slower)."""
+    from stage_worker.blas import loaded_blas
+    from stage_worker.device import current_backend
+    from stage_worker.stage_model import choose_dense_weights
+
+    dense, _ = choose_dense_weights("auto", backend=current_backend(), blas=loaded_blas(),
+                                    quantized=model.quantized, dense_bytes=model.dense_bytes(),
+                                    memory_budget=1 << 40)
+    if dense:
+        model.dequantize()
+    return model
 
 
 class CountingPipeline(EntryPipeline):

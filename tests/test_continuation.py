@@ -15,7 +15,7 @@ from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import EntryPipeline, StageCompute
 from stage_worker.stage_status import StageStatus
 from stagemesh.core.layer_split import LayerRange
-from tests.engine_helpers import CountingPipeline, read_until_finished
+from tests.engine_helpers import CountingPipeline, as_served, read_until_finished
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1018, 28, 2270, 253]]
 
@@ -23,7 +23,7 @@ PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1
 @pytest.fixture(scope="module")
 def model():
     spec = read_model_spec(str(default_model_path()))
-    return StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
+    return as_served(StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32))
 
 
 def _reference(model, max_tokens):

@@ -46,9 +46,16 @@ def _load(path: str, layers: int, dtype: mx.Dtype, load_format: str = "auto") ->
 
 
 def _assert_same(fused: list[np.ndarray], separate: list[np.ndarray]) -> None:
+    from stage_worker.blas import loaded_blas
+
+    exact = loaded_blas() == "reference"
     for step, (a, b) in enumerate(zip(fused, separate)):
-        # The same dot products: on the CPU backend the results are identical, not merely close.
-        np.testing.assert_array_equal(a, b, err_msg=f"batch {step}: {STEPS[step]}")
+        # The same dot products: with MLX's reference BLAS identical, not merely close; an optimized BLAS (the
+        # one tests/conftest.py loads, as a stage does) blocks a wider matrix differently, so the last bits move.
+        if exact:
+            np.testing.assert_array_equal(a, b, err_msg=f"batch {step}: {STEPS[step]}")
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"batch {step}: {STEPS[step]}")
 
 
 @pytest.mark.e2e

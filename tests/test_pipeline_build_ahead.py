@@ -19,7 +19,7 @@ from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import EntryPipeline, StageCompute, relay_loop
 from stage_worker.stage_status import StageStatus
 from stagemesh.core.layer_split import LayerRange
-from tests.engine_helpers import CountingPipeline, lane, read_until_finished
+from tests.engine_helpers import CountingPipeline, as_served, lane, read_until_finished
 
 pytestmark = pytest.mark.e2e
 
@@ -32,9 +32,10 @@ SPLITS = {2: (0, 13, 30), 3: (0, 9, 21, 30)}
 def models():
     """The whole model, and its stages for each pipeline depth."""
     spec = read_model_spec(str(default_model_path()))
-    whole = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
+    whole = as_served(StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32))
     stages = {
-        depth: [StageModel.load(spec, StageRole(LayerRange(lo, hi), lo == 0, hi == spec.num_layers), mx.float32)
+        depth: [as_served(StageModel.load(spec, StageRole(LayerRange(lo, hi), lo == 0, hi == spec.num_layers),
+                                          mx.float32))
                 for lo, hi in zip(bounds, bounds[1:])]
         for depth, bounds in SPLITS.items()
     }

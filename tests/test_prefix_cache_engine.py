@@ -15,6 +15,7 @@ from stage_worker.prefix_cache import PrefixCache
 from stage_worker.scheduler import GenerationRequest, Scheduler
 from stage_worker.stage_runtime import EntryPipeline, StageCompute
 from stage_worker.stage_status import StageStatus
+from tests.engine_helpers import as_served
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +34,7 @@ def load_whole_model(path: str):
 
     spec = read_model_spec(path)
     dtype = resolve_compute_dtype("auto", current_backend())
-    return StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
+    return as_served(StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype))
 
 
 @pytest.fixture(scope="module")

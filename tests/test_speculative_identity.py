@@ -23,7 +23,7 @@ from stagemesh.core.layer_split import LayerRange, even_split
 from stagemesh.core.sampling import GREEDY, SamplingParams
 from stagemesh.core.speculative import SpeculativeConfig
 from tests.architectures import tiny_checkpoint
-from tests.engine_helpers import InProcessPipeline, read_until_finished
+from tests.engine_helpers import InProcessPipeline, as_served, read_until_finished
 
 SPECULATIVE = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
                                 disable_by_batch_size=8)
@@ -41,7 +41,7 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=7)  # specul
 def _stages(path: str, depth: int, dtype=mx.float32) -> list[StageModel]:
     spec = read_model_spec(path)
     ranges = even_split(spec.num_layers, depth)
-    return [StageModel.load(spec, StageRole(LayerRange(r.start, r.end), i == 0, i == depth - 1), dtype)
+    return [as_served(StageModel.load(spec, StageRole(LayerRange(r.start, r.end), i == 0, i == depth - 1), dtype))
             for i, r in enumerate(ranges)]
 
 

@@ -53,11 +53,11 @@ def test_a_checkpoint_larger_than_a_shard_is_written_shard_by_shard_with_the_sam
     assert read_model_spec(str(sharded)).details["weight_map"] == index["weight_map"]
 
 
-# Gigabytes of random weights each: the two shapes the GPU benchmarks run. The larger ones' fewest layers
-# (DeepSeek V3's three dense layers and a 256-expert one) outgrow a CI machine's memory; their shapes are
-# checked against the published sizes in tests/test_architectures.py instead.
+# Gigabytes of random weights: one of the two shapes the GPU benchmarks run, written and loaded whole (the
+# writer and loader are the same code for every shape; gpt-oss-20b's two layers of 32 wide experts took a minute
+# of the suite). Every shipped shape is checked against its published sizes in tests/test_architectures.py.
 @pytest.mark.e2e
-@pytest.mark.parametrize("shape", ["gpt-oss-20b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b"])
 def test_the_mixture_of_experts_shapes_write_as_checkpoints_a_stage_loads(tmp_path, shape):
     import mlx.core as mx
 
