@@ -236,7 +236,7 @@ class Scheduler:
             request = self._waiting.popleft()
             self._reserved_tokens += _reservation(request)
             seq = _Sequence(self._next_seq_id, request,
-                            speculates=can_speculate(_row_options(request)))
+                            speculates=self.speculative is not None and can_speculate(_row_options(request)))
             self._next_seq_id += 1
             self._reuse_prefix(seq)
             self._running[seq.seq_id] = seq
