@@ -42,6 +42,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model
 
 from stage_worker.checkpoint_check import mismatched_scales
+from stage_worker.expert_routing import ExpertsPolicy
+from stage_worker.expert_routing import install as install_expert_routing
 from stage_worker.fused_projections import FusedLayer, fuse_layer_projections
 from stage_worker.layer_stack import stack_layers
 from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
@@ -197,6 +199,11 @@ class StageModel:
         fused = [fuse_layer_projections(layer) for layer in self._module.layers]
         self._measure()
         return FusedLayer(qkv=all(f.qkv for f in fused), gate_up=all(f.gate_up for f in fused))
+
+    def route_experts(self, policy: ExpertsPolicy) -> int:
+        """Run this slice's unquantized expert blocks by ``policy`` (``expert_routing``); how many follow it.
+        Called after choosing dense or quantized weights, before the warm-up, as ``fuse_projections`` is."""
+        return install_expert_routing(self._module, policy)
 
     @classmethod
     def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:

@@ -40,6 +40,7 @@ from stage_worker.build_ahead import build_ahead_enabled
 from stage_worker.default_model import default_model_path
 from stage_worker.device import StageDevice, apply_wired_limit, probe
 from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_wanted
+from stage_worker.expert_routing import policy_for
 from stage_worker.fused_projections import fusion_wanted
 from stage_worker.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.handshake import StageIdentity, connect_neighbours, init_ring
@@ -204,6 +205,11 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
         log.info("projections joined: q/k/v %s, gate/up %s (%s=off keeps them apart)",
                  "yes" if fused.qkv else "not in every layer", "yes" if fused.gate_up else "not in every layer",
                  settings.env_name("FUSE_PROJECTIONS"))
+    experts = policy_for(settings.ALL_EXPERTS_ROWS, device.backend)
+    if experts.all_experts_max_rows and (routed := model.route_experts(experts)):
+        log.info("expert blocks: every expert on calls of up to %d rows, gathered above (%d blocks; %s=off keeps "
+                 "mlx-lm's gathered experts)", experts.all_experts_max_rows, routed,
+                 settings.env_name("ALL_EXPERTS_ROWS"))
     status.weight_bytes, status.quantized = model.weight_bytes, model.quantized
     # The planner's count (stage_worker.model_facts): each layer's keys and values (MLA's latent), windows
     # bounded by their size, recurrent state per sequence.

@@ -3,7 +3,8 @@
 - ``command``: the ``stagemesh bench`` command (the kinds and their dispatch);
   ``flags``: the flags kinds share; ``report``: the one report shape.
 - Kinds: ``serve`` (load OpenAI endpoints), ``compare``, ``stack``,
-  ``gateway``, ``engine``, ``prefix``, ``pipeline``, ``hop``, ``parity``.
+  ``gateway``, ``engine``, ``prefix``, ``speculative``, ``pipeline``, ``experts``, ``hop``,
+  ``parity``.
 - What ``serve`` is built from: ``types`` (the frozen values), ``workload`` and
   ``conversation`` (prompts), ``load`` (sending them), ``stats`` (percentiles
   and ratios), ``serve_report`` / ``plot`` (its results, table and figure),

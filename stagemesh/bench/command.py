@@ -34,6 +34,8 @@ KINDS: dict[str, tuple[str, str]] = {
                     "what prompt-lookup speculation is worth: repeat/edit-this-code prompts, one stream, off vs on"),
     "pipeline": ("stagemesh.bench.pipeline",
                  "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
+    "experts": ("stagemesh.bench.experts",
+                "one mixture-of-experts block: mlx-lm's gathered experts against every expert, by rows per call"),
     "hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),
     "parity": ("stagemesh.bench.parity", "check that PP=N computes bit-identical logits and tokens to PP=1"),
 }

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.default_model import resolve_model_path
     from stage_worker.device import current_backend
     from stage_worker.engine import step_ahead_pays
+    from stage_worker.expert_routing import policy_for
     from stage_worker.fused_projections import fusion_wanted
     from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
             fused = fusion_wanted(settings.FUSE_PROJECTIONS, backend)  # as a stage does
             if fused:
                 model.fuse_projections()
+            model.route_experts(policy_for(settings.ALL_EXPERTS_ROWS, backend))  # as a stage does
             runs = measure(model)
     from stage_worker.blas import loaded_blas
     from stage_worker.wire import dtype_name

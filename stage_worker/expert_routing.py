@@ -1,0 +1,131 @@
+"""Mixture-of-experts blocks computed the way that suits the rows of a step: per routed pair, or every expert.
+
+Contract:
+
+* mlx-lm's ``SwitchGLU`` (the experts of qwen3_moe, mixtral, gpt_oss, deepseek_v3, glm4_moe, olmoe, ...)
+  computes each (row, expert) pair its router picked with gathered matmuls (``mx.gather_mm``).
+  ``all_experts_glu(block, x, indices)`` computes the same block as every expert on every row and then takes
+  the picked pairs: the gate and up projections of all experts as one ``[rows, experts * hidden]`` matmul each,
+  the down projection as one matmul batched over the experts. It returns what ``SwitchGLU.__call__`` returns,
+  in its shape (``[..., k, dims]``); each output element is the same dot product, which a GEMM library may
+  block differently, so values can differ from the gathered form in the last bits.
+* ``ExpertsPolicy(all_experts_max_rows)``: a block whose call holds at most that many rows runs every expert,
+  a larger one runs gathered (0: always gathered, mlx-lm as it is). ``policy_for(setting, backend)`` decides
+  it from ``STAGEMESH_ALL_EXPERTS_ROWS`` (pure).
+* ``install(module, policy)`` makes every unquantized ``SwitchGLU`` in a loaded model follow ``policy`` and
+  returns how many it changed. Its class becomes ``RoutedSwitchGLU``, a subclass whose ``__call__`` chooses;
+  its parameters, their names and its bytes are unchanged. Quantized experts stay gathered
+  (``gather_qmm``): the all-experts form is for dense weights only.
+
+Why: in a decode step of a few rows, a gathered matmul reads only the experts the rows picked, which is the
+least memory a step can read, but MLX's CUDA gathered kernels run far below the memory bandwidth there, while
+one wide matmul over all experts runs near it. Once the rows pick most experts anyway (16 rows of 8 of 128
+experts touch about 82; 16 rows of 4 of 32, about 28) reading all of them costs little more than reading the
+picked ones, and the compute it adds is small beside a GPU's. With many rows (a prompt) the wasted compute
+grows with the rows and the gathered form wins: hence a row limit. docs/performance.md has the figures
+(``stagemesh bench experts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
+
+from stagemesh.core import settings
+
+# On CUDA, the rows up to which all experts beat the gathered form, measured with ``stagemesh bench experts``
+# on an H200 (docs/performance.md, "Experts of a mixture"); elsewhere unmeasured, so mlx-lm's gathered form.
+CUDA_ALL_EXPERTS_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class ExpertsPolicy:
+    """How a stage's expert blocks run: every expert while a call holds at most ``all_experts_max_rows`` rows."""
+
+    all_experts_max_rows: int
+
+    def all_experts(self, rows: int) -> bool:
+        return rows <= self.all_experts_max_rows
+
+
+GATHERED = ExpertsPolicy(all_experts_max_rows=0)
+
+
+def policy_for(setting: str, backend: str) -> ExpertsPolicy:
+    """``STAGEMESH_ALL_EXPERTS_ROWS`` on ``backend`` (pure): ``auto`` (CUDA: ``CUDA_ALL_EXPERTS_MAX_ROWS``,
+    elsewhere gathered), ``off`` (gathered), or a row count (0 is off)."""
+    if setting == "auto":
+        return ExpertsPolicy(CUDA_ALL_EXPERTS_MAX_ROWS) if backend == "cuda" else GATHERED
+    if setting == "off":
+        return GATHERED
+    try:
+        rows = int(setting)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"{settings.env_name('ALL_EXPERTS_ROWS')} must be auto, off or a row count (0 or more), "
+                         f"got {setting!r}")
+    return ExpertsPolicy(rows)
+
+
+class RoutedSwitchGLU(SwitchGLU):
+    """mlx-lm's ``SwitchGLU``, run as every expert on every row while the call's rows are few (``install``)."""
+
+    _experts_policy: ExpertsPolicy = GATHERED
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        rows = indices.size // indices.shape[-1]
+        if self._experts_policy.all_experts(rows):
+            return all_experts_glu(self, x, indices)
+        return super().__call__(x, indices)
+
+
+def install(module: nn.Module, policy: ExpertsPolicy) -> int:
+    """Make every unquantized ``SwitchGLU`` under ``module`` follow ``policy``; the number changed."""
+    changed = 0
+    for _, block in module.named_modules():
+        if not isinstance(block, SwitchGLU) or not _dense(block):
+            continue
+        # A class change rather than a wrapper: the model's own code calls the block where it is, and its
+        # parameters keep their names (the planner and the weight checks count them by name).
+        block.__class__ = RoutedSwitchGLU
+        block._experts_policy = policy
+        changed += 1
+    return changed
+
+
+def _dense(block: SwitchGLU) -> bool:
+    return all(type(p) is SwitchLinear for p in (block.gate_proj, block.up_proj, block.down_proj))
+
+
+def all_experts_glu(block: SwitchGLU, x: mx.array, indices: mx.array) -> mx.array:
+    """``block(x, indices)`` computed as every expert on every row, then the picked pairs (see the contract)."""
+    *lead, dims = x.shape
+    k = indices.shape[-1]
+    rows = x.reshape(-1, dims)
+    up = _every_expert(block.up_proj, rows)
+    gate = _every_expert(block.gate_proj, rows)
+    hidden = block.activation(up, gate).swapaxes(0, 1)  # [experts, rows, hidden]
+    down = block.down_proj
+    out = hidden @ down["weight"].swapaxes(-1, -2)  # [experts, rows, dims]: one matmul batched over the experts
+    if "bias" in down:
+        out = out + mx.expand_dims(down["bias"], -2)
+    picked = mx.take_along_axis(out.swapaxes(0, 1), indices.reshape(-1, k, 1), axis=1)  # [rows, k, dims]
+    return picked.reshape(*lead, k, dims)
+
+
+def _every_expert(linear: SwitchLinear, rows: mx.array) -> mx.array:
+    """``[rows, in]`` through every expert of ``linear``: ``[rows, experts, out]``, as one matmul."""
+    weight = linear["weight"]  # [experts, out, in]: the experts' rows one after another, a plain linear layer's
+    experts, out, dims = weight.shape
+    y = rows @ weight.reshape(experts * out, dims).T
+    if "bias" in linear:
+        y = y + linear["bias"].reshape(experts * out)
+    return y.reshape(-1, experts, out)
+
+
+__all__ = ["CUDA_ALL_EXPERTS_MAX_ROWS", "GATHERED", "ExpertsPolicy", "RoutedSwitchGLU", "all_experts_glu",
+           "install", "policy_for"]
