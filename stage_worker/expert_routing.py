@@ -9,21 +9,22 @@ Contract:
   the down projection as one matmul batched over the experts. It returns what ``SwitchGLU.__call__`` returns,
   in its shape (``[..., k, dims]``); each output element is the same dot product, which a GEMM library may
   block differently, so values can differ from the gathered form in the last bits.
-* ``ExpertsPolicy(all_experts_max_rows)``: a block whose call holds at most that many rows runs every expert,
-  a larger one runs gathered (0: always gathered, mlx-lm as it is). ``policy_for(setting, backend)`` decides
-  it from ``STAGEMESH_ALL_EXPERTS_ROWS`` (pure).
+* ``ExpertsPolicy(all_experts_max_rows)``: a block call runs every expert when it holds at most that many
+  rows and at least ``SORTED_PAIRS`` routed (row, expert) pairs, else gathered (0: always gathered, mlx-lm as
+  it is). ``policy_for(setting, backend)`` decides it from ``STAGEMESH_ALL_EXPERTS_ROWS`` (pure).
 * ``install(module, policy)`` makes every unquantized ``SwitchGLU`` in a loaded model follow ``policy`` and
   returns how many it changed. Its class becomes ``RoutedSwitchGLU``, a subclass whose ``__call__`` chooses;
   its parameters, their names and its bytes are unchanged. Quantized experts stay gathered
   (``gather_qmm``): the all-experts form is for dense weights only.
 
-Why: in a decode step of a few rows, a gathered matmul reads only the experts the rows picked, which is the
-least memory a step can read, but MLX's CUDA gathered kernels run far below the memory bandwidth there, while
-one wide matmul over all experts runs near it. Once the rows pick most experts anyway (16 rows of 8 of 128
-experts touch about 82; 16 rows of 4 of 32, about 28) reading all of them costs little more than reading the
-picked ones, and the compute it adds is small beside a GPU's. With many rows (a prompt) the wasted compute
-grows with the rows and the gathered form wins: hence a row limit. docs/performance.md has the figures
-(``stagemesh bench experts``).
+Why: a gathered matmul reads only the experts the rows picked, the least memory a call can read. Below
+``SORTED_PAIRS`` pairs mlx-lm gathers them unsorted, and on CUDA that is fastest (a decode step of one to a
+few sequences). From there on mlx-lm sorts the pairs by expert first, and MLX's CUDA kernels for sorted
+gathers run far below the memory bandwidth, while one wide matmul over every expert runs near it: by then
+the rows pick most experts anyway (16 rows of 8 of 128 experts touch about 82; 16 rows of 4 of 32, about
+28), so reading all of them costs little more than reading the picked ones, and the compute it adds is
+small beside a GPU's. With many rows (a long prompt) that compute grows with the rows: hence a row limit,
+set where it was measured to win. docs/performance.md has the figures (``stagemesh bench experts``).
 """
 
 from __future__ import annotations
@@ -36,19 +37,24 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
 from stagemesh.core import settings
 
-# On CUDA, the rows up to which all experts beat the gathered form, measured with ``stagemesh bench experts``
-# on an H200 (docs/performance.md, "Experts of a mixture"); elsewhere unmeasured, so mlx-lm's gathered form.
-CUDA_ALL_EXPERTS_MAX_ROWS = 64
+# mlx-lm's SwitchGLU sorts a call's (row, expert) pairs by expert from this many on (``do_sort``).
+SORTED_PAIRS = 64
+# On CUDA, the rows up to which every expert was measured to beat the sorted gathered form (2.3-2.4x at 256
+# rows on an H200 for Qwen3-30B-A3B's and gpt-oss-20b's blocks; docs/performance.md, ``stagemesh bench
+# experts``); elsewhere unmeasured, so mlx-lm's gathered form.
+CUDA_ALL_EXPERTS_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
 class ExpertsPolicy:
-    """How a stage's expert blocks run: every expert while a call holds at most ``all_experts_max_rows`` rows."""
+    """How a stage's expert blocks run: every expert on a call of at most ``all_experts_max_rows`` rows and at
+    least ``all_experts_min_pairs`` routed pairs (by default those mlx-lm would sort), else gathered."""
 
     all_experts_max_rows: int
+    all_experts_min_pairs: int = SORTED_PAIRS
 
-    def all_experts(self, rows: int) -> bool:
-        return rows <= self.all_experts_max_rows
+    def all_experts(self, rows: int, pairs: int) -> bool:
+        return pairs >= self.all_experts_min_pairs and rows <= self.all_experts_max_rows
 
 
 GATHERED = ExpertsPolicy(all_experts_max_rows=0)
@@ -72,13 +78,12 @@ def policy_for(setting: str, backend: str) -> ExpertsPolicy:
 
 
 class RoutedSwitchGLU(SwitchGLU):
-    """mlx-lm's ``SwitchGLU``, run as every expert on every row while the call's rows are few (``install``)."""
+    """mlx-lm's ``SwitchGLU``, run as every expert on every row where its policy says so (``install``)."""
 
     _experts_policy: ExpertsPolicy = GATHERED
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        rows = indices.size // indices.shape[-1]
-        if self._experts_policy.all_experts(rows):
+        if self._experts_policy.all_experts(indices.size // indices.shape[-1], indices.size):
             return all_experts_glu(self, x, indices)
         return super().__call__(x, indices)
 
@@ -127,5 +132,5 @@ def _every_expert(linear: SwitchLinear, rows: mx.array) -> mx.array:
     return y.reshape(-1, experts, out)
 
 
-__all__ = ["CUDA_ALL_EXPERTS_MAX_ROWS", "GATHERED", "ExpertsPolicy", "RoutedSwitchGLU", "all_experts_glu",
-           "install", "policy_for"]
+__all__ = ["CUDA_ALL_EXPERTS_MAX_ROWS", "GATHERED", "SORTED_PAIRS", "ExpertsPolicy", "RoutedSwitchGLU",
+           "all_experts_glu", "install", "policy_for"]

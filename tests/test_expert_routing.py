@@ -17,6 +17,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from stage_worker.expert_routing import (
     CUDA_ALL_EXPERTS_MAX_ROWS,
     GATHERED,
+    SORTED_PAIRS,
     ExpertsPolicy,
     RoutedSwitchGLU,
     all_experts_glu,
@@ -58,15 +59,16 @@ def test_all_experts_equal_the_gathered_experts(activation, bias, lead):
 def test_a_routed_block_runs_every_expert_only_up_to_its_row_limit(monkeypatch):
     block = _block(None, False)
     block.__class__ = RoutedSwitchGLU
-    block._experts_policy = ExpertsPolicy(all_experts_max_rows=4)
+    block._experts_policy = ExpertsPolicy(all_experts_max_rows=40)
     calls: list[int] = []
     import stage_worker.expert_routing as routing
 
     real = routing.all_experts_glu
     monkeypatch.setattr(routing, "all_experts_glu", lambda b, x, i: calls.append(x.shape[0]) or real(b, x, i))
-    for rows in (1, 4, 5, 9):
+    # Two experts a row: from 32 rows the pairs are sorted by mlx-lm (SORTED_PAIRS), the rows' limit is 40.
+    for rows in (1, 31, 32, 40, 41, 90):
         block(mx.random.normal((rows, 1, 32)), _picks((rows, 1), 8, 2))
-    assert calls == [1, 4]
+    assert SORTED_PAIRS == 64 and calls == [32, 40]
 
 
 def test_the_setting_decides_the_policy():
@@ -81,7 +83,7 @@ def test_the_setting_decides_the_policy():
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
-def test_routed_moe_models_equal_mlx_lm_generation(tmp_path, name):
+def test_routed_moe_models_equal_mlx_lm_generation(tmp_path, monkeypatch, name):
     from mlx_lm.utils import load
 
     path = tiny_checkpoint(name, tmp_path)
@@ -93,12 +95,18 @@ def test_routed_moe_models_equal_mlx_lm_generation(tmp_path, name):
         stage = StageModel.load(spec, StageRole(LayerRange(r.start, r.end), i == 0, i == 1), mx.float32)
         names = [n for n, _ in tree_flatten(stage._module.parameters())]
         # Every call routed through all experts: prompts (several rows) and decode steps alike.
-        assert stage.route_experts(ExpertsPolicy(all_experts_max_rows=1 << 20)) > 0
+        assert stage.route_experts(ExpertsPolicy(all_experts_max_rows=1 << 20, all_experts_min_pairs=1)) > 0
         assert [n for n, _ in tree_flatten(stage._module.parameters())] == names
         stages.append(stage)
+    calls = []
+    import stage_worker.expert_routing as routing
+
+    real = routing.all_experts_glu
+    monkeypatch.setattr(routing, "all_experts_glu", lambda b, x, i: calls.append(x.shape) or real(b, x, i))
     with InProcessPipeline(stages) as pipeline:
         outputs, _ = read_until_finished([pipeline.submit(p, 8) for p in prompts])
     assert outputs == expected
+    assert calls and any(shape[0] > 1 for shape in calls)  # prompts and batched decode steps ran every expert
 
 
 def test_quantized_experts_stay_gathered(tmp_path):
