@@ -129,6 +129,8 @@ def _run_together(layers: Sequence[nn.Module], hidden: mx.array, group: Sequence
     pad_row = hidden.shape[0]  # a zero row appended below: what the padded positions read
     index = [list(s.rows) + [pad_row] * pad for pad, s in zip(padding, group)]
     padded = mx.concatenate([hidden, mx.zeros((1, hidden.shape[1]), hidden.dtype)])[mx.array(index)]
+    # Merging copies each history once (and extracting once more): less than the chunk's attention reads over
+    # it, by the chunk's length, so the batch is worth it for any chunk longer than a few positions.
     caches = [type(kind).merge([s.caches[layer] for s in group]) for layer, kind in enumerate(group[0].caches)]
     if any(padding):
         for cache in caches:
