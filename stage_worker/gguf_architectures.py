@@ -61,6 +61,13 @@ _EXPERTS: Mapping[str, str] = {
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
+# Qwen2-MoE's shared expert, beside the routed ones, scaled by its own sigmoid gate (one weight row).
+_SHARED_EXPERT: Mapping[str, str] = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
 # Gemma 3 normalizes before and after both attention and MLP; llama.cpp's ``ffn_norm`` is the pre-MLP one.
 _GEMMA3_NORMS: Mapping[str, str] = {
     "attn_norm": "input_layernorm",
@@ -146,6 +153,27 @@ def _qwen3moe_args(md: Metadata, facts: CommonFacts) -> dict[str, Any]:
     }
 
 
+def _qwen2moe_args(md: Metadata, facts: CommonFacts) -> dict[str, Any]:
+    _qwen2_args(md, facts)  # the same attention: head_dim is hidden/heads in mlx-lm's qwen2_moe model
+    if facts.rope_scaling is not None:
+        raise ModelFormatError(
+            f"this qwen2moe GGUF scales its rotary embeddings ({dict(facts.rope_scaling)}), which mlx-lm's "
+            "qwen2_moe model does not apply; use a file converted without rope scaling (the model's native "
+            "context) or an MLX model directory."
+        )
+    experts = int(md("expert_count"))
+    expert_ffn = int(md("expert_feed_forward_length"))
+    # Every qwen2moe layer is routed and holds the shared expert (llama.cpp's loader requires both), and its graph
+    # weighs the chosen experts by their softmax scores as they are (no renormalizing), as mlx-lm's model does.
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(md("expert_used_count")),
+        "moe_intermediate_size": expert_ffn,
+        "shared_expert_intermediate_size": int(md("expert_shared_feed_forward_length")),
+        "intermediate_size": int(md("feed_forward_length", expert_ffn)),
+    }
+
+
 # llama.cpp's Gemma 3 loader fixes these in code: one global-attention layer in six, the others sliding with
 # rotary base 10000 and no rope scaling (hparams.set_swa_pattern(6), rope_freq_base_train_swa).
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
@@ -187,6 +215,8 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = {
         GGUFArchitecture("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM",
                          {**_PRE_NORMS, **_ATTENTION, **_QK_NORM, **_DENSE_MLP, **_EXPERTS}, 1_000_000.0,
                          _qwen3moe_args),
+        GGUFArchitecture("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM",
+                         {**_PRE_NORMS, **_ATTENTION, **_EXPERTS, **_SHARED_EXPERT}, 1_000_000.0, _qwen2moe_args),
         GGUFArchitecture("gemma3", "gemma3_text", "Gemma3ForCausalLM",
                          {**_GEMMA3_NORMS, **_ATTENTION, **_QK_NORM, **_DENSE_MLP}, 1_000_000.0, _gemma3_args,
                          norm_shift=1.0),
@@ -200,7 +230,8 @@ def gguf_architecture(name: Any) -> GGUFArchitecture:
     if name not in ARCHITECTURES:
         raise ModelFormatError(
             f"GGUF architecture {name!r} is not supported; stagemesh serves "
-            f"{', '.join(GGUF_ARCHITECTURES)} GGUFs (llama covers SmolLM2, Llama 3.x and Mistral; gemma3 the "
-            "text layers of Gemma 3). Use a model of one of these architectures, or an MLX model directory."
+            f"{', '.join(GGUF_ARCHITECTURES)} GGUFs (llama covers SmolLM2, Llama 3.x and Mistral; qwen2moe "
+            "Qwen1.5-MoE and Qwen2-57B-A14B; gemma3 the text layers of Gemma 3). Use a model of one of these "
+            "architectures, or an MLX model directory."
         )
     return ARCHITECTURES[name]

@@ -3,7 +3,7 @@
 Contract:
 - ``read_gguf_spec(path)`` builds a ``ModelSpec`` from the GGUF header only
   (the architectures of ``gguf_architectures``: llama, qwen2, qwen3, qwen3moe,
-  gemma3; tensor types F32, F16, BF16 and the block types of ``gguf_quants``:
+  qwen2moe, gemma3; tensor types F32, F16, BF16 and the block types of ``gguf_quants``:
   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K to Q6_K); anything else (an
   architecture, a tensor type, a tensor the architecture's mlx-lm model has no
   counterpart of), and a truncated or corrupt tensor table (data past the end

@@ -9,11 +9,19 @@ each model's ``__call__`` calls them: ``layer(h, mask, cache)`` on ``[B, L, hidd
   its own per-layer caches: the caches the model's ``make_cache`` asks for (KV,
   rotating KV for sliding windows, arrays for linear attention / SSM state, MLA's
   latent KV), exactly as ``mlx_lm.generate_step`` runs it;
-* except first chunks of nearly one length (``prefill_groups``: left padding at
-  most ``MAX_PADDING`` of their positions): those run as one left-padded
-  ``[B, L, hidden]`` batch against empty batch caches of the same kinds, as
-  mlx-lm's ``BatchGenerator`` prefills, and each sequence's caches are then
-  extracted back into its own (the KV store keeps a prefilling sequence alone);
+* except chunks that can run together (``batch_groups``: chunks of nearly one
+  length on caches holding nearly as many positions, a first chunk holding none):
+  those run as one ``[B, L, hidden]`` batch, as mlx-lm's ``BatchGenerator``
+  processes prompts. The sequences' caches are merged into batch caches of the
+  same kinds (``merge``: left-padded to the longest history), the chunks right-padded
+  to the longest (``prepare(lengths, right_padding)``: causality keeps every real
+  position from seeing the padding after it, and a linear-attention state stops at
+  each row's length), the padding then rolled to the left (``finalize``) and each
+  sequence's caches extracted back into its own (the KV store keeps a prefilling
+  sequence alone). Exactly mlx-lm's arithmetic per row: a merged row differs from
+  the sequence alone only by masked positions. Caches without such a batch form
+  (rotating caches keeping their first positions, chunked or quantized KV, cache
+  lists) keep their sequences one at a time;
 * the decode group (``DecodeRows``) runs as one ``[B, 1, hidden]`` batch against the
   group's batch caches (``BatchKVCache``, ``BatchRotatingKVCache``, a batched
   ``ArraysCache``: left-padded, per-row offsets), as mlx-lm's ``BatchGenerator``
@@ -36,11 +44,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from stage_worker.packed_forward import DecodeRows, Segment
 
-# Left padding a batched prefill may add, as a share of its real positions (``prefill_groups``).
+# Padding a batch of chunks may add, as a share of its real positions (``batch_groups``).
 MAX_PADDING = 0.1
 
 
@@ -55,8 +63,8 @@ def stack_layers(layers: Sequence[nn.Module], hidden: mx.array, segments: Sequen
         outputs.append(out[:, 0, :])
         order += decode.rows
     together: set[int] = set()
-    for group in prefill_groups([s for s in segments if _batchable(s.caches)]):
-        outputs.append(_prefill_together(layers, hidden, group, array_masks))
+    for group in batch_groups([s for s in segments if _batchable(s.caches)]):
+        outputs.append(_run_together(layers, hidden, group, array_masks))
         order += [row for segment in group for row in segment.rows]
         together.update(id(segment) for segment in group)
     for segment in segments:
@@ -71,53 +79,70 @@ def stack_layers(layers: Sequence[nn.Module], hidden: mx.array, segments: Sequen
     return out
 
 
-def prefill_groups(fresh: Sequence[Segment], max_padding: float = MAX_PADDING) -> list[list[Segment]]:
-    """First chunks of similar length, longest first, grouped so that each group's left padding adds at most
-    ``max_padding`` of its real positions (padding costs as much as real work once compute dominates);
-    groups of two or more only (a chunk alone runs as it is)."""
+def held_positions(segment: Segment) -> int:
+    """The positions a chunk's caches hold before it (0 for a first chunk): what merging pads to."""
+    return max((cache.size() for cache in segment.caches), default=0)
+
+
+def batch_groups(chunks: Sequence[Segment], max_padding: float = MAX_PADDING) -> list[list[Segment]]:
+    """Chunks that run as one batch, longest first; groups of two or more only (a chunk alone runs as it is).
+
+    A group pads every chunk to its longest chunk (padding that costs as much as real positions in every
+    projection and expert) and every cache to its longest history (padding that attention reads): each
+    padding is at most ``max_padding`` of the real positions it pads, so first chunks (no history) group
+    only with first chunks, and a later chunk only with chunks whose sequences reached nearly as far."""
     groups: list[list[Segment]] = []
-    for segment in sorted(fresh, key=lambda s: -s.num_tokens):
-        group = groups[-1] if groups else None
-        if group is not None and (len(group) + 1) * group[0].num_tokens <= (1 + max_padding) * (
-                sum(s.num_tokens for s in group) + segment.num_tokens):
-            group.append(segment)
+    for chunk in sorted(chunks, key=lambda s: (-s.num_tokens, -held_positions(s))):
+        for group in groups:
+            if _padding_fits(group + [chunk], max_padding):
+                group.append(chunk)
+                break
         else:
-            groups.append([segment])
+            groups.append([chunk])
     return [group for group in groups if len(group) > 1]
 
 
+def _padding_fits(group: Sequence[Segment], max_padding: float) -> bool:
+    for size in (lambda s: s.num_tokens, held_positions):
+        sizes = [size(s) for s in group]
+        if len(sizes) * max(sizes) - sum(sizes) > max_padding * sum(sizes):
+            return False
+    return True
+
+
 def _batchable(caches: Sequence[Any]) -> bool:
-    """A sequence's first chunk (every cache empty) whose caches have a left-padded batch form."""
+    """Caches whose batch forms merge, continue and extract a sequence exactly (mlx-lm's ``merge``,
+    ``prepare``/``finalize`` and ``extract``). A rotating cache that keeps its first positions (``keep``) has
+    a batch form that does not keep them; chunked, quantized and listed caches have none that continues."""
     return all(type(c) in (KVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
-               for c in caches) and all(c.empty() for c in caches)
+               for c in caches)
 
 
-def _prefill_together(layers: Sequence[nn.Module], hidden: mx.array, fresh: Sequence[Segment],
-                      array_masks: bool) -> mx.array:
-    """Several sequences' first chunks as one left-padded ``[B, L, hidden]`` batch against batch caches (as
-    mlx-lm's ``BatchGenerator`` prefills), each sequence's caches then extracted back into its own; the
-    chunks' output rows, in ``fresh`` order."""
-    length = max(s.num_tokens for s in fresh)
-    padding = [length - s.num_tokens for s in fresh]
+def _run_together(layers: Sequence[nn.Module], hidden: mx.array, group: Sequence[Segment],
+                  array_masks: bool) -> mx.array:
+    """Several sequences' chunks as one right-padded ``[B, L, hidden]`` batch against their caches merged
+    (as mlx-lm's ``BatchGenerator`` processes prompts), each sequence's caches then extracted back into its
+    own; the chunks' output rows, in ``group`` order."""
+    lengths = [s.num_tokens for s in group]
+    length = max(lengths)
+    padding = [length - n for n in lengths]
     pad_row = hidden.shape[0]  # a zero row appended below: what the padded positions read
-    index = [[pad_row] * pad + list(s.rows) for pad, s in zip(padding, fresh)]
+    index = [list(s.rows) + [pad_row] * pad for pad, s in zip(padding, group)]
     padded = mx.concatenate([hidden, mx.zeros((1, hidden.shape[1]), hidden.dtype)])[mx.array(index)]
-    caches = [_batch_cache(c, padding) for c in fresh[0].caches]
+    # Merging copies each history once (and extracting once more): less than the chunk's attention reads over
+    # it, by the chunk's length, so the batch is worth it for any chunk longer than a few positions.
+    caches = [type(kind).merge([s.caches[layer] for s in group]) for layer, kind in enumerate(group[0].caches)]
+    if any(padding):
+        for cache in caches:
+            cache.prepare(lengths=lengths, right_padding=padding)
     out = run_batch(layers, padded, caches, array_masks)
     for layer, cache in enumerate(caches):
-        for b, segment in enumerate(fresh):
+        if any(padding):
+            cache.finalize()
+        for b, segment in enumerate(group):
             vars(segment.caches[layer]).update(vars(cache.extract(b)))
-    return out.reshape(-1, out.shape[-1])[mx.array([b * length + j for b, pad in enumerate(padding)
-                                                    for j in range(pad, length)])]
-
-
-def _batch_cache(cache: Any, padding: list[int]) -> Any:
-    """An empty batch cache of ``cache``'s kind, its rows left-padded by ``padding``."""
-    if isinstance(cache, ArraysCache):
-        return ArraysCache(len(cache.cache), left_padding=padding)
-    if isinstance(cache, RotatingKVCache):
-        return BatchRotatingKVCache(cache.max_size, padding)
-    return BatchKVCache(padding)
+    return out.reshape(-1, out.shape[-1])[mx.array([b * length + j for b, n in enumerate(lengths)
+                                                    for j in range(n)])]
 
 
 def run_batch(layers: Sequence[nn.Module], h: mx.array, caches: Sequence[Any], array_masks: bool) -> mx.array:

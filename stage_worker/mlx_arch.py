@@ -41,7 +41,7 @@ from stage_worker.model_spec import ModelFormatError, ModelSpec
 PACKED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 STACK_ARCHITECTURES: tuple[str, ...] = (
     "deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "llama4_text", "mixtral", "olmoe", "phi3",
-    "qwen3_moe", "qwen3_next",
+    "qwen2_moe", "qwen3_moe", "qwen3_next",
 )
 # Architectures whose layers need state from layers of other stages: refused with the reason.
 UNSPLITTABLE: Mapping[str, str] = {

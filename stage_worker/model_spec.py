@@ -32,7 +32,7 @@ from stagemesh.core.errors import UserError
 
 # GGUF files of these llama.cpp architectures are read (gguf_format; one table each in gguf_architectures);
 # safetensors directories of every architecture stage_worker.mlx_arch serves.
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3")
 # mx.quantize's modes: (bits, group sizes) each serves. The fp modes allow one pair each (their scale format
 # fixes it).
 QUANT_MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {

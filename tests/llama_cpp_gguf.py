@@ -3,8 +3,9 @@
 ``convert_checkpoint(mlx_dir, arch, qtype, out)`` writes ``out`` (a ``.gguf``) from a tiny float32 checkpoint
 in mlx-community's layout, with llama.cpp's architecture name, metadata keys and tensor names (its own
 table here, kept apart from the one stagemesh reads by), its layout (expert stacks as one 3-D tensor per
-projection, Gemma's RMSNorm scales stored as ``1 + weight``, 1-D tensors and the router in F32, every other
-matrix in ``qtype``) and the embedded default model's tokenizer metadata (the tiny configs' vocabulary).
+projection, Qwen2-MoE's shared-expert gate as its one ``[1, hidden]`` row, Gemma's RMSNorm scales stored as
+``1 + weight``, 1-D tensors and the routers in F32, every other matrix in ``qtype``) and the embedded default
+model's tokenizer metadata (the tiny configs' vocabulary).
 
 Beside ``out`` it writes what mlx-lm's own generation is compared against, MLX checkpoint directories
 with the same config and tokenizer: ``reference_dir(out)`` holds the values the GGUF holds as llama.cpp
@@ -34,12 +35,19 @@ LAYER_NAMES = {
     "qwen3moe": {**_COMMON, "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                  "mlp.gate": "ffn_gate_inp", "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
                  "mlp.switch_mlp.up_proj": "ffn_up_exps", "mlp.switch_mlp.down_proj": "ffn_down_exps"},
+    "qwen2moe": {**_COMMON, "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "mlp.gate": "ffn_gate_inp", "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+                 "mlp.switch_mlp.up_proj": "ffn_up_exps", "mlp.switch_mlp.down_proj": "ffn_down_exps",
+                 "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                 "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"},
     "gemma3": {**_COMMON, "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
 }
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-NORM_SHIFT = {"qwen3moe": 0.0, "gemma3": 1.0}
-KEEP_F32 = ("ffn_gate_inp",)  # llama.cpp keeps the router in F32 whatever the file type
+NORM_SHIFT = {"qwen3moe": 0.0, "qwen2moe": 0.0, "gemma3": 1.0}
+# llama.cpp keeps the router, and Qwen2-MoE's shared-expert gate (``ffn_gate_inp_shexp``, one row), in F32
+# whatever the file type.
+KEEP_F32 = ("ffn_gate_inp",)
 
 
 def gguf_name(arch: str, mlx_name: str) -> str:
@@ -61,10 +69,12 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
     writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
 

@@ -6,7 +6,8 @@ files at PP=1, 2 and 3 (real engine, scheduler and relay loops, stages on thread
 must give those tokens for a prompt alone and for prompts of other lengths batched together, arriving at
 different steps and finishing at different steps (so decode groups grow and shrink), with the prefix cache
 on as serving sets it (on for models whose every layer keeps plain KV, off for windows and recurrent state),
-a shared-prefix prompt included.
+a shared-prefix prompt included. Long prompts prefilled in small chunks at once (later chunks continuing
+their sequences' caches) run as batches of chunks, at PP=1 and 2.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from stage_worker.layer_stack import prefill_groups
+from stage_worker.layer_stack import batch_groups, held_positions
 from stage_worker.mlx_arch import describe, exact_prefix_reuse
 from stage_worker.model_reader import read_model_spec
 from stage_worker.packed_forward import Segment
@@ -35,8 +36,13 @@ MAX_TOKENS = (12, 7, 10)
 SHARED_PREFIX = PROMPTS[0][:16] + (7, 7, 7)
 BLOCK = 8
 # Fresh prompts of nearly one length (longer than the windows), arriving together: prefilled as one left-padded
-# batch (layer_stack.prefill_groups) on the stack path.
+# batch (layer_stack.batch_groups) on the stack path.
 TOGETHER = (tuple(range(300, 320)), tuple(range(400, 419)), tuple(range(500, 520)))
+# Long prompts arriving together, prefilled CHUNK positions a sequence and at most BUDGET a batch: the third
+# gets what the budget leaves (5 of 17), so the sequences' later chunks differ in length and in the positions
+# their caches hold, and run as batches of chunks on the stack path. Longer than the windows, several times.
+LONG = (tuple(range(600, 644)), tuple(range(700, 741)), tuple(range(800, 840)))
+CHUNK, BUDGET = 6, 17
 
 
 @pytest.fixture(scope="session")
@@ -58,10 +64,20 @@ def _stages(spec, depth: int) -> list[StageModel]:
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_pipelines_equal_mlx_lm_generation(checkpoints, name):
+def test_pipelines_equal_mlx_lm_generation(checkpoints, name, monkeypatch):
+    import stage_worker.layer_stack as layer_stack
+
+    continued: list[list[int]] = []  # the positions held by each batch of chunks that continued sequences
+
+    def recording_batch_groups(chunks, *args):
+        groups = batch_groups(chunks, *args)
+        continued.extend(held for held in ([layer_stack.held_positions(s) for s in g] for g in groups) if any(held))
+        return groups
+
+    monkeypatch.setattr(layer_stack, "batch_groups", recording_batch_groups)
     path = tiny_checkpoint(name, checkpoints)
     spec = read_model_spec(path)
-    reference = _mlx_lm_greedy(path, PROMPTS + (SHARED_PREFIX,) + TOGETHER, max(MAX_TOKENS))
+    reference = _mlx_lm_greedy(path, PROMPTS + (SHARED_PREFIX,) + TOGETHER + LONG, max(MAX_TOKENS))
     expected = [ref[:n] for ref, n in zip(reference, MAX_TOKENS)]
     exact = exact_prefix_reuse(spec)
     for depth in (1, 2, 3):
@@ -86,18 +102,46 @@ def test_pipelines_equal_mlx_lm_generation(checkpoints, name):
                 assert pipeline.scheduler.prefix_cache is not None
                 assert pipeline.scheduler.prefix_cache.stats.hits >= 2 * BLOCK
             together, _ = read_until_finished([pipeline.submit(p, MAX_TOKENS[0]) for p in TOGETHER])
-            assert together == [ref[:MAX_TOKENS[0]] for ref in reference[4:]], f"PP={depth}: prefilled together"
+            assert together == [ref[:MAX_TOKENS[0]] for ref in reference[4:7]], f"PP={depth}: prefilled together"
+        if depth == 3:
+            continue
+        with InProcessPipeline(_stages(spec, depth), max_batch_tokens=BUDGET, prefill_chunk_tokens=CHUNK) as pipeline:
+            chunked, _ = read_until_finished([pipeline.submit(p, MAX_TOKENS[1]) for p in LONG])
+            assert chunked == [ref[:MAX_TOKENS[1]] for ref in reference[7:]], f"PP={depth}: chunks batched"
+        # The stack path ran later chunks together, on caches holding different numbers of positions.
+        assert runs_packed(spec) or any(len(set(held)) > 1 for held in continued), continued
 
 
 def test_fresh_prompts_of_nearly_one_length_are_prefilled_together():
     def groups(*lengths: int) -> list[list[int]]:
-        return [[s.num_tokens for s in g] for g in prefill_groups([Segment([], n) for n in lengths])]
+        return [[s.num_tokens for s in g] for g in batch_groups([Segment([], n) for n in lengths])]
 
     assert groups(*(len(p) for p in TOGETHER)) == [[20, 20, 19]]
     assert groups(32, 32, 32) == [[32, 32, 32]]
     # Padding at most a tenth of the real positions: 20 and 3 run alone, 60 and 58 together.
     assert groups(20, 3) == [] and groups(5, 60, 17, 58) == [[60, 58]]
     assert groups(7) == []
+
+
+def test_later_chunks_group_by_length_and_by_the_positions_their_caches_hold():
+    class Holding:
+        def __init__(self, positions: int) -> None:
+            self.positions = positions
+
+        def size(self) -> int:
+            return self.positions
+
+    def groups(*chunks: tuple[int, int]) -> list[list[tuple[int, int]]]:
+        segments = [Segment([Holding(held)], n) for n, held in chunks]
+        return [[(s.num_tokens, held_positions(s)) for s in g] for g in batch_groups(segments)]
+
+    # Padding of lengths 1 of 17, of histories 2 of 34: within a tenth each.
+    assert groups((6, 12), (5, 10), (6, 12)) == [[(6, 12), (6, 12), (5, 10)]]
+    # A first chunk (no history) never pads a sequence's history, nor a history's chunk is padded to twice.
+    assert groups((6, 0), (6, 12)) == [] and groups((6, 12), (3, 12)) == []
+    assert groups((6, 100), (6, 80)) == [] and groups((6, 100), (6, 95)) == [[(6, 100), (6, 95)]]
+    # Two kinds of sequence at once: each its own batch.
+    assert groups((8, 0), (8, 40), (8, 0), (8, 40)) == [[(8, 40), (8, 40)], [(8, 0), (8, 0)]]
 
 
 def test_cache_kinds_follow_the_architecture():

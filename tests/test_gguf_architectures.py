@@ -1,7 +1,8 @@
-"""GGUFs of llama.cpp's qwen3moe and gemma3 served through real pipelines equal mlx-lm on the same weights.
+"""GGUFs of llama.cpp's qwen3moe, qwen2moe and gemma3 served through real pipelines equal mlx-lm on the same weights.
 
 Each tiny checkpoint (``tests/architectures.py``'s configs, as llama.cpp would write them: every qwen3moe
-layer routed through experts, Gemma 3's one global layer in six) is written as a GGUF the way
+layer routed through experts, qwen2moe's shared expert with its sigmoid gate beside them, Gemma 3's one
+global layer in six) is written as a GGUF the way
 ``convert_hf_to_gguf.py`` writes it (``tests/llama_cpp_gguf.py``: llama.cpp's names, stacked expert
 tensors, Gemma's norms stored as ``1 + weight``) in F16 or Q8_0, beside an MLX checkpoint of the values
 the GGUF holds. stagemesh serves the GGUF at PP=1 and PP=2 (real engine, scheduler and relay loops) and
@@ -32,9 +33,10 @@ from tests.llama_cpp_gguf import convert_checkpoint, reference_dir
 
 CONFIGS = {
     "qwen3moe": {**TINY_CONFIGS["qwen3_moe"], "mlp_only_layers": []},
+    "qwen2moe": TINY_CONFIGS["qwen2_moe"],
     "gemma3": {**TINY_CONFIGS["gemma3_text"], "sliding_window_pattern": 6},
 }
-MLX_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+MLX_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gemma3": "gemma3_text"}
 # Longer than Gemma's window (8), so the sliding layers' caches rotate.
 PROMPTS = ((504, 3575, 282, 4649, 314, 1018, 28, 2270, 253, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21),
            (17, 42, 99, 1000, 5, 6, 7, 8, 9, 10, 11))
@@ -128,9 +130,12 @@ def test_q8_0_gguf_served_quantized_equals_mlx_lm_on_mlx_quantized_weights(root,
     path, reference = _gguf(arch, Q.Q8_0, root, quantized_reference=True)
     spec = read_model_spec(path)
     assert spec.quantization["bits"] == 8 and spec.quantization["group_size"] == 32
-    if arch == "qwen3moe":  # expert stacks quantized, the router kept in F32 as llama.cpp keeps it
+    if arch in ("qwen3moe", "qwen2moe"):  # expert stacks quantized, the router kept in F32 as llama.cpp keeps it
         assert spec.quantization_for("model.layers.1.mlp.switch_mlp.down_proj") == QuantParams(32, 8)
         assert spec.quantization_for("model.layers.1.mlp.gate") is None
+    if arch == "qwen2moe":  # the shared expert quantized, its gate kept in F32
+        assert spec.quantization_for("model.layers.1.mlp.shared_expert.up_proj") == QuantParams(32, 8)
+        assert spec.quantization_for("model.layers.1.mlp.shared_expert_gate") is None
     expected = _mlx_lm_greedy(reference)
     assert _stages(spec, 1)[0].quantized
     for depth in (1, 2):
@@ -288,10 +293,12 @@ def _tiny_gguf(path, arch: str, *, extra: dict | None = None, tensors: dict | No
     writer.add_layer_norm_rms_eps(1e-6)
     if arch == "gemma3":
         writer.add_sliding_window(4)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_count(2)
         writer.add_expert_used_count(1)
         writer.add_expert_feed_forward_length(32)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(48)
     if rope_scaling is not None:
         writer.add_rope_scaling_type(rope_scaling)
         writer.add_rope_scaling_factor(4.0)
@@ -324,16 +331,25 @@ def test_gemma3_final_logit_softcapping_is_refused(tmp_path):
         read_model_spec(path)
 
 
-def test_qwen3moe_rope_scaling_is_refused(tmp_path):
-    path = _tiny_gguf(tmp_path / "q.gguf", "qwen3moe", rope_scaling=gguf.RopeScalingType.YARN)
-    with pytest.raises(ModelFormatError, match="mlx-lm's qwen3_moe model does not apply"):
+@pytest.mark.parametrize("arch, model_type", [("qwen3moe", "qwen3_moe"), ("qwen2moe", "qwen2_moe")])
+def test_moe_rope_scaling_is_refused(tmp_path, arch, model_type):
+    path = _tiny_gguf(tmp_path / "q.gguf", arch, rope_scaling=gguf.RopeScalingType.YARN)
+    with pytest.raises(ModelFormatError, match=f"mlx-lm's {model_type} model does not apply"):
         read_model_spec(path)
+
+
+def test_qwen2moe_reads_its_shared_expert_and_keeps_the_routed_weights_unnormalized(tmp_path):
+    args = read_model_spec(_tiny_gguf(tmp_path / "q.gguf", "qwen2moe", layers=2)).args
+    assert (args["num_experts"], args["num_experts_per_tok"]) == (2, 1)
+    assert (args["moe_intermediate_size"], args["shared_expert_intermediate_size"], args["intermediate_size"]) == (
+        32, 48, 64)
+    assert "norm_topk_prob" not in args  # llama.cpp's qwen2moe graph weighs experts by their softmax as it is
 
 
 def test_an_architecture_without_a_table_names_the_served_ones(tmp_path):
     path = _tiny_gguf(tmp_path / "p.gguf", "phi3")
     with pytest.raises(ModelFormatError, match=r"'phi3' is not supported; stagemesh serves llama, qwen2, qwen3, "
-                                               r"qwen3moe, gemma3 GGUFs"):
+                                               r"qwen3moe, qwen2moe, gemma3 GGUFs"):
         read_model_spec(path)
 
 
@@ -347,4 +363,4 @@ def test_serve_refuses_an_unsupported_gguf_architecture_with_exit_2(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "GGUF architecture 'phi3' is not supported" in done.stderr
-    assert "llama, qwen2, qwen3, qwen3moe, gemma3" in done.stderr and "Traceback" not in done.stderr
+    assert "llama, qwen2, qwen3, qwen3moe, qwen2moe, gemma3" in done.stderr and "Traceback" not in done.stderr

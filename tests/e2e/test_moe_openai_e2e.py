@@ -4,18 +4,22 @@ does for the dense ones.
 The tiny random-weight ``qwen3_moe`` checkpoint of ``tests/architectures.py`` (mlx-community's layout, the
 default model's tokenizer), served by ``stagemesh serve -pp 2``: greedy text equals mlx-lm's own generation on
 the same files, logprobs come with every token, structured output and a forced tool call follow their schemas,
-a stop string ends the text before it, and an aborted stream leaves the server serving.
+a stop string ends the text before it, an aborted stream leaves the server serving, and a stage killed while
+a request streams fails that stream with an error (no hang) and its replica comes back serving the same text.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import mlx.core as mx
 import openai
 import pytest
 
 from tests.architectures import tiny_checkpoint
+from tests.coordinator.helpers import wait_until
 from tests.e2e.serve_process import start_serve
 
 pytestmark = pytest.mark.e2e
@@ -90,6 +94,36 @@ def test_a_stop_string_and_an_aborted_stream(client):
                                   extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()  # the client goes away mid-stream: the request is aborted on the stages
+    again = c.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True}).choices[0].text
+    assert again == whole
+
+
+def test_a_stage_killed_while_a_request_streams_fails_it_and_the_replica_comes_back(client):
+    """Last in the module: it restarts the replica the other tests use."""
+    c, server = client
+    model = _model(client)
+    whole = c.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True}).choices[0].text
+    victim = server.mesh()["replicas"][0]["stages"][1]["pid"]
+    # A generous read timeout only turns a hang into a failure the assertion below tells apart.
+    stream = c.with_options(timeout=120).completions.create(model=model, prompt=PROMPT, max_tokens=480,
+                                                            temperature=0, stream=True,
+                                                            extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    os.kill(victim, signal.SIGKILL)  # the last stage, by its pid, mid-generation
+    with pytest.raises(openai.APIError) as failure:
+        for _ in chunks:
+            pass
+    assert not isinstance(failure.value, openai.APITimeoutError), "the stream hung instead of failing"
+    stream.close()
+
+    def serving_again() -> bool:
+        replica = server.mesh()["replicas"][0]
+        return bool(replica["healthy"]) and replica["stages"][1]["pid"] not in (None, victim)
+
+    wait_until(serving_again, 120, "the replica serving again with a new stage process", poll_s=0.5)
     again = c.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
                                  extra_body={"ignore_eos": True}).choices[0].text
     assert again == whole
