@@ -131,6 +131,19 @@ def check_dummy_vocabulary(spec: ModelSpec, tokenizer: Any) -> None:
         )
 
 
+def checked_draft(speculative: Any, spec: ModelSpec) -> Any:
+    """``--speculative-config`` with its draft model (if any) checked against the target ``spec``
+    (``stage_worker.draft_proposer.check_draft_model``) and its path made absolute for the stages."""
+    if speculative is None or speculative.model is None:
+        return speculative
+    from dataclasses import replace
+
+    from stage_worker.draft_proposer import check_draft_model
+
+    check_draft_model(speculative.model, spec)
+    return replace(speculative, model=os.path.abspath(speculative.model))
+
+
 class ServeConfigError(UserError):
     """A flag that cannot work; the message names it."""
 
@@ -159,6 +172,7 @@ def build_mesh_config(args: argparse.Namespace):
     model_path = resolve_model_argument(args.model, args.load_format)
     spec = read_model_spec(model_path, args.load_format, args.shape_layers)
     check_checkpoint(spec)  # files that disagree with the config: named here, not deep in a stage
+    speculative = checked_draft(speculative, spec)
     plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
     resolve_compute_dtype(args.dtype)
     if not 0 < args.memory_fraction <= 1:

@@ -1,5 +1,6 @@
 """``stagemesh serve --speculative-config`` at PP=2 through the OpenAI SDK: greedy text equal to the package's
-plain PP=1 serve, speculation's counters in /metrics and ``stagemesh status``, a draft model refused at start."""
+plain PP=1 serve, speculation's counters in /metrics and ``stagemesh status``, a draft model that is not there
+refused at start."""
 
 from __future__ import annotations
 
@@ -60,9 +61,10 @@ def test_greedy_text_is_the_same_with_speculation_at_pp2(serve_pp1, speculating)
     assert "speculative decoding accepted" in format_mesh(speculating.mesh())
 
 
-def test_a_draft_model_is_refused_at_start_naming_the_method_that_works(tmp_path):
+def test_a_draft_model_that_is_not_there_is_refused_at_start_naming_it(tmp_path):
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "serve", "--speculative-config",
-                           '{"model": "/models/draft", "num_speculative_tokens": 4}'],
+                           json.dumps({"model": str(tmp_path / "draft"), "num_speculative_tokens": 4})],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "--speculative-config" in done.stderr and '"method": "ngram"' in done.stderr
+    assert "--speculative-config" in done.stderr and "not an mlx-lm model directory" in done.stderr
+    assert str(tmp_path / "draft") in done.stderr
