@@ -56,6 +56,9 @@ def check_draft_model(path: str, target: ModelSpec, target_tokenizer: Any | None
     from stage_worker.tokenizer import load_tokenizer
 
     where = f"{FLAG} \"model\" {path!r}"
+    if path.endswith(".gguf") and Path(path).is_file():
+        raise DraftModelError(f"{where}: a GGUF file; a draft loads as mlx-lm loads a model: convert it first "
+                              "(stagemesh convert) and give the directory")
     if not Path(path).is_dir() or not (Path(path) / "config.json").is_file():
         raise DraftModelError(f"{where}: not an mlx-lm model directory (no config.json there); give the "
                               "directory of a small model with the target's tokenizer")

@@ -61,8 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding, vLLM's flag: e.g. '{\"method\": \"ngram\", "
                              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-                             "proposes tokens from earlier in each sequence and verifies them all in one trip "
-                             "through the stages, with the same tokens as without it (docs/architecture.md)")
+                             "proposes tokens from earlier in each sequence, '{\"model\": DIR, "
+                             "\"num_speculative_tokens\": 4}' from a small draft model with the target's tokenizer "
+                             "(an mlx-lm directory), and verifies them all in one trip through the stages, with the "
+                             "same tokens as without it (docs/architecture.md)")
     parser.add_argument("--dtype", default="auto",
                         help="compute dtype: auto (float32 on the CPU backend, float16 on Metal, bfloat16 on "
                              "CUDA), float32, float16, bfloat16")

@@ -190,11 +190,16 @@ def test_a_different_draft_model_keeps_greedy_tokens_through_its_rejections(tiny
 
 
 @pytest.mark.e2e
-def test_the_default_model_as_its_own_draft_keeps_greedy_tokens():
+def test_the_default_model_as_its_own_draft_keeps_greedy_tokens(tmp_path):
+    """The stages read the package's GGUF; the draft, loaded as mlx-lm loads a model, its conversion."""
+    from stage_worker.convert import convert_gguf_to_mlx_dir
     from stage_worker.default_model import default_model_path
+    from stage_worker.draft_proposer import check_draft_model
     from stage_worker.tokenizer import load_tokenizer
 
     path = str(default_model_path())
+    draft = convert_gguf_to_mlx_dir(path, str(tmp_path / "draft"))
+    check_draft_model(draft, read_model_spec(path))
     text = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
     prompt = tuple(load_tokenizer(read_model_spec(path)).encode(text))
-    _check_draft_identity(path, path, (2,), max_tokens=12, own_weights=True, small=True, repeating=prompt)
+    _check_draft_identity(path, draft, (2,), max_tokens=12, own_weights=True, small=True, repeating=prompt)
