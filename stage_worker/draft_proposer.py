@@ -4,8 +4,10 @@ Contract:
 - ``check_draft_model(path, target)`` is the start check: ``path`` must be an mlx-lm model directory
   (config.json, weights) whose ``vocab_size`` and tokenizer (every token's id) equal the target's, and whose
   layers all keep plain KV (positions it can drop); anything else raises ``DraftModelError`` naming what to
-  change. ``load_draft_proposer(path)`` loads it as ``mlx_lm.load`` does (any mlx-lm architecture,
-  quantized or not) and logs what its weights hold and what a token of its KV costs.
+  change. ``load_draft_proposer(path, weights)`` loads it as ``mlx_lm.load`` does (any mlx-lm architecture,
+  quantized or not), runs a quantized draft with dense weights where the stage would run its own so
+  (``DraftWeights``: ``stage_model.choose_dense_weights`` with the stage's setting, backend and BLAS), and
+  logs what its weights hold and what a token of its KV costs.
 - ``DraftProposer`` is a ``speculation.Proposer``. Each sequence has its own KV caches (mlx-lm's
   ``KVCache``, one per layer) and the tokens they hold. Asked for proposals, it first brings each sequence's
   caches in step with the sequence: the positions after the longest prefix it shares with what the target
@@ -92,15 +94,57 @@ def _cache_kinds(spec: ModelSpec) -> set[str]:
     return {type(cache).__name__ for cache in make_prompt_cache(model_class(args_class.from_dict(dict(spec.args))))}
 
 
-def load_draft_proposer(path: str) -> DraftProposer:
-    """The draft model at ``path`` (checked by ``check_draft_model``), loaded as ``mlx_lm.load`` loads it."""
-    from mlx_lm.utils import load_model
+@dataclass(frozen=True)
+class DraftWeights:
+    """What the entry stage decides its own weights by, which a quantized draft follows: ``--dequantize``, the
+    backend, the BLAS, the memory budget and the compute dtype (``stage_model.choose_dense_weights``)."""
+
+    dequantize: str = "off"
+    backend: str = "cpu"
+    blas: str = ""
+    memory_budget: int = 0
+    dtype: mx.Dtype = mx.float32
+
+
+def load_draft_proposer(path: str, weights: DraftWeights = DraftWeights()) -> DraftProposer:
+    """The draft model at ``path`` (checked by ``check_draft_model``), loaded as ``mlx_lm.load`` loads it, its
+    weights dense where the stage's would be: on the CPU and CUDA a quantized matmul is the slow path."""
+    from mlx_lm.utils import dequantize_model, load_model
+
+    from stage_worker.stage_model import choose_dense_weights
 
     model, _ = load_model(Path(path))
+    quantized = [m for _, m in model.named_modules() if _is_quantized(m)]
+    dense, why = choose_dense_weights(weights.dequantize, backend=weights.backend, blas=weights.blas,
+                                      quantized=bool(quantized), dense_bytes=_dense_bytes(model, weights.dtype),
+                                      memory_budget=weights.memory_budget)
+    if dense:
+        dequantize_model(model)
+        model.set_dtype(weights.dtype, lambda d: mx.issubdtype(d, mx.floating))
+        mx.eval(model.parameters())
     proposer = DraftProposer(model)
-    log.info("draft model %s: weights %.2f GB, KV %.1f KB per token of each speculating sequence", path,
-             proposer.weight_bytes / 1e9, proposer.kv_bytes_per_token / 1e3)
+    log.info("draft model %s: weights %.2f GB %s (%s), KV %.1f KB per token of each speculating sequence", path,
+             proposer.weight_bytes / 1e9, "dequantized" if dense else ("quantized" if quantized else "dense"), why,
+             proposer.kv_bytes_per_token / 1e3)
     return proposer
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    """A quantized Linear, Embedding or expert stack, as ``stage_model`` tells them."""
+    return isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or (
+        hasattr(module, "bits") and "scales" in module)
+
+
+def _dense_bytes(model: nn.Module, dtype: mx.Dtype) -> int:
+    """Bytes the weights would take dequantized to ``dtype``."""
+    total = 0
+    for _, module in model.named_modules():
+        if _is_quantized(module):
+            total += module.weight.size * 32 // module.bits * dtype.size  # codes straddle words: count by bits
+        elif not list(module.children()):
+            flat: list[tuple[str, mx.array]] = tree_flatten(module.parameters())  # type: ignore[assignment]
+            total += sum(array.nbytes for _, array in flat)
+    return total
 
 
 @dataclass
@@ -131,7 +175,11 @@ class DraftProposer:
             return {}
         held = [self._in_step(ask) for ask in asks]
         feeds = [ask.tokens[len(h.tokens):] for ask, h in zip(asks, held)]  # at least the last token each
-        caches = [BatchKVCache.merge([h.caches[layer] for h in held]) for layer in range(len(held[0].caches))]
+        # One sequence runs on its own caches; several on batch caches merged from theirs (copies of the draft's
+        # KV, extracted back below), as mlx-lm's BatchGenerator joins sequences with a history.
+        alone = len(held) == 1
+        caches = held[0].caches if alone else \
+            [BatchKVCache.merge([h.caches[layer] for h in held]) for layer in range(len(held[0].caches))]
         self._catch_up(caches, [feed[:-1] for feed in feeds])
         k = max(ask.k for ask in asks)
         step = mx.array([[feed[-1]] for feed in feeds])
@@ -144,8 +192,9 @@ class DraftProposer:
         rows: list[list[int]] = drafts.tolist()  # type: ignore[assignment]
         out: dict[int, tuple[int, ...]] = {}
         for b, (ask, h) in enumerate(zip(asks, held)):
-            for layer, cache in enumerate(caches):
-                h.caches[layer] = cache.extract(b)
+            if not alone:
+                for layer, cache in enumerate(caches):
+                    h.caches[layer] = cache.extract(b)
             # Fed: the sequence, then every proposal but the last; a row asked for fewer than ``k`` drops the rest.
             h.tokens = [*ask.tokens, *rows[b][:k - 1]]
             surplus = k - ask.k
@@ -186,7 +235,7 @@ class DraftProposer:
             del held.tokens[shared:]
         return held
 
-    def _catch_up(self, caches: list[BatchKVCache], feeds: Sequence[Sequence[int]]) -> None:
+    def _catch_up(self, caches: list[Any], feeds: Sequence[Sequence[int]]) -> None:
         """Feed each row its ``feeds`` tokens (any length, none included), right-padded to the longest, then
         the padding moved to the left where the batch cache masks it (``BatchKVCache.finalize``)."""
         longest = max(len(feed) for feed in feeds)
@@ -220,4 +269,4 @@ def _kv_bytes_per_token(model: nn.Module, layers: int) -> int:
     return sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in caches)
 
 
-__all__ = ["DraftModelError", "DraftProposer", "check_draft_model", "load_draft_proposer"]
+__all__ = ["DraftModelError", "DraftProposer", "DraftWeights", "check_draft_model", "load_draft_proposer"]

@@ -39,7 +39,7 @@ from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
 from stage_worker.build_ahead import build_ahead_enabled
 from stage_worker.default_model import default_model_path
 from stage_worker.device import StageDevice, apply_wired_limit, probe
-from stage_worker.draft_proposer import load_draft_proposer
+from stage_worker.draft_proposer import DraftWeights, load_draft_proposer
 from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_wanted
 from stage_worker.fused_projections import fusion_wanted
 from stage_worker.grpc_service import StageDescription, StageServicer, start_grpc_server
@@ -306,7 +306,7 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
                           max_waiting=options.max_waiting, max_batch_tokens=options.max_batch_tokens,
                           prefill_chunk_tokens=options.max_batch_tokens, kv_token_capacity=capacity,
                           prefix_cache=prefix_cache_for(ctx), speculative=speculative,
-                          proposer=proposer_for(speculative))
+                          proposer=proposer_for(speculative, ctx))
     # As many micro-batches in flight as there are stages keeps every stage busy.
     engine = EntryEngine(pipeline, scheduler, status, micro_batches=options.micro_batches or ctx.launch.plan.size,
                          step_ahead=step_ahead_wanted(settings.STEP_AHEAD, ctx.device.backend),
@@ -338,12 +338,15 @@ def speculation_for(ctx: StageContext) -> SpeculativeConfig | None:
     return config
 
 
-def proposer_for(config: SpeculativeConfig | None) -> Proposer | None:
-    """The draft model's proposer, loaded here on the model's thread (MLX streams are per thread); None for
-    prompt lookup, which the scheduler makes itself."""
+def proposer_for(config: SpeculativeConfig | None, ctx: StageContext) -> Proposer | None:
+    """The draft model's proposer, loaded here on the model's thread (MLX streams are per thread), its weights
+    dense where this stage's are; None for prompt lookup, which the scheduler makes itself."""
     if config is None or config.method != DRAFT_MODEL or config.model is None:
         return None
-    return load_draft_proposer(config.model)
+    budget = host_memory_budget(ctx.launch.options.memory_fraction, 1, ctx.device.backend, ctx.device.memory_bytes,
+                                ctx.device.free_bytes).budget_bytes
+    return load_draft_proposer(config.model, DraftWeights(ctx.launch.plan.dequantize, ctx.device.backend,
+                                                          loaded_blas(), budget, ctx.dtype))
 
 
 def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:

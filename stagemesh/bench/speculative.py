@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
     proposer = None
     if config.model is not None:
         check_draft_model(config.model, spec, tokenizer)
-        proposer = load_draft_proposer(config.model)
+        proposer = load_draft_proposer(config.model, _as_served())
     model, dense = load_stage_as_served(spec)
     stops = eos_token_ids(spec, tokenizer)
     # As the gateway does (gateway.chat_template): the template's text, then its tokens.
@@ -169,6 +169,20 @@ def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
                                   "prompts": PROMPTS})
     emit(report, args, format_speculative(report))
     return 0 if all(r["identical_greedy_tokens"] for r in ratios) else 1
+
+
+def _as_served() -> Any:
+    """What a stage on this machine decides its weights by (``load_stage_as_served``), for the draft."""
+    import psutil
+
+    from stage_worker.blas import loaded_blas
+    from stage_worker.device import current_backend
+    from stage_worker.draft_proposer import DraftWeights
+    from stage_worker.stage_model import resolve_compute_dtype
+
+    backend = current_backend()
+    return DraftWeights("auto", backend, loaded_blas(), int(psutil.virtual_memory().total * 0.8),
+                        resolve_compute_dtype("auto", backend))
 
 
 def _draft_dir(args: argparse.Namespace, spec: Any, tmp: Path) -> str | None:
