@@ -5,9 +5,9 @@ Contract:
   (config.json, weights) whose ``vocab_size`` and tokenizer (every token's id) equal the target's, and whose
   layers all keep plain KV (positions it can drop); anything else raises ``DraftModelError`` naming what to
   change. ``load_draft_proposer(path, weights)`` loads it as ``mlx_lm.load`` does (any mlx-lm architecture,
-  quantized or not), runs a quantized draft with dense weights where the stage would run its own so
-  (``DraftWeights``: ``stage_model.choose_dense_weights`` with the stage's setting, backend and BLAS), and
-  logs what its weights hold and what a token of its KV costs.
+  quantized or not), in the stage's compute dtype, and runs a quantized draft with dense weights where the
+  stage would run its own so (``DraftWeights``: ``stage_model.choose_dense_weights`` with the stage's setting,
+  backend and BLAS), and logs what its weights hold and what a token of its KV costs.
 - ``DraftProposer`` is a ``speculation.Proposer``. Each sequence has its own KV caches (mlx-lm's
   ``KVCache``, one per layer) and the tokens they hold. Asked for proposals, it first brings each sequence's
   caches in step with the sequence: the positions after the longest prefix it shares with what the target
@@ -20,7 +20,8 @@ Contract:
 - Greedy drafts make the last stage's acceptance exact for greedy and seeded requests alike
   (``speculation.accept_proposals``). The draft has no prefix cache: a sequence's first proposal prefills
   its whole prompt on the draft.
-- It runs on the thread that calls the scheduler, the entry stage's model thread (MLX streams are per thread).
+- It runs on the thread that calls the scheduler, the entry stage's model thread (MLX streams are per thread),
+  inside the engine's lock as the scheduler does: a request submitted meanwhile waits for the draft's forwards.
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def load_draft_proposer(path: str, weights: DraftWeights = DraftWeights()) -> Dr
                                       memory_budget=weights.memory_budget)
     if dense:
         dequantize_model(model)
-        model.set_dtype(weights.dtype, lambda d: mx.issubdtype(d, mx.floating))
-        mx.eval(model.parameters())
+    # In the stage's compute dtype, as the stage's own weights (a bfloat16 matmul on the CPU is the slow path).
+    model.set_dtype(weights.dtype, lambda d: mx.issubdtype(d, mx.floating))
+    mx.eval(model.parameters())
     proposer = DraftProposer(model)
     log.info("draft model %s: weights %.2f GB %s (%s), KV %.1f KB per token of each speculating sequence", path,
              proposer.weight_bytes / 1e9, "dequantized" if dense else ("quantized" if quantized else "dense"), why,
@@ -167,7 +169,7 @@ class DraftProposer:
                                   "use a Llama- or Qwen-like draft")
         flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
         self.weight_bytes = sum(array.nbytes for _, array in flat)
-        self.kv_bytes_per_token = _kv_bytes_per_token(model, len(probe))
+        self.kv_bytes_per_token = _kv_bytes_per_token(model)
 
     def propose(self, asks: Sequence[ProposalAsk]) -> dict[int, tuple[int, ...]]:
         asks = [ask for ask in asks if ask.k > 0 and ask.tokens]
@@ -261,7 +263,7 @@ def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
-def _kv_bytes_per_token(model: nn.Module, layers: int) -> int:
+def _kv_bytes_per_token(model: nn.Module) -> int:
     """What one position of one sequence costs in the draft's KV, from a one-token forward's caches."""
     caches = make_prompt_cache(model)
     model(mx.array([[0]]), cache=caches)
