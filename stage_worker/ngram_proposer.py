@@ -3,7 +3,8 @@
 Contract: ``propose_ngram(tokens, k, min_n, max_n)`` is pure. Over a sequence's tokens (prompt, then what
 was generated) it finds the longest suffix, of ``max_n`` down to ``min_n`` tokens, that also occurs earlier in
 the sequence, and proposes the ``k`` tokens that followed its most recent earlier occurrence; none where no
-such suffix recurs. Where those tokens run past the end of the sequence (the occurrence overlaps the suffix,
+such suffix recurs. ``NgramProposer`` is the method as a ``speculation.Proposer``: it keeps nothing
+per sequence. Where those tokens run past the end of the sequence (the occurrence overlaps the suffix,
 as in a loop), the copy goes on over the tokens it proposes, as LZ77's overlapping copies do: a sequence
 looping with period p gets k proposals that go on looping, not just the p tokens it holds.
 """
@@ -11,6 +12,8 @@ looping with period p gets k proposals that go on looping, not just the p tokens
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from stage_worker.speculation import ProposalAsk
 
 
 def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
@@ -46,4 +49,20 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> tupl
     return tuple(proposals)
 
 
-__all__ = ["propose_ngram"]
+class NgramProposer:
+    """Prompt lookup over each sequence's own tokens (``propose_ngram``), lookup bounds ``min_n``..``max_n``."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, asks: Sequence[ProposalAsk]) -> dict[int, tuple[int, ...]]:
+        return {ask.seq_id: propose_ngram(ask.tokens, ask.k, self.min_n, self.max_n) for ask in asks}
+
+    def release(self, seq_id: int) -> None:
+        pass  # nothing kept per sequence
+
+    def clear(self) -> None:
+        pass
+
+
+__all__ = ["NgramProposer", "propose_ngram"]

@@ -34,7 +34,8 @@ continued step's token discarded by ``on_sampled``; nothing else changes.
 
 With a ``SpeculativeConfig`` (``--speculative-config``), a decode step of a sequence that
 ``speculation.speculative_tokens`` lets speculate feeds its last sampled token and up to k proposals
-(``ngram_proposer``) as one VERIFY record at its position; the last stage returns the 1..k+1 tokens it
+(the ``speculation.Proposer``: prompt lookup, or a draft model the caller passes in, asked once per step for
+all of them) as one VERIFY record at its position; the last stage returns the 1..k+1 tokens it
 keeps, which ``on_sampled`` appends one by one, cutting the run where ``max_tokens``, the model length or a
 stop token would have ended the sequence without speculation. The sequence's next record starts right
 after the kept tokens, and every stage drops the rejected positions when it sees that record
@@ -49,12 +50,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stage_worker.batch import Chunk, RecordFlag, RowOptions, SampledToken, SequenceRecord, TokenLogprob
-from stage_worker.ngram_proposer import propose_ngram
+from stage_worker.ngram_proposer import NgramProposer
 from stage_worker.prefix_cache import PrefixCache
-from stage_worker.speculation import Acceptance, SpecDecodeCounter, can_speculate, speculative_tokens
+from stage_worker.speculation import (
+    Acceptance,
+    ProposalAsk,
+    Proposer,
+    SpecDecodeCounter,
+    can_speculate,
+    speculative_tokens,
+)
 from stagemesh.core import defaults
 from stagemesh.core.sampling import GREEDY, SamplingParams
-from stagemesh.core.speculative import SpeculativeConfig
+from stagemesh.core.speculative import NGRAM, SpeculativeConfig
 
 
 class Finish(enum.Enum):
@@ -143,6 +151,7 @@ class Scheduler:
         kv_token_capacity: int | None = None,
         prefix_cache: PrefixCache | None = None,
         speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_model_len < 2 or max_waiting < 0 or max_batch_tokens < 1:
             raise ValueError("max_num_seqs >= 1, max_model_len >= 2, max_waiting >= 0, max_batch_tokens >= 1")
@@ -164,6 +173,12 @@ class Scheduler:
         self._reserved_tokens = 0
         self.prefix_cache = prefix_cache
         self.speculative = speculative
+        if speculative is not None and proposer is None:
+            if speculative.method != NGRAM:
+                raise ValueError(f"speculative method {speculative.method!r} needs its proposer "
+                                 "(stage_worker.draft_proposer)")
+            proposer = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        self.proposer = proposer if speculative is not None else None
         self.spec_decode = SpecDecodeCounter(speculative.num_speculative_tokens if speculative else 0)
 
     # -- admission -------------------------------------------------------
@@ -248,16 +263,27 @@ class Scheduler:
         # Decodes first: they are latency bound. ``_running`` lists them in the order their prompts
         # finished (see the end), the order they joined the stages' decode groups (kv_store): listed in
         # admission order, a short prompt admitted after a long one would make every stage regroup.
+        # Who decodes and how many proposals each may have first, then one call for every proposal of the step
+        # (a draft model computes them as one batch); rows reserved for proposals not made go to prompts.
+        decoding: list[tuple[_Sequence, int]] = []
         for seq in self._running.values():
             if seq.in_flight or seq.aborted or not seq.prefill_done or budget <= 0 or seats <= 0:
                 continue
-            tokens = (seq.generated[-1], *self._proposals(seq, budget))
-            flags = RecordFlag.SAMPLE | RecordFlag.VERIFY if len(tokens) > 1 else RecordFlag.SAMPLE
+            wanted = self._speculation_wanted(seq, budget, len(seq.generated))
+            if not wanted:
+                seq.acceptance = seq.acceptance.after_plain_step()
+            decoding.append((seq, wanted))
+            budget -= 1 + wanted
+            seats -= 1
+        proposals = self._propose(decoding)
+        for seq, wanted in decoding:
+            drafts = proposals.get(seq.seq_id, ())[:wanted]
+            budget += wanted - len(drafts)
+            tokens = (seq.generated[-1], *drafts)
+            flags = RecordFlag.SAMPLE | RecordFlag.VERIFY if drafts else RecordFlag.SAMPLE
             record = SequenceRecord(seq.seq_id, seq.position, len(tokens), flags, seq.request.sampling)
             chunks.append(Chunk(record, tokens))
             seq.in_flight_steps += 1
-            budget -= len(tokens)
-            seats -= 1
         finished_prompts: list[int] = []
         for seq in self._running.values():
             if seq.in_flight or seq.aborted or seq.prefill_done or budget <= 0 or seats <= 0:
@@ -290,15 +316,14 @@ class Scheduler:
         return speculative_tokens(self.speculative, eligible=seq.speculates, running=len(self._running),
                                   remaining=remaining, budget=budget, acceptance=seq.acceptance)
 
-    def _proposals(self, seq: _Sequence, budget: int) -> tuple[int, ...]:
-        """The tokens ``seq`` proposes to have verified this step (none: a plain decode step)."""
-        config = self.speculative
-        wanted = self._speculation_wanted(seq, budget, len(seq.generated))
-        if config is None or not wanted:
-            seq.acceptance = seq.acceptance.after_plain_step()
-            return ()
-        return propose_ngram(seq.request.prompt + tuple(seq.generated), wanted, config.prompt_lookup_min,
-                             config.prompt_lookup_max)
+    def _propose(self, decoding: Sequence[tuple[_Sequence, int]]) -> dict[int, tuple[int, ...]]:
+        """The tokens each decoding sequence proposes to have verified this step, by seq_id (none: a plain
+        decode step), asked of the proposer once for all of them."""
+        asks = [ProposalAsk(seq.seq_id, seq.request.prompt + tuple(seq.generated), wanted)
+                for seq, wanted in decoding if wanted]
+        if not asks or self.proposer is None:
+            return {}
+        return self.proposer.propose(asks)
 
     def continuation(self, batch: Batch) -> Batch:
         """The next decode step of ``batch``'s sampling sequences, submitted before its tokens are read.
@@ -379,6 +404,8 @@ class Scheduler:
         self._reserved_tokens = 0
         if self.prefix_cache is not None:
             self.prefix_cache.clear()  # the stages' KV goes with the pipeline
+        if self.proposer is not None:
+            self.proposer.clear()
         return ids
 
     def _finish_reason(self, seq: _Sequence, token_id: int) -> Finish | None:
@@ -444,6 +471,8 @@ class Scheduler:
         self._by_request.pop(seq.request.request_id, None)
         self.finished_count += 1
         self._drop_prefix_reference(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
         if seq.holds_kv:
             self._releases.extend(self._release_record(seq))
 

@@ -21,6 +21,11 @@ Contract:
   p(x) under the target's filtered distribution, and a rejected row's token is drawn from p without x.
 - The draft ids travel to the last stage in the FORWARD body (``drafts_body`` / ``drafts_from_body``), next
   to the ``RowOptions`` the body announces; every stage in between passes the body on.
+- Who proposes: a ``Proposer``, asked once per step for every sequence the rule lets speculate
+  (``ProposalAsk``: its tokens so far and how many proposals it may have), returning up to that many per
+  sequence, and told when a sequence leaves (``release``) or every sequence does (``clear``). Prompt lookup
+  (``ngram_proposer.NgramProposer``) is pure; a draft model (``draft_proposer.DraftProposer``) runs on the
+  entry stage's model thread, which is the thread calling the scheduler.
 - ``SpecDecodeCounter`` counts what vLLM's ``spec_decode_*`` metrics report: verifications (drafts), draft
   tokens, accepted tokens, and accepted tokens per position.
 """
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from stage_worker.batch import RowOptions
 from stagemesh.core.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
@@ -64,6 +69,30 @@ class Acceptance:
 
     def after_plain_step(self) -> Acceptance:
         return replace(self, paused_steps=self.paused_steps - 1) if self.paused_steps else self
+
+
+@dataclass(frozen=True)
+class ProposalAsk:
+    """One sequence's share of a step's proposals: its tokens so far (prompt, then generated) and at most
+    how many proposals it may have."""
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    k: int
+
+
+class Proposer(Protocol):
+    def propose(self, asks: Sequence[ProposalAsk]) -> dict[int, tuple[int, ...]]:
+        """Up to ``ask.k`` proposed next tokens for each ask's sequence, by seq_id (missing or empty: none)."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """The sequence left (finished, aborted): forget what is kept for it."""
+        ...
+
+    def clear(self) -> None:
+        """Every sequence left (the pipeline broke)."""
+        ...
 
 
 def can_speculate(row_options: RowOptions | None) -> bool:
@@ -141,5 +170,5 @@ class SpecDecodeCounter:
                                        tuple(per_position))
 
 
-__all__ = ["Acceptance", "SpecDecodeCounter", "SpecDecodeCounts", "accept_proposals", "can_speculate",
-           "drafts_body", "drafts_from_body", "speculative_tokens"]
+__all__ = ["Acceptance", "ProposalAsk", "Proposer", "SpecDecodeCounter", "SpecDecodeCounts", "accept_proposals",
+           "can_speculate", "drafts_body", "drafts_from_body", "speculative_tokens"]

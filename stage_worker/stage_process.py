@@ -39,6 +39,7 @@ from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
 from stage_worker.build_ahead import build_ahead_enabled
 from stage_worker.default_model import default_model_path
 from stage_worker.device import StageDevice, apply_wired_limit, probe
+from stage_worker.draft_proposer import DraftWeights, load_draft_proposer
 from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_wanted
 from stage_worker.expert_routing import policy_for
 from stage_worker.fused_projections import fusion_wanted
@@ -60,6 +61,7 @@ from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
 from stage_worker.scheduler import Scheduler
+from stage_worker.speculation import Proposer
 from stage_worker.stage_model import (
     StageModel,
     StageRole,
@@ -75,7 +77,7 @@ from stagemesh.core.gpus import stage_has_own_gpu
 from stagemesh.core.grpc_tls import read_tls_dir
 from stagemesh.core.plan import StageLaunch
 from stagemesh.core.settings import stagemesh_version
-from stagemesh.core.speculative import SpeculativeConfig
+from stagemesh.core.speculative import DRAFT_MODEL, SpeculativeConfig
 from stagemesh.core.states import ExitCode, StageState
 
 log = logging.getLogger("stagemesh.stage")
@@ -305,10 +307,12 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
     ctx, options = stage.context, stage.context.launch.options
     pipeline = stage.entry_pipeline(status)
     capacity = pipeline.pipeline_kv_capacity(stage.loaded.kv_capacity)
+    speculative = speculation_for(ctx)
     scheduler = Scheduler(max_num_seqs=options.max_num_seqs, max_model_len=ctx.max_model_len,
                           max_waiting=options.max_waiting, max_batch_tokens=options.max_batch_tokens,
                           prefill_chunk_tokens=options.max_batch_tokens, kv_token_capacity=capacity,
-                          prefix_cache=prefix_cache_for(ctx), speculative=speculation_for(ctx))
+                          prefix_cache=prefix_cache_for(ctx), speculative=speculative,
+                          proposer=proposer_for(speculative, ctx))
     # As many micro-batches in flight as there are stages keeps every stage busy.
     engine = EntryEngine(pipeline, scheduler, status, micro_batches=options.micro_batches or ctx.launch.plan.size,
                          step_ahead=step_ahead_wanted(settings.STEP_AHEAD, ctx.device.backend),
@@ -333,10 +337,22 @@ def speculation_for(ctx: StageContext) -> SpeculativeConfig | None:
         log.warning("speculative decoding off: %s layers keep sliding windows or recurrent state, which cannot drop "
                     "rejected proposals (docs/architecture.md)", ctx.spec.model_type)
         return None
-    log.info("speculative decoding: %s, up to %d proposals per step (lookup %d..%d tokens), while at most %d "
-             "sequences run", config.method, config.num_speculative_tokens, config.prompt_lookup_min,
-             config.prompt_lookup_max, config.disable_by_batch_size)
+    proposes = f"draft model {config.model}" if config.model else \
+        f"prompt lookup of {config.prompt_lookup_min}..{config.prompt_lookup_max} tokens"
+    log.info("speculative decoding: up to %d proposals per step (%s), while at most %d sequences run",
+             config.num_speculative_tokens, proposes, config.disable_by_batch_size)
     return config
+
+
+def proposer_for(config: SpeculativeConfig | None, ctx: StageContext) -> Proposer | None:
+    """The draft model's proposer, loaded here on the model's thread (MLX streams are per thread), its weights
+    dense where this stage's are; None for prompt lookup, which the scheduler makes itself."""
+    if config is None or config.method != DRAFT_MODEL or config.model is None:
+        return None
+    budget = host_memory_budget(ctx.launch.options.memory_fraction, 1, ctx.device.backend, ctx.device.memory_bytes,
+                                ctx.device.free_bytes).budget_bytes
+    return load_draft_proposer(config.model, DraftWeights(ctx.launch.plan.dequantize, ctx.device.backend,
+                                                          loaded_blas(), budget, ctx.dtype))
 
 
 def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:

@@ -61,8 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding, vLLM's flag: e.g. '{\"method\": \"ngram\", "
                              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-                             "proposes tokens from earlier in each sequence and verifies them all in one trip "
-                             "through the stages, with the same tokens as without it (docs/architecture.md)")
+                             "proposes tokens from earlier in each sequence, '{\"model\": DIR, "
+                             "\"num_speculative_tokens\": 4}' from a small draft model with the target's tokenizer "
+                             "(an mlx-lm directory), and verifies them all in one trip through the stages, with the "
+                             "same tokens as without it (docs/architecture.md)")
     parser.add_argument("--dtype", default="auto",
                         help="compute dtype: auto (float32 on the CPU backend, float16 on Metal, bfloat16 on "
                              "CUDA), float32, float16, bfloat16")
@@ -131,6 +133,19 @@ def check_dummy_vocabulary(spec: ModelSpec, tokenizer: Any) -> None:
         )
 
 
+def checked_draft(speculative: Any, spec: ModelSpec) -> Any:
+    """``--speculative-config`` with its draft model (if any) checked against the target ``spec``
+    (``stage_worker.draft_proposer.check_draft_model``) and its path made absolute for the stages."""
+    if speculative is None or speculative.model is None:
+        return speculative
+    from dataclasses import replace
+
+    from stage_worker.draft_proposer import check_draft_model
+
+    check_draft_model(speculative.model, spec)
+    return replace(speculative, model=os.path.abspath(speculative.model))
+
+
 class ServeConfigError(UserError):
     """A flag that cannot work; the message names it."""
 
@@ -159,6 +174,7 @@ def build_mesh_config(args: argparse.Namespace):
     model_path = resolve_model_argument(args.model, args.load_format)
     spec = read_model_spec(model_path, args.load_format, args.shape_layers)
     check_checkpoint(spec)  # files that disagree with the config: named here, not deep in a stage
+    speculative = checked_draft(speculative, spec)
     plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
     resolve_compute_dtype(args.dtype)
     if not 0 < args.memory_fraction <= 1:

@@ -82,7 +82,7 @@ class InProcessPipeline:
     scheduler on one thread, every other stage's relay loop on its own, hidden states over real lanes."""
 
     def __init__(self, stages, *, max_num_seqs: int = 8, prefix_cache=None, max_batch_tokens: int = 512,
-                 prefill_chunk_tokens: int | None = None, speculative=None) -> None:
+                 prefill_chunk_tokens: int | None = None, speculative=None, proposer=None) -> None:
         import threading
 
         from stage_worker.engine import EntryEngine
@@ -107,7 +107,7 @@ class InProcessPipeline:
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_model_len=512, max_waiting=64,
                                    max_batch_tokens=max_batch_tokens,
                                    prefill_chunk_tokens=prefill_chunk_tokens or max_batch_tokens,
-                                   prefix_cache=prefix_cache, speculative=speculative)
+                                   prefix_cache=prefix_cache, speculative=speculative, proposer=proposer)
         self.engine = EntryEngine(pipeline, self.scheduler, StageStatus(), micro_batches=1, step_ahead=True)
         self._runner = threading.Thread(target=self.engine.run, daemon=True)
         self._runner.start()

@@ -39,6 +39,12 @@ def test_the_flag_takes_vllms_keys_and_defaults():
     config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, '
                                       '"prompt_lookup_max": 4, "disable_by_batch_size": 8}')
     assert config == SpeculativeConfig(2, "ngram", 4, 2, 8)
+    # A draft model, as vLLM takes it: "model" alone, or with the method "draft_model".
+    draft = parse_speculative_config('{"model": "/models/draft", "num_speculative_tokens": 4}')
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 4)
+    assert parse_speculative_config('{"method": "draft_model", "model": "/models/draft", '
+                                    '"num_speculative_tokens": 4}') == draft
+    assert SpeculativeConfig.from_json(draft.to_json()) == draft
 
 
 @pytest.mark.parametrize(("text", "names"), [
@@ -48,7 +54,11 @@ def test_the_flag_takes_vllms_keys_and_defaults():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
      "prompt_lookup_min (4) must not exceed prompt_lookup_max (2)"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 2}', "unknown key 'lookahead'"),
-    ('{"model": "/models/draft", "num_speculative_tokens": 4}', "draft model (\"model\") is not supported yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 4}', "needs \"model\""),
+    ('{"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 4}', "\"model\" is a draft model"),
+    ('{"model": "/models/draft", "num_speculative_tokens": 4, "prompt_lookup_max": 3}',
+     "prompt_lookup_max is prompt lookup's"),
+    ('{"model": "/models/draft", "num_speculative_tokens": 17}', "num_speculative_tokens must be in 1..16"),
     ('{"method": "ngram"}', "num_speculative_tokens\" is missing"),
     ('{"num_speculative_tokens": 2}', "\"method\" is missing"),
     ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),

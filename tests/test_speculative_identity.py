@@ -5,10 +5,12 @@ logprobs), with a stop token and max_tokens cutting an accepted run. The workloa
 with repeated phrases, greedy loops), so proposals are often right and often wrong: the counters must show
 both, i.e. every stage dropped rejected positions and kept going.
 
-The fast tier runs a tiny random llama (``tests/architectures.py``). The e2e tier runs the real default
-model at PP=1 and 3 (PP=2: through ``stagemesh serve`` in tests/e2e/test_speculative_serve_e2e.py), with a
-smaller batch and without the stop-token case, which the tiny model covers: the real model computes slowly on
-the CPU backend without the optimized BLAS a stage preloads.
+The fast tier runs a tiny random llama (``tests/architectures.py``), proposals from prompt lookup and from a
+draft model (the target's own weights, nearly always right; another model sharing its vocabulary, mostly
+wrong). The e2e tier runs the real default model at PP=1 and 3 (PP=2: through ``stagemesh serve`` in
+tests/e2e/test_speculative_serve_e2e.py), and at PP=2 as its own draft, with a smaller batch and without the
+stop-token case, which the tiny model covers: the real model computes slowly on the CPU backend without the
+optimized BLAS a stage preloads.
 """
 
 from __future__ import annotations
@@ -45,14 +47,15 @@ def _stages(path: str, depth: int, dtype=mx.float32) -> list[StageModel]:
             for i, r in enumerate(ranges)]
 
 
-def _workload(pipeline: InProcessPipeline, repeating, max_tokens: int, small: bool = False) -> dict[str, list]:
+def _workload(pipeline: InProcessPipeline, repeating, max_tokens: int, small: bool = False,
+              seeded: bool = True) -> dict[str, list]:
     """``repeating`` alone, then batched with others (``small``: one greedy and one not speculating, no seeded
-    sampling)."""
+    sampling; ``seeded``: with a seeded sampled request when not ``small``)."""
     others, not_speculating = (OTHERS[1:2], NOT_SPECULATING[:1]) if small else (OTHERS, NOT_SPECULATING)
     alone = [pipeline.generate(repeating, max_tokens)]
     batched_handles = [pipeline.submit(p, max_tokens - 3 * i) for i, p in enumerate((repeating, *others))]
     batched_handles += [pipeline.submit(OTHERS[0], max_tokens, sampling=s) for s in not_speculating]
-    if not small:
+    if seeded and not small:
         batched_handles.append(pipeline.submit(repeating, max_tokens, sampling=SEEDED))
     batched, _ = read_until_finished(batched_handles)
     return {"alone": alone, "batched": batched}
@@ -145,3 +148,58 @@ def test_seeded_sampling_speculates_and_keeps_its_tokens(tiny_llama):
         counts = speculating.scheduler.spec_decode.counts
     assert got == expected
     assert 0 < counts.accepted_tokens < counts.draft_tokens, counts
+
+
+# -- a draft model's proposals ------------------------------------------------------------------------------
+def _check_draft_identity(path: str, draft_path: str, depths, max_tokens: int, *, own_weights: bool,
+                          small: bool = False, repeating=REPEATING) -> None:
+    """Speculating with the draft model at ``draft_path`` (loaded as a stage loads it) against one plain PP=1
+    pipeline: the same tokens; with the target's own weights as the draft nearly every proposal is accepted
+    (greedy requests only: a sampled row may draw another token than the draft's argmax), with another model
+    most are rejected (the target's and the draft's KV both roll back)."""
+    from stage_worker.draft_proposer import load_draft_proposer
+
+    with InProcessPipeline(_stages(path, 1), prefix_cache=PrefixCache(8, b"test")) as plain:
+        expected = _workload(plain, repeating, max_tokens, small, seeded=not own_weights)
+    config = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model=draft_path,
+                               disable_by_batch_size=8)
+    for depth in depths:
+        proposer = load_draft_proposer(draft_path)
+        with InProcessPipeline(_stages(path, depth), speculative=config, prefix_cache=PrefixCache(8, b"test"),
+                               proposer=proposer) as speculating:
+            got = _workload(speculating, repeating, max_tokens, small, seeded=not own_weights)
+            counts = speculating.scheduler.spec_decode.counts
+        assert got == expected, f"PP={depth}: speculation with a draft model changed greedy tokens"
+        assert proposer.held_sequences == 0, "a finished sequence's draft KV was kept"
+        assert counts.drafts > 0, f"PP={depth}: nothing was verified: {counts}"
+        if own_weights:
+            assert counts.accepted_tokens >= 0.9 * counts.draft_tokens, f"PP={depth}: {counts}"
+        else:
+            assert counts.accepted_tokens < counts.draft_tokens / 2, f"PP={depth}: {counts}"
+
+
+def test_a_draft_model_of_the_targets_own_weights_keeps_greedy_tokens_and_is_nearly_always_right(tiny_llama):
+    _check_draft_identity(tiny_llama, tiny_llama, (1, 2), max_tokens=24, own_weights=True)
+
+
+def test_a_different_draft_model_keeps_greedy_tokens_through_its_rejections(tiny_llama, checkpoints):
+    """Another random model sharing the vocabulary: its proposals are mostly wrong, so both the stages' KV and
+    the draft's roll back at nearly every verification, and the sequence pauses and catches up."""
+    _check_draft_identity(tiny_llama, tiny_checkpoint("qwen3", checkpoints), (1, 2), max_tokens=24,
+                          own_weights=False)
+
+
+@pytest.mark.e2e
+def test_the_default_model_as_its_own_draft_keeps_greedy_tokens(tmp_path):
+    """The stages read the package's GGUF; the draft, loaded as mlx-lm loads a model, its conversion."""
+    from stage_worker.convert import convert_gguf_to_mlx_dir
+    from stage_worker.default_model import default_model_path
+    from stage_worker.draft_proposer import check_draft_model
+    from stage_worker.tokenizer import load_tokenizer
+
+    path = str(default_model_path())
+    draft = convert_gguf_to_mlx_dir(path, str(tmp_path / "draft"))
+    check_draft_model(draft, read_model_spec(path))
+    text = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+    prompt = tuple(load_tokenizer(read_model_spec(path)).encode(text))
+    _check_draft_identity(path, draft, (2,), max_tokens=12, own_weights=True, small=True, repeating=prompt)

@@ -164,6 +164,23 @@ function supervision(replica, now) {
     "data-state": replica.state, title: title || null }, text);
 }
 
+// What speculative decoding achieved on the replica (its entry stage counts, vLLM's spec_decode_* counters):
+// the share of proposed tokens the target accepted and the tokens each verification kept (bonus included).
+function speculation(replica) {
+  for (const stage of replica.stages) {
+    const s = stage.stats || {};
+    if (!s.spec_decode_num_drafts || !s.spec_decode_num_draft_tokens) continue;
+    const accepted = s.spec_decode_num_accepted_tokens || 0;
+    const perPosition = (s.spec_decode_num_accepted_tokens_per_pos || [])
+      .map((n) => pct(n / s.spec_decode_num_drafts)).join(" ");
+    return el("span", { class: "speculation", title: "accepted by proposal position: " + (perPosition || "–") +
+      " (" + count(s.spec_decode_num_drafts) + " verifications)" },
+    "speculation " + pct(accepted / s.spec_decode_num_draft_tokens) + " accepted · " +
+      num((accepted + s.spec_decode_num_drafts) / s.spec_decode_num_drafts, 2) + " tok/verification");
+  }
+  return null;
+}
+
 function drawReplicas(doc) {
   const blocks = doc.replicas.map((replica) => {
     const health = el("span", { class: "badge " + (replica.healthy ? "ok" : "bad") },
@@ -179,6 +196,7 @@ function drawReplicas(doc) {
       el("span", { title: replica.failures_total + " since start" },
         (replica.recent_failures ?? 0) + " failed (last minute)"),
       el("span", {}, replica.restarts + " restart" + (replica.restarts === 1 ? "" : "s")),
+      speculation(replica),
       el("span", { class: "legend muted" }, "shares of wall time:",
         el("span", { class: "compute" }, "compute"), el("span", { class: "wait" }, "ring wait"),
         el("span", { class: "send" }, "send")));

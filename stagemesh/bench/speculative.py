@@ -1,23 +1,35 @@
-"""``stagemesh bench speculative``: what prompt-lookup speculation is worth, speculation off against on.
+"""``stagemesh bench speculative``: what speculative decoding is worth, speculation off against on.
 
-Loads MODEL (default: the embedded model) as one stage, as ``stagemesh bench prefix`` does (no gRPC, no
-gateway; the optimized BLAS preloaded and dense weights where a stage would choose them), and runs one
-workload twice in one invocation, without and with ``--speculative-config``: chat prompts that ask the model
-to repeat or edit a piece of code it is given (what prompt lookup is for), one request at a time (one
-stream), greedy, each until the model's end-of-sequence token or ``--output-len`` tokens. Every prompt runs
-``--rounds`` times per arm, the arms alternating so machine noise hits both alike.
+Loads MODEL (default: the embedded model; or ``--shape``: a real-sized random-weight checkpoint written first)
+as one stage, as ``stagemesh bench prefix`` does (no gRPC, no gateway; the optimized BLAS preloaded and dense
+weights where a stage would choose them), and runs one workload without and with ``--speculative-config`` in
+one invocation: chat prompts that ask the model to repeat or edit a piece of code it is given (what prompt
+lookup is for), greedy, each until the model's end-of-sequence token or ``--output-len`` tokens. At each
+``--streams`` level that many requests run at once (the prompts in turn; one stream: every prompt once, one
+after the other). Every level runs ``--rounds`` times per arm, the arms alternating so machine noise hits
+both alike.
 
-It reports output tokens per second of each arm (all tokens over all the time, medians over rounds), the on /
-off ratio, whether the two arms' greedy tokens are identical (they must be), and the share of proposed
-tokens the model accepted.
+The "on" arm proposes by prompt lookup unless a draft model is given: ``--draft-model PATH`` (an mlx-lm
+model directory; ``self``: the target's own weights, a GGUF converted first, the acceptance upper bound) or
+``--draft-shape NAME`` (a shipped shape with random weights, written as ``--shape`` writes one, with the same
+tokenizer: the cost of proposals that are rejected). ``--speculative-config`` then gives the rest of the
+draft's config (``num_speculative_tokens``, ``disable_by_batch_size``: raise it to speculate at more streams).
+
+It reports output tokens per second of each arm per level (all tokens over all the time, medians over
+rounds), the on / off ratio, whether the two arms' greedy tokens are identical (they must be), and the share
+of proposed tokens the model accepted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from stagemesh.bench import flags
@@ -41,81 +53,176 @@ PROMPTS = [
 ]
 
 
+DEFAULT_DRAFT_CONFIG = '{"num_speculative_tokens": 4}'
+SELF = "self"  # --draft-model self: the target's own weights
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_model_argument(parser)
-    parser.add_argument("--speculative-config", default=DEFAULT_CONFIG, metavar="JSON",
-                        help="the speculation of the 'on' arm, as stagemesh serve takes it (default %(default)s)")
+    flags.add_shape_flags(parser)
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="the speculation of the 'on' arm, as stagemesh serve takes it (default: "
+                             f"{DEFAULT_CONFIG}; with a draft model {DEFAULT_DRAFT_CONFIG}, its \"model\" set by "
+                             "--draft-model or --draft-shape)")
+    parser.add_argument("--draft-model", default=None, metavar="PATH",
+                        help="the 'on' arm's draft model: an mlx-lm model directory, or 'self' for the target's "
+                             "own weights (a GGUF target converted first)")
+    parser.add_argument("--draft-shape", default=None, metavar="NAME",
+                        help="the 'on' arm's draft model: a shipped shape with random weights, written with "
+                             "--shape-dtype and --shape-tokenizer (a vocabulary the target shares)")
+    parser.add_argument("--streams", default="1", metavar="N[,N...]",
+                        help="requests at once, one level each (default %(default)s)")
     flags.add_lengths(parser, input_len=None, output_len=256, with_input=False, output_note="at most, per prompt")
     flags.add_rounds(parser, 3)
 
 
+def _streams(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--streams {text!r}: give whole numbers separated by commas, e.g. 1,16") from None
+    if not levels or min(levels) < 1:
+        raise UserError(f"--streams {text!r}: every level must be at least 1")
+    return levels
+
+
+def speculative_config_text(config_text: str | None, draft_dir: str | None) -> str:
+    """The 'on' arm's ``--speculative-config`` JSON: as given (or the default), with ``draft_dir`` as its
+    draft model when one is given (pure)."""
+    if draft_dir is None:
+        return config_text or DEFAULT_CONFIG
+    raw = json.loads(config_text or DEFAULT_DRAFT_CONFIG)
+    if not isinstance(raw, dict):
+        raise UserError(f"--speculative-config: expected a JSON object, got {config_text}")
+    return json.dumps({**raw, "model": draft_dir})
+
+
 def run(args: argparse.Namespace) -> int:
-    from stagemesh.core.speculative import parse_speculative_config
+    from stagemesh.bench.random_checkpoint import check_shape_flags, shape_config
 
     if args.output_len < 1 or args.rounds < 1:
         raise UserError("--output-len and --rounds must be positive")
-    config = parse_speculative_config(args.speculative_config)
+    if args.draft_model and args.draft_shape:
+        raise UserError("give --draft-model or --draft-shape, not both")
+    check_shape_flags(args)
+    if args.draft_shape:
+        shape_config(args.draft_shape)  # an unknown shape, named before anything is written
+    streams = _streams(args.streams)
     from stage_worker.blas import reexec_with_optimized_blas
 
     # As a stage does (stage_worker.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
     reexec_with_optimized_blas(["-m", "stagemesh.cli", *sys.argv[1:]], None)
+    with tempfile.TemporaryDirectory(prefix="stagemesh-bench-speculative-") as tmp:
+        return _run(args, streams, Path(tmp))
+
+
+def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
     from stage_worker.blas import loaded_blas
     from stage_worker.default_model import resolve_model_path
+    from stage_worker.draft_proposer import check_draft_model, load_draft_proposer
     from stage_worker.mlx_arch import exact_prefix_reuse
     from stage_worker.model_reader import read_model_spec
     from stage_worker.tokenizer import eos_token_ids, load_tokenizer
     from stagemesh.bench.prefix import load_stage_as_served
+    from stagemesh.bench.random_checkpoint import write_shape_checkpoint
     from stagemesh.bench.report import build_report, emit, flags_of, now
+    from stagemesh.core.speculative import parse_speculative_config
 
     started_at = now()
-    spec = read_model_spec(resolve_model_path(args.model))
+    path = write_shape_checkpoint(args, tmp) if args.shape else str(resolve_model_path(args.model))
+    spec = read_model_spec(path)
     if not exact_prefix_reuse(spec):
         raise UserError(f"{spec.model_type} keeps sliding windows or recurrent state: it does not speculate")
-    model, dense = load_stage_as_served(spec)
+    draft_dir = _draft_dir(args, spec, tmp)
+    config = parse_speculative_config(speculative_config_text(args.speculative_config, draft_dir))
     tokenizer = load_tokenizer(spec)
+    proposer = None
+    if config.model is not None:
+        check_draft_model(config.model, spec, tokenizer)
+        proposer = load_draft_proposer(config.model, _as_served())
+    model, dense = load_stage_as_served(spec)
     stops = eos_token_ids(spec, tokenizer)
     # As the gateway does (gateway.chat_template): the template's text, then its tokens.
     prompts = [tuple(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                                     add_generation_prompt=True, tokenize=False),
                                       add_special_tokens=False)) for text in PROMPTS]
-    _drive(model, prompts[:1], stops, 16, None)  # warm the kernels
-    arms: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    outputs: dict[str, list[list[int]]] = {}
-    for _ in range(args.rounds):
-        for arm, speculative in (("off", None), ("on", config)):
-            result = _drive(model, prompts, stops, args.output_len, speculative)
-            outputs[arm] = result.pop("outputs")
-            arms[arm].append(result)
-    results = {arm: _median(runs) for arm, runs in arms.items()}
-    identical = outputs["off"] == outputs["on"]
-    ratio = round(results["on"]["tokens_per_s"] / results["off"]["tokens_per_s"], 3)
-    report = build_report("speculative", started_at=started_at, local_mlx=True, results=results,
-                          ratios=[{"compares": "speculation on / off", "tokens_per_s": ratio,
-                                   "identical_greedy_tokens": identical}],
+    _drive(model, prompts[:1], stops, 16, None, None, 1)  # warm the kernels
+    levels, ratios = [], []
+    for level in streams:
+        arms: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        outputs: dict[str, list[list[int]]] = {}
+        for _ in range(args.rounds):
+            for arm, speculative in (("off", None), ("on", config)):
+                result = _drive(model, prompts, stops, args.output_len, speculative, proposer, level)
+                outputs[arm] = result.pop("outputs")
+                arms[arm].append(result)
+        figures = {arm: _median(runs) for arm, runs in arms.items()}
+        levels.append({"streams": level, **figures})
+        ratios.append({"streams": level, "compares": "speculation on / off",
+                       "tokens_per_s": round(figures["on"]["tokens_per_s"] / figures["off"]["tokens_per_s"], 3),
+                       "identical_greedy_tokens": outputs["off"] == outputs["on"]})
+    report = build_report("speculative", started_at=started_at, local_mlx=True, results={"levels": levels},
+                          ratios=ratios,
                           config={**flags_of(args), "model": spec.default_served_name, "blas": loaded_blas(),
-                                  "dense_weights": dense, "prompts": PROMPTS})
+                                  "dense_weights": dense, "speculative_config": config.to_json(),
+                                  "draft_weight_bytes": proposer.weight_bytes if proposer else None,
+                                  "prompts": PROMPTS})
     emit(report, args, format_speculative(report))
-    return 0 if identical else 1
+    return 0 if all(r["identical_greedy_tokens"] for r in ratios) else 1
+
+
+def _as_served() -> Any:
+    """What a stage on this machine decides its weights by (``load_stage_as_served``), for the draft."""
+    import psutil
+
+    from stage_worker.blas import loaded_blas
+    from stage_worker.device import current_backend
+    from stage_worker.draft_proposer import DraftWeights
+    from stage_worker.stage_model import resolve_compute_dtype
+
+    backend = current_backend()
+    return DraftWeights("auto", backend, loaded_blas(), int(psutil.virtual_memory().total * 0.8),
+                        resolve_compute_dtype("auto", backend))
+
+
+def _draft_dir(args: argparse.Namespace, spec: Any, tmp: Path) -> str | None:
+    """The directory of the 'on' arm's draft model, written or converted under ``tmp`` where needed."""
+    if args.draft_shape:
+        from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
+
+        return str(write_random_checkpoint(shape_config(args.draft_shape), tmp / f"draft-{args.draft_shape}",
+                                           args.shape_dtype, tokenizer_dir=args.shape_tokenizer))
+    if args.draft_model != SELF:
+        return args.draft_model
+    if spec.format == "gguf":
+        from stage_worker.convert import convert_gguf_to_mlx_dir
+
+        return convert_gguf_to_mlx_dir(spec.path, str(tmp / "draft-self"))
+    return str(spec.path)
 
 
 def format_speculative(report: dict[str, Any]) -> str:
-    """Each arm's tokens per second, on over off, identity and acceptance (pure)."""
-    lines = [f"{'speculation':<12} {'tok/s':>8} {'tokens':>7} {'accepted':>9} {'tokens/verification':>20}"]
-    for arm, figures in report["results"].items():
-        accepted = figures.get("acceptance_rate")
-        per_trip = figures.get("tokens_per_verification")
-        lines.append(f"{arm:<12} {figures['tokens_per_s']:>8g} {figures['tokens']:>7} "
-                     f"{'-' if accepted is None else f'{100 * accepted:.0f}%':>9} "
-                     f"{'-' if per_trip is None else f'{per_trip:.2f}':>20}")
-    (ratio,) = report["ratios"]
-    lines.append(f"speculation on / off: {ratio['tokens_per_s']:.3f}x output tokens/s; greedy tokens "
-                 f"{'identical' if ratio['identical_greedy_tokens'] else 'DIFFERENT'}")
+    """Each level's arms: tokens per second, on over off, identity and acceptance (pure)."""
+    lines = [f"{'streams':>7} {'speculation':<12} {'tok/s':>8} {'tokens':>7} {'accepted':>9} "
+             f"{'tokens/verification':>20}"]
+    for level in report["results"]["levels"]:
+        for arm in ("off", "on"):
+            figures = level[arm]
+            accepted = figures.get("acceptance_rate")
+            per_trip = figures.get("tokens_per_verification")
+            lines.append(f"{level['streams']:>7} {arm:<12} {figures['tokens_per_s']:>8g} {figures['tokens']:>7} "
+                         f"{'-' if accepted is None else f'{100 * accepted:.0f}%':>9} "
+                         f"{'-' if per_trip is None else f'{per_trip:.2f}':>20}")
+    for ratio in report["ratios"]:
+        lines.append(f"{ratio['streams']} stream(s): speculation on / off {ratio['tokens_per_s']:.3f}x output "
+                     f"tokens/s; greedy tokens {'identical' if ratio['identical_greedy_tokens'] else 'DIFFERENT'}")
     return "\n".join(lines)
 
 
 def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], output_len: int,
-           speculative: Any) -> dict[str, Any]:
-    """Every prompt in turn through a fresh engine (one stream); tokens/s over the whole run."""
+           speculative: Any, proposer: Any, streams: int) -> dict[str, Any]:
+    """The prompts through a fresh engine, ``streams`` requests at once (at least every prompt once; request i
+    asks prompt i mod their number); tokens/s over the whole run."""
     from stage_worker.engine import EntryEngine, RequestFailed
     from stage_worker.scheduler import GenerationRequest, Scheduler
     from stage_worker.stage_runtime import EntryPipeline, StageCompute
@@ -123,27 +230,43 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
     from stagemesh.bench.engine import drive_engine
 
     longest = max(len(p) for p in prompts) + output_len + 1
-    scheduler = Scheduler(max_num_seqs=4, max_model_len=longest, max_waiting=8, speculative=speculative)
-    engine = EntryEngine(EntryPipeline(StageCompute(model, 4), None, None, is_last=True), scheduler, StageStatus())
-    outputs: list[list[int]] = []
+    seats = max(4, streams)
+    if proposer is not None:
+        proposer.clear()
+    scheduler = Scheduler(max_num_seqs=seats, max_model_len=longest, max_waiting=seats, speculative=speculative,
+                          proposer=proposer if speculative is not None else None)
+    engine = EntryEngine(EntryPipeline(StageCompute(model, seats), None, None, is_last=True), scheduler,
+                         StageStatus())
+    requests = max(len(prompts), streams)
+    outputs: list[list[int]] = [[] for _ in range(requests)]
     timing: dict[str, float] = {}
+    failures: list[str] = []
 
-    def client() -> None:
-        started = time.perf_counter()
-        for index, prompt in enumerate(prompts):
-            handle = engine.submit(GenerationRequest(f"p{index}", prompt, output_len, stop_token_ids=stops))
-            reply: list[int] = []
+    def stream(first: int) -> None:
+        for index in range(first, requests, streams):
+            handle = engine.submit(GenerationRequest(f"p{index}", prompts[index % len(prompts)], output_len,
+                                                     stop_token_ids=stops))
             while True:
                 event = handle.events.get(timeout=600)
                 if isinstance(event, RequestFailed):
-                    raise RuntimeError(f"request failed: {event.message}")
-                reply += event.token_ids
+                    failures.append(event.message)
+                    return
+                outputs[index] += event.token_ids
                 if event.finish is not None:
                     break
-            outputs.append(reply)
+
+    def client() -> None:
+        started = time.perf_counter()
+        threads = [threading.Thread(target=stream, args=(first,)) for first in range(streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         timing["seconds"] = time.perf_counter() - started
 
     drive_engine(engine, client)
+    if failures:
+        raise RuntimeError(f"request failed: {failures[0]}")
     if "seconds" not in timing:
         raise RuntimeError("the engine stopped before every prompt finished")
     tokens = sum(len(o) for o in outputs)
@@ -155,7 +278,7 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
         result["tokens_per_verification"] = round((counts.accepted_tokens + counts.drafts) / counts.drafts, 2)
         result["spec_decode"] = asdict(counts)
         # Steps that fed one token: every token is a prompt's first, one of a plain step, or a verification's.
-        result["plain_decode_steps"] = tokens - len(prompts) - counts.accepted_tokens - counts.drafts
+        result["plain_decode_steps"] = tokens - requests - counts.accepted_tokens - counts.drafts
     return result
 
 

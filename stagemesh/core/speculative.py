@@ -4,8 +4,11 @@ Contract:
 - ``SpeculativeConfig`` is the frozen, checked form. ``parse_speculative_config(text)`` reads the flag's JSON
   (vLLM's keys) and raises ``SpeculativeConfigError`` (a ``UserError``) naming the key to change: an unknown
   key or method, ``num_speculative_tokens`` outside 1..``MAX_SPECULATIVE_TOKENS``, a ``prompt_lookup_min``
-  above ``prompt_lookup_max``, a ``disable_by_batch_size`` below 1. A draft model (``"model"``, or the
-  method ``draft_model``) is refused: only the ``ngram`` (prompt lookup) method is served.
+  above ``prompt_lookup_max``, a ``disable_by_batch_size`` below 1, a ``draft_model`` method without a
+  ``"model"`` or a ``"model"`` with another method.
+- Two methods: ``ngram`` (prompt lookup) and ``draft_model`` (a small mlx-lm model at ``model``, a path; vLLM
+  takes ``"model"`` alone to mean this method). Whether the path holds a model whose vocabulary is the
+  target's is checked where both are read (``stage_worker.draft_proposer.check_draft_model``), not here.
 - vLLM's defaults for ngram: both lookup bounds 5 when neither is given, else the missing one equals the
   other. ``disable_by_batch_size`` (vLLM's key): no sequence speculates while more than this many run
   (default ``DEFAULT_DISABLE_BY_BATCH_SIZE``).
@@ -21,7 +24,9 @@ from typing import Any
 from stagemesh.core.errors import UserError
 
 FLAG = "--speculative-config"
-METHODS = ("ngram",)
+NGRAM = "ngram"
+DRAFT_MODEL = "draft_model"
+METHODS = (NGRAM, DRAFT_MODEL)
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, for both bounds when neither is given
 # Above this many running sequences a step's extra verification rows cost more than the trips they save: the
@@ -29,6 +34,7 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, for both bounds when neither is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size")
+_NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 
 
 class SpeculativeConfigError(UserError):
@@ -37,20 +43,30 @@ class SpeculativeConfigError(UserError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Prompt-lookup speculation: up to ``num_speculative_tokens`` proposals per sequence and step, from the
-    longest suffix of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens seen earlier in the sequence."""
+    """Up to ``num_speculative_tokens`` proposals per sequence and step: with ``ngram``, from the longest suffix
+    of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens seen earlier in the sequence; with
+    ``draft_model``, the greedy tokens of the draft model at ``model``."""
 
     num_speculative_tokens: int
-    method: str = "ngram"
+    method: str = NGRAM
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # the draft model's directory (draft_model only)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise SpeculativeConfigError(f"{FLAG}: method {self.method!r} is not supported; use \"ngram\"")
+            raise SpeculativeConfigError(f"{FLAG}: method {self.method!r} is not supported; use "
+                                         f"{' or '.join(repr(m) for m in METHODS)}")
+        if (self.method == DRAFT_MODEL) != (self.model is not None):
+            raise SpeculativeConfigError(
+                f"{FLAG}: the method \"draft_model\" needs \"model\" (the draft model's directory)"
+                if self.method == DRAFT_MODEL else
+                f"{FLAG}: \"model\" is a draft model; use \"method\": \"draft_model\" or leave \"method\" out")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise SpeculativeConfigError(f"{FLAG}: \"model\" must be a directory path, got {self.model!r}")
         for key, value in asdict(self).items():
-            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+            if key not in ("method", "model") and (not isinstance(value, int) or isinstance(value, bool)):
                 raise SpeculativeConfigError(f"{FLAG}: {key} must be an integer, got {value!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(f"{FLAG}: num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
@@ -82,14 +98,20 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     unknown = sorted(set(raw) - set(_KEYS))
     if unknown:
         raise SpeculativeConfigError(f"{FLAG}: unknown key {unknown[0]!r}; known keys: {', '.join(_KEYS)}")
-    method = raw.get("method")
-    if raw.get("model") is not None or method == "draft_model":
-        raise SpeculativeConfigError(f"{FLAG}: a draft model (\"model\") is not supported yet; use "
-                                     '"method": "ngram" (prompt lookup) without "model"')
+    model = raw.get("model")
+    method = raw.get("method", DRAFT_MODEL if model is not None else None)  # vLLM: "model" alone is a draft
     if method is None:
-        raise SpeculativeConfigError(f"{FLAG}: \"method\" is missing; use \"ngram\"")
+        raise SpeculativeConfigError(f"{FLAG}: \"method\" is missing; use \"ngram\", or \"model\" for a draft model")
     if "num_speculative_tokens" not in raw:
         raise SpeculativeConfigError(f"{FLAG}: \"num_speculative_tokens\" is missing (1..{MAX_SPECULATIVE_TOKENS})")
+    if method == DRAFT_MODEL:
+        lookup = [key for key in _NGRAM_KEYS if key in raw]
+        if lookup:
+            raise SpeculativeConfigError(f"{FLAG}: {lookup[0]} is prompt lookup's (\"ngram\"); a draft model "
+                                         "does not take it")
+        return SpeculativeConfig(
+            num_speculative_tokens=raw["num_speculative_tokens"], method=method, model=model,
+            disable_by_batch_size=raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
     low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
     # vLLM's defaults: both 5 when neither is given, else the missing bound equals the given one.
     low = high if low is None else low
@@ -98,9 +120,9 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         low = high = DEFAULT_PROMPT_LOOKUP
     return SpeculativeConfig(
         num_speculative_tokens=raw["num_speculative_tokens"], method=method, prompt_lookup_max=high,
-        prompt_lookup_min=low,
+        prompt_lookup_min=low, model=model,
         disable_by_batch_size=raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
 
 
-__all__ = ["DEFAULT_DISABLE_BY_BATCH_SIZE", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig", "SpeculativeConfigError",
-           "parse_speculative_config"]
+__all__ = ["DEFAULT_DISABLE_BY_BATCH_SIZE", "DRAFT_MODEL", "MAX_SPECULATIVE_TOKENS", "NGRAM", "SpeculativeConfig",
+           "SpeculativeConfigError", "parse_speculative_config"]

@@ -89,7 +89,7 @@ def test_a_flag_kinds_share_reads_the_same_in_each_and_the_old_names_are_gone():
     assert where["--rounds"] == ["serve", "compare", "stack", "speculative", "pipeline"]
     assert where["--warmup"] == ["serve", "hop"]
     assert where["--port-base"] == ["compare", "stack", "gateway", "hop"]
-    assert where["--shape"] == ["compare", "stack", "engine"]
+    assert where["--shape"] == ["compare", "stack", "engine", "speculative"]
     assert where["model"] == ["compare", "stack", "engine", "prefix", "speculative", "pipeline", "parity"]
 
 
@@ -139,10 +139,12 @@ def _fake(kind: str) -> tuple[dict, dict, list[dict]]:
                    {"quantized": False, "fused_projections": True, **_engine_runs()}, []),
         "prefix": ({}, {"multi_turn": {"cache_off": arm, "cache_on": {**arm, "prefix_cache_hit_rate": 0.8}}},
                    [{"workload": "multi_turn", "compares": "cache on / cache off", "ttft_p50_s": 0.4}]),
-        "speculative": ({}, {"off": {"tokens": 100, "seconds": 10.0, "tokens_per_s": 10.0},
-                             "on": {"tokens": 100, "seconds": 6.0, "tokens_per_s": 16.7, "acceptance_rate": 0.5,
-                                    "tokens_per_verification": 3.2, "plain_decode_steps": 20}},
-                        [{"compares": "speculation on / off", "tokens_per_s": 1.67, "identical_greedy_tokens": True}]),
+        "speculative": ({}, {"levels": [{"streams": 1, "off": {"tokens": 100, "seconds": 10.0, "tokens_per_s": 10.0},
+                                         "on": {"tokens": 100, "seconds": 6.0, "tokens_per_s": 16.7,
+                                                "acceptance_rate": 0.5, "tokens_per_verification": 3.2,
+                                                "plain_decode_steps": 20}}]},
+                        [{"streams": 1, "compares": "speculation on / off", "tokens_per_s": 1.67,
+                          "identical_greedy_tokens": True}]),
         "pipeline": ({}, {"summary": {"mlx_lm": {"decode_tokens_per_s": 10.0, "peak_rss_bytes": [1e8]},
                                       "pp1": {"decode_tokens_per_s": 9.0, "peak_rss_bytes": [2e8]}}},
                      [{"arm": "mlx_lm", "vs_mlx_lm": 1.0, "vs_pp1": 1.1},

@@ -4,7 +4,8 @@ Headless Chromium (Debian's ``chromium`` and ``chromium-driver``, which
 ``.ci/run`` installs) driven by Selenium loads ``GET /``, is asked for the
 key, shows both stages with their layer ranges, shows a stage killed with
 SIGKILL as unhealthy and then serving again (a new pid, the events listed),
-and streams a chat answer from ``/v1/chat/completions``; ``stagemesh status
+and streams a chat answer from ``/v1/chat/completions`` (speculating with the
+model's own weights as its draft: the replica shows the proposals accepted); ``stagemesh status
 --watch`` draws the same figures in a terminal. Set
 ``STAGEMESH_DASHBOARD_SCREENSHOT=PATH`` to keep the screenshot it takes
 (docs/images/dashboard.png is made that way).
@@ -12,6 +13,7 @@ and streams a chat answer from ``/v1/chat/completions``; ``stagemesh status
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -32,7 +34,14 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    serve = start_serve(tmp_path_factory.mktemp("dashboard"), "--api-key", API_KEY, pp=2)
+    from stage_worker.convert import convert_gguf_to_mlx_dir
+    from stage_worker.default_model import default_model_path
+
+    # Speculation with the model's own weights as its draft: every answer's proposals show on the page.
+    draft = convert_gguf_to_mlx_dir(str(default_model_path()), str(tmp_path_factory.mktemp("draft") / "model"))
+    speculative = json.dumps({"model": draft, "num_speculative_tokens": 4})
+    serve = start_serve(tmp_path_factory.mktemp("dashboard"), "--api-key", API_KEY, "--speculative-config",
+                        speculative, pp=2)
     yield serve
     serve.stop()
 
@@ -129,6 +138,10 @@ def test_page_shows_stages_a_killed_stage_coming_back_and_streams_chat(serve, br
     WebDriverWait(browser, 10, poll_frequency=0.2).until(
         lambda d: _texts(d, '[data-card="running"] .value') == ["0"]
         and _texts(d, '[data-card="running"] .sub') == ["1 served since start"])
+    # The answer's tokens were proposed by the draft and verified: the replica shows what it accepted.
+    shown = WebDriverWait(browser, 10, poll_frequency=0.2).until(
+        lambda d: (t := _texts(d, '.replica[data-replica="0"] .speculation')) and t[0])
+    assert "% accepted" in shown and "tok/verification" in shown
     shot = os.environ.get("STAGEMESH_DASHBOARD_SCREENSHOT") or str(tmp_path / "dashboard.png")
     assert browser.save_screenshot(shot)
 

@@ -1,11 +1,15 @@
 """``stagemesh serve --speculative-config`` at PP=2 through the OpenAI SDK: greedy text equal to the package's
-plain PP=1 serve, speculation's counters in /metrics and ``stagemesh status``, a draft model refused at start."""
+plain PP=1 serve, speculation's counters in /metrics and ``stagemesh status``, a draft model that is not there
+refused at start, and the last stage killed while requests verify: none hangs, the replica heals."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -60,9 +64,58 @@ def test_greedy_text_is_the_same_with_speculation_at_pp2(serve_pp1, speculating)
     assert "speculative decoding accepted" in format_mesh(speculating.mesh())
 
 
-def test_a_draft_model_is_refused_at_start_naming_the_method_that_works(tmp_path):
+def test_a_draft_model_that_is_not_there_is_refused_at_start_naming_it(tmp_path):
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "serve", "--speculative-config",
-                           '{"model": "/models/draft", "num_speculative_tokens": 4}'],
+                           json.dumps({"model": str(tmp_path / "draft"), "num_speculative_tokens": 4})],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "--speculative-config" in done.stderr and '"method": "ngram"' in done.stderr
+    assert "--speculative-config" in done.stderr and "not an mlx-lm model directory" in done.stderr
+    assert str(tmp_path / "draft") in done.stderr
+
+
+def test_a_last_stage_killed_while_requests_verify_ends_every_request_and_the_replica_heals(serve_pp1, speculating):
+    """Stage 1 (the last, which verifies) is killed with SIGKILL while four speculating streams are under way:
+    each stream finishes or fails with an error the SDK raises, none hangs, and the replica is rebuilt and
+    answers as before. Runs last: it kills the module's speculating serve's stage."""
+    client = openai.OpenAI(base_url=f"{speculating.url}/v1", api_key="none", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": f"Repeat this code exactly, four times:\n{CODE * 2}"}]
+    outcomes: dict[int, str] = {}
+    flowing = threading.Semaphore(0)
+
+    def stream(index: int) -> None:
+        told = False
+        try:
+            chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0,
+                                                    stream=True)
+            for chunk in chunks:
+                if not told and chunk.choices and chunk.choices[0].delta.content:
+                    flowing.release()
+                    told = True
+            outcomes[index] = "finished"
+        except openai.APIError as exc:
+            outcomes[index] = f"failed: {exc}"
+        finally:
+            if not told:
+                flowing.release()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        assert flowing.acquire(timeout=120), "no stream started"
+    last = speculating.mesh()["replicas"][0]["stages"][1]
+    os.kill(last["pid"], signal.SIGKILL)
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive(), "a stream hung after its last stage died"
+    assert len(outcomes) == 4 and all(o == "finished" or o.startswith("failed: ") for o in outcomes.values())
+    assert any(o.startswith("failed: ") for o in outcomes.values()), outcomes  # the kill hit requests in flight
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        stages = speculating.mesh()["replicas"][0]["stages"]
+        if all(s["healthy"] for s in stages) and stages[1]["pid"] not in (None, last["pid"]):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"the replica did not heal: {speculating.mesh()}")
+    assert _greedy(speculating.url, PROMPTS[0]) == _greedy(serve_pp1.url, PROMPTS[0])
