@@ -47,7 +47,7 @@ def _load_the_stages_blas() -> None:
 
 _load_the_stages_blas()
 
-pytest_plugins = ("tests.fast_tier", "pytester")
+pytest_plugins = ("tests.fast_tier", "tests.worker_groups", "pytester")
 
 # Each call hands out a fresh range so tests (and reruns) never share ports. The range sits
 # between Ray's worker ports (10002-19999) and Linux's ephemeral ports (32768-60999), where an
@@ -102,26 +102,6 @@ def free_port_base(count: int) -> int:
             for s in sockets:
                 s.close()
     raise RuntimeError("no free port range on loopback")
-
-
-def _xdist_group(item: pytest.Item) -> str:
-    """The pytest-xdist group of a test: its file (a module-scoped fixture starts once), or one group for every
-    test using a shared serve of tests/e2e (that package-scoped serve starts once)."""
-    from tests.e2e.conftest import SHARED_SERVES
-
-    if any(name in item.fixturenames for name in SHARED_SERVES):
-        return "e2e-shared-serves"
-    return item.nodeid.split("::")[0]
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (pyproject's addopts): group the tests as ``_xdist_group`` says, and hand out
-    the slow tier first, so the long groups start early and the quick ones fill in at the end."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)  # stable: e2e first, order kept within
 
 
 @pytest.fixture(scope="session")

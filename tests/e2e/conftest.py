@@ -30,14 +30,12 @@ def serve_pp1(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def serve_pp2(tmp_path_factory):
-    """``stagemesh serve`` at PP=2 with a mesh token, step-ahead and joined projections on.
+    """``stagemesh serve`` at PP=2 with a mesh token and step-ahead on.
 
-    Auto leaves step-ahead and joined projections off on the CPU; on here, PP=2 also covers decode steps
-    built ahead and the GPU's layer form. On the CPU backend joined layers compute what separate ones do, so
-    PP=2 still equals PP=1 token for token.
+    Auto leaves step-ahead off on the CPU; on here, PP=2 also covers decode steps built ahead, which compute
+    what plain steps do, so PP=2 still equals PP=1 exactly (tokens and logprobs).
     """
     serve = start_serve(tmp_path_factory.mktemp("serve-pp2"), pp=2,
-                        env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN, "STAGEMESH_STEP_AHEAD": "on",
-                             "STAGEMESH_FUSE_PROJECTIONS": "on"})
+                        env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN, "STAGEMESH_STEP_AHEAD": "on"})
     yield serve
     serve.stop()

@@ -32,7 +32,10 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    serve = start_serve(tmp_path_factory.mktemp("dashboard"), "--api-key", API_KEY, pp=2)
+    # Joined projections on (auto leaves them off on the CPU): the stages here serve the dashboard's requests
+    # with the GPU's layer form (tests/test_fused_projections.py checks what it computes).
+    serve = start_serve(tmp_path_factory.mktemp("dashboard"), "--api-key", API_KEY, pp=2,
+                        env={"STAGEMESH_FUSE_PROJECTIONS": "on"})
     yield serve
     serve.stop()
 

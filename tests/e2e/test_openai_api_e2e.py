@@ -17,7 +17,6 @@ import numpy as np
 import openai
 import pytest
 
-
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
