@@ -9,9 +9,9 @@ A group of tests runs on one worker, one test after another; groups run side by 
 
 xdist's own ``loadgroup`` cannot see the marks under pytest 9 (it renames ``item._nodeid``, which pytest 9 no
 longer reads), and its scheduler sees only node ids: each worker writes the groups of the tests it collected
-to a JSON file in a directory the controller names, and the controller's scheduler reads them. Tests are
-handed out in collection order, the slow tier first, so the long groups start early and the quick ones fill
-in at the end. Without xdist (``-n 0``) only the order applies.
+to a JSON file in a directory the controller names, and the controller's scheduler reads them. Groups are
+handed out slow tier first, larger groups first within each tier, so the long groups start early and the quick
+ones fill in at the end. Without xdist (``-n 0``) only the order applies.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,18 @@ def group_of(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)  # stable: e2e first, order kept within
+    groups = {item.nodeid: group_of(item) for item in items}
+    sizes = Counter(groups.values())
+    first_seen = {group: index for index, group in reversed(list(enumerate(groups.values())))}
+    slow_groups = {groups[item.nodeid] for item in items if item.get_closest_marker("e2e") is not None}
+    # Slow groups first, the larger first (the e2e package's shared serves are the longest); each group's tests
+    # stay together and in their order.
+    items.sort(key=lambda item: (groups[item.nodeid] not in slow_groups, -sizes[groups[item.nodeid]],
+                                 first_seen[groups[item.nodeid]]))
     workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
     if workerinput is not None and _GROUPS_DIR in workerinput:
         path = Path(workerinput[_GROUPS_DIR]) / f"{workerinput['workerid']}.json"
-        path.write_text(json.dumps({item.nodeid: group_of(item) for item in items}))
+        path.write_text(json.dumps(groups))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -139,7 +139,7 @@ def test_a_stage_failing_at_startup_raises_with_its_log_and_cleans_up():
     started = time.monotonic()
     with pytest.raises(MeshStartError) as info:
         coordinator.start()
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 45  # at the stage's exit, not the 60 s startup timeout
     message = str(info.value)
     assert "replica 0 stage 1" in message and f"grpc :{config.grpc_base_port + 1}" in message
     assert "exited with code 2 (configuration error)" in message
