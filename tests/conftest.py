@@ -47,21 +47,47 @@ def _load_the_stages_blas() -> None:
 
 _load_the_stages_blas()
 
-pytest_plugins = ("tests.fast_tier", "pytester")
+pytest_plugins = ("tests.fast_tier", "tests.worker_groups", "pytester")
 
 # Each call hands out a fresh range so tests (and reruns) never share ports. The range sits
 # between Ray's worker ports (10002-19999) and Linux's ephemeral ports (32768-60999), where an
-# outgoing connection's TIME_WAIT could otherwise hold a port we want to bind.
+# outgoing connection's TIME_WAIT could otherwise hold a port we want to bind. Under pytest-xdist
+# each worker takes its own slice of it, so two workers never hand out the same port (a serve
+# binds its ports a while after they were found free, and the soak's "block" fault firewalls
+# ports it was given: neither may touch another worker's test).
 _FIRST, _LAST = 22000, 32700
-_NEXT_BASE = itertools.count(_FIRST + (os.getpid() % 100) * 40, 40)
+_STRIDE = 40  # the most consecutive ports one call hands out
+
+
+def _worker_slice(first: int, last: int) -> tuple[int, int]:
+    """[first, last) of this process's ports: the whole range, or its worker's share under pytest-xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... in an xdist worker
+    if worker is None:
+        return first, last
+    count = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    index = int(worker.removeprefix("gw"))
+    width = (last - first) // count
+    return first + index * width, first + (index + 1) * width
+
+
+def _bases() -> itertools.cycle:
+    """Range starts within this process's slice, from a pid-dependent point (a rerun starts elsewhere, away
+    from the last run's TIME_WAIT), wrapping round: each one is checked free before it is handed out."""
+    first, last = _worker_slice(_FIRST, _LAST)
+    starts = list(range(first, last - _STRIDE + 1, _STRIDE))
+    offset = os.getpid() % len(starts)
+    return itertools.cycle(starts[offset:] + starts[:offset])
+
+
+_NEXT_BASE = _bases()
 
 
 def free_port_base(count: int) -> int:
     """A base port such that ``count`` consecutive loopback ports are free now."""
+    if not 0 < count <= _STRIDE:
+        raise ValueError(f"free_port_base hands out 1 to {_STRIDE} ports at a time, not {count}")
     for _ in range(200):
         base = next(_NEXT_BASE)
-        if base + count > _LAST:
-            break
         sockets = []
         try:
             for port in range(base, base + count):

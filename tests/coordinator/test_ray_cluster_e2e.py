@@ -99,7 +99,7 @@ def test_a_killed_actor_takes_its_stage_process_along(cluster):
         pid = ray.get(actor.start.remote("{}", SLEEPER), timeout=60)
         assert running(pid)
         ray.kill(actor)
-        wait_until(lambda: not running(pid), 10, "stage process dies with its StageHost")
+        wait_until(lambda: not running(pid), 30, "stage process dies with its StageHost")
     finally:
         release_bundles(group)
 
@@ -112,7 +112,7 @@ def test_too_few_units_is_refused_at_once_with_the_fix(cluster):
     started = time.monotonic()
     with pytest.raises(PlacementError) as info:
         coordinator.start()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # refused up front, not after a placement timeout
     message = str(info.value)
     assert "needs 4 'mlx' units" in message and "the Ray cluster has 3" in message
     assert "ray start --address=127.0.0.1:6379 --resources='{\"mlx\": 1}'" in message
@@ -126,7 +126,7 @@ def test_units_held_elsewhere_time_out_with_a_clear_error(cluster):
         started = time.monotonic()
         with pytest.raises(PlacementError, match=r"could not reserve 1 'mlx' unit\(s\) within 3 s"):
             reserve_bundles(placement.slots[:1], timeout_s=3)
-        assert time.monotonic() - started < 8
+        assert time.monotonic() - started < 15  # the 3 s asked for, not Ray's pending forever
     finally:
         release_bundles(hog)
 
@@ -146,7 +146,7 @@ def test_mesh_spreads_a_pipeline_over_three_nodes_and_recovers(cluster):
         assert [s.grpc_port for s in replica.stages] == [grpc, grpc + 1, grpc + 2]
         victim = next(s for s in replica.stages if s.host == PINNED)
         os.kill(victim.pid, signal.SIGKILL)
-        wait_until(lambda: not coordinator.snapshot().replicas[0].healthy, 3, "replica marked unhealthy")
+        wait_until(lambda: not coordinator.snapshot().replicas[0].healthy, 10, "replica marked unhealthy")
         wait_until(lambda: coordinator.snapshot().replicas[0].healthy, 30, "replica restarted")
         again = coordinator.snapshot().replicas[0]
         assert again.restarts == 1
@@ -179,7 +179,7 @@ def test_a_replica_whose_node_leaves_is_placed_again_on_a_new_node(cluster):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(before.stages[1].pid, signal.SIGKILL)
             replacement = cluster.add_node(node_ip_address="127.0.0.1", resources={"mlx": 1}, num_cpus=1)
-        wait_until(lambda: not coordinator.snapshot().replicas[0].healthy, 5, "replica marked unhealthy")
+        wait_until(lambda: not coordinator.snapshot().replicas[0].healthy, 15, "replica marked unhealthy")
         wait_until(lambda: coordinator.snapshot().replicas[0].healthy, 60, "replica placed again")
         after = coordinator.snapshot().replicas[0]
         assert after.stages[0].node_id == before.stages[0].node_id

@@ -74,7 +74,7 @@ def test_stop_escalates_to_sigkill():
     _wait_for(lambda: "up" in host.log_tail())
     started = time.monotonic()
     assert host.stop(grace_s=0.5) == -9
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # the grace, then SIGKILL: no long wait
 
 
 @pytest.mark.e2e

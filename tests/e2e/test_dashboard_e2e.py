@@ -40,8 +40,10 @@ def serve(tmp_path_factory):
     # Speculation with the model's own weights as its draft: every answer's proposals show on the page.
     draft = convert_gguf_to_mlx_dir(str(default_model_path()), str(tmp_path_factory.mktemp("draft") / "model"))
     speculative = json.dumps({"model": draft, "num_speculative_tokens": 4})
+    # Joined projections on (auto leaves them off on the CPU): the stages here serve the dashboard's requests
+    # with the GPU's layer form (tests/test_fused_projections.py checks what it computes).
     serve = start_serve(tmp_path_factory.mktemp("dashboard"), "--api-key", API_KEY, "--speculative-config",
-                        speculative, pp=2)
+                        speculative, pp=2, env={"STAGEMESH_FUSE_PROJECTIONS": "on"})
     yield serve
     serve.stop()
 

@@ -17,8 +17,6 @@ import numpy as np
 import openai
 import pytest
 
-from tests.e2e.serve_process import start_serve
-
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -27,14 +25,10 @@ REPEATS = "one two one two one two one two"
 
 
 @pytest.fixture(scope="module")
-def servers(serve_pp1, tmp_path_factory):
-    """PP=1 (the package's shared serve, tests/e2e/conftest.py) and a PP=2 of this module's own."""
-    pp2 = start_serve(tmp_path_factory.mktemp("openai-pp2"), pp=2)
-    started = [serve_pp1, pp2]
-    try:
-        yield [openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0) for s in started], started
-    finally:
-        pp2.stop()
+def servers(serve_pp1, serve_pp2):
+    """PP=1 and PP=2: the package's shared serves (tests/e2e/conftest.py)."""
+    started = [serve_pp1, serve_pp2]
+    return [openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0) for s in started], started
 
 
 @pytest.fixture(scope="module")

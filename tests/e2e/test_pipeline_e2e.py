@@ -97,7 +97,7 @@ def test_neighbour_with_another_compute_dtype_is_refused_within_seconds(default_
     rank0 = _start_rank(good, 0, tmp_path / "r0.log")
     rank1 = _start_rank(odd, 1, tmp_path / "r1.log")
     codes = (_wait_exit(rank0, 60), _wait_exit(rank1, 60))
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 50  # at the handshake, not after the 60 s connect timeout
     assert codes == (3, 3)
     logs = (tmp_path / "r0.log").read_text() + (tmp_path / "r1.log").read_text()
     assert "float16" in logs and "float32" in logs and "same --dtype" in logs
@@ -160,6 +160,6 @@ def test_absent_neighbour_at_start_is_reported_not_waited_for(default_model_path
     started = time.monotonic()
     rank0 = _start_rank(plan, 0, tmp_path / "r0.log", StageOptions(connect_timeout_s=3))
     assert _wait_exit(rank0, 60) == 3
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 50  # the 3 s asked for, not the 60 s default
     log = (tmp_path / "r0.log").read_text()
     assert "stage 1" in log and ("could not reach" in log or "did not connect" in log)

@@ -17,28 +17,16 @@ import openai
 import psutil
 import pytest
 
+from tests.e2e.conftest import MESH_TOKEN
 from tests.e2e.serve_process import port_is_free, start_serve
 
 pytestmark = pytest.mark.e2e
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
-MESH_TOKEN = "e2e-mesh-token-" + "k" * 24  # given through STAGEMESH_MESH_TOKEN, as a cluster's nodes would
 COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
-# serve_pp1 (tests/e2e/conftest.py) is shared with the other tests that only send requests.
-
-
-@pytest.fixture(scope="module")
-def serve_pp2(tmp_path_factory):
-    # Step-ahead and joined projections on (auto leaves both off on the CPU), so PP=2 below also covers
-    # decode steps built ahead and the GPU's layer form; on the CPU backend joined layers compute exactly
-    # what separate ones do, so PP=2 still equals PP=1 token for token.
-    serve = start_serve(tmp_path_factory.mktemp("pp2"), pp=2,
-                        env={"STAGEMESH_MESH_TOKEN": MESH_TOKEN, "STAGEMESH_STEP_AHEAD": "on",
-                             "STAGEMESH_FUSE_PROJECTIONS": "on"})
-    yield serve
-    serve.stop()
+# serve_pp1 and serve_pp2 (tests/e2e/conftest.py) are shared with the other tests that only send requests.
 
 
 def _grpcurl() -> str:
@@ -52,8 +40,8 @@ def _client(serve) -> openai.OpenAI:
 
 
 @pytest.mark.parametrize("which", ["serve_pp1", "serve_pp2"])
-def test_chat_answers_paris_streaming_and_not(which, request):
-    client = _client(request.getfixturevalue(which))
+def test_chat_answers_paris_streaming_and_not(which, serve_pp1, serve_pp2):
+    client = _client({"serve_pp1": serve_pp1, "serve_pp2": serve_pp2}[which])
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
     assert "Paris" in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"

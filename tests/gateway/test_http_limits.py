@@ -113,7 +113,8 @@ def _refusal(server, key: str) -> httpx.Response:
                       json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
 
 
-def test_requests_in_flight_beyond_a_cap_get_429_with_retry_after(limited, stage):
+def test_requests_in_flight_beyond_a_cap_get_429_with_retry_after(limited, stage, healthy_mesh):
+    # healthy_mesh: one replica, whatever an earlier test left, so both streams reach the stage that hangs.
     stage.script.hang_after_tokens = 1  # each stream stays open after its first token until the client leaves
     release = threading.Event()
     holders = []
