@@ -130,13 +130,18 @@ def _qwen2_args(md: Metadata, facts: CommonFacts) -> dict[str, Any]:
     return {}
 
 
-def _qwen3moe_args(md: Metadata, facts: CommonFacts) -> dict[str, Any]:
+def _refuse_rope_scaling(facts: CommonFacts, architecture: str, mlx_model: str) -> None:
+    """A GGUF of ``architecture`` whose rotary embeddings are scaled: mlx-lm's ``mlx_model`` does not apply it."""
     if facts.rope_scaling is not None:
         raise ModelFormatError(
-            f"this qwen3moe GGUF scales its rotary embeddings ({dict(facts.rope_scaling)}), which mlx-lm's "
-            "qwen3_moe model does not apply; use a file converted without rope scaling (the model's native "
+            f"this {architecture} GGUF scales its rotary embeddings ({dict(facts.rope_scaling)}), which mlx-lm's "
+            f"{mlx_model} model does not apply; use a file converted without rope scaling (the model's native "
             "context) or an MLX model directory."
         )
+
+
+def _qwen3moe_args(md: Metadata, facts: CommonFacts) -> dict[str, Any]:
+    _refuse_rope_scaling(facts, "qwen3moe", "qwen3_moe")
     experts = int(md("expert_count"))
     expert_ffn = int(md("expert_feed_forward_length"))
     # llama.cpp routes every layer through experts; a layer holding a dense MLP instead is mlx-lm's mlp_only_layers.
@@ -155,12 +160,7 @@ def _qwen3moe_args(md: Metadata, facts: CommonFacts) -> dict[str, Any]:
 
 def _qwen2moe_args(md: Metadata, facts: CommonFacts) -> dict[str, Any]:
     _qwen2_args(md, facts)  # the same attention: head_dim is hidden/heads in mlx-lm's qwen2_moe model
-    if facts.rope_scaling is not None:
-        raise ModelFormatError(
-            f"this qwen2moe GGUF scales its rotary embeddings ({dict(facts.rope_scaling)}), which mlx-lm's "
-            "qwen2_moe model does not apply; use a file converted without rope scaling (the model's native "
-            "context) or an MLX model directory."
-        )
+    _refuse_rope_scaling(facts, "qwen2moe", "qwen2_moe")
     experts = int(md("expert_count"))
     expert_ffn = int(md("expert_feed_forward_length"))
     # Every qwen2moe layer is routed and holds the shared expert (llama.cpp's loader requires both), and its graph

@@ -24,7 +24,8 @@ from stagemesh.core.errors import UserError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", metavar="NAME",
-                        help="a shipped shape with experts (default %(default)s)")
+                        help=f"{flags.HELP['--shape']}; here one with experts, whose first expert block is timed "
+                             "(default %(default)s)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256",
                         help="rows per call, comma-separated (default %(default)s)")
     flags.add_dtype(parser)

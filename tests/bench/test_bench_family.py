@@ -17,7 +17,8 @@ from stagemesh.bench import command, flags
 from stagemesh.bench.report import ENVELOPE_KEYS, build_report, flags_of
 
 PRODUCT = ("serve", "chat", "status", "plan", "doctor", "convert", "certs", "soak")
-KINDS = ("serve", "compare", "stack", "gateway", "engine", "prefix", "speculative", "pipeline", "hop", "parity")
+KINDS = ("serve", "compare", "stack", "gateway", "engine", "prefix", "speculative", "pipeline", "experts", "hop",
+         "parity")
 OLD_FLAGS = ("--out", "--tokens", "--prompt-len", "--max-tokens", "--repeats", "--port", "--stage-rpc")
 
 
@@ -87,9 +88,9 @@ def test_a_flag_kinds_share_reads_the_same_in_each_and_the_old_names_are_gone():
                                      "pipeline", "parity"]
     assert where["--input-len"] == ["serve", "compare", "stack", "gateway", "engine"]
     assert where["--rounds"] == ["serve", "compare", "stack", "speculative", "pipeline"]
-    assert where["--warmup"] == ["serve", "hop"]
+    assert where["--warmup"] == ["serve", "experts", "hop"]
     assert where["--port-base"] == ["compare", "stack", "gateway", "hop"]
-    assert where["--shape"] == ["compare", "stack", "engine", "speculative"]
+    assert where["--shape"] == ["compare", "stack", "engine", "speculative", "experts"]
     assert where["model"] == ["compare", "stack", "engine", "prefix", "speculative", "pipeline", "parity"]
 
 
@@ -149,6 +150,11 @@ def _fake(kind: str) -> tuple[dict, dict, list[dict]]:
                                       "pp1": {"decode_tokens_per_s": 9.0, "peak_rss_bytes": [2e8]}}},
                      [{"arm": "mlx_lm", "vs_mlx_lm": 1.0, "vs_pp1": 1.1},
                       {"arm": "pp1", "vs_mlx_lm": 0.9, "vs_pp1": 1.0, "rss_vs_pp1": [1.0]}]),
+        "experts": ({}, {"shape": "s", "model_type": "qwen3_moe", "experts": 8, "top_k": 2, "dims": 64, "hidden": 32,
+                         "dtype": "bfloat16", "device": "Device(gpu, 0)",
+                         "rows": [{"rows": 16, "experts_touched": 8, "gathered_ms_p50": 1.5,
+                                   "all_experts_ms_p50": 0.5, "speedup": 3.0, "max_relative_difference": 0.0}]},
+                    [{"rows": 16, "compares": "gathered / all experts time", "value": 3.0}]),
         "hop": ({"device": "Device(cpu, 0)"},
                 {"dtype": "bfloat16", "hidden": 64, "shapes": [
                     {"rows": 1, "bytes": 128, **{f"{p}_ms_p50": 0.1 for p in (
@@ -165,6 +171,7 @@ def _text(kind: str, report: dict) -> str:
     from stagemesh.bench import (
         compare,
         engine,
+        experts,
         gateway,
         hop,
         parity,
@@ -185,6 +192,7 @@ def _text(kind: str, report: dict) -> str:
         "prefix": lambda: prefix.format_prefix(report),
         "speculative": lambda: speculative.format_speculative(report),
         "pipeline": lambda: pipeline.format_table(results["summary"], report["ratios"]),
+        "experts": lambda: experts.format_experts(report),
         "hop": lambda: hop.format_hop(report),
         "parity": lambda: "\n".join(parity.format_parity(results)),
     }[kind]()
