@@ -195,11 +195,19 @@ def format_compare(report: dict) -> str:
 
 def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
     """The bare batched forward of the same weights at every concurrency level (the device's limit)."""
+    from coordinator.stage_host import nvidia_smi_list
+    from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
     from stagemesh.bench.pipeline import bare_forward
+    from stagemesh.core.gpus import node_gpu_count
 
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     input_len, output_len, _ = _sizes(args, "bare")
     bare = {f"batch{n}": bare_forward(model, n, 32, "auto", input_len, output_len) for n in levels}
+    if node_gpu_count(os.environ, nvidia_smi_list(os.environ)):
+        # The same forward with the MLX CUDA settings a stage serves with (no CUDA graphs, no cuDNN attention):
+        # what separates the bare arm from a stage's step before any serving work.
+        bare |= {f"batch{n}_serving_settings": bare_forward(model, n, 32, "auto", input_len, output_len,
+                                                            SERVING_MLX_CUDA_DEFAULTS) for n in levels}
     (out / "bare.json").write_text(json.dumps(bare, indent=1))
     for key, value in bare.items():
         print(f"bare {key}: decode {value['decode_tokens_per_s']:.1f} tok/s, whole workload "

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from stagemesh.bench import flags
@@ -109,15 +110,16 @@ print(json.dumps({"decode_tokens_per_s": decode_tps, "workload_tokens_per_s": wo
 
 
 def bare_forward(model_path: str, batch: int, steps: int, dtype: str = "auto", input_len: int = 32,
-                 output_len: int = 48) -> dict:
+                 output_len: int = 48, mlx_environment: Mapping[str, str] | None = None) -> dict:
     """The backend's limit: mlx-lm's own layers on a same-length batch of distinct prompts, no server, no scheduler,
     with the same BLAS and weight choice a stage would make. Two figures: decode steps alone, and
     the serving benchmark's whole workload (``input_len`` prompts prefilled together, ``output_len``
-    tokens each)."""
+    tokens each). MLX runs with its defaults unless ``mlx_environment`` sets its variables (e.g. a stage's
+    ``process_setup.SERVING_MLX_CUDA_DEFAULTS``)."""
     from stage_worker.blas import blas_environment, find_optimized_blas
 
     library = find_optimized_blas()
-    env = blas_environment(os.environ, library, os.cpu_count())
+    env = {**blas_environment(os.environ, library, os.cpu_count()), **(mlx_environment or {})}
     dense = "1" if library else "0"
     out = subprocess.run([sys.executable, "-c", _BARE_ARM, model_path, str(batch), str(steps), dense, dtype,
                           str(input_len), str(output_len)], capture_output=True, text=True, check=True, env=env)
