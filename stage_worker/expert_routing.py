@@ -39,10 +39,11 @@ from stagemesh.core import settings
 
 # mlx-lm's SwitchGLU sorts a call's (row, expert) pairs by expert from this many on (``do_sort``).
 SORTED_PAIRS = 64
-# On CUDA, the rows up to which every expert was measured to beat the sorted gathered form (2.3-2.4x at 256
-# rows on an H200 for Qwen3-30B-A3B's and gpt-oss-20b's blocks; docs/performance.md, ``stagemesh bench
-# experts``); elsewhere unmeasured, so mlx-lm's gathered form.
-CUDA_ALL_EXPERTS_MAX_ROWS = 256
+# On CUDA, the rows up to which every expert was measured to beat the sorted gathered form on an H200, for
+# Qwen3-30B-A3B's and gpt-oss-20b's blocks (1.5-1.7x at 512 rows, even at 1024; docs/performance.md,
+# ``stagemesh bench experts``): every decode step and, at the default 512-row budget, every prompt chunk.
+# Elsewhere unmeasured, so mlx-lm's gathered form.
+CUDA_ALL_EXPERTS_MAX_ROWS = 512
 
 
 @dataclass(frozen=True)
