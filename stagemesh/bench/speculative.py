@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests at once, one level each (default %(default)s)")
     flags.add_lengths(parser, input_len=None, output_len=256, with_input=False, output_note="at most, per prompt")
     flags.add_rounds(parser, 3)
+    parser.add_argument("--pp", type=int, default=None, metavar="N",
+                        help="measure through two `stagemesh serve -pp N` servers (speculation off and on) and "
+                             "their OpenAI API instead of one stage in this process")
+    flags.add_port_base(parser, 28200, "with --pp: the servers' ports (the 'on' server 20 above)")
+    flags.add_serve_args(parser)
 
 
 def _streams(text: str) -> list[int]:
@@ -136,6 +142,9 @@ def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
     draft_dir = _draft_dir(args, spec, tmp)
     config = parse_speculative_config(speculative_config_text(args.speculative_config, draft_dir))
     tokenizer = load_tokenizer(spec)
+    if args.pp is not None:
+        return _run_served(args, streams, path, speculative_config_text(args.speculative_config, draft_dir), tmp,
+                           started_at)
     proposer = None
     if config.model is not None:
         check_draft_model(config.model, spec, tokenizer)
@@ -167,6 +176,38 @@ def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
                                   "dense_weights": dense, "speculative_config": config.to_json(),
                                   "draft_weight_bytes": proposer.weight_bytes if proposer else None,
                                   "prompts": PROMPTS})
+    emit(report, args, format_speculative(report))
+    return 0 if all(r["identical_greedy_tokens"] for r in ratios) else 1
+
+
+def _run_served(args: argparse.Namespace, streams: list[int], path: str, config_text: str, tmp: Path,
+                started_at: datetime) -> int:
+    """``--pp N``: the same workload through two served pipelines (``speculative_served``)."""
+    from stagemesh.bench.report import build_report, emit, flags_of
+    from stagemesh.bench.speculative_served import drive_served, served_arms
+
+    levels, ratios = [], []
+    with served_arms(path, args.pp, config_text, args.port_base, args.serve_args.split(),
+                     tmp / "logs") as arms:
+        for arm in arms:  # warm each server's kernels
+            drive_served(arm, PROMPTS[:1], 16, 1)
+        for level in streams:
+            runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+            outputs: dict[str, list[str]] = {}
+            for _ in range(args.rounds):
+                for arm in arms:
+                    result = drive_served(arm, PROMPTS, args.output_len, level)
+                    outputs[arm.name] = result.pop("outputs")
+                    runs[arm.name].append(result)
+            figures = {name: _median(results) for name, results in runs.items()}
+            levels.append({"streams": level, **figures})
+            ratios.append({"streams": level, "compares": "speculation on / off",
+                           "tokens_per_s": round(figures["on"]["tokens_per_s"] / figures["off"]["tokens_per_s"], 3),
+                           "identical_greedy_tokens": outputs["off"] == outputs["on"]})
+    report = build_report("speculative", started_at=started_at, local_mlx=False, results={"levels": levels},
+                          ratios=ratios,
+                          config={**flags_of(args), "model": path, "pp": args.pp,
+                                  "speculative_config": json.loads(config_text), "prompts": PROMPTS})
     emit(report, args, format_speculative(report))
     return 0 if all(r["identical_greedy_tokens"] for r in ratios) else 1
 

@@ -89,7 +89,7 @@ def test_a_flag_kinds_share_reads_the_same_in_each_and_the_old_names_are_gone():
     assert where["--input-len"] == ["serve", "compare", "stack", "gateway", "engine"]
     assert where["--rounds"] == ["serve", "compare", "stack", "speculative", "pipeline"]
     assert where["--warmup"] == ["serve", "experts", "hop"]
-    assert where["--port-base"] == ["compare", "stack", "gateway", "hop"]
+    assert where["--port-base"] == ["compare", "stack", "gateway", "speculative", "hop"]
     assert where["--shape"] == ["compare", "stack", "engine", "speculative", "experts"]
     assert where["model"] == ["compare", "stack", "engine", "prefix", "speculative", "pipeline", "parity"]
 
