@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from stagemesh.bench.command import KINDS as BENCH_KINDS  # names only: that module imports no benchmark
+
 # subcommand -> (module, one-line help), in the order ``stagemesh --help`` lists them: the product's
 # commands first, then the benchmarks (``stagemesh bench KIND``).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -21,9 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("stagemesh.convert_cmd", "convert a GGUF model into an mlx-lm model directory"),
     "certs": ("stagemesh.certs", "make a mesh CA and each node's certificate for --grpc-tls-dir (mutual TLS)"),
     "soak": ("stagemesh.soak.command", "hold N streaming clients against a mesh while injecting faults; judge it"),
-    "bench": ("stagemesh.bench.command",
-              "benchmarks: stagemesh bench KIND (serve, compare, stack, gateway, engine, prefix, pipeline, hop, "
-              "parity)"),
+    "bench": ("stagemesh.bench.command", f"benchmarks: stagemesh bench KIND ({', '.join(BENCH_KINDS)})"),
 }
 
 

@@ -31,7 +31,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "prefix": ("stagemesh.bench.prefix",
                "what the prefix cache is worth: multi-turn chat and distinct prompts, cache off against on"),
     "speculative": ("stagemesh.bench.speculative",
-                    "what prompt-lookup speculation is worth: repeat/edit-this-code prompts, one stream, off vs on"),
+                    "what speculative decoding is worth (prompt lookup or a draft model): repeat/edit-this-code "
+                    "prompts, off vs on, one stage or --pp N servers"),
     "pipeline": ("stagemesh.bench.pipeline",
                  "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
     "experts": ("stagemesh.bench.experts",
