@@ -51,14 +51,17 @@ def _stages(path: str, depth: int, dtype=mx.float32) -> list[StageModel]:
 
 
 def _workload(pipeline: InProcessPipeline, repeating, max_tokens: int, small: bool = False,
-              seeded: bool = True) -> dict[str, list]:
+              all_options: bool = True) -> dict[str, list]:
     """``repeating`` alone, then batched with others (``small``: one greedy and one with options, no seeded
-    sampling; ``seeded``: with a seeded sampled request when not ``small``)."""
-    others, with_options = (OTHERS[1:2], WITH_OPTIONS[:1]) if small else (OTHERS, WITH_OPTIONS)
+    sampling; ``all_options``: with the penalized request and, when not ``small``, a seeded sampled one; else only
+    requests whose target tokens are the argmax of the unprocessed logits)."""
+    others = OTHERS[1:2] if small else OTHERS
+    with_options = WITH_OPTIONS if all_options else WITH_OPTIONS[1:]
+    with_options = with_options[:1] if small else with_options
     alone = [pipeline.generate(repeating, max_tokens)]
     batched_handles = [pipeline.submit(p, max_tokens - 3 * i) for i, p in enumerate((repeating, *others))]
     batched_handles += [pipeline.submit(OTHERS[0], max_tokens, sampling=s) for s in with_options]
-    if seeded and not small:
+    if all_options and not small:
         batched_handles.append(pipeline.submit(repeating, max_tokens, sampling=SEEDED))
     batched, _ = read_until_finished(batched_handles)
     return {"alone": alone, "batched": batched}
@@ -262,19 +265,20 @@ def _check_draft_identity(path: str, draft_path: str, depths, max_tokens: int, *
                           small: bool = False, repeating=REPEATING) -> None:
     """Speculating with the draft model at ``draft_path`` (loaded as a stage loads it) against one plain PP=1
     pipeline: the same tokens; with the target's own weights as the draft nearly every proposal is accepted
-    (greedy requests only: a sampled row may draw another token than the draft's argmax), with another model
+    (requests taking the argmax of the target's logits as they are only: a sampled row may draw another token
+    than the draft's argmax, a penalized one prefer another), with another model
     most are rejected (the target's and the draft's KV both roll back)."""
     from stage_worker.draft_proposer import load_draft_proposer
 
     with InProcessPipeline(_stages(path, 1), prefix_cache=PrefixCache(8, b"test")) as plain:
-        expected = _workload(plain, repeating, max_tokens, small, seeded=not own_weights)
+        expected = _workload(plain, repeating, max_tokens, small, all_options=not own_weights)
     config = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model=draft_path,
                                disable_by_batch_size=8)
     for depth in depths:
         proposer = load_draft_proposer(draft_path)
         with InProcessPipeline(_stages(path, depth), speculative=config, prefix_cache=PrefixCache(8, b"test"),
                                proposer=proposer) as speculating:
-            got = _workload(speculating, repeating, max_tokens, small, seeded=not own_weights)
+            got = _workload(speculating, repeating, max_tokens, small, all_options=not own_weights)
             counts = speculating.scheduler.spec_decode.counts
         assert got == expected, f"PP={depth}: speculation with a draft model changed greedy tokens"
         assert proposer.held_sequences == 0, "a finished sequence's draft KV was kept"
