@@ -87,10 +87,13 @@ def test_logprobs_penalties_and_a_json_schema_speculate_and_keep_their_meaning(s
     """A request with logprobs and a frequency penalty, and one with a response_format json_schema: the same text
     and logprobs as without speculation, and both verified (the entry stage's verifications grew)."""
     requests = [
-        {"messages": PROMPTS[0], "logprobs": True, "top_logprobs": 3, "frequency_penalty": 0.3},
-        {"messages": [{"role": "user", "content": f"Put this code in the field code of a JSON object:\n{CODE}"}],
+        {"messages": PROMPTS[0], "logprobs": True, "top_logprobs": 3, "frequency_penalty": 0.1},
+        {"messages": [{"role": "user", "content": 'Reply with this JSON object exactly: {"code": "def add(a, b): '
+                                                  'return a + b", "name": "add", "arguments": ["a", "b"]}'}],
          "response_format": {"type": "json_schema", "json_schema": {"name": "code", "schema": {
-             "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}},
+             "type": "object", "properties": {"code": {"type": "string"}, "name": {"type": "string"},
+                                              "arguments": {"type": "array", "items": {"type": "string"}}},
+             "required": ["code", "name", "arguments"]}}}},
     ]
     for request in requests:
         before = _settled_entry_stats(speculating)
@@ -114,7 +117,8 @@ def test_logprobs_penalties_and_a_json_schema_speculate_and_keep_their_meaning(s
         after = _entry_stats(speculating)
         assert after["requests_finished"] > before["requests_finished"], (before, after)
         assert after["spec_decode_num_drafts"] > before["spec_decode_num_drafts"], (request, before, after)
-        assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"], (before, after)
+        assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"], \
+            (got.message.content, after)
 
 
 def test_a_draft_model_that_is_not_there_is_refused_at_start_naming_it(tmp_path):
