@@ -516,13 +516,13 @@ class EntryPipeline:
             reading = time.perf_counter()
             sampling = batch.sampling
             # Reads the tokens back: waits for this batch only.
-            reply = sampling.reply(np.array(sampling.tokens).tolist())
-            sampled = reply.sampled()
+            kept = sampling.reply(np.array(sampling.tokens).tolist())
+            sampled = kept.sampled()
             self._compute.accept(sampled)
             if sampling.logprobs is not None:
                 by_row = sampling.logprobs.read()
                 sampled = [replace(t, logprob=by_row[row]) if row in by_row else t
-                           for t, row in zip(sampled, reply.rows, strict=True)]
+                           for t, row in zip(sampled, kept.rows, strict=True)]
             if self._on_batch is not None:
                 # Building the batch plus waiting for the device to finish it: this stage's compute.
                 self._on_batch(batch.rows, batch.build_s + time.perf_counter() - reading, 0.0, 0.0)
