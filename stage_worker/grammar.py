@@ -15,8 +15,14 @@ Contract:
   (llguidance only knows the tokenizer's EOS); a matcher that finished or
   failed allows only the stop tokens, so the sequence ends instead of
   sampling from nothing.
-- ``accept(seq_id, token)`` advances a matcher with the token that was
-  sampled: the last stage reads the sampled ids back (it already does, to
+- A verification's rows (speculative decoding): ``masks`` takes, per row, the proposals the sequence is
+  taken to have generated before it, and gives the mask after them: it advances each matcher through its
+  proposals, one mask per proposal prefix (every row of a depth in one parallel call), then rolls the
+  matcher back (``LLMatcher.rollback``), so the matcher is as it was. A proposal the mask before it does
+  not allow (or a stop token, which ends the sequence) ends the useful rows: the target's token there
+  differs from it, so no later row is ever kept; those rows get an all-allowed mask.
+- ``accept(seq_id, token)`` advances a matcher with a token the sequence
+  kept: the last stage reads the sampled ids back (it already does, to
   send them), so constrained sequences cost one host step per token, and
   nothing for the others.
 """
@@ -80,24 +86,61 @@ class GrammarRows:
             self._matchers.pop(seq_id, None)
             self._stops.pop(seq_id, None)
 
-    def masks(self, seq_ids: Sequence[int], vocab: int) -> np.ndarray:
-        """``int32[len(seq_ids), words]`` allowed-token bitmask of each constrained row."""
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+    def masks(self, seq_ids: Sequence[int], vocab: int,
+              preceding: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+        """``int32[len(seq_ids), words]`` allowed-token bitmask of each constrained row: after the proposals
+        ``preceding[i]`` (a verification's row; none for any other row), the matchers left as they were.
+        A sequence's rows come in order of their proposals, each a prefix of the next."""
+        bitmask = allocate_token_bitmask(len(seq_ids), vocab)  # all allowed: rows past a refused proposal
+        preceding = preceding if preceding is not None else [()] * len(seq_ids)
+        consumed: dict[int, int] = {}  # proposals each matcher went through, to roll back
+        ended: set[int] = set()  # sequences whose proposals left their grammar or stopped it
+        try:
+            for depth in sorted({len(p) for p in preceding}):
+                rows = []
+                for i, (seq_id, before) in enumerate(zip(seq_ids, preceding, strict=True)):
+                    if len(before) != depth or seq_id in ended:
+                        continue
+                    while consumed.get(seq_id, 0) < depth:
+                        if not self._try_proposal(seq_id, before[consumed.get(seq_id, 0)]):
+                            ended.add(seq_id)
+                            break
+                        consumed[seq_id] = consumed.get(seq_id, 0) + 1
+                    if seq_id not in ended:
+                        rows.append(i)
+                self._fill(bitmask, [seq_ids[i] for i in rows], rows)
+        finally:
+            for seq_id, n in consumed.items():
+                if n:
+                    self._matchers[seq_id].rollback(n)
+        return bitmask
 
-        bitmask = allocate_token_bitmask(len(seq_ids), vocab)
-        live = [(self._matchers[s], i) for i, s in enumerate(seq_ids)
+    def _try_proposal(self, seq_id: int, token: int) -> bool:
+        """Advance a matcher through a proposal its grammar allows (False, unmoved: it does not, or the
+        proposal would end the sequence)."""
+        matcher = self._matchers[seq_id]
+        if token in self._stops[seq_id] or matcher.is_stopped() or matcher.is_error():
+            return False
+        if matcher.validate_tokens([token]) != 1:
+            return False
+        return bool(matcher.consume_token(token))
+
+    def _fill(self, bitmask: np.ndarray, seq_ids: Sequence[int], rows: Sequence[int]) -> None:
+        """Each row's mask from its sequence's matcher as it stands (one row per matcher)."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        live = [(self._matchers[s], i) for s, i in zip(seq_ids, rows, strict=True)
                 if not (self._matchers[s].is_stopped() or self._matchers[s].is_error())]
         if live:
             fill_next_token_bitmask_par(self._executor, live, bitmask)
         live_rows = {i for _, i in live}
-        for i, seq_id in enumerate(seq_ids):
+        for seq_id, i in zip(seq_ids, rows, strict=True):
             stops = self._stops[seq_id]
             if i not in live_rows:
                 bitmask[i] = 0
                 _set_bits(bitmask[i], stops)
             elif self._eos is not None and _bit(bitmask[i], self._eos):
                 _set_bits(bitmask[i], stops)  # the grammar may end here: so may the request's stop tokens
-        return bitmask
 
     def accept(self, seq_id: int, token: int) -> None:
         matcher = self._matchers.get(seq_id)
@@ -107,6 +150,11 @@ class GrammarRows:
             token = self._eos if self._eos is not None else token
         if not matcher.consume_token(token):
             log.warning("sequence %d: token %d left its grammar: %s", seq_id, token, matcher.get_error())
+
+
+def allocate_token_bitmask(rows: int, vocab: int) -> np.ndarray:
+    """An all-allowed ``int32[rows, ceil(vocab/32)]`` bitmask (llguidance's layout)."""
+    return np.full((rows, (vocab + 31) // 32), -1, dtype=np.int32)
 
 
 def _bit(row: np.ndarray, token: int) -> bool:

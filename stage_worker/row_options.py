@@ -12,7 +12,7 @@ Contract:
   the prompt's token set (repetition penalty), a dense bias vector (logit bias
   and allowed tokens), the stop-token mask (min-tokens) and, for constrained
   decoding, an llguidance matcher (``stage_worker.grammar``).
-- ``process(logits, seq_ids, positions)`` returns the logits the sampler uses:
+- ``process(logits, seq_ids, positions, layout)`` returns the logits the sampler uses:
   for the rows with state, in this order (mlx-lm's ``make_logits_processors``
   order): bias (logit_bias, and -inf outside allowed_token_ids), the stop
   tokens masked to -inf while fewer than ``min_tokens`` were generated, the
@@ -21,14 +21,20 @@ Contract:
   then the grammar's token mask. All rows with state are processed together as one ``[k, vocab]`` gather and
   one scatter: a batch without such rows is returned untouched (no op, no
   sync), and no per-row loop ever touches the vocabulary on the host.
-- ``observe(seq_ids, tokens)`` counts the sampled tokens, lazily on the device
-  (``pending()`` lists what the caller must evaluate with the tokens so the
-  graph never grows across steps); ``accept(seq_ids, token_ids)`` advances the
-  grammars with the sampled ids once they are on the host (``has_grammar``
+- A verification's rows (``speculation.VerifyLayout``): row i is processed as if the sequence had generated
+  its first i proposals: they add to the penalties' counts (one scatter-add of the proposals before each row),
+  the grammar's mask is the one after them (``GrammarRows.masks``), and min_tokens counts them (by position).
+- ``observe(seq_ids, tokens, layout)`` counts the sampled tokens, lazily on the device: of a
+  verification only the rows it keeps (``kept_rows``: known on the device from the tokens and the
+  proposals, no sync); ``pending()`` lists what the caller must evaluate with the tokens so the
+  graph never grows across steps. ``accept(seq_ids, token_ids)`` advances the
+  grammars with the kept ids once they are on the host (``has_grammar``
   says whether any row needs that).
 - ``logprobs(logits, tokens, seq_ids)`` is a lazy ``LogprobRows`` for the rows
-  that asked: the log-softmax of the processed logits (before temperature and
-  the top-k / top-p / min-p filters) at the chosen token and the top N.
+  that asked (every row of a verification: each kept token reports its own row's): the log-softmax of the
+  processed logits (before temperature and the top-k / top-p / min-p filters) at the chosen token and the
+  top N. They travel back in the TOKENS body, one entry per token the reply holds, in order
+  (``LogprobRows.to_body`` / ``logprobs_from_body``).
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ import numpy as np
 
 from stage_worker import grammar
 from stage_worker.batch import RowOptions, TokenLogprob
-from stage_worker.grammar import GrammarRows
+from stage_worker.grammar import GrammarRows, allocate_token_bitmask
 from stage_worker.model_spec import ModelSpec
+from stage_worker.speculation import VerifyLayout
 
 
 def rows_body(options: Mapping[int, RowOptions]) -> dict | None:
@@ -79,17 +86,40 @@ class LogprobRows:
         return {row: TokenLogprob(chosen[i], tuple(zip(ids[i][:n], values[i][:n], strict=True)))
                 for i, (row, n) in enumerate(zip(self.rows, self.top_counts, strict=True))}
 
-    def to_body(self, seq_ids: Sequence[int]) -> dict:
-        """JSON for a TOKENS frame's body: by sequence id."""
+    def to_body(self, seq_ids: Sequence[int], reply_rows: Sequence[int]) -> dict | None:
+        """JSON for a TOKENS frame's body: by sequence id, one entry per replied token of its, in order.
+        ``reply_rows``: the batch row of each token the reply holds; ``seq_ids``: each batch row's sequence."""
         out = self.read()
-        return {"logprobs": {str(seq_ids[row]): [lp.logprob, [list(p) for p in lp.top]] for row, lp in out.items()}}
+        by_seq: dict[str, list] = {}
+        for row in reply_rows:
+            lp = out.get(row)
+            if lp is not None:
+                by_seq.setdefault(str(seq_ids[row]), []).append([lp.logprob, [list(p) for p in lp.top]])
+        return {"logprobs": by_seq} if by_seq else None
 
 
-def logprobs_from_body(body: Mapping | None) -> dict[int, TokenLogprob]:
+def logprobs_from_body(body: Mapping | None) -> dict[int, list[TokenLogprob]]:
+    """Each sequence's logprobs, one per token the TOKENS reply holds for it, in order."""
     if not body or "logprobs" not in body:
         return {}
-    return {int(seq_id): TokenLogprob(float(v[0]), tuple((int(t), float(x)) for t, x in v[1]))
-            for seq_id, v in body["logprobs"].items()}
+    return {int(seq_id): [TokenLogprob(float(v[0]), tuple((int(t), float(x)) for t, x in v[1])) for v in entries]
+            for seq_id, entries in body["logprobs"].items()}
+
+
+def kept_rows(tokens: mx.array, layout: VerifyLayout) -> mx.array:
+    """``float32[n]`` (lazy): 1 for each sampled row a verification keeps and every row outside one, else 0.
+
+    Row i of a verification is kept iff the tokens of its rows before i equal the proposals
+    (``speculation.accept_proposals``): the mismatches before each row, counted from its verification's
+    first row, are none."""
+    rows, proposals = layout.kept_pairs()
+    if not rows:
+        return mx.ones(tokens.shape, mx.float32)
+    index = mx.array(rows, mx.int32)
+    mismatch = mx.zeros(tokens.shape, mx.int32).at[index].add(
+        (tokens[index] != mx.array(proposals, mx.int32)).astype(mx.int32))
+    before = mx.cumsum(mismatch) - mismatch  # mismatches in the rows before each row
+    return (before == before[mx.array(layout.run_starts(), mx.int32)]).astype(mx.float32)
 
 
 class _RowState:
@@ -136,7 +166,7 @@ class RowProcessors:
         return self._grammars is not None and len(self._grammars) > 0
 
     def accept(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Advance the grammars of constrained rows with their sampled tokens (host ids)."""
+        """Advance the grammars of constrained rows with their kept tokens (host ids, in order)."""
         if self._grammars is None:
             return
         for seq_id, token in zip(seq_ids, token_ids, strict=True):
@@ -159,9 +189,6 @@ class RowProcessors:
     def __len__(self) -> int:
         return len(self._options)
 
-    def options(self, seq_id: int) -> RowOptions | None:
-        return self._options.get(seq_id)
-
     def min_ps(self, seq_ids: Sequence[int]) -> list[float] | None:
         if not self._options:
             return None
@@ -183,8 +210,12 @@ class RowProcessors:
                 self._grammars.add(seq_id, o.sampling.grammar, o.stop_token_ids, vocab)
         return state
 
-    def process(self, logits: mx.array, seq_ids: Sequence[int], positions: Sequence[int]) -> mx.array:
-        """``float32[k, vocab]`` -> the processed logits (the same array when no row has state)."""
+    def process(self, logits: mx.array, seq_ids: Sequence[int], positions: Sequence[int],
+                layout: VerifyLayout | None = None) -> mx.array:
+        """``float32[k, vocab]`` -> the processed logits (the same array when no row has state).
+
+        ``positions``: the position each row's token takes; ``layout``: the proposals before each row (None:
+        no verification in the batch)."""
         if not self._options:
             return logits
         vocab = logits.shape[-1]
@@ -210,24 +241,43 @@ class RowProcessors:
                              for s, m in zip(states, masking, strict=True)])
             sub = mx.where(mask, -mx.inf, sub)
         if any(s.counts is not None for s in states):
-            sub = _penalize(sub, states, zeros)
+            counts = mx.stack([s.counts if s.counts is not None else zeros for s in states])
+            at, drafted = layout.draft_pairs(rows) if layout is not None else ([], [])
+            if at:  # a verification's rows: as if the proposals before each had been generated
+                counts = counts.at[mx.array(at, mx.int32), mx.array(drafted, mx.int32)].add(1.0)
+            sub = _penalize(sub, states, counts)
         if self._grammars is not None and any(s.options.sampling.grammar for s in states):
             constrained = [i for i, s in enumerate(states) if s.options.sampling.grammar]
             bitmask = allocate_token_bitmask(len(states), vocab)  # all allowed for the other rows
-            bitmask[constrained] = self._grammars.masks([seq_ids[rows[i]] for i in constrained], vocab)
+            preceding = [layout.preceding[rows[i]] if layout is not None else () for i in constrained]
+            bitmask[constrained] = self._grammars.masks([seq_ids[rows[i]] for i in constrained], vocab, preceding)
             sub = grammar.apply(sub, bitmask)
         logits[index] = sub
         return logits
 
-    def observe(self, seq_ids: Sequence[int], tokens: mx.array) -> None:
-        """Count each penalized row's sampled token (lazy; ``pending`` holds what to evaluate)."""
+    def observe(self, seq_ids: Sequence[int], tokens: mx.array, layout: VerifyLayout | None = None) -> None:
+        """Count each penalized sequence's sampled tokens, of a verification only those it keeps (lazy;
+        ``pending`` holds what to evaluate)."""
         if not self._states:
             return
+        rows_of: dict[int, list[int]] = {}
         for i, seq_id in enumerate(seq_ids):
             state = self._states.get(seq_id)
             if state is not None and state.counts is not None:
-                state.counts = state.counts.at[tokens[i]].add(1.0)
-                self._pending.append(state.counts)
+                rows_of.setdefault(seq_id, []).append(i)
+        if not rows_of:
+            return
+        kept = kept_rows(tokens, layout) if layout is not None and layout.verifies else None
+        for seq_id, rows in rows_of.items():
+            state = self._states[seq_id]
+            assert state.counts is not None
+            if len(rows) == 1:
+                state.counts = state.counts.at[tokens[rows[0]]].add(1.0)
+            else:
+                index = mx.array(rows, mx.int32)
+                weights = kept[index] if kept is not None else mx.ones((len(rows),), mx.float32)
+                state.counts = state.counts.at[tokens[index]].add(weights)
+            self._pending.append(state.counts)
 
     def pending(self) -> list[mx.array]:
         out, self._pending = self._pending, []
@@ -257,18 +307,13 @@ class RowProcessors:
         return LogprobRows(tuple(rows), tuple(counts), chosen, top_ids, top_values)
 
 
-def allocate_token_bitmask(rows: int, vocab: int) -> np.ndarray:
-    """An all-allowed ``int32[rows, ceil(vocab/32)]`` bitmask (llguidance's layout)."""
-    return np.full((rows, (vocab + 31) // 32), -1, dtype=np.int32)
-
-
-def _penalize(sub: mx.array, states: Sequence[_RowState], zeros: mx.array) -> mx.array:
-    """Repetition, presence and frequency penalties for the rows of ``sub`` (vLLM's definitions)."""
-    counts = mx.stack([s.counts if s.counts is not None else zeros for s in states])
+def _penalize(sub: mx.array, states: Sequence[_RowState], counts: mx.array) -> mx.array:
+    """Repetition, presence and frequency penalties for the rows of ``sub`` (vLLM's definitions), given each
+    row's counts of the tokens generated before it."""
     generated = counts > 0
     repetition = [s.options.sampling.repetition_penalty for s in states]
     if any(r != 1.0 for r in repetition):
-        no_prompt = mx.zeros(zeros.shape, mx.bool_)
+        no_prompt = mx.zeros(counts.shape[-1:], mx.bool_)
         seen = generated | mx.stack([s.prompt_seen if s.prompt_seen is not None else no_prompt for s in states])
         penalty = mx.array(repetition, mx.float32)[:, None]
         sub = mx.where(seen, mx.where(sub < 0, sub * penalty, sub / penalty), sub)

@@ -57,7 +57,6 @@ from stage_worker.speculation import (
     ProposalAsk,
     Proposer,
     SpecDecodeCounter,
-    can_speculate,
     speculative_tokens,
 )
 from stagemesh.core import defaults
@@ -113,7 +112,6 @@ class _Sequence:
     in_flight_steps: int = 0  # batches holding this sequence now (2 with a continuation)
     aborted: bool = False
     prefix_entry: int = 0  # the prefix entry its first chunk copies (a reference held until it is sent)
-    speculates: bool = False  # speculation can honour its request exactly (``speculation.can_speculate``)
     acceptance: Acceptance = field(default_factory=Acceptance)
 
     @property
@@ -250,8 +248,7 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_num_seqs and self._fits(self._waiting[0]):
             request = self._waiting.popleft()
             self._reserved_tokens += _reservation(request)
-            seq = _Sequence(self._next_seq_id, request,
-                            speculates=self.speculative is not None and can_speculate(_row_options(request)))
+            seq = _Sequence(self._next_seq_id, request)
             self._next_seq_id += 1
             self._reuse_prefix(seq)
             self._running[seq.seq_id] = seq
@@ -313,8 +310,8 @@ class Scheduler:
         once it has ``generated_after`` tokens."""
         remaining = min(seq.request.max_tokens - generated_after,
                         self.max_model_len - len(seq.request.prompt) - generated_after)
-        return speculative_tokens(self.speculative, eligible=seq.speculates, running=len(self._running),
-                                  remaining=remaining, budget=budget, acceptance=seq.acceptance)
+        return speculative_tokens(self.speculative, running=len(self._running), remaining=remaining, budget=budget,
+                                  acceptance=seq.acceptance)
 
     def _propose(self, decoding: Sequence[tuple[_Sequence, int]]) -> dict[int, tuple[int, ...]]:
         """The tokens each decoding sequence proposes to have verified this step, by seq_id (none: a plain

@@ -1,13 +1,11 @@
 """Speculative decoding's decisions and bookkeeping, as pure functions and plain values (no MLX, no I/O).
 
 Contract:
-- Which sequences speculate, per step: ``speculative_tokens`` is the one rule. A sequence proposes only if
-  speculation can honour its request exactly (``can_speculate``: nothing the last stage applies per sequence
-  beyond the record's temperature, top_p, top_k and seed: no logprobs, penalties, logit bias, allowed tokens,
-  min_p, min_tokens or grammar), no more
-  than ``disable_by_batch_size`` sequences run, its recent acceptance has not paused it (``Acceptance``),
-  and it may still produce at least two tokens; it then asks for at most as many proposals as leave room
-  for the bonus token within ``max_tokens``, the model length and the batch's token budget.
+- Which sequences speculate, per step: ``speculative_tokens`` is the one rule. Every request option is
+  honoured exactly (see the last stage's rule below), so a sequence proposes whenever no more than
+  ``disable_by_batch_size`` sequences run, its recent acceptance has not paused it (``Acceptance``), and it
+  may still produce at least two tokens; it then asks for at most as many proposals as leave room for the
+  bonus token within ``max_tokens``, the model length and the batch's token budget.
 - ``Acceptance`` is a sequence's recent record: its verifications and the proposed tokens they accepted,
   halved at every verification so recent steps count most. Below ``MIN_ACCEPTED_PER_VERIFICATION`` accepted
   tokens per verification (over at least two in a row) it pauses for ``PAUSE_STEPS`` decode steps, then
@@ -19,6 +17,11 @@ Contract:
   output is the one without speculation, token for token, greedy or seeded. For a proposer as sure of its
   proposal as prompt lookup, this is the standard rejection rule too: a proposal x is kept with probability
   p(x) under the target's filtered distribution, and a rejected row's token is drawn from p without x.
+- Row i of a verification is processed as the sequence's row at that position would be without speculation:
+  as if its first i proposals had been generated (``VerifyLayout.preceding``): the penalties count them, the
+  grammar's mask is the one after them, min_tokens counts them by position; logprobs are each row's own.
+  Only the kept rows count afterwards (``VerifyLayout.kept_pairs``: row i is kept iff the target's tokens of
+  the rows before it equal the proposals).
 - The draft ids travel to the last stage in the FORWARD body (``drafts_body`` / ``drafts_from_body``), next
   to the ``RowOptions`` the body announces; every stage in between passes the body on.
 - Who proposes: a ``Proposer``, asked once per step for every sequence the rule lets speculate
@@ -36,7 +39,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from stage_worker.batch import RowOptions
 from stagemesh.core.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 # A verification of k proposals costs about 1 + k/25 plain steps on a CPU (more rows through the same weights;
@@ -95,21 +97,14 @@ class Proposer(Protocol):
         ...
 
 
-def can_speculate(row_options: RowOptions | None) -> bool:
-    """Whether speculation reproduces a request exactly, given its ``RowOptions.for_sequence``: None means
-    nothing the last stage applies per sequence beyond the temperature, top_p, top_k and seed every record
-    carries (no logprobs, penalties, biases, min_p or grammar), so each verified row samples as it would without."""
-    return row_options is None
-
-
-def speculative_tokens(config: SpeculativeConfig | None, *, eligible: bool, running: int, remaining: int,
-                       budget: int, acceptance: Acceptance) -> int:
+def speculative_tokens(config: SpeculativeConfig | None, *, running: int, remaining: int, budget: int,
+                       acceptance: Acceptance) -> int:
     """How many proposals a sequence may have verified this step (0: a plain decode step).
 
     ``remaining``: tokens it may still produce (by max_tokens and the model length); ``budget``: token rows
     left in the batch. A verification of k proposals yields up to k + 1 tokens and feeds k + 1 rows.
     """
-    if config is None or not eligible or running > config.disable_by_batch_size or acceptance.paused_steps:
+    if config is None or running > config.disable_by_batch_size or acceptance.paused_steps:
         return 0
     return max(0, min(config.num_speculative_tokens, remaining - 1, budget - 1))
 
@@ -125,6 +120,60 @@ def accept_proposals(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int
             return tuple(accepted)
     accepted.append(int(targets[-1]))
     return tuple(accepted)
+
+
+@dataclass(frozen=True)
+class VerifyLayout:
+    """A batch's sampled rows, in order, as a verification sees them: ``preceding[r]`` holds the proposals row
+    r's sequence is taken to have generated before it (row i of a verification: its first i proposals; any other
+    sampled row: none)."""
+
+    preceding: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, runs: Sequence[Sequence[int] | None]) -> VerifyLayout:
+        """Per sampled record in row order: its proposals (a verification, 1 + k rows), or None (one row)."""
+        preceding: list[tuple[int, ...]] = []
+        for drafts in runs:
+            if drafts is None:
+                preceding.append(())
+            else:
+                preceding += [tuple(int(t) for t in drafts[:i]) for i in range(len(drafts) + 1)]
+        return cls(tuple(preceding))
+
+    @property
+    def verifies(self) -> bool:
+        return any(self.preceding)
+
+    def draft_pairs(self, rows: Sequence[int]) -> tuple[list[int], list[int]]:
+        """For the batch rows ``rows`` (in that order): (index into ``rows``, token) once per proposal before
+        each, so one scatter-add of ones gives every row's counts of the proposals before it."""
+        at: list[int] = []
+        tokens: list[int] = []
+        for i, row in enumerate(rows):
+            at += [i] * len(self.preceding[row])
+            tokens += self.preceding[row]
+        return at, tokens
+
+    def kept_pairs(self) -> tuple[list[int], list[int]]:
+        """What decides which rows a verification keeps, as (row, proposal) pairs: each row r followed by
+        another row of its verification, with the proposal its target token must equal for that row to be
+        kept. Row r is kept iff every pair of its verification before r matched (``accept_proposals``)."""
+        rows: list[int] = []
+        proposals: list[int] = []
+        for row in range(len(self.preceding) - 1):
+            after = self.preceding[row + 1]
+            if after and after[:-1] == self.preceding[row]:
+                rows.append(row)
+                proposals.append(after[-1])
+        return rows, proposals
+
+    def run_starts(self) -> list[int]:
+        """Each row's verification's first row (a row outside one: itself)."""
+        starts: list[int] = []
+        for row, before in enumerate(self.preceding):
+            starts.append(row - len(before))
+        return starts
 
 
 def drafts_body(drafts: Mapping[int, Sequence[int]]) -> dict[str, Any] | None:
@@ -170,5 +219,5 @@ class SpecDecodeCounter:
                                        tuple(per_position))
 
 
-__all__ = ["Acceptance", "ProposalAsk", "Proposer", "SpecDecodeCounter", "SpecDecodeCounts", "accept_proposals",
-           "can_speculate", "drafts_body", "drafts_from_body", "speculative_tokens"]
+__all__ = ["Acceptance", "ProposalAsk", "Proposer", "SpecDecodeCounter", "SpecDecodeCounts", "VerifyLayout",
+           "accept_proposals", "drafts_body", "drafts_from_body", "speculative_tokens"]

@@ -16,10 +16,12 @@ FORWARD frame that starts it, once, and live on the last stage until its
 RELEASE (``row_options``); logprobs come back in the TOKENS frame's body.
 
 A VERIFY record (speculative decoding, ``stage_worker.speculation``) has the
-last stage sample every one of its rows (as each would be sampled without
-speculation) and keep the tokens ``accept_proposals`` keeps against the proposals (their ids ride the FORWARD
-body); its TOKENS record holds that many ids. Every stage drops a sequence's
-rejected positions when its next record starts before them (``kv_store``).
+last stage process and sample every one of its rows as each would be without
+speculation (row i as if the first i proposals had been generated: ``VerifyLayout``) and keep the tokens
+``accept_proposals`` keeps against the proposals (their ids ride the FORWARD body); its TOKENS record holds
+that many ids, each with its own row's logprobs. Only the kept tokens advance the sequence's options' state
+(penalty counts, grammar). Every stage drops a sequence's rejected positions when its next record starts
+before them (``kv_store``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from stage_worker.links import InboundLink, LinkError, OutboundLink
 from stage_worker.packed_forward import DecodeRows, Segment
 from stage_worker.row_options import LogprobRows, RowProcessors, logprobs_from_body, rows_body, rows_from_body
 from stage_worker.sampling import sample_rows
-from stage_worker.speculation import accept_proposals, drafts_body, drafts_from_body
+from stage_worker.speculation import VerifyLayout, accept_proposals, drafts_body, drafts_from_body
 from stage_worker.stage_model import StageModel
 from stage_worker.wire import FrameKind
 
@@ -170,6 +172,7 @@ class StageCompute:
         chosen: list[SequenceRecord] = []
         row_seq_ids: list[int] = []
         positions: list[int] = []
+        runs: list[tuple[int, ...] | None] = []  # each chosen record's proposals (None: not a verification)
         row = 0
         for record in records:
             row += record.num_tokens
@@ -177,35 +180,35 @@ class StageCompute:
                 continue
             chosen.append(record)
             # A verification needs the target's token after every proposal prefix: all of its rows.
-            rows = self._verified_rows(record, drafts) if record.has(RecordFlag.VERIFY) else 1
+            runs.append(self._proposals(record, drafts) if record.has(RecordFlag.VERIFY) else None)
+            rows = record.num_tokens if record.has(RecordFlag.VERIFY) else 1
             picks += range(row - rows, row)
             row_seq_ids += [record.seq_id] * rows
             end = record.start_pos + record.num_tokens  # the position the record's last row's token takes
             positions += range(end - rows + 1, end + 1)
         if not chosen:
             return PendingSample(mx.zeros((0,), dtype=mx.int32), None, (hidden,), [], None)
+        layout = VerifyLayout.of(runs) if any(run is not None for run in runs) else None
         logits = self.model.logits(hidden[mx.array(picks)])
-        logits = self.rows.process(logits, row_seq_ids, positions)  # untouched when no row has options
+        logits = self.rows.process(logits, row_seq_ids, positions, layout)  # untouched when no row has options
         samplings = [r.sampling for r in chosen for _ in range(r.num_tokens if r.has(RecordFlag.VERIFY) else 1)]
         tokens = sample_rows(logits, samplings, positions, self.rows.min_ps(row_seq_ids))
         logprobs = self.rows.logprobs(logits, tokens, row_seq_ids)
-        self.rows.observe(row_seq_ids, tokens)
+        self.rows.observe(row_seq_ids, tokens, layout)
         extra = self.rows.pending() + (logprobs.arrays() if logprobs is not None else [])
         verify = {r.seq_id: drafts[r.seq_id] for r in chosen if r.has(RecordFlag.VERIFY)} if drafts else {}
         return PendingSample(tokens, logprobs, (tokens, logits, hidden, *extra), chosen, logits,
                              tuple(row_seq_ids), verify)
 
-    def _verified_rows(self, record: SequenceRecord, drafts: Mapping[int, tuple[int, ...]] | None) -> int:
-        """A VERIFY record's rows, once its proposals and its sequence are checked to be verifiable here."""
+    @staticmethod
+    def _proposals(record: SequenceRecord, drafts: Mapping[int, tuple[int, ...]] | None) -> tuple[int, ...]:
+        """A VERIFY record's proposals, checked to be one fewer than its rows."""
         proposed = (drafts or {}).get(record.seq_id)
         if proposed is None or len(proposed) != record.num_tokens - 1:
             raise wire.WireMismatchError(
                 f"sequence {record.seq_id}: a verification of {record.num_tokens} tokens came with "
                 f"{'no' if proposed is None else len(proposed)} proposals, expected {record.num_tokens - 1}")
-        if self.rows.options(record.seq_id) is not None:
-            raise wire.WireMismatchError(f"sequence {record.seq_id}: only sequences without logits processors "
-                                         f"are verified; the entry stage sent another")
-        return record.num_tokens
+        return proposed
 
     def evaluate_sample(self, sampling: PendingSample, wait: bool = True) -> None:
         """Evaluate what ``build_sample`` built (``wait=False``: only start it), recording logits if asked."""
@@ -219,7 +222,7 @@ class StageCompute:
             self._recorder.add(sampling.chosen, logits)
 
     def accept(self, sampled: Sequence[SampledToken]) -> None:
-        """Advance constrained sequences' grammars with their sampled ids (nothing to do without one)."""
+        """Advance constrained sequences' grammars with their kept ids (nothing to do without one)."""
         if self.rows.has_grammar:
             self.rows.accept([t.seq_id for t in sampled], [t.token_id for t in sampled])
 
@@ -250,24 +253,40 @@ class PendingSample:
         """Each sampled sequence's last row in ``tokens`` (where a carried step takes its input)."""
         return {seq_id: row for row, seq_id in enumerate(self.row_seq_ids)}
 
-    def reply(self, token_ids: Sequence[int]) -> tuple[list[SequenceRecord], list[int]]:
+    def reply(self, token_ids: Sequence[int]) -> TokensReply:
         """The TOKENS records and ids of ``token_ids`` (``tokens`` read back): one per plain record, the
         kept run of a VERIFY record."""
         records: list[SequenceRecord] = []
         ids: list[int] = []
+        rows: list[int] = []
         row = 0
         for r in self.chosen:
             if r.has(RecordFlag.VERIFY):
                 kept = accept_proposals(token_ids[row:row + r.num_tokens], self.drafts[r.seq_id])
+                rows += range(row, row + len(kept))  # kept token i is row i's (``accept_proposals``)
                 row += r.num_tokens
             else:
                 kept = (int(token_ids[row]),)
+                rows.append(row)
                 row += 1
             # The position the first kept token occupies: after the record's last row, or after its first.
             first = r.start_pos + 1 if r.has(RecordFlag.VERIFY) else r.start_pos + r.num_tokens
             records.append(SequenceRecord(r.seq_id, first, len(kept)))
             ids += kept
-        return records, ids
+        return TokensReply(records, ids, rows)
+
+
+@dataclass(frozen=True)
+class TokensReply:
+    """The last stage's answer to a batch: TOKENS records, their ids in order, and the row of ``tokens`` each
+    id was sampled at (where its logprobs are)."""
+
+    records: list[SequenceRecord]
+    ids: list[int]
+    rows: list[int]
+
+    def sampled(self) -> list[SampledToken]:
+        return _sampled(self.records, self.ids)
 
 
 @dataclass(frozen=True)
@@ -497,11 +516,13 @@ class EntryPipeline:
             reading = time.perf_counter()
             sampling = batch.sampling
             # Reads the tokens back: waits for this batch only.
-            sampled = _sampled(*sampling.reply(np.array(sampling.tokens).tolist()))
+            kept = sampling.reply(np.array(sampling.tokens).tolist())
+            sampled = kept.sampled()
             self._compute.accept(sampled)
             if sampling.logprobs is not None:
-                sampled = _with_logprobs(sampled, {sampling.row_seq_ids[row]: lp
-                                                   for row, lp in sampling.logprobs.read().items()})
+                by_row = sampling.logprobs.read()
+                sampled = [replace(t, logprob=by_row[row]) if row in by_row else t
+                           for t, row in zip(sampled, kept.rows, strict=True)]
             if self._on_batch is not None:
                 # Building the batch plus waiting for the device to finish it: this stage's compute.
                 self._on_batch(batch.rows, batch.build_s + time.perf_counter() - reading, 0.0, 0.0)
@@ -574,8 +595,18 @@ def _forward_body(*parts: dict | None) -> dict | None:
     return body or None
 
 
-def _with_logprobs(sampled: list[SampledToken], logprobs: dict[int, TokenLogprob]) -> list[SampledToken]:
-    return [replace(t, logprob=logprobs[t.seq_id]) if t.seq_id in logprobs else t for t in sampled]
+def _with_logprobs(sampled: list[SampledToken], logprobs: Mapping[int, Sequence[TokenLogprob]]) -> list[SampledToken]:
+    """``sampled`` with each sequence's logprobs, one per token of it in order (a TOKENS reply's body)."""
+    out, taken = [], dict.fromkeys(logprobs, 0)
+    for t in sampled:
+        if t.seq_id in logprobs:
+            entries = logprobs[t.seq_id]
+            if taken[t.seq_id] >= len(entries):
+                raise wire.WireMismatchError(f"sequence {t.seq_id}: {len(entries)} logprobs came for more tokens")
+            t = replace(t, logprob=entries[taken[t.seq_id]])
+            taken[t.seq_id] += 1
+        out.append(t)
+    return out
 
 
 def relay_loop(
@@ -645,19 +676,19 @@ def relay_loop(
         if sampling is not None:
             compute.evaluate_sample(sampling)
             token_ids = np.array(sampling.tokens).tolist()
-            reply_records, reply_ids = sampling.reply(token_ids)
+            reply = sampling.reply(token_ids)
             if compute.rows.has_grammar:
-                compute.accept(_sampled(reply_records, reply_ids))
+                compute.accept(reply.sampled())
             computed = time.perf_counter()
             logprobs = sampling.logprobs
             # Without a verification the reply is the sampled tokens as they are (no copy).
-            tokens = sampling.tokens if not sampling.verifies else mx.array(reply_ids, dtype=mx.int32)
+            tokens = sampling.tokens if not sampling.verifies else mx.array(reply.ids, dtype=mx.int32)
             outbound.send(
                 FrameKind.TOKENS,
-                reply_records,
-                tokens if reply_records else None,
+                reply.records,
+                tokens if reply.records else None,
                 batch_id=header.batch_id,
-                body=logprobs.to_body(sampling.row_seq_ids) if logprobs is not None else None,
+                body=logprobs.to_body(sampling.row_seq_ids, reply.rows) if logprobs is not None else None,
             )
         else:
             # Every chunk's output depends on its updated KV buffers, so this also commits the KV writes.

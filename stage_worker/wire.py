@@ -35,7 +35,7 @@ agree; a ``FORWARD`` frame's body announces the ``RowOptions`` of the sequences
 it starts (``row_options.rows_body``: once per sequence, only when a request
 has any; relays pass it on) and the draft ids of its VERIFY records
 (``speculation.drafts_body``), a ``TOKENS`` frame's body the logprobs of the
-rows that asked for them (``LogprobRows.to_body``).
+tokens whose requests asked for them, one per token in order (``LogprobRows.to_body``).
 """
 
 from __future__ import annotations

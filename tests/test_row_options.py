@@ -138,9 +138,9 @@ def test_options_travel_as_json_bodies():
     lp = rows.logprobs(logits, mx.array([4], mx.int32), [1])
     assert lp is not None
     mx.eval(*lp.arrays())
-    back = logprobs_from_body(lp.to_body([1]))
-    assert back[1].logprob == pytest.approx(lp.read()[0].logprob)
-    assert [t for t, _ in back[1].top] == [t for t, _ in lp.read()[0].top]
+    (back,) = logprobs_from_body(lp.to_body([1], [0]))[1]
+    assert back.logprob == pytest.approx(lp.read()[0].logprob)
+    assert [t for t, _ in back.top] == [t for t, _ in lp.read()[0].top]
 
 
 def test_a_sequence_the_processors_leave_alone_sends_no_options():

@@ -16,15 +16,15 @@ from stage_worker.speculation import (
     PAUSE_STEPS,
     Acceptance,
     SpecDecodeCounter,
+    VerifyLayout,
     accept_proposals,
-    can_speculate,
     drafts_body,
     drafts_from_body,
     speculative_tokens,
 )
 from stage_worker.wire import WireMismatchError
 from stagemesh.core.plan import StageOptions
-from stagemesh.core.sampling import GREEDY, SamplingParams
+from stagemesh.core.sampling import SamplingParams
 from stagemesh.core.speculative import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
@@ -122,28 +122,49 @@ def test_counters_count_drafts_tokens_and_positions():
     assert counts.accepted_per_position == (1, 1, 0)
 
 
+# -- which rows a verification keeps, and what each row counts -------------------------------------------------
+def test_a_verifications_rows_are_laid_out_as_if_its_proposals_were_generated():
+    # A plain row, a verification of proposals (7, 8, 9), a plain row.
+    layout = VerifyLayout.of([None, (7, 8, 9), None])
+    assert layout.preceding == ((), (), (7,), (7, 8), (7, 8, 9), ())
+    assert layout.verifies and not VerifyLayout.of([None, None]).verifies
+    assert layout.run_starts() == [0, 1, 1, 1, 1, 5]
+    # Row 1's token must equal 7 for row 2 to be kept, and so on; the last row of a run decides nothing.
+    assert layout.kept_pairs() == ([1, 2, 3], [7, 8, 9])
+    # Counts of the proposals before each of the rows 3, 0 and 4 (indexed 0, 1, 2 among them).
+    assert layout.draft_pairs([3, 0, 4]) == ([0, 0, 2, 2, 2], [7, 8, 7, 8, 9])
+    # Two verifications back to back stay apart.
+    assert VerifyLayout.of([(4,), (5, 6)]).kept_pairs() == ([0, 2, 3], [4, 5, 6])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_kept_rows_on_the_device_are_the_ones_the_acceptance_rule_keeps(seed):
+    import random
+
+    from stage_worker.row_options import kept_rows
+
+    rng = random.Random(seed)
+    runs = [None if rng.random() < 0.3 else tuple(rng.randrange(3) for _ in range(rng.randrange(1, 5)))
+            for _ in range(5)]
+    layout = VerifyLayout.of(runs)
+    tokens = [rng.randrange(3) for _ in layout.preceding]
+    expected, row = [], 0
+    for drafts in runs:
+        rows = 1 if drafts is None else len(drafts) + 1
+        kept = 1 if drafts is None else len(accept_proposals(tokens[row:row + rows], drafts))
+        expected += [1.0] * kept + [0.0] * (rows - kept)
+        row += rows
+    assert kept_rows(mx.array(tokens, mx.int32), layout).tolist() == expected
+
+
 # -- who speculates ----------------------------------------------------------------------------------------------
-def test_only_requests_speculation_reproduces_exactly_speculate():
-    from stage_worker.batch import RowOptions
-
-    def speculates(sampling: SamplingParams) -> bool:
-        return can_speculate(RowOptions.for_sequence(sampling, (1, 2), (), False))
-
-    assert speculates(GREEDY) and speculates(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3))
-    for sampling in (SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0, grammar="x"),
-                     SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(min_p=0.1),
-                     SamplingParams(temperature=0.0, logit_bias=((3, 1.0),))):
-        assert not speculates(sampling)
-
-
 def test_the_rule_turns_speculation_off_where_it_cannot_pay():
     def k(**given):
-        args = {"eligible": True, "running": 1, "remaining": 100, "budget": 512, "acceptance": Acceptance()}
+        args = {"running": 1, "remaining": 100, "budget": 512, "acceptance": Acceptance()}
         return speculative_tokens(NGRAM, **{**args, **given})
 
     assert k() == 3
-    assert speculative_tokens(None, eligible=True, running=1, remaining=9, budget=9, acceptance=Acceptance()) == 0
-    assert k(eligible=False) == 0
+    assert speculative_tokens(None, running=1, remaining=9, budget=9, acceptance=Acceptance()) == 0
     assert k(running=NGRAM.disable_by_batch_size + 1) == 0 and k(running=NGRAM.disable_by_batch_size) == 3
     assert k(remaining=3) == 2 and k(remaining=1) == 0  # room for the bonus token within max_tokens
     assert k(budget=2) == 1
@@ -209,13 +230,15 @@ def test_max_tokens_and_stop_tokens_cut_an_accepted_run_where_decoding_would_sto
     assert event.token_ids == (1, 2) and event.finish == Finish.STOP
 
 
-def test_a_sequence_that_cannot_speculate_decodes_one_token_at_a_time():
+def test_a_sequence_with_any_request_option_speculates():
+    sampling = SamplingParams(temperature=0.5, seed=1, logprobs=1, presence_penalty=0.5, logit_bias=((3, 1.0),),
+                              min_p=0.1, min_tokens=2, grammar="x")
     s = _scheduler()
-    s.add(GenerationRequest("r", (1, 2, 3, 1, 2), 10, sampling=SamplingParams(temperature=0.5, seed=1, logprobs=1)))
+    s.add(GenerationRequest("r", (1, 2, 3, 1, 2), 10, sampling=sampling))
     batch = s.next_batch()
     s.on_sampled(batch, [SampledToken(batch.chunks[0].record.seq_id, 5, 3)])
     (chunk,) = s.next_batch().chunks
-    assert chunk.record.flags == RecordFlag.SAMPLE and chunk.token_ids == (3,)
+    assert chunk.record.flags == RecordFlag.SAMPLE | RecordFlag.VERIFY and chunk.token_ids == (3, 1, 2, 3)
 
 
 # -- a stage's KV --------------------------------------------------------------------------------------------------

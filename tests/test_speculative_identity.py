@@ -1,7 +1,9 @@
 """Speculative decoding through real pipelines gives, token for token, what the same greedy (and seeded
 sampled) requests give without it: at PP=1, 2 and 3 (stages on threads joined by real lanes), a request alone
-and requests of other lengths batched with it, next to requests that do not speculate (a repetition penalty,
-logprobs), with a stop token and max_tokens cutting an accepted run. The workload repeats itself (prompts
+and requests of other lengths batched with it, with a stop token and max_tokens cutting an accepted run. Every
+request option speculates and keeps its meaning: logprobs (each token's own, equal within float rounding),
+the three penalties, logit bias and allowed tokens, min_p with a seed, min_tokens and a grammar, alone and
+batched with plain requests, each verified (the counters move for it). The workload repeats itself (prompts
 with repeated phrases, greedy loops), so proposals are often right and often wrong: the counters must show
 both, i.e. every stage dropped rejected positions and kept going.
 
@@ -36,7 +38,8 @@ OTHERS = (
     (504, 3575, 282, 4649, 314, 1018, 28, 2270, 253, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24),
     (1, 2, 3),
 )
-NOT_SPECULATING = (SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0, logprobs=1))
+# Requests with options, batched beside the others (they speculate too).
+WITH_OPTIONS = (SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0, logprobs=1))
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=7)  # speculates: each row draws as without
 
 
@@ -48,14 +51,17 @@ def _stages(path: str, depth: int, dtype=mx.float32) -> list[StageModel]:
 
 
 def _workload(pipeline: InProcessPipeline, repeating, max_tokens: int, small: bool = False,
-              seeded: bool = True) -> dict[str, list]:
-    """``repeating`` alone, then batched with others (``small``: one greedy and one not speculating, no seeded
-    sampling; ``seeded``: with a seeded sampled request when not ``small``)."""
-    others, not_speculating = (OTHERS[1:2], NOT_SPECULATING[:1]) if small else (OTHERS, NOT_SPECULATING)
+              all_options: bool = True) -> dict[str, list]:
+    """``repeating`` alone, then batched with others (``small``: one greedy and one with options, no seeded
+    sampling; ``all_options``: with the penalized request and, when not ``small``, a seeded sampled one; else only
+    requests whose target tokens are the argmax of the unprocessed logits)."""
+    others = OTHERS[1:2] if small else OTHERS
+    with_options = WITH_OPTIONS if all_options else WITH_OPTIONS[1:]
+    with_options = with_options[:1] if small else with_options
     alone = [pipeline.generate(repeating, max_tokens)]
     batched_handles = [pipeline.submit(p, max_tokens - 3 * i) for i, p in enumerate((repeating, *others))]
-    batched_handles += [pipeline.submit(OTHERS[0], max_tokens, sampling=s) for s in not_speculating]
-    if seeded and not small:
+    batched_handles += [pipeline.submit(OTHERS[0], max_tokens, sampling=s) for s in with_options]
+    if all_options and not small:
         batched_handles.append(pipeline.submit(repeating, max_tokens, sampling=SEEDED))
     batched, _ = read_until_finished(batched_handles)
     return {"alone": alone, "batched": batched}
@@ -112,13 +118,117 @@ def test_speculation_keeps_greedy_tokens_on_the_layer_stack_path(checkpoints):
     _check_identity(path, (1, 2), max_tokens=16, stop_case=False)
 
 
-def test_requests_speculation_cannot_honour_run_without_it(tiny_llama):
-    with InProcessPipeline(_stages(tiny_llama, 1), speculative=SPECULATIVE) as pipeline:
-        for sampling in NOT_SPECULATING:
-            read_until_finished([pipeline.submit(REPEATING, 16, sampling=sampling)])
-        assert pipeline.scheduler.spec_decode.counts.drafts == 0
-        pipeline.generate(REPEATING, 16)
-        assert pipeline.scheduler.spec_decode.counts.drafts > 0
+# -- every request option ----------------------------------------------------------------------------------
+EOS = 2  # the tokenizer's end of text: the grammar's end, and min_tokens' stop below
+# Greedy unless said: each option alone, logprobs beside most, so each token's own logprobs are compared too.
+OPTIONS = {
+    "logprobs": SamplingParams(temperature=0.0, logprobs=3),
+    "penalties": SamplingParams(temperature=0.0, presence_penalty=0.1, frequency_penalty=0.05, repetition_penalty=1.05,
+                                logprobs=2),
+    "logit_bias": SamplingParams(temperature=0.0, logit_bias=((6, 2.0), (9, -1.0)),
+                                 allowed_token_ids=(5, 6, 7, 8, 9, 101, 102), logprobs=1),
+    "min_p": SamplingParams(temperature=0.7, min_p=0.6, seed=5, logprobs=1),
+    "min_tokens": SamplingParams(temperature=0.0, min_tokens=10, logprobs=0),
+    "grammar": SamplingParams(temperature=0.0, logprobs=2, grammar=""),  # the regex below, compiled
+}
+# Words of the tiny model's vocabulary, any number, then a period: a random model loops inside it.
+REGEX = r"(red|green|blue|yellow)( (red|green|blue|yellow))*\."
+
+
+def _options() -> dict[str, SamplingParams]:
+    from dataclasses import replace
+
+    from llguidance import LLMatcher
+
+    return {**OPTIONS, "grammar": replace(OPTIONS["grammar"], grammar=LLMatcher.grammar_from_regex(REGEX))}
+
+
+Output = tuple[list[int], list]  # a request's tokens and their logprobs
+
+
+def _read(handles) -> list[Output]:
+    from stage_worker.engine import RequestFailed
+
+    outputs = []
+    for handle in handles:
+        tokens, logprobs = [], []
+        while True:
+            event = handle.events.get(timeout=120)
+            assert not isinstance(event, RequestFailed), event
+            tokens += event.token_ids
+            logprobs += event.logprobs
+            if event.finish is not None:
+                break
+        outputs.append((tokens, logprobs))
+    return outputs
+
+
+def _options_workload(pipeline: InProcessPipeline, options: dict[str, SamplingParams], prompt,
+                      max_tokens: int) -> tuple[dict[str, Output], list[Output], dict[str, tuple[int, int]]]:
+    """Each option's request alone (and the verifications it had and the proposals they accepted), then all of
+    them batched with two plain greedy requests. min_tokens' and the grammar's requests end at EOS; the others
+    ignore it."""
+    alone: dict[str, Output] = {}
+    verified: dict[str, tuple[int, int]] = {}
+    stops = {"min_tokens": {EOS}, "grammar": {EOS}}
+    for name, sampling in options.items():
+        before = pipeline.scheduler.spec_decode.counts
+        (alone[name],) = _read([pipeline.submit(prompt, max_tokens, sampling, stops.get(name, frozenset()))])
+        after = pipeline.scheduler.spec_decode.counts
+        verified[name] = (after.drafts - before.drafts, after.accepted_tokens - before.accepted_tokens)
+    handles = [pipeline.submit(prompt, max_tokens, sampling, stops.get(name, frozenset()))
+               for name, sampling in options.items()]
+    handles += [pipeline.submit(p, max_tokens) for p in (REPEATING, OTHERS[0])]
+    return alone, _read(handles), verified
+
+
+def _assert_same(got: Output, expected: Output, what: str) -> None:
+    """Identical tokens; the same logprobs within float rounding (a 1+k-row forward may round differently in the
+    last bits than a 1-row step)."""
+    assert got[0] == expected[0], f"{what}: speculation changed the tokens"
+    assert len(got[1]) == len(expected[1]) == (len(got[0]) if expected[1] else 0), f"{what}: logprobs per token"
+    for i, (g, e) in enumerate(zip(got[1], expected[1], strict=True)):
+        assert g.logprob == pytest.approx(e.logprob, abs=2e-4), f"{what}: token {i}'s logprob"
+        assert [t for t, _ in g.top] == [t for t, _ in e.top], f"{what}: token {i}'s top logprobs"
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in e.top], abs=2e-4), f"{what}: token {i}"
+
+
+def _check_options_identity(path: str, depths, max_tokens: int, each_accepted: bool = True) -> None:
+    """Every option's request against one plain PP=1 pipeline. ``each_accepted``: the workload is known to loop on
+    this model, so each option's request had proposals accepted (later rows of its verifications were kept, as
+    processed after the proposals before them); else only the whole workload's."""
+    options = _options()
+    with InProcessPipeline(_stages(path, 1)) as plain:
+        expected_alone, expected_batched, _ = _options_workload(plain, options, REPEATING, max_tokens)
+    if each_accepted:
+        # The options work: each changes what plain greedy decoding gives; the constrained output follows the regex.
+        from stage_worker.tokenizer import load_tokenizer
+
+        greedy = expected_batched[len(options)][0]
+        assert all(expected_alone[name][0] != greedy for name in ("penalties", "logit_bias", "min_p")), greedy
+        assert EOS not in expected_alone["min_tokens"][0][:10]
+        constrained = [t for t in expected_alone["grammar"][0] if t != EOS]
+        words = load_tokenizer(read_model_spec(path)).decode(constrained).removesuffix(".").split(" ")
+        assert set(words) <= {"red", "green", "blue", "yellow"}, words
+    for depth in depths:
+        with InProcessPipeline(_stages(path, depth), speculative=SPECULATIVE) as speculating:
+            alone, batched, verified = _options_workload(speculating, options, REPEATING, max_tokens)
+            counts = speculating.scheduler.spec_decode.counts
+        for name in options:
+            _assert_same(alone[name], expected_alone[name], f"PP={depth} {name} alone")
+            if each_accepted:
+                assert verified[name][0] > 0 and verified[name][1] > 0, f"PP={depth} {name}: {verified[name]}"
+        for name, got, expected in zip([*options, "greedy", "other"], batched, expected_batched, strict=True):
+            _assert_same(got, expected, f"PP={depth} {name} batched")
+        assert 0 < counts.accepted_tokens < counts.draft_tokens, f"PP={depth}: {counts}"
+
+
+def test_every_request_option_speculates_and_keeps_its_tokens_and_logprobs(tiny_llama):
+    _check_options_identity(tiny_llama, (1, 2, 3), max_tokens=20)
+
+
+def test_every_request_option_speculates_on_the_layer_stack_path(checkpoints):
+    _check_options_identity(tiny_checkpoint("deepseek_v3", checkpoints), (2,), max_tokens=20, each_accepted=False)
 
 
 @pytest.mark.e2e
@@ -155,19 +265,20 @@ def _check_draft_identity(path: str, draft_path: str, depths, max_tokens: int, *
                           small: bool = False, repeating=REPEATING) -> None:
     """Speculating with the draft model at ``draft_path`` (loaded as a stage loads it) against one plain PP=1
     pipeline: the same tokens; with the target's own weights as the draft nearly every proposal is accepted
-    (greedy requests only: a sampled row may draw another token than the draft's argmax), with another model
+    (requests taking the argmax of the target's logits as they are only: a sampled row may draw another token
+    than the draft's argmax, a penalized one prefer another), with another model
     most are rejected (the target's and the draft's KV both roll back)."""
     from stage_worker.draft_proposer import load_draft_proposer
 
     with InProcessPipeline(_stages(path, 1), prefix_cache=PrefixCache(8, b"test")) as plain:
-        expected = _workload(plain, repeating, max_tokens, small, seeded=not own_weights)
+        expected = _workload(plain, repeating, max_tokens, small, all_options=not own_weights)
     config = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model=draft_path,
                                disable_by_batch_size=8)
     for depth in depths:
         proposer = load_draft_proposer(draft_path)
         with InProcessPipeline(_stages(path, depth), speculative=config, prefix_cache=PrefixCache(8, b"test"),
                                proposer=proposer) as speculating:
-            got = _workload(speculating, repeating, max_tokens, small, seeded=not own_weights)
+            got = _workload(speculating, repeating, max_tokens, small, all_options=not own_weights)
             counts = speculating.scheduler.spec_decode.counts
         assert got == expected, f"PP={depth}: speculation with a draft model changed greedy tokens"
         assert proposer.held_sequences == 0, "a finished sequence's draft KV was kept"

@@ -1,6 +1,8 @@
 """``stagemesh serve --speculative-config`` at PP=2 through the OpenAI SDK: greedy text equal to the package's
-plain PP=1 serve, speculation's counters in /metrics and ``stagemesh status``, a draft model that is not there
-refused at start, and the last stage killed while requests verify: none hangs, the replica heals."""
+plain PP=1 serve, also with logprobs and a penalty (each token's logprobs equal within float rounding) and with
+a response_format json_schema, each verified; speculation's counters in /metrics and ``stagemesh status``, a
+draft model that is not there refused at start, and the last stage killed while requests verify: none hangs,
+the replica heals."""
 
 from __future__ import annotations
 
@@ -62,6 +64,61 @@ def test_greedy_text_is_the_same_with_speculation_at_pp2(serve_pp1, speculating)
     while "speculative decoding accepted" not in format_mesh(speculating.mesh()) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "speculative decoding accepted" in format_mesh(speculating.mesh())
+
+
+def _entry_stats(serve) -> dict:
+    return serve.mesh()["replicas"][0]["stages"][0]["stats"]
+
+
+def _settled_entry_stats(serve) -> dict:
+    """The entry stage's counters once the coordinator's polls (once a second) bring nothing new."""
+    deadline = time.monotonic() + 60
+    last = _entry_stats(serve)
+    while time.monotonic() < deadline:
+        time.sleep(2.5)
+        now = _entry_stats(serve)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the entry stage's counters kept changing: {last}")
+
+
+def test_logprobs_penalties_and_a_json_schema_speculate_and_keep_their_meaning(serve_pp1, speculating):
+    """A request with logprobs and a frequency penalty, and one with a response_format json_schema: the same text
+    and logprobs as without speculation, and both verified (the entry stage's verifications grew)."""
+    requests = [
+        {"messages": PROMPTS[0], "logprobs": True, "top_logprobs": 3, "frequency_penalty": 0.1},
+        {"messages": [{"role": "user", "content": 'Reply with this JSON object exactly: {"code": "def add(a, b): '
+                                                  'return a + b", "name": "add", "arguments": ["a", "b"]}'}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "code", "schema": {
+             "type": "object", "properties": {"code": {"type": "string"}, "name": {"type": "string"},
+                                              "arguments": {"type": "array", "items": {"type": "string"}}},
+             "required": ["code", "name", "arguments"]}}}},
+    ]
+    for request in requests:
+        before = _settled_entry_stats(speculating)
+        got, expected = (openai.OpenAI(base_url=f"{serve.url}/v1", api_key="none", max_retries=0).chat.completions
+                         .create(model=MODEL, max_tokens=64, temperature=0, **request).choices[0]
+                         for serve in (speculating, serve_pp1))
+        assert got.message.content == expected.message.content
+        if "response_format" in request:
+            if got.finish_reason == "stop":  # else cut by max_tokens: the constrained text so far
+                assert isinstance(json.loads(got.message.content or "")["code"], str)
+        else:
+            assert got.logprobs is not None and expected.logprobs is not None
+            assert [t.token for t in got.logprobs.content] == [t.token for t in expected.logprobs.content]
+            for g, e in zip(got.logprobs.content, expected.logprobs.content, strict=True):
+                assert g.logprob == pytest.approx(e.logprob, abs=2e-3), (g, e)
+                assert [t.token for t in g.top_logprobs] == [t.token for t in e.top_logprobs], (g, e)
+        deadline = time.monotonic() + 30
+        while _entry_stats(speculating)["requests_finished"] <= before["requests_finished"] and \
+                time.monotonic() < deadline:
+            time.sleep(0.5)
+        after = _entry_stats(speculating)
+        assert after["requests_finished"] > before["requests_finished"], (before, after)
+        assert after["spec_decode_num_drafts"] > before["spec_decode_num_drafts"], (request, before, after)
+        assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"], \
+            (got.message.content, after)
 
 
 def test_a_draft_model_that_is_not_there_is_refused_at_start_naming_it(tmp_path):
