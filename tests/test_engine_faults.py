@@ -29,7 +29,7 @@ class _FailingPipeline:
 
 def test_a_fault_in_the_loop_fails_every_waiting_request_at_once_and_the_stage_stops_accepting():
     status = StageStatus()
-    engine = EntryEngine(_FailingPipeline(), Scheduler(max_num_seqs=4, max_model_len=64, max_waiting=4),  # type: ignore[arg-type]
+    engine = EntryEngine(_FailingPipeline(), Scheduler(max_num_seqs=4, max_model_len=64, max_waiting=4),
                          status)
     handles = [engine.submit(GenerationRequest(f"r{i}", (1, 2, 3), 4)) for i in range(3)]
     with pytest.raises(RuntimeError, match="device lost"):
