@@ -14,7 +14,8 @@ Contract:
 - Where the grammar allows ending, the request's stop tokens are allowed too
   (llguidance only knows the tokenizer's EOS); a matcher that finished or
   failed allows only the stop tokens, so the sequence ends instead of
-  sampling from nothing.
+  sampling from nothing (a request that ignores EOS has none: its rows then
+  allow only the tokenizer's EOS, until ``max_tokens``).
 - A verification's rows (speculative decoding): ``masks`` takes, per row, the proposals the sequence is
   taken to have generated before it, and gives the mask after them: it advances each matcher through its
   proposals, one mask per proposal prefix (every row of a depth in one parallel call), then rolls the
@@ -137,8 +138,12 @@ class GrammarRows:
         for seq_id, i in zip(seq_ids, rows, strict=True):
             stops = self._stops[seq_id]
             if i not in live_rows:
-                bitmask[i] = 0
-                _set_bits(bitmask[i], stops)
+                # A request that ignores EOS has no stop tokens: after its grammar it writes the tokenizer's EOS
+                # until max_tokens, as it asked, rather than sampling from a row with nothing allowed.
+                ending = stops or ((self._eos,) if self._eos is not None else ())
+                if ending:
+                    bitmask[i] = 0
+                    _set_bits(bitmask[i], ending)
             elif self._eos is not None and _bit(bitmask[i], self._eos):
                 _set_bits(bitmask[i], stops)  # the grammar may end here: so may the request's stop tokens
 
