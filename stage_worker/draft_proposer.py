@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,49 @@ def _dense_bytes(model: nn.Module, dtype: mx.Dtype) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class DraftTimings:
+    """Where the draft's proposal rounds spent their time, all time (host seconds by ``time.perf_counter``).
+
+    A round's phases: ``regroup`` (sequences joining or leaving the draft's batch: copies of their KV),
+    ``catch_up`` (building the forwards that feed tokens the draft has not seen), ``steps`` (building the
+    proposal steps), ``sync`` (waiting for the round's one evaluation and reading the proposals back: where
+    the device's work on the graphs built before shows), ``host`` (the rest: comparing each sequence with
+    what the draft holds, bookkeeping)."""
+
+    rounds: int = 0
+    rows: int = 0  # sequences proposed for, summed over rounds
+    catch_up_forwards: int = 0
+    catch_up_tokens: int = 0  # tokens fed by catch-up forwards (not their padding)
+    regroup_s: float = 0.0
+    catch_up_s: float = 0.0
+    steps_s: float = 0.0
+    sync_s: float = 0.0
+    host_s: float = 0.0
+
+    PHASES = ("regroup", "catch_up", "steps", "sync", "host")
+
+    @property
+    def seconds(self) -> float:
+        return sum(getattr(self, f"{phase}_s") for phase in self.PHASES)
+
+    def plus(self, other: DraftTimings) -> DraftTimings:
+        return DraftTimings(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+class _Clock:
+    """One round's phases, each ended by ``lap``."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self.spent = dict.fromkeys(DraftTimings.PHASES, 0.0)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[phase] += now - self._mark
+        self._mark = now
+
+
 @dataclass
 class _Held:
     """A sequence's draft caches (one per layer) and the tokens they hold."""
@@ -170,19 +214,29 @@ class DraftProposer:
         flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
         self.weight_bytes = sum(array.nbytes for _, array in flat)
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
+        self._timings = DraftTimings()
+
+    def take_timings(self) -> DraftTimings:
+        """The rounds' timings since the last call (``DraftTimings``), the count started afresh."""
+        timings, self._timings = self._timings, DraftTimings()
+        return timings
 
     def propose(self, asks: Sequence[ProposalAsk]) -> dict[int, tuple[int, ...]]:
         asks = [ask for ask in asks if ask.k > 0 and ask.tokens]
         if not asks:
             return {}
+        clock = _Clock()
         held = [self._in_step(ask) for ask in asks]
         feeds = [ask.tokens[len(h.tokens):] for ask, h in zip(asks, held)]  # at least the last token each
+        clock.lap("host")
         # One sequence runs on its own caches; several on batch caches merged from theirs (copies of the draft's
         # KV, extracted back below), as mlx-lm's BatchGenerator joins sequences with a history.
         alone = len(held) == 1
         caches = held[0].caches if alone else \
             [BatchKVCache.merge([h.caches[layer] for h in held]) for layer in range(len(held[0].caches))]
-        self._catch_up(caches, [feed[:-1] for feed in feeds])
+        clock.lap("regroup")
+        forwards, fed = self._catch_up(caches, [feed[:-1] for feed in feeds])
+        clock.lap("catch_up")
         k = max(ask.k for ask in asks)
         step = mx.array([[feed[-1]] for feed in feeds])
         proposed = []
@@ -190,13 +244,17 @@ class DraftProposer:
             step = mx.argmax(self.model(step, cache=caches)[:, -1, :], axis=-1, keepdims=True)
             proposed.append(step)
         drafts = mx.concatenate(proposed, axis=1)
+        clock.lap("steps")
         mx.eval(drafts, [c.state for c in caches])
         rows: list[list[int]] = drafts.tolist()  # type: ignore[assignment]
-        out: dict[int, tuple[int, ...]] = {}
-        for b, (ask, h) in enumerate(zip(asks, held)):
-            if not alone:
+        clock.lap("sync")
+        if not alone:
+            for b, h in enumerate(held):
                 for layer, cache in enumerate(caches):
                     h.caches[layer] = cache.extract(b)
+            clock.lap("regroup")
+        out: dict[int, tuple[int, ...]] = {}
+        for b, (ask, h) in enumerate(zip(asks, held)):
             # Fed: the sequence, then every proposal but the last; a row asked for fewer than ``k`` drops the rest.
             h.tokens = [*ask.tokens, *rows[b][:k - 1]]
             surplus = k - ask.k
@@ -205,6 +263,9 @@ class DraftProposer:
                     cache.trim(surplus)
                 del h.tokens[len(h.tokens) - surplus:]
             out[ask.seq_id] = tuple(rows[b][:ask.k])
+        clock.lap("host")
+        self._timings = self._timings.plus(DraftTimings(
+            1, len(asks), forwards, fed, **{f"{phase}_s": spent for phase, spent in clock.spent.items()}))
         return out
 
     def release(self, seq_id: int) -> None:
@@ -237,12 +298,13 @@ class DraftProposer:
             del held.tokens[shared:]
         return held
 
-    def _catch_up(self, caches: list[Any], feeds: Sequence[Sequence[int]]) -> None:
+    def _catch_up(self, caches: list[Any], feeds: Sequence[Sequence[int]]) -> tuple[int, int]:
         """Feed each row its ``feeds`` tokens (any length, none included), right-padded to the longest, then
-        the padding moved to the left where the batch cache masks it (``BatchKVCache.finalize``)."""
+        the padding moved to the left where the batch cache masks it (``BatchKVCache.finalize``); the
+        forwards run and the tokens fed."""
         longest = max(len(feed) for feed in feeds)
         if longest == 0:
-            return
+            return 0, 0
         padding = [longest - len(feed) for feed in feeds]
         tokens = mx.array([[*feed, *([0] * pad)] for feed, pad in zip(feeds, padding)])
         if max(padding):
@@ -254,6 +316,7 @@ class DraftProposer:
         if max(padding):
             for cache in caches:
                 cache.finalize()
+        return -(-longest // CATCH_UP_STEP), sum(len(feed) for feed in feeds)
 
 
 def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -271,4 +334,5 @@ def _kv_bytes_per_token(model: nn.Module) -> int:
     return sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in caches)
 
 
-__all__ = ["DraftModelError", "DraftProposer", "DraftWeights", "check_draft_model", "load_draft_proposer"]
+__all__ = ["DraftModelError", "DraftProposer", "DraftTimings", "DraftWeights", "check_draft_model",
+           "load_draft_proposer"]
