@@ -116,6 +116,24 @@ def test_rejected_proposals_columns_are_compacted_away(tiny_llama, monkeypatch):
     assert proposer.batch_columns <= max(len(s) for s in sequences) + 2 * draft_batch.COLUMN_STEP
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # a tied head, an untied one with biases
+def test_the_planners_figures_for_a_draft_are_what_it_loads(architecture, tiny_llama, root):
+    """The bytes the planner and the entry stage set aside for a draft (``model_facts.draft_facts``) are the
+    loaded draft's: its weights, and a position of its KV, in the compute dtype (float32 on this CPU)."""
+    from stage_worker.model_facts import draft_facts
+    from stagemesh.core.speculative import DRAFT_MODEL, SpeculativeConfig
+
+    path = tiny_checkpoint(architecture, root)
+    config = SpeculativeConfig(4, method=DRAFT_MODEL, model=path, disable_by_batch_size=8)
+    facts = draft_facts(config, read_model_spec(tiny_llama), max_num_seqs=6)
+    proposer = load_draft_proposer(path)
+    assert facts is not None
+    assert facts.weight_bytes(4) == proposer.weight_bytes
+    assert facts.kv_bytes_per_token(4) == proposer.kv_bytes_per_token
+    assert (facts.sequences, facts.proposals) == (6, 4)  # --max-num-seqs bounds disable_by_batch_size
+    assert draft_facts(None, read_model_spec(tiny_llama), 6) is None
+
+
 def test_a_draft_sharing_the_vocabulary_passes_the_start_check(tiny_llama, root):
     target = read_model_spec(tiny_llama)
     assert check_draft_model(tiny_llama, target).path == tiny_llama

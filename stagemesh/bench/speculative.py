@@ -325,12 +325,15 @@ def draft_report(timings: Any) -> dict[str, Any]:
 STEP_KINDS = ("verify", "plain", "prompt")
 
 
-def step_kind(chunks: Any) -> str:
+def step_kind(chunks: Any) -> str | None:
     """A batch's kind for the step breakdown (pure): ``verify`` when any sequence verifies proposals,
-    ``prompt`` when it holds a prompt chunk, else ``plain`` (one token per decoding sequence)."""
+    ``prompt`` when it holds a prompt chunk, else ``plain`` (one token per decoding sequence); None when it
+    feeds no token (only releases)."""
     from stage_worker.batch import RecordFlag
 
     records = [c.record for c in chunks if c.record.num_tokens]
+    if not records:
+        return None
     if any(r.has(RecordFlag.VERIFY) for r in records):
         return "verify"
     if any(r.has(RecordFlag.NEW_SEQUENCE) or r.num_tokens > 1 or not r.has(RecordFlag.SAMPLE) for r in records):
@@ -366,7 +369,7 @@ def _timed_pipeline(compute: Any) -> Any:
         def __init__(self) -> None:
             super().__init__(compute, None, None, is_last=True)
             self.steps = StepTimes()
-            self._submitted: list[tuple[str, int, float]] = []
+            self._submitted: list[tuple[str | None, int, float]] = []
 
         def submit(self, chunks: Any) -> int:
             rows = sum(c.record.num_tokens for c in chunks)
@@ -376,7 +379,8 @@ def _timed_pipeline(compute: Any) -> Any:
         def collect(self) -> Any:
             sampled = super().collect()
             kind, rows, started = self._submitted.pop(0)
-            self.steps.add(kind, rows, time.perf_counter() - started)
+            if kind is not None:
+                self.steps.add(kind, rows, time.perf_counter() - started)
             return sampled
 
     return TimedPipeline()
