@@ -73,7 +73,7 @@ class _LayerCache:
             self.keys = mx.concatenate([self.keys, more_keys], axis=2)
             self.values = mx.concatenate([self.values, more_values], axis=2)
 
-    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
         return self._batch.mask(n)
 
 
@@ -87,7 +87,7 @@ class DraftBatch:
         self.lengths = np.zeros(len(self.seq_ids), dtype=np.int64)
         self.end = 0  # columns written so far
         self.offsets = mx.array(self.lengths, dtype=mx.int32)
-        self._held_mask = mx.zeros((len(self.seq_ids), 0), dtype=mx.bool_)
+        self._held_mask: mx.array | None = None  # None: no holes in this forward (mlx-lm's plain masks do)
         self._rows = {seq_id: row for row, seq_id in enumerate(self.seq_ids)}
 
     @property
@@ -107,17 +107,20 @@ class DraftBatch:
         width = tokens.shape[1]
         self._reserve(width)
         self.offsets = mx.array(self.lengths, dtype=mx.int32)
-        self._held_mask = mx.array(self.valid[:, :self.end])
-        logits = model(tokens, cache=self.caches)
         counts = np.asarray(fed, dtype=np.int64)
+        holes = not self.valid[:, :self.end].all() or bool((counts < width).any())
+        self._held_mask = mx.array(self.valid[:, :self.end]) if holes else None
+        logits = model(tokens, cache=self.caches)
         self.valid[:, self.end:self.end + width] = np.arange(width)[None, :] < counts[:, None]
         self.lengths += counts
         self.end += width
         return logits
 
-    def mask(self, n: int) -> mx.array:
+    def mask(self, n: int) -> mx.array | str | None:
         """Which columns each of ``n`` new tokens per row attends to: the row's tokens held, then the new
-        columns up to its own (causal)."""
+        columns up to its own (causal); without holes, mlx-lm's own masks (none for one token, else causal)."""
+        if self._held_mask is None:
+            return None if n == 1 else "causal"
         rows, held = self._held_mask.shape
         causal = mx.tril(mx.ones((n, n), dtype=mx.bool_))
         return mx.concatenate([mx.broadcast_to(self._held_mask[:, None, None, :], (rows, 1, n, held)),
@@ -132,6 +135,10 @@ class DraftBatch:
         columns = np.flatnonzero(self.valid[row, :self.end])[-n:]
         self.valid[row, columns] = False
         self.lengths[row] -= n
+        # Columns no row holds any more at the end are given back (every row dropping as many tokens, a lone row
+        # always): the next forward writes over them and no hole is left.
+        while self.end and not self.valid[:, self.end - 1].any():
+            self.end -= 1
 
     def take(self, rows: Sequence[int]) -> DraftBatch:
         """A new batch of ``rows`` (in that order), each row's tokens moved to its first columns."""

@@ -16,7 +16,7 @@ Contract:
   confirmed ones (only those: never the whole history), the positions after the shared part are dropped
   (rejected proposals roll back: host bookkeeping, ``DraftBatch.drop_last``), and the tokens the draft never
   saw (the prompt, the target's bonus token, tokens of plain steps) are fed (catch-up). The batch then runs
-  the catch-up but its last token as one right-padded forward of a few widths (``catch_up_width``; a joiner
+  the catch-up but its last token as one right-padded forward (on a GPU of a few widths: ``catch_up_width``; a joiner
   with more than ``JOIN_CATCH_UP`` tokens to catch up, a new sequence's prompt, runs them first on its own
   batch), then one ``[B, 1]`` forward per proposal position, each row's input its previous argmax (greedy
   drafts). The proposals and the KV are evaluated once at the end: one device sync per round, a long
@@ -133,7 +133,7 @@ def load_draft_proposer(path: str, weights: DraftWeights = DraftWeights()) -> Dr
     # In the stage's compute dtype, as the stage's own weights (a bfloat16 matmul on the CPU is the slow path).
     model.set_dtype(weights.dtype, lambda d: mx.issubdtype(d, mx.floating))
     mx.eval(model.parameters())
-    proposer = DraftProposer(model)
+    proposer = DraftProposer(model, few_shapes=weights.backend != "cpu")
     log.info("draft model %s: weights %.2f GB %s (%s), KV %.1f KB per token of each speculating sequence", path,
              proposer.weight_bytes / 1e9, "dequantized" if dense else ("quantized" if quantized else "dense"), why,
              proposer.kv_bytes_per_token / 1e3)
@@ -229,8 +229,9 @@ class _Held:
 class DraftProposer:
     """Greedy proposals of an mlx-lm ``model``, batched across the sequences asked (see the module's contract)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, few_shapes: bool = False) -> None:
         self.model = model
+        self._few_shapes = few_shapes  # catch-up widths padded to a few (``catch_up_width``): a GPU's kernels
         probe = make_prompt_cache(model)
         if any(type(cache) is not KVCache for cache in probe):
             raise DraftModelError(f"{FLAG}: the draft model's layers must all keep plain KV (mlx-lm's KVCache); "
@@ -363,13 +364,15 @@ class DraftProposer:
         return batch, forwards, fed
 
     def _catch_up(self, batch: DraftBatch, feeds: Sequence[Sequence[int]]) -> tuple[int, int]:
-        """Feed each row its ``feeds`` tokens (any length, none included), right-padded to a few widths
-        (``catch_up_width``) so a GPU sees few shapes; the forwards run and the tokens fed."""
+        """Feed each row its ``feeds`` tokens (any length, none included), right-padded to the longest, or with
+        ``few_shapes`` to one of a few widths (``catch_up_width``): a GPU then builds kernels for few shapes, where
+        a CPU would only compute the padding. The forwards run and the tokens fed."""
         longest = max(len(feed) for feed in feeds)
         forwards = 0
         for start in range(0, longest, CATCH_UP_STEP):
             parts = [feed[start:start + CATCH_UP_STEP] for feed in feeds]
-            width = catch_up_width(max(len(part) for part in parts))
+            longest_part = max(len(part) for part in parts)
+            width = catch_up_width(longest_part) if self._few_shapes else longest_part
             tokens = mx.array([[*part, *([0] * (width - len(part)))] for part in parts])
             batch.forward(self.model, tokens, [len(part) for part in parts])  # the logits are never read
             forwards += 1
