@@ -294,9 +294,12 @@ class DraftProposer:
         return out
 
     def release(self, seq_id: int) -> None:
-        # A sequence still in the batch leaves it at the next round's regroup (no copy now).
+        # A sequence still in the batch leaves it at the next round's regroup (no copy now); the batch goes
+        # with its last sequence.
         self._held.pop(seq_id, None)
         self._parked.pop(seq_id, None)
+        if self._batch is not None and not any(s in self._held for s in self._batch.seq_ids):
+            self._batch = None
 
     def clear(self) -> None:
         self._held.clear()

@@ -96,7 +96,7 @@ def test_sequences_joining_pausing_and_leaving_keep_the_drafts_greedy_continuati
     assert proposer.batch_columns < 2 * max(len(s) for s in sequences)  # holes did not pile up
     for i in range(len(sequences)):
         proposer.release(i)
-    assert proposer.held_sequences == 0
+    assert proposer.held_sequences == 0 and proposer.batch_columns == 0  # the batch went with its last sequence
 
 
 def test_rejected_proposals_columns_are_compacted_away(tiny_llama, monkeypatch):
