@@ -21,7 +21,7 @@ from coordinator.supervision import BackoffPolicy
 from stagemesh.core import defaults
 from stagemesh.core.grpc_tls import TlsFiles
 from stagemesh.core.layer_split import plan_layer_split
-from stagemesh.core.memory import ModelFacts
+from stagemesh.core.memory import DraftFacts, ModelFacts
 from stagemesh.core.plan import StageOptions
 from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
 from stagemesh.core.speculative import SpeculativeConfig
@@ -62,6 +62,8 @@ class MeshConfig:
     # The model's size (stage_worker.model_facts): the layer planner splits by each node's memory. None: even
     # split / --pp-layer-split, unchecked (the fake stages of the coordinator's tests have no model).
     model_facts: ModelFacts | None = None
+    # The draft model's size (stage_worker.model_facts.draft_facts), held beside the entry stage's slice.
+    draft_facts: DraftFacts | None = None
     # Every stage's gRPC port requires it on state-changing calls; "" makes the coordinator generate one
     # (``MeshCoordinator.mesh_token``). repr=False: never in a log line.
     mesh_token: str = field(default="", repr=False)
@@ -77,7 +79,7 @@ class MeshConfig:
             max_model_len=self.max_model_len or defaults.MAX_MODEL_LEN,
             max_num_seqs=self.max_num_seqs or defaults.MAX_NUM_SEQS,
             memory_fraction=self.memory_fraction or defaults.MEMORY_FRACTION, compute_dtype=self.compute_dtype,
-            layer_split=self.layer_split)
+            layer_split=self.layer_split, draft=self.draft_facts)
 
 
 def validate_config(config: MeshConfig) -> None:

@@ -37,6 +37,10 @@ A request that cannot fit raises ``PlanError`` before anything loads: which
 stage is short by how many GB, the largest ``--max-model-len`` that would fit,
 and how many more nodes of which size would make it fit.
 
+With a draft model (``PlanRequest.draft``, ``stagemesh.core.memory.DraftFacts``), each replica's first stage
+also holds the draft's weights and KV for the sequences that may speculate, counted like its own weights
+before its KV capacity, as the stage counts it.
+
 Beyond the windows and states it holds for each of them, ``--max-num-seqs``
 does not change what must fit: like vLLM, a stage must hold one full-length
 sequence of positions, and the scheduler admits sequences while the
@@ -56,6 +60,7 @@ from stagemesh.core.errors import UserError
 from stagemesh.core.layer_split import LayerRange, even_split, parse_layer_split
 from stagemesh.core.memory import (
     RUNTIME_OVERHEAD_BYTES,
+    DraftFacts,
     ModelFacts,
     NodeMemory,
     StageKV,
@@ -97,6 +102,8 @@ class PlanRequest:
     memory_fraction: float = defaults.MEMORY_FRACTION
     compute_dtype: str = "auto"
     layer_split: str | None = None  # --pp-layer-split: checked, not chosen
+    # --speculative-config's draft model, held by each replica's entry stage beside its slice; None: no draft.
+    draft: DraftFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -116,8 +123,9 @@ class PlannedStage:
     kv_bytes_per_token: int  # one more position in this stage's full-context layers
     kv_tokens: int  # KV this stage holds: what its budget leaves after weights and runtime
     kv_bytes: int  # what those positions may take (sliding windows and recurrent state of --max-num-seqs included)
-    need_bytes: int  # weights + KV for one --max-model-len sequence + runtime
+    need_bytes: int  # weights + KV for one --max-model-len sequence + runtime (+ the draft model's share)
     speed: float = 1.0
+    draft_bytes: int = 0  # the entry stage's draft model: its weights and its speculating sequences' KV
 
     @property
     def headroom_bytes(self) -> int:
@@ -131,7 +139,7 @@ class PlannedStage:
             "layers": [self.layers.start, self.layers.end], "budget_bytes": self.budget_bytes,
             "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes, "kv_tokens": self.kv_tokens,
             "kv_bytes_per_token": self.kv_bytes_per_token, "headroom_bytes": self.headroom_bytes,
-            "speed": self.speed,
+            "speed": self.speed, "draft_bytes": self.draft_bytes,
         }
 
 
@@ -211,6 +219,7 @@ class _Cost:
     ends_bytes: int  # embedding / head / final norm on the ends
     speed: float
     max_sequences: int  # --max-num-seqs: sequences whose windows and states the KV must hold
+    draft_bytes: int = 0  # the entry stage's draft model (``DraftFacts.reserved_bytes``), beside its slice
 
     @property
     def allowed(self) -> int:
@@ -224,14 +233,15 @@ class _Cost:
 
     def need(self, start: int, end: int, max_model_len: int) -> int:
         """Weights, KV of one --max-model-len sequence (as the stage counts it) and the runtime."""
-        return self.weights(start, end) + self.kv_bytes(start, end, max_model_len) + RUNTIME_OVERHEAD_BYTES
+        return (self.weights(start, end) + self.kv_bytes(start, end, max_model_len) + RUNTIME_OVERHEAD_BYTES
+                + self.draft_bytes)
 
     def fits(self, start: int, end: int, max_model_len: int) -> bool:
         return self.need(start, end, max_model_len) <= self.allowed
 
     def tokens(self, start: int, end: int, max_model_len: int) -> int:
         """Exactly what the stage will compute (``stage_worker.memory.kv_token_capacity``)."""
-        room = self.budget - self.weights(start, end) - RUNTIME_OVERHEAD_BYTES
+        room = self.budget - self.weights(start, end) - RUNTIME_OVERHEAD_BYTES - self.draft_bytes
         return kv_capacity_tokens(room, self.layers.kv(start, end), self.element_bytes, self.max_sequences,
                                   max_model_len)
 
@@ -261,8 +271,9 @@ def _cost(layers: _Layers, seat: StageSeat, request: PlanRequest, *, first: bool
     element = dtype_bytes(request.compute_dtype, seat.memory.backend)
     budget = seat.memory.budget(request.memory_fraction, seat.stages_on_node).budget_bytes
     ends = layers.model.ends_bytes(first=first, last=last, element_bytes=element)
+    draft = request.draft.reserved_bytes(element, request.max_model_len) if first and request.draft else 0
     return _Cost(layers, budget, element, resolved_dtype(request.compute_dtype, seat.memory.backend), ends,
-                 seat.memory.speed, request.max_num_seqs)
+                 seat.memory.speed, request.max_num_seqs, draft)
 
 
 def _planned(replica: int, rank: int, seat: StageSeat, cost: _Cost, layers: LayerRange,
@@ -275,7 +286,7 @@ def _planned(replica: int, rank: int, seat: StageSeat, cost: _Cost, layers: Laye
         weight_bytes=cost.weights(start, end),
         kv_bytes_per_token=cost.layers.kv(start, end).per_token_bytes(cost.element_bytes), kv_tokens=tokens,
         kv_bytes=cost.kv_bytes(start, end, tokens), need_bytes=cost.need(start, end, request.max_model_len),
-        speed=seat.memory.speed,
+        speed=seat.memory.speed, draft_bytes=cost.draft_bytes,
     )
 
 
@@ -525,6 +536,10 @@ def format_plan(plan: MemoryPlan) -> str:
                         f"; {r.max_num_seqs} full-length sequences at once would need --max-num-seqs {max(1, full)} "
                         f"or --max-model-len {max(1, tokens // r.max_num_seqs)}; shorter requests share the rest")
                      + ")")
+    drafts = [s for stages in plan.replicas for s in stages if s.draft_bytes]
+    if drafts:
+        lines.append(f"each replica's rank 0 also holds the draft model: {drafts[0].draft_bytes / _GB:.2f} GB "
+                     "(its weights and KV for the sequences that may speculate), counted before its KV")
     lines.append(f"layers chosen by the {plan.chosen_by}; each stage keeps {HEADROOM_FRACTION:.0%} of its budget "
                  f"as headroom beyond weights, one full sequence and {RUNTIME_OVERHEAD_BYTES / _GB:.2f} GB of runtime")
     return "\n".join(lines)

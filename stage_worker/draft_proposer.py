@@ -8,15 +8,20 @@ Contract:
   quantized or not), in the stage's compute dtype, and runs a quantized draft with dense weights where the
   stage would run its own so (``DraftWeights``: ``stage_model.choose_dense_weights`` with the stage's setting,
   backend and BLAS), and logs what its weights hold and what a token of its KV costs.
-- ``DraftProposer`` is a ``speculation.Proposer``. Each sequence has its own KV caches (mlx-lm's
-  ``KVCache``, one per layer) and the tokens they hold. Asked for proposals, it first brings each sequence's
-  caches in step with the sequence: the positions after the longest prefix it shares with what the target
-  kept are dropped (rejected proposals roll back), then the tokens the draft never saw (the prompt, the
-  target's bonus token, tokens of plain steps) are fed (catch-up). The asked sequences then run as one
-  batch: their caches merged into mlx-lm's ``BatchKVCache`` (left padding, per-row offsets), the catch-up
-  but its last token as one right-padded forward (as mlx-lm's ``BatchGenerator`` prefills), then one
-  ``[B, 1]`` forward per proposal position, each row's input its previous argmax (greedy drafts); the
-  proposals are evaluated once at the end. Each row's caches are then extracted back into its own.
+- ``DraftProposer`` is a ``speculation.Proposer``. The sequences of the last round keep their draft KV in one
+  ``draft_batch.DraftBatch`` that lasts from round to round; a sequence not asked in a round (plain steps, a
+  pause) leaves it for a batch of its own and joins again when asked. Per sequence it knows how many of the
+  sequence's tokens the draft holds and which proposals it fed after them. Asked for proposals, it first
+  brings each sequence in step: the proposals held are compared with the tokens the target kept after the
+  confirmed ones (only those: never the whole history), the positions after the shared part are dropped
+  (rejected proposals roll back: host bookkeeping, ``DraftBatch.drop_last``), and the tokens the draft never
+  saw (the prompt, the target's bonus token, tokens of plain steps) are fed (catch-up). The batch then runs
+  the catch-up but its last token as one right-padded forward (on a GPU of a few widths: ``catch_up_width``; a joiner
+  with more than ``JOIN_CATCH_UP`` tokens to catch up, a new sequence's prompt, runs them first on its own
+  batch), then one ``[B, 1]`` forward per proposal position, each row's input its previous argmax (greedy
+  drafts). The proposals and the KV are evaluated once at the end: one device sync per round, a long
+  prompt's slices apart. A round copies none of the draft's KV unless sequences join or leave.
+- ``take_timings`` says where the rounds' time went (``DraftTimings``: regroup, catch-up, steps, sync, host).
 - Greedy drafts make the last stage's acceptance exact for greedy and seeded requests alike
   (``speculation.accept_proposals``). The draft has no prefix cache: a sequence's first proposal prefills
   its whole prompt on the draft.
@@ -28,16 +33,18 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from stage_worker.draft_batch import DraftBatch
 from stage_worker.model_reader import ModelSpec, read_model_spec
 from stage_worker.speculation import ProposalAsk
 from stagemesh.core.errors import UserError
@@ -47,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # Catch-up tokens per forward: a long prompt's prefill on the draft runs in slices, as mlx-lm prefills.
 CATCH_UP_STEP = 512
+# A sequence joining the batch with more tokens to catch up (a new sequence's prompt) runs them on its own first.
+JOIN_CATCH_UP = 16
 
 
 class DraftModelError(UserError):
@@ -124,7 +133,7 @@ def load_draft_proposer(path: str, weights: DraftWeights = DraftWeights()) -> Dr
     # In the stage's compute dtype, as the stage's own weights (a bfloat16 matmul on the CPU is the slow path).
     model.set_dtype(weights.dtype, lambda d: mx.issubdtype(d, mx.floating))
     mx.eval(model.parameters())
-    proposer = DraftProposer(model)
+    proposer = DraftProposer(model, few_shapes=weights.backend != "cpu")
     log.info("draft model %s: weights %.2f GB %s (%s), KV %.1f KB per token of each speculating sequence", path,
              proposer.weight_bytes / 1e9, "dequantized" if dense else ("quantized" if quantized else "dense"), why,
              proposer.kv_bytes_per_token / 1e3)
@@ -149,118 +158,238 @@ def _dense_bytes(model: nn.Module, dtype: mx.Dtype) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class DraftTimings:
+    """Where the draft's proposal rounds spent their time, all time (host seconds by ``time.perf_counter``).
+
+    A round's phases: ``regroup`` (sequences joining or leaving the draft's batch: copies of their KV),
+    ``catch_up`` (building the forwards that feed tokens the draft has not seen), ``steps`` (building the
+    proposal steps), ``sync`` (waiting for the round's one evaluation and reading the proposals back: where
+    the device's work on the graphs built before shows), ``host`` (the rest: comparing each sequence with
+    what the draft holds, bookkeeping)."""
+
+    rounds: int = 0
+    rows: int = 0  # sequences proposed for, summed over rounds
+    catch_up_forwards: int = 0
+    catch_up_tokens: int = 0  # tokens fed by catch-up forwards (not their padding)
+    regroup_s: float = 0.0
+    catch_up_s: float = 0.0
+    steps_s: float = 0.0
+    sync_s: float = 0.0
+    host_s: float = 0.0
+
+    PHASES = ("regroup", "catch_up", "steps", "sync", "host")
+
+    @property
+    def seconds(self) -> float:
+        return sum(getattr(self, f"{phase}_s") for phase in self.PHASES)
+
+    def plus(self, other: DraftTimings) -> DraftTimings:
+        return DraftTimings(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+class _Clock:
+    """One round's phases, each ended by ``lap``."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self.spent = dict.fromkeys(DraftTimings.PHASES, 0.0)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[phase] += now - self._mark
+        self._mark = now
+
+
 @dataclass
 class _Held:
-    """A sequence's draft caches (one per layer) and the tokens they hold."""
+    """What the draft holds of a sequence: its first ``confirmed`` tokens, then ``proposed`` (proposals it fed,
+    not yet verified). Only the proposals are kept: the sequence's tokens never change, they only grow."""
 
-    caches: list[Any]
-    tokens: list[int] = field(default_factory=list)
+    confirmed: int = 0
+    proposed: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return self.confirmed + len(self.proposed)
+
+    def shared_with(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the draft holds, never their last (whose logits give the first proposal);
+        compares only the proposals held with the tokens after the confirmed ones."""
+        if self.confirmed >= len(tokens):
+            return len(tokens) - 1
+        matched = 0
+        for proposal, token in zip(self.proposed, tokens[self.confirmed:self.confirmed + len(self.proposed)]):
+            if proposal != token:
+                break
+            matched += 1
+        return min(self.confirmed + matched, len(tokens) - 1)
 
 
 class DraftProposer:
     """Greedy proposals of an mlx-lm ``model``, batched across the sequences asked (see the module's contract)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, few_shapes: bool = False) -> None:
         self.model = model
-        self._held: dict[int, _Held] = {}
+        self._few_shapes = few_shapes  # catch-up widths padded to a few (``catch_up_width``): a GPU's kernels
         probe = make_prompt_cache(model)
         if any(type(cache) is not KVCache for cache in probe):
             raise DraftModelError(f"{FLAG}: the draft model's layers must all keep plain KV (mlx-lm's KVCache); "
                                   "use a Llama- or Qwen-like draft")
+        self._layers = len(probe)
         flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
         self.weight_bytes = sum(array.nbytes for _, array in flat)
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
+        self._timings = DraftTimings()
+        self._held: dict[int, _Held] = {}
+        self._batch: DraftBatch | None = None  # the sequences of the last round
+        self._parked: dict[int, DraftBatch] = {}  # sequences not asked since (plain steps, a pause): one row each
+
+    def take_timings(self) -> DraftTimings:
+        """The rounds' timings since the last call (``DraftTimings``), the count started afresh."""
+        timings, self._timings = self._timings, DraftTimings()
+        return timings
 
     def propose(self, asks: Sequence[ProposalAsk]) -> dict[int, tuple[int, ...]]:
         asks = [ask for ask in asks if ask.k > 0 and ask.tokens]
         if not asks:
             return {}
-        held = [self._in_step(ask) for ask in asks]
-        feeds = [ask.tokens[len(h.tokens):] for ask, h in zip(asks, held)]  # at least the last token each
-        # One sequence runs on its own caches; several on batch caches merged from theirs (copies of the draft's
-        # KV, extracted back below), as mlx-lm's BatchGenerator joins sequences with a history.
-        alone = len(held) == 1
-        caches = held[0].caches if alone else \
-            [BatchKVCache.merge([h.caches[layer] for h in held]) for layer in range(len(held[0].caches))]
-        self._catch_up(caches, [feed[:-1] for feed in feeds])
+        clock = _Clock()
+        feeds: dict[int, tuple[int, ...]] = {}  # by seq_id: the tokens the draft has not seen, at least the last
+        for ask in asks:
+            held = self._held.setdefault(ask.seq_id, _Held())
+            shared = held.shared_with(ask.tokens)
+            place = self._batch_of(ask.seq_id)
+            place.drop_last(place.row(ask.seq_id), held.tokens - shared)
+            self._held[ask.seq_id] = _Held(shared)
+            feeds[ask.seq_id] = ask.tokens[shared:]
+        clock.lap("host")
+        batch, forwards, fed = self._regroup([ask.seq_id for ask in asks], feeds, clock)
+        by_row = [feeds[seq_id] for seq_id in batch.seq_ids]
+        more_forwards, more_fed = self._catch_up(batch, [feed[:-1] for feed in by_row])
+        clock.lap("catch_up")
         k = max(ask.k for ask in asks)
-        step = mx.array([[feed[-1]] for feed in feeds])
+        step = mx.array([[feed[-1]] for feed in by_row])
+        ones = [1] * len(by_row)
         proposed = []
         for _ in range(k):
-            step = mx.argmax(self.model(step, cache=caches)[:, -1, :], axis=-1, keepdims=True)
+            step = mx.argmax(batch.forward(self.model, step, ones)[:, -1, :], axis=-1, keepdims=True)
             proposed.append(step)
         drafts = mx.concatenate(proposed, axis=1)
-        mx.eval(drafts, [c.state for c in caches])
+        clock.lap("steps")
+        mx.eval(drafts, batch.arrays())  # the round's one sync
         rows: list[list[int]] = drafts.tolist()  # type: ignore[assignment]
+        clock.lap("sync")
         out: dict[int, tuple[int, ...]] = {}
-        for b, (ask, h) in enumerate(zip(asks, held)):
-            if not alone:
-                for layer, cache in enumerate(caches):
-                    h.caches[layer] = cache.extract(b)
+        for ask in asks:
+            row = batch.row(ask.seq_id)
             # Fed: the sequence, then every proposal but the last; a row asked for fewer than ``k`` drops the rest.
-            h.tokens = [*ask.tokens, *rows[b][:k - 1]]
-            surplus = k - ask.k
-            if surplus:
-                for cache in h.caches:
-                    cache.trim(surplus)
-                del h.tokens[len(h.tokens) - surplus:]
-            out[ask.seq_id] = tuple(rows[b][:ask.k])
+            batch.drop_last(row, k - ask.k)
+            self._held[ask.seq_id] = _Held(len(ask.tokens), tuple(rows[row][:ask.k - 1]))
+            out[ask.seq_id] = tuple(rows[row][:ask.k])
+        clock.lap("host")
+        self._timings = self._timings.plus(DraftTimings(
+            1, len(asks), forwards + more_forwards, fed + more_fed,
+            **{f"{phase}_s": spent for phase, spent in clock.spent.items()}))
         return out
 
     def release(self, seq_id: int) -> None:
+        # A sequence still in the batch leaves it at the next round's regroup (no copy now); the batch goes
+        # with its last sequence.
         self._held.pop(seq_id, None)
+        self._parked.pop(seq_id, None)
+        if self._batch is not None and not any(s in self._held for s in self._batch.seq_ids):
+            self._batch = None
 
     def clear(self) -> None:
         self._held.clear()
+        self._parked.clear()
+        self._batch = None
 
     @property
     def held_sequences(self) -> int:
         return len(self._held)
 
+    @property
+    def batch_columns(self) -> int:
+        """Columns the draft's batch spans per row (its tokens, plus holes not yet compacted away)."""
+        return 0 if self._batch is None else self._batch.end
+
     def held_tokens(self, seq_id: int) -> int:
         """Positions the draft's caches hold for ``seq_id`` (0: none)."""
         held = self._held.get(seq_id)
-        return len(held.tokens) if held else 0
+        return held.tokens if held else 0
 
-    def _in_step(self, ask: ProposalAsk) -> _Held:
-        """``ask``'s sequence's caches, cut back to the longest prefix they share with its tokens, and never
-        past its last token (whose logits give the first proposal)."""
-        held = self._held.get(ask.seq_id)
-        if held is None:
-            held = self._held[ask.seq_id] = _Held(make_prompt_cache(self.model))
-        shared = _shared_prefix(held.tokens, ask.tokens)
-        shared = min(shared, len(ask.tokens) - 1)
-        drop = len(held.tokens) - shared
-        if drop:
-            for cache in held.caches:
-                cache.trim(drop)
-            del held.tokens[shared:]
-        return held
+    def _batch_of(self, seq_id: int) -> DraftBatch:
+        """Where ``seq_id``'s draft KV is: the batch, its parked row, or a new empty row (parked)."""
+        if self._batch is not None and seq_id in self._batch.seq_ids:
+            return self._batch
+        if seq_id not in self._parked:
+            self._parked[seq_id] = DraftBatch([seq_id], self._layers)
+        return self._parked[seq_id]
 
-    def _catch_up(self, caches: list[Any], feeds: Sequence[Sequence[int]]) -> None:
-        """Feed each row its ``feeds`` tokens (any length, none included), right-padded to the longest, then
-        the padding moved to the left where the batch cache masks it (``BatchKVCache.finalize``)."""
+    def _regroup(self, seq_ids: Sequence[int], feeds: dict[int, tuple[int, ...]],
+                 clock: _Clock) -> tuple[DraftBatch, int, int]:
+        """The batch of exactly ``seq_ids``: those of the last round stay where they are, the others leave
+        (parked, or dropped once released), the asked ones not in it join; a joiner with a long catch-up (a
+        new sequence's prompt) runs it before joining rather than making every row run its length. Returns
+        the batch and the catch-up forwards and tokens run for joiners (their ``feeds`` cut to their last token)."""
+        batch, asked = self._batch, set(seq_ids)
+        staying = [] if batch is None else [row for row, seq_id in enumerate(batch.seq_ids) if seq_id in asked]
+        if batch is not None and len(staying) < len(batch.seq_ids):
+            for row, seq_id in enumerate(batch.seq_ids):
+                if seq_id not in asked and seq_id in self._held:
+                    self._parked[seq_id] = batch.take([row])
+            batch = batch.take(staying) if staying else None
+        in_batch = set() if batch is None else set(batch.seq_ids)
+        joining = [seq_id for seq_id in seq_ids if seq_id not in in_batch]
+        clock.lap("regroup")
+        forwards = fed = 0
+        long = [seq_id for seq_id in joining if len(feeds[seq_id]) - 1 > JOIN_CATCH_UP]
+        if long:
+            parked = [self._parked.pop(seq_id) for seq_id in long]
+            alone = parked[0] if len(parked) == 1 else DraftBatch.concat(parked)
+            forwards, fed = self._catch_up(alone, [feeds[seq_id][:-1] for seq_id in long])
+            for seq_id in long:
+                feeds[seq_id] = feeds[seq_id][-1:]
+            self._parked.update({seq_id: alone for seq_id in long})
+            clock.lap("catch_up")
+        if joining:
+            parts = [] if batch is None else [batch]
+            for seq_id in joining:
+                part = self._parked.pop(seq_id)
+                if all(part is not other for other in parts):  # the long joiners share one batch
+                    parts.append(part)
+            batch = parts[0] if len(parts) == 1 else DraftBatch.concat(parts)
+        assert batch is not None
+        self._batch = batch
+        clock.lap("regroup")
+        return batch, forwards, fed
+
+    def _catch_up(self, batch: DraftBatch, feeds: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """Feed each row its ``feeds`` tokens (any length, none included), right-padded to the longest, or with
+        ``few_shapes`` to one of a few widths (``catch_up_width``): a GPU then builds kernels for few shapes, where
+        a CPU would only compute the padding. The forwards run and the tokens fed."""
         longest = max(len(feed) for feed in feeds)
-        if longest == 0:
-            return
-        padding = [longest - len(feed) for feed in feeds]
-        tokens = mx.array([[*feed, *([0] * pad)] for feed, pad in zip(feeds, padding)])
-        if max(padding):
-            for cache in caches:
-                cache.prepare(right_padding=padding)
+        forwards = 0
         for start in range(0, longest, CATCH_UP_STEP):
-            self.model(tokens[:, start:start + CATCH_UP_STEP], cache=caches)
-            mx.eval([c.state for c in caches])  # the logits are never read: only the caches are computed
-        if max(padding):
-            for cache in caches:
-                cache.finalize()
+            parts = [feed[start:start + CATCH_UP_STEP] for feed in feeds]
+            longest_part = max(len(part) for part in parts)
+            width = catch_up_width(longest_part) if self._few_shapes else longest_part
+            tokens = mx.array([[*part, *([0] * (width - len(part)))] for part in parts])
+            batch.forward(self.model, tokens, [len(part) for part in parts])  # the logits are never read
+            forwards += 1
+            if longest > CATCH_UP_STEP:
+                mx.eval(batch.arrays())  # a long prompt's slices one at a time, as mlx-lm prefills
+        return forwards, sum(len(feed) for feed in feeds)
 
 
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):  # a list and a tuple never compare equal
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
+def catch_up_width(longest: int) -> int:
+    """The columns a catch-up of ``longest`` tokens runs as (pure): the next power of two up to 64, then the next
+    multiple of 64, at most ``CATCH_UP_STEP``."""
+    if longest <= 64:
+        return 1 << max(0, longest - 1).bit_length()
+    return min(CATCH_UP_STEP, -(-longest // 64) * 64)
 
 
 def _kv_bytes_per_token(model: nn.Module) -> int:
@@ -271,4 +400,5 @@ def _kv_bytes_per_token(model: nn.Module) -> int:
     return sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in caches)
 
 
-__all__ = ["DraftModelError", "DraftProposer", "DraftWeights", "check_draft_model", "load_draft_proposer"]
+__all__ = ["DraftModelError", "DraftProposer", "DraftTimings", "DraftWeights", "check_draft_model",
+           "load_draft_proposer"]

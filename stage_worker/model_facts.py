@@ -22,6 +22,9 @@ layer is counted at its own size (``ModelFacts.layer_sizes`` where layers
 differ: a mixed recipe's 6-bit layers beside 4-bit ones), so the facts of a
 slice are the bytes its stage holds.
 
+``draft_facts(config, target, max_num_seqs)`` -> ``stagemesh.core.memory.DraftFacts``: a draft model's
+weights and KV per position, counted the same way, for the entry stage that holds it.
+
 Every other architecture (``mlx_arch.STACK_ARCHITECTURES``: experts, MLA,
 sliding windows, linear attention) is measured on mlx-lm's own model, built
 lazily (shapes only, nothing allocated) and quantized exactly as the stage
@@ -41,9 +44,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts
+from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, exact_prefix_reuse
 from stage_worker.model_spec import ModelSpec
-from stagemesh.core.memory import LayerKV, ModelFacts, TensorBytes
+from stagemesh.core.memory import DraftFacts, LayerKV, ModelFacts, TensorBytes
+from stagemesh.core.speculative import SpeculativeConfig
 
 
 def _linear(spec: ModelSpec, path: str, out_features: int, in_features: int, dense: bool) -> TensorBytes:
@@ -100,6 +104,24 @@ def model_facts(spec: ModelSpec, dense: bool = False) -> ModelFacts:
         kv_elements_per_token=2 * kv_heads * head_dim, tied_embeddings=spec.tie_word_embeddings,
         layer_sizes=_differing(layers),
     )
+
+
+def draft_facts(config: SpeculativeConfig | None, target: ModelSpec, max_num_seqs: int,
+                dense: bool = False) -> DraftFacts | None:
+    """The entry stage's draft model (``--speculative-config``'s ``"model"``, already checked) as the planner and
+    the stage count it: all its weights (as ``model_facts`` counts a model) and its KV per position; None
+    without a draft model, or where ``target`` does not speculate (windows, recurrent state: no draft loads)."""
+    if config is None or config.model is None or not exact_prefix_reuse(target):
+        return None
+    from stage_worker.model_reader import read_model_spec
+
+    facts = model_facts(read_model_spec(config.model), dense)
+    weights = facts.head if facts.tied_embeddings else facts.embedding + facts.head  # a tied matrix counts once
+    for index in range(facts.num_layers):
+        weights += facts.layer_sizes[index] if facts.layer_sizes else facts.layer
+    return DraftFacts(weights, facts.slice_kv(0, facts.num_layers).per_token,
+                      sequences=min(config.disable_by_batch_size, max_num_seqs),
+                      proposals=config.num_speculative_tokens)
 
 
 def _largest(layers: list[TensorBytes]) -> TensorBytes:

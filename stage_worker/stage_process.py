@@ -55,7 +55,7 @@ from stage_worker.memory import (
     stages_sharing_memory,
 )
 from stage_worker.mlx_arch import exact_prefix_reuse
-from stage_worker.model_facts import model_facts
+from stage_worker.model_facts import draft_facts, model_facts
 from stage_worker.model_reader import read_model_spec
 from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stage_worker.prefix_cache import PrefixCache
@@ -216,8 +216,16 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     # The planner's count (stage_worker.model_facts): each layer's keys and values (MLA's latent), windows
     # bounded by their size, recurrent state per sequence.
     kv = model_facts(spec).slice_kv(me.layers.start, me.layers.end)
-    kv_capacity = kv_token_capacity(budget, model.weight_bytes, kv, model.dtype.size, options.max_num_seqs,
-                                    ctx.max_model_len, ctx.name)
+    # The entry stage also holds the draft model (--speculative-config "model"), loaded later: its weights and
+    # its speculating sequences' KV come out of the room for this stage's KV, as the planner counts them.
+    draft = draft_facts(options.speculative, spec, options.max_num_seqs, dense=launch.plan.dequantize == "on") \
+        if launch.is_first else None
+    draft_bytes = draft.reserved_bytes(model.dtype.size, ctx.max_model_len) if draft else 0
+    if draft_bytes:
+        log.info("the draft model's share of the budget: %.1f MB (weights, and KV for %d speculating sequences)",
+                 draft_bytes / 1e6, draft.sequences if draft else 0)
+    kv_capacity = kv_token_capacity(budget, model.weight_bytes + draft_bytes, kv, model.dtype.size,
+                                    options.max_num_seqs, ctx.max_model_len, ctx.name)
     threads = _blas_threads(sharing)
     log.info("loaded %.1f MB of weights in %.2f s (backend=%s device=%r dtype=%s quantized=%s blas=%s, KV "
              "capacity %d tokens in a %.0f MB %s budget, peak RSS %.0f MB)", model.weight_bytes / 1e6,

@@ -161,7 +161,7 @@ def build_mesh_config(args: argparse.Namespace):
     # Lazily: the model readers and the stage's model code bring MLX, the coordinator its Ray glue.
     from coordinator.mesh import MeshConfig
     from stage_worker.checkpoint_check import check_checkpoint
-    from stage_worker.model_facts import model_facts
+    from stage_worker.model_facts import draft_facts, model_facts
     from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import resolve_compute_dtype
 
@@ -215,6 +215,7 @@ def build_mesh_config(args: argparse.Namespace):
         # The layer planner sizes quantized weights unless --dequantize on (auto dequantizes only when the
         # dense weights fit half a stage's budget, so a plan that fits quantized still fits).
         model_facts=model_facts(spec, dense=args.dequantize == "on"),
+        draft_facts=draft_facts(speculative, spec, args.max_num_seqs, dense=args.dequantize == "on"),
         mesh_token=security_flags.mesh_token(args),
         grpc_tls=security_flags.grpc_tls(args),
     )

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from stage_worker.draft_proposer import DraftModelError, check_draft_model, load_draft_proposer
+from stage_worker.draft_proposer import DraftModelError, DraftProposer, check_draft_model, load_draft_proposer
 from stage_worker.model_reader import read_model_spec
 from stage_worker.speculation import ProposalAsk
 from stagemesh.bench.random_checkpoint import write_random_checkpoint
@@ -60,6 +60,81 @@ def test_proposals_are_the_drafts_greedy_continuation_after_any_verification(tin
     assert proposer.held_tokens(0) == 0 and proposer.held_sequences == len(PROMPTS) - 1
     proposer.clear()
     assert proposer.held_sequences == 0
+
+
+@pytest.mark.parametrize("few_shapes", [False, True], ids=["exact-widths", "padded-widths"])
+def test_sequences_joining_pausing_and_leaving_keep_the_drafts_greedy_continuation(tiny_llama, monkeypatch,
+                                                                                     few_shapes):
+    """The draft's batch lasts across rounds: sequences that skip rounds (plain steps, a pause) leave it and come
+    back, a long prompt joins mid-run (caught up on its own, in slices), rows grow past their columns (holes
+    compacted away), catch-ups run at their own widths or padded to a few (as on a GPU). Every round's proposals
+    are still the draft's own greedy continuation."""
+    from stage_worker import draft_batch, draft_proposer
+
+    monkeypatch.setattr(draft_batch, "COLUMN_STEP", 16)  # columns run out every few rounds
+    monkeypatch.setattr(draft_proposer, "CATCH_UP_STEP", 8)  # a long prompt's catch-up runs in slices
+    proposer = DraftProposer(load_draft_proposer(tiny_llama).model, few_shapes=few_shapes)
+    late = tuple(range(200, 240))  # 40 tokens: longer than a joiner catches up inside the batch
+    prompts = [*PROMPTS, late]
+    reference = mlx_lm_greedy(proposer.model, [list(p) for p in prompts], 80)
+    sequences = [list(p) for p in PROMPTS]
+    rng = random.Random(1)
+    for round_ in range(14):
+        if round_ == 4:
+            sequences.append(list(late))
+        asked = [i for i in range(len(sequences)) if rng.random() < 0.7] or [0]
+        wanted = {i: rng.randint(1, 4) for i in asked}
+        proposals = proposer.propose([ProposalAsk(i, tuple(sequences[i]), wanted[i]) for i in asked])
+        for i, sequence in enumerate(sequences):
+            made = len(sequence) - len(prompts[i])
+            if i in asked:
+                assert proposals[i] == tuple(reference[i][made:made + wanted[i]]), (round_, i)
+                kept = rng.randint(0, wanted[i])
+                sequence += reference[i][made:made + kept + 1]
+            else:
+                sequence += reference[i][made:made + 1]  # a plain step
+    assert proposer.batch_columns < 2 * max(len(s) for s in sequences)  # holes did not pile up
+    for i in range(len(sequences)):
+        proposer.release(i)
+    assert proposer.held_sequences == 0 and proposer.batch_columns == 0  # the batch went with its last sequence
+
+
+def test_rejected_proposals_columns_are_compacted_away(tiny_llama, monkeypatch):
+    """Each round writes four columns per row and keeps one token (the first proposal's, fed again as the
+    sequence's last): three holes a round. Once the batch's columns run out it compacts instead of growing,
+    and the proposals stay the draft's greedy continuation."""
+    from stage_worker import draft_batch
+
+    monkeypatch.setattr(draft_batch, "COLUMN_STEP", 16)
+    proposer = load_draft_proposer(tiny_llama)
+    reference = mlx_lm_greedy(proposer.model, [list(p) for p in PROMPTS[:2]], 24)
+    sequences = [list(p) for p in PROMPTS[:2]]
+    for _ in range(20):
+        proposals = proposer.propose([ProposalAsk(i, tuple(s), 4) for i, s in enumerate(sequences)])
+        for i, sequence in enumerate(sequences):
+            made = len(sequence) - len(PROMPTS[i])
+            assert proposals[i] == tuple(reference[i][made:made + 4])
+            sequence.append(reference[i][made])
+    # 20 rounds wrote 80 columns; holes compacted, the batch spans little more than its longest row.
+    assert proposer.batch_columns <= max(len(s) for s in sequences) + 2 * draft_batch.COLUMN_STEP
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # a tied head, an untied one with biases
+def test_the_planners_figures_for_a_draft_are_what_it_loads(architecture, tiny_llama, root):
+    """The bytes the planner and the entry stage set aside for a draft (``model_facts.draft_facts``) are the
+    loaded draft's: its weights, and a position of its KV, in the compute dtype (float32 on this CPU)."""
+    from stage_worker.model_facts import draft_facts
+    from stagemesh.core.speculative import DRAFT_MODEL, SpeculativeConfig
+
+    path = tiny_checkpoint(architecture, root)
+    config = SpeculativeConfig(4, method=DRAFT_MODEL, model=path, disable_by_batch_size=8)
+    facts = draft_facts(config, read_model_spec(tiny_llama), max_num_seqs=6)
+    proposer = load_draft_proposer(path)
+    assert facts is not None
+    assert facts.weight_bytes(4) == proposer.weight_bytes
+    assert facts.kv_bytes_per_token(4) == proposer.kv_bytes_per_token
+    assert (facts.sequences, facts.proposals) == (6, 4)  # --max-num-seqs bounds disable_by_batch_size
+    assert draft_facts(None, read_model_spec(tiny_llama), 6) is None
 
 
 def test_a_draft_sharing_the_vocabulary_passes_the_start_check(tiny_llama, root):

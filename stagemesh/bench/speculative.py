@@ -17,7 +17,11 @@ draft's config (``num_speculative_tokens``, ``disable_by_batch_size``: raise it 
 
 It reports output tokens per second of each arm per level (all tokens over all the time, medians over
 rounds), the on / off ratio, whether the two arms' greedy tokens are identical (they must be), and the share
-of proposed tokens the model accepted.
+of proposed tokens the model accepted. And where a step's time goes: per arm, the target's steps by kind
+(``target_steps``: verifications, plain decode steps, steps holding a prompt chunk; each kind's count and
+milliseconds from handing the batch to the stage until its tokens are read), and with a draft model the
+draft's share (``draft``: milliseconds per proposal round, split into its phases,
+``draft_proposer.DraftTimings``).
 """
 
 from __future__ import annotations
@@ -257,7 +261,28 @@ def format_speculative(report: dict[str, Any]) -> str:
     for ratio in report["ratios"]:
         lines.append(f"{ratio['streams']} stream(s): speculation on / off {ratio['tokens_per_s']:.3f}x output "
                      f"tokens/s; greedy tokens {'identical' if ratio['identical_greedy_tokens'] else 'DIFFERENT'}")
+    lines += _breakdown_lines(report["results"]["levels"])
     return "\n".join(lines)
+
+
+def _breakdown_lines(levels: list[dict[str, Any]]) -> list[str]:
+    """Where each arm's step time went: the target's steps by kind, the draft's rounds by phase (pure)."""
+    lines = []
+    for level in levels:
+        for arm in ("off", "on"):
+            steps = level[arm].get("target_steps")
+            if steps:
+                lines.append(f"{level['streams']} stream(s), {arm}: target " + ", ".join(
+                    f"{kind} {s['ms_per_step']:.1f} ms x {s['steps']} ({s['rows_per_step']:g} rows)"
+                    for kind, s in steps.items()))
+            draft = level[arm].get("draft")
+            if draft:
+                phases = ", ".join(f"{phase} {ms:.2f}" for phase, ms in draft["ms_per_round_by_phase"].items())
+                lines.append(f"{level['streams']} stream(s), {arm}: draft {draft['ms_per_round']:.1f} ms per round "
+                             f"x {draft['rounds']} ({draft['rows_per_round']:g} sequences, "
+                             f"{draft['catch_up_forwards_per_round']:g} catch-up forwards of "
+                             f"{draft['catch_up_tokens_per_round']:g} tokens): {phases} ms")
+    return lines
 
 
 def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], output_len: int,
@@ -266,7 +291,7 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
     asks prompt i mod their number); tokens/s over the whole run."""
     from stage_worker.engine import EntryEngine, RequestFailed
     from stage_worker.scheduler import GenerationRequest, Scheduler
-    from stage_worker.stage_runtime import EntryPipeline, StageCompute
+    from stage_worker.stage_runtime import StageCompute
     from stage_worker.stage_status import StageStatus
     from stagemesh.bench.engine import drive_engine
 
@@ -274,10 +299,11 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
     seats = max(4, streams)
     if proposer is not None:
         proposer.clear()
+        proposer.take_timings()
     scheduler = Scheduler(max_num_seqs=seats, max_model_len=longest, max_waiting=seats, speculative=speculative,
                           proposer=proposer if speculative is not None else None)
-    engine = EntryEngine(EntryPipeline(StageCompute(model, seats), None, None, is_last=True), scheduler,
-                         StageStatus())
+    pipeline = _timed_pipeline(StageCompute(model, seats))
+    engine = EntryEngine(pipeline, scheduler, StageStatus())
     requests = max(len(prompts), streams)
     outputs: list[list[int]] = [[] for _ in range(requests)]
     timing: dict[str, float] = {}
@@ -320,7 +346,85 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
         result["spec_decode"] = asdict(counts)
         # Steps that fed one token: every token is a prompt's first, one of a plain step, or a verification's.
         result["plain_decode_steps"] = tokens - requests - counts.accepted_tokens - counts.drafts
+    result["target_steps"] = pipeline.steps.report()
+    if proposer is not None and speculative is not None:
+        result["draft"] = draft_report(proposer.take_timings())
     return result
+
+
+def draft_report(timings: Any) -> dict[str, Any]:
+    """A run's ``DraftTimings`` as milliseconds per proposal round, by phase (pure)."""
+    rounds = max(1, timings.rounds)
+    return {"rounds": timings.rounds, "rows_per_round": round(timings.rows / rounds, 2),
+            "catch_up_forwards_per_round": round(timings.catch_up_forwards / rounds, 2),
+            "catch_up_tokens_per_round": round(timings.catch_up_tokens / rounds, 2),
+            "ms_per_round": round(1000 * timings.seconds / rounds, 3),
+            "ms_per_round_by_phase": {phase: round(1000 * getattr(timings, f"{phase}_s") / rounds, 3)
+                                      for phase in timings.PHASES}}
+
+
+STEP_KINDS = ("verify", "plain", "prompt")
+
+
+def step_kind(chunks: Any) -> str | None:
+    """A batch's kind for the step breakdown (pure): ``verify`` when any sequence verifies proposals,
+    ``prompt`` when it holds a prompt chunk, else ``plain`` (one token per decoding sequence); None when it
+    feeds no token (only releases)."""
+    from stage_worker.batch import RecordFlag
+
+    records = [c.record for c in chunks if c.record.num_tokens]
+    if not records:
+        return None
+    if any(r.has(RecordFlag.VERIFY) for r in records):
+        return "verify"
+    if any(r.has(RecordFlag.NEW_SEQUENCE) or r.num_tokens > 1 or not r.has(RecordFlag.SAMPLE) for r in records):
+        return "prompt"
+    return "plain"
+
+
+class StepTimes:
+    """Each kind of target step's count, rows and seconds (``step_kind``)."""
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(STEP_KINDS, 0)
+        self.rows = dict.fromkeys(STEP_KINDS, 0)
+        self.seconds = dict.fromkeys(STEP_KINDS, 0.0)
+
+    def add(self, kind: str, rows: int, seconds: float) -> None:
+        self.counts[kind] += 1
+        self.rows[kind] += rows
+        self.seconds[kind] += seconds
+
+    def report(self) -> dict[str, dict[str, float]]:
+        return {kind: {"steps": self.counts[kind], "rows_per_step": round(self.rows[kind] / self.counts[kind], 2),
+                       "ms_per_step": round(1000 * self.seconds[kind] / self.counts[kind], 3)}
+                for kind in STEP_KINDS if self.counts[kind]}
+
+
+def _timed_pipeline(compute: Any) -> Any:
+    """A single-stage ``EntryPipeline`` that times each batch from ``submit`` until ``collect`` returns its
+    tokens (the bench's engine collects each batch before submitting the next: no steps ahead)."""
+    from stage_worker.stage_runtime import EntryPipeline
+
+    class TimedPipeline(EntryPipeline):
+        def __init__(self) -> None:
+            super().__init__(compute, None, None, is_last=True)
+            self.steps = StepTimes()
+            self._submitted: list[tuple[str | None, int, float]] = []
+
+        def submit(self, chunks: Any) -> int:
+            rows = sum(c.record.num_tokens for c in chunks)
+            self._submitted.append((step_kind(chunks), rows, time.perf_counter()))
+            return super().submit(chunks)
+
+        def collect(self) -> Any:
+            sampled = super().collect()
+            kind, rows, started = self._submitted.pop(0)
+            if kind is not None:
+                self.steps.add(kind, rows, time.perf_counter() - started)
+            return sampled
+
+    return TimedPipeline()
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,6 +18,9 @@ coordinator thinks fits would be refused by the stage that loads it:
 - ``StageKV`` / ``kv_capacity_tokens``: a slice's KV and the token positions of
   it a room of memory holds, counted the same way by the planner and the stage.
 - ``AUTO_DTYPES`` / ``dtype_bytes``: the compute dtype ``--dtype auto`` picks per backend.
+- ``DraftFacts``: what a draft model (``--speculative-config`` ``"model"``) adds to the entry stage: its
+  weights, and KV for every sequence that may speculate at full length, spanning the columns its batch may
+  (``draft_kv_columns``, holes included); the planner and the stage subtract it from the entry stage's room.
 
 Pure standard library: the core must not load MLX, NumPy or Ray.
 """
@@ -281,3 +284,49 @@ class ModelFacts:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# The draft's batch (stage_worker.draft_batch): columns are added in steps of DRAFT_COLUMN_STEP, and a batch out
+# of columns compacts its holes away (rejected proposals, padding) only once they exceed DRAFT_HOLES_TO_COMPACT
+# of its columns; until then it grows.
+DRAFT_COLUMN_STEP = 256
+DRAFT_HOLES_TO_COMPACT = 0.25
+
+
+def draft_kv_columns(max_model_len: int, proposals: int) -> int:
+    """The most columns of the draft's KV one speculating sequence may span (pure): its tokens (``max_model_len``
+    plus the proposals it feeds), holes up to ``DRAFT_HOLES_TO_COMPACT`` of the columns, one step of growth."""
+    tokens = max_model_len + proposals
+    return int(tokens / (1 - DRAFT_HOLES_TO_COMPACT)) + 2 * DRAFT_COLUMN_STEP
+
+
+@dataclass(frozen=True)
+class DraftFacts:
+    """A draft model on the entry stage: its weights, the KV elements one position of one sequence takes in all
+    its layers, and how many sequences may hold draft KV at once (``--speculative-config``'s
+    ``disable_by_batch_size``, at most ``--max-num-seqs``: a sequence gets draft KV only while no more run) with
+    how many proposals each feeds."""
+
+    weights: TensorBytes
+    kv_elements_per_token: int
+    sequences: int
+    proposals: int
+
+    def weight_bytes(self, element_bytes: int) -> int:
+        return self.weights.nbytes(element_bytes)
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        return self.kv_elements_per_token * element_bytes
+
+    def reserved_bytes(self, element_bytes: int, max_model_len: int) -> int:
+        """Its weights plus the most KV its speculating sequences may hold."""
+        columns = draft_kv_columns(max_model_len, self.proposals)
+        return self.weight_bytes(element_bytes) + self.sequences * columns * self.kv_bytes_per_token(element_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> DraftFacts:
+        return cls(TensorBytes(**raw["weights"]), raw["kv_elements_per_token"], raw["sequences"], raw["proposals"])
+

@@ -26,7 +26,15 @@ from stage_worker.model_facts import model_facts
 from stage_worker.model_reader import read_model_spec
 from stagemesh.bench.random_checkpoint import SHAPES_DIR
 from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.memory import RUNTIME_OVERHEAD_BYTES, LayerKV, ModelFacts, NodeMemory, TensorBytes
+from stagemesh.core.memory import (
+    RUNTIME_OVERHEAD_BYTES,
+    DraftFacts,
+    LayerKV,
+    ModelFacts,
+    NodeMemory,
+    TensorBytes,
+    draft_kv_columns,
+)
 
 GB = 10**9
 
@@ -270,3 +278,25 @@ def test_linear_attention_state_is_a_fixed_size_per_sequence():
     # More sequences' states than a stage holds: refused with the numbers.
     with pytest.raises(PlanError, match="do not fit"):
         plan_pipeline(model, seats(MINI), PlanRequest(4096, max_num_seqs=256))
+
+
+def test_the_entry_stage_counts_the_draft_model_before_its_kv():
+    """A 1B-shaped draft on each replica's first stage: its weights and KV for the sequences that may speculate
+    (at full length, with the columns its batch may span) leave that stage less KV, as the stage counts it;
+    the other stages are as without a draft."""
+    draft = DraftFacts(weights=TensorBytes(elements=1_235_814_400), kv_elements_per_token=LLAMA_1B.slice_kv(
+        0, 16).per_token, sequences=8, proposals=4)
+    request = PlanRequest(8192, memory_fraction=0.8)
+    plain, _ = plan_pipeline(LLAMA_8B, seats(STUDIO, MINI), request)
+    stages, _ = plan_pipeline(LLAMA_8B, seats(STUDIO, MINI), replace(request, draft=draft))
+    reserved = draft.weight_bytes(2) + 8 * draft_kv_columns(8192, 4) * draft.kv_bytes_per_token(2)
+    assert stages[0].draft_bytes == draft.reserved_bytes(2, 8192) == reserved
+    assert stages[1].draft_bytes == 0 and stages[1].kv_tokens == plain[1].kv_tokens
+    first = stages[0]
+    budget = MemoryBudget(96 * GB, 96 * GB, 0.8, 1, "GPU")
+    kv = LLAMA_8B.slice_kv(first.layers.start, first.layers.end)
+    assert kv_token_capacity(budget, first.weight_bytes + reserved, kv, 2, 64, 8192, "s") == first.kv_tokens
+    assert first.need_bytes == first.weight_bytes + reserved + kv.reserved_bytes(8192, 2, 64) + RUNTIME_OVERHEAD_BYTES
+    assert first.to_json()["draft_bytes"] == reserved and "draft model" in format_plan(plan_mesh(
+        LLAMA_8B, [seats(STUDIO, MINI)], replace(request, draft=draft)))
+
