@@ -14,8 +14,16 @@ three shapes, each as few MLX ops as its sequences allow:
   the writes of their real rows into their own caches are per sequence.
   Without this, every fresh prompt would cost about ten small ops of its own
   per layer;
-* any other chunk (continuing a long prompt) applies RoPE at its own offset,
-  appends to its own mlx-lm ``KVCache`` and attends over its own history.
+* any other chunk (continuing a long prompt, a speculative verification)
+  applies RoPE at its own offset, appends to its own mlx-lm ``KVCache`` and
+  attends over its own history. With ``pad_keys`` (a stage on CUDA) a chunk of
+  several rows attends over the cache's whole buffer (mlx-lm grows it 256
+  positions at a time), the positions past its history masked: MLX's CUDA
+  attention for more than one query row is plain matmuls and a softmax, whose
+  kernels are planned per shape, and a history one longer every step would be
+  a new shape at every step of every layer; the buffer's length changes once
+  in 256 positions. Masked positions weigh exactly zero, so the rows' results
+  are those over the history alone.
 
 The modules are mlx-lm's own (``TransformerBlock`` of llama / qwen2 / qwen3,
 with ``self_attn.{q,k,v,o}_proj``, optional ``q_norm`` / ``k_norm``, ``rope``,
@@ -76,9 +84,11 @@ _PAD_TOKENS = 8
 
 
 def packed_layers(
-    layers: Sequence[nn.Module], hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None
+    layers: Sequence[nn.Module], hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None,
+    pad_keys: bool = False,
 ) -> mx.array:
-    """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); segments and decode rows cover the rows."""
+    """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); segments and decode rows cover the rows.
+    ``pad_keys``: chunks of several rows attend over their caches' whole buffers (module docstring)."""
     fresh, others = fresh_prompt_groups(segments)
     # attention outputs come out unit by unit: decode group, fresh prompt groups, other chunks
     order = ([*decode.rows] if decode else []) + [r for g in fresh for s in g.segments for r in s.rows] + \
@@ -86,9 +96,11 @@ def packed_layers(
     restore = None if order == list(range(len(order))) else mx.array(_inverse(order))
     # The group's rows and causal mask are the same in every layer (its caches move in step): made once.
     shared = _DecodeShared.of(decode) if decode is not None else None
+    padded = _PaddedMasks() if pad_keys else None
     h = hidden
     for index, layer in enumerate(layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), fresh, others, decode, index, restore, shared)
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), fresh, others, decode, index, restore, shared,
+                           padded)
         h = h + feed_forward(layer.mlp, layer.post_attention_layernorm(h))
     return h
 
@@ -141,9 +153,25 @@ class _DecodeShared:
         return cls(rows, decode.caches[0].make_mask(1))
 
 
+class _PaddedMasks:
+    """Causal masks of chunks attending over a whole cache buffer, made once per step for every layer (each
+    layer's cache of a sequence has the same length and buffer)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, int, int], mx.array] = {}
+
+    def mask(self, end: int, rows: int, buffer: int) -> mx.array:
+        """``bool[rows, buffer]``: row i (position ``end - rows + i``) sees positions up to its own."""
+        key = (end, rows, buffer)
+        if key not in self._made:
+            positions = mx.arange(end - rows, end)[:, None]
+            self._made[key] = mx.arange(buffer)[None] <= positions
+        return self._made[key]
+
+
 def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], others: Sequence[Segment],
                decode: DecodeRows | None, layer_index: int, restore: mx.array | None,
-               shared: _DecodeShared | None = None) -> mx.array:
+               shared: _DecodeShared | None = None, padded: _PaddedMasks | None = None) -> mx.array:
     queries, keys, values = attention_projections(attn, x)
     if hasattr(attn, "q_norm"):  # qwen3 normalizes per head before RoPE
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
@@ -164,6 +192,10 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], other
         q = attn.rope(q, offset=cache.offset)
         k = attn.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
+        if padded is not None and segment.num_tokens > 1:
+            # The whole buffer (its shape changes once in 256 positions), the positions past the history masked.
+            k, v = cache.keys, cache.values
+            mask = padded.mask(cache.offset, segment.num_tokens, k.shape[2])
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
         outputs.append(out.transpose(0, 2, 1, 3).reshape(segment.num_tokens, -1))
     out = mx.concatenate(outputs) if len(outputs) > 1 else outputs[0]

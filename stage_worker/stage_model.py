@@ -42,6 +42,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import dequantize_model
 
 from stage_worker.checkpoint_check import mismatched_scales
+from stage_worker.device import current_backend
 from stage_worker.expert_routing import ExpertsPolicy
 from stage_worker.expert_routing import install as install_expert_routing
 from stage_worker.fused_projections import FusedLayer, fuse_layer_projections
@@ -71,8 +72,6 @@ def resolve_compute_dtype(name: str, backend: str | None = None) -> mx.Dtype:
     Pure given ``backend``; raises ``ValueError`` naming the flag for an unknown dtype."""
     if name == "auto":
         if backend is None:
-            from stage_worker.device import current_backend
-
             backend = current_backend()
         name = AUTO_DTYPES.get(backend, "float32")
     try:
@@ -159,6 +158,9 @@ class StageModel:
         self.dtype = dtype
         self._module = module
         self.hidden_size = spec.hidden_size
+        # Multi-row chunks attend over whole cache buffers where attention kernels are planned per shape
+        # (``packed_forward``'s docstring): MLX's CUDA backend.
+        self.pad_keys = current_backend() == "cuda"
         self._measure()
 
     def _measure(self) -> None:
@@ -247,7 +249,7 @@ class StageModel:
         self, hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None
     ) -> mx.array:
         """``[T, hidden]`` rows of several sequences (prompt chunks and a decode group), lazy."""
-        return packed_layers(self._module.layers, hidden, segments, decode)
+        return packed_layers(self._module.layers, hidden, segments, decode, pad_keys=self.pad_keys)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and head on ``[k, hidden]`` rows; float32 ``[k, vocab]`` (lazy)."""

@@ -70,3 +70,22 @@ def test_packed_batches_equal_each_sequence_alone(model):
             reference = _run(alone, model, [record])[record[0]]
             np.testing.assert_allclose(together[record[0]], reference, rtol=1e-4, atol=1e-4,
                                        err_msg=f"sequence {record[0]} in batch {batch}")
+
+
+def test_chunks_over_a_whole_padded_buffer_equal_chunks_over_their_history(model):
+    """``pad_keys`` (a stage on CUDA): a chunk of several rows continuing a history (a verification, a long
+    prompt's later chunk) attends over its caches' whole buffer with the positions past its history masked,
+    and computes what it computes over the history alone; a one-row step is left as it is."""
+    steps = [[(0, 0, 20, NEW), (1, 0, 7, NEW)], [(0, 20, 5, 0), (1, 7, 1, 0)], [(0, 25, 3, 0), (1, 8, 4, 0)],
+             [(0, 28, 1, 0), (1, 12, 6, 0)]]
+    plain = StageCompute(model, 16)
+    padded_model = StageModel(model.spec, model.role, model.dtype, model._module)
+    padded_model.pad_keys = True
+    padded = StageCompute(padded_model, 16)
+    for batch in steps:
+        expected = _run(plain, model, batch)
+        got = _run(padded, padded_model, batch)
+        for record in batch:
+            # The same rows of the same history: only the matmul's length differs, by weights of exactly 0.
+            np.testing.assert_allclose(got[record[0]], expected[record[0]], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"sequence {record[0]} in batch {batch}")
