@@ -11,10 +11,10 @@ xdist's own ``loadgroup`` cannot see the marks under pytest 9 (it renames ``item
 longer reads), and its scheduler sees only node ids: each worker writes the groups of the tests it collected
 to a JSON file in a directory the controller names, and the controller's scheduler reads them.
 
-Groups are handed out slow tier first and, within a tier, longest expected first (LPT), so the long groups start
-early and the quick ones fill in at the end. A group's expected seconds come from ``tests/group_durations.json``
-(scaled to the number of its tests collected now); a group the table does not know is expected to take its
-test count times the table's mean seconds per test of its tier. A stale table costs balance, never correctness.
+Groups are handed out longest expected first (LPT), so the long groups start early and the quick ones fill in at
+the end. A group's expected seconds come from ``tests/group_durations.json`` (scaled to the number of its tests
+collected now); a group the table does not know is expected to take its test count times the table's mean
+seconds per test of its tier (``e2e`` or not). A stale table costs balance, never correctness.
 ``python -m pytest --store-group-durations`` (the whole suite, or the files whose groups changed) merges the
 run's seconds per group into the table, every phase of every test included; only groups all of whose tests ran.
 Without xdist (``-n 0``) only the order applies.
@@ -95,9 +95,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first_seen = {group: index for index, group in reversed(list(enumerate(groups.values())))}
     slow_groups = {groups[item.nodeid] for item in items if item.get_closest_marker("e2e") is not None}
     expected = expected_seconds(sizes, slow_groups, read_durations(config.getoption("--group-durations")))
-    # Slow tier first, the longest expected first within a tier; each group's tests stay together and in their order.
-    items.sort(key=lambda item: (groups[item.nodeid] not in slow_groups, -expected[groups[item.nodeid]],
-                                 first_seen[groups[item.nodeid]]))
+    # The longest expected first; each group's tests stay together and in their order.
+    items.sort(key=lambda item: (-expected[groups[item.nodeid]], first_seen[groups[item.nodeid]]))
     workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
     if workerinput is not None and _GROUPS_DIR in workerinput:
         path = Path(workerinput[_GROUPS_DIR]) / f"{workerinput['workerid']}.json"
