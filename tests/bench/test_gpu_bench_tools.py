@@ -3,6 +3,7 @@
 ``bench stack``: the bare forward, the engine, and a real serve loaded at its stage's gRPC and at its gateway."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -136,7 +137,9 @@ def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_
     assert ratios["streams"] == round(expected, 3)
 
 
-def test_bench_engine_refuses_compare_projections_with_profile(capsys):
+def test_bench_engine_refuses_compare_projections_with_profile(capsys, monkeypatch):
+    # bench engine sets MLX's serving variables in its environment first: a copy here, so none outlives the test.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     assert main(["bench", "engine", "--compare-projections", "1", "--profile"]) == 2
     assert "--compare-projections" in capsys.readouterr().err
 
