@@ -2,6 +2,7 @@
 
 import pytest
 
+from stagemesh.cli import main
 from stagemesh.core.layer_split import LayerRange, LayerSplitError, even_split, parse_layer_split, plan_layer_split
 
 
@@ -44,3 +45,9 @@ def test_explicit_split_is_parsed():
 def test_bad_explicit_split_says_what_to_change(spec, message):
     with pytest.raises(LayerSplitError, match=message):
         parse_layer_split(spec, 30, 3)
+
+
+def test_the_parity_tool_refuses_a_bad_split_before_anything_starts(capsys):
+    # Unmarked: tests/fast_tier.py fails this test if the command starts a stage process (or Ray).
+    assert main(["bench", "parity", "-pp", "3", "--pp-layer-split", "20,10"]) == 2
+    assert "--pp-layer-split '20,10' is not strictly increasing" in capsys.readouterr().err

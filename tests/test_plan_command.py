@@ -1,26 +1,44 @@
-"""``stagemesh plan`` and ``serve --dry-run`` on this machine (no RAY_ADDRESS): the table, JSON, refusals."""
+"""``stagemesh plan`` and ``serve --dry-run`` on this machine (no RAY_ADDRESS): the table, JSON, refusals.
+
+Through the CLI's entry point in this process (``python -m stagemesh.cli`` exits with what ``main`` returns).
+A plan for this machine probes its memory in a process of its own (``stage_worker.node_probe``), so those tests
+are marked e2e; the others are not, and tests/fast_tier.py fails them if their command starts a process or Ray."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from dataclasses import dataclass
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+from stagemesh.cli import main
 
 
-def _run(*args: str, memory: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "STAGEMESH_NODE_MEMORY")}
-    if memory:
-        env["STAGEMESH_NODE_MEMORY"] = memory
-    return subprocess.run([sys.executable, "-m", "stagemesh.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+@dataclass(frozen=True)
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_plan_prints_a_table_for_this_machine_without_starting_anything():
+@pytest.fixture
+def _run(capsys, monkeypatch):
+    def run(*args: str, memory: str | None = None) -> Done:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        if memory:
+            monkeypatch.setenv("STAGEMESH_NODE_MEMORY", memory)
+        else:
+            monkeypatch.delenv("STAGEMESH_NODE_MEMORY", raising=False)
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return Done(code, out, err)
+
+    return run
+
+
+@pytest.mark.e2e
+def test_plan_prints_a_table_for_this_machine_without_starting_anything(_run):
     done = _run("plan", "-pp", "2", "--max-model-len", "4096", memory="8GB")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -30,7 +48,8 @@ def test_plan_prints_a_table_for_this_machine_without_starting_anything():
     assert "127.0.0.1" in lines[2] and "[0, 15) x15" in lines[2] and "[15, 30) x15" in lines[3]
 
 
-def test_plan_json_gives_each_stage_its_budget_from_the_node_memory_cap():
+@pytest.mark.e2e
+def test_plan_json_gives_each_stage_its_budget_from_the_node_memory_cap(_run):
     done = _run("plan", "-pp", "2", "-dp", "2", "--max-model-len", "1024", "--memory-fraction", "0.5", "--json",
                 memory="4GB")
     assert done.returncode == 0, done.stderr
@@ -41,7 +60,8 @@ def test_plan_json_gives_each_stage_its_budget_from_the_node_memory_cap():
     assert plan["request"]["max_model_len"] == 1024
 
 
-def test_an_impossible_request_exits_2_with_the_numbers_and_serve_dry_run_agrees():
+@pytest.mark.e2e
+def test_an_impossible_request_exits_2_with_the_numbers_and_serve_dry_run_agrees(_run):
     for command in ("plan", "serve"):
         args = [command, "-pp", "2", "--max-model-len", "8192"] + (["--dry-run"] if command == "serve" else [])
         done = _run(*args, memory="600MB")
@@ -50,7 +70,7 @@ def test_an_impossible_request_exits_2_with_the_numbers_and_serve_dry_run_agrees
         assert "budget 240 MB (--memory-fraction 0.8 x 600 MB / 2 stages)" in done.stderr
 
 
-def test_assumed_nodes_plan_a_cluster_that_is_not_there():
+def test_assumed_nodes_plan_a_cluster_that_is_not_there(_run):
     done = _run("plan", "--load-format", "dummy", "llama-3.1-8b", "-pp", "2", "--max-model-len", "131072",
                 "--assume-node", "mac-studio=96GB", "--assume-node", "mac-mini=16GB:metal", "--json")
     assert done.returncode == 0, done.stderr

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from stagemesh.cli import main
 from stagemesh.core.errors import UserError
 from stagemesh.security_flags import parse_origins
 
@@ -23,8 +24,7 @@ def test_allowed_origins_take_vllms_json_list_or_a_comma_list():
         parse_origins('["https://a.example"')
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("flags,message", [
+BAD_FLAGS = [
     (["--ssl-keyfile", "/nonexistent.key"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "/nonexistent.key", "--ssl-certfile", "/nonexistent.pem"], "--ssl-keyfile /nonexistent.key"),
     (["--api-key-file", "/nonexistent-keys"], "--api-key-file /nonexistent-keys"),
@@ -32,8 +32,20 @@ def test_allowed_origins_take_vllms_json_list_or_a_comma_list():
     (["--allowed-origins", "nohost"], "--allowed-origins"),
     (["--grpc-tls-dir", "/nonexistent-tls"], "cannot read ca.pem"),
     (["--mesh-token", "short"], "--mesh-token"),
-])
-def test_a_bad_security_flag_exits_2_before_anything_starts(flags, message):
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS)
+def test_a_bad_security_flag_is_a_usage_error_naming_it(flags, message, capsys):
+    # The CLI's own entry point in this process; --dry-run, so a check that wrongly passed would print a plan
+    # and return 0 rather than start anything. The process, its exit status and Ray's absence: the next test.
+    assert main(["serve", "--port", "1", "--dry-run", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_a_bad_security_flag_exits_2_before_anything_starts():
+    flags, message = BAD_FLAGS[0]
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "serve", "--port", "1", *flags],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr

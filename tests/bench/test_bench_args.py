@@ -112,3 +112,11 @@ def test_bench_compare_levels_default_to_several_waves_and_flags_win():
     assert _sizes(args(num_prompts=96, output_len=64), "gpus") == (32, 64, 96)
     # The prefix comparison's prompts follow its conversations; its prompt is the system prompt plus a turn.
     assert _sizes(args(), "prefix") == (1088, 16, 16)
+
+
+def test_bench_gateway_refuses_a_level_below_one(capsys):
+    # The CLI's entry point in this process: tests/fast_tier.py fails the test if the command starts a process.
+    from stagemesh.cli import main
+
+    assert main(["bench", "gateway", "--concurrency", "0"]) == 2
+    assert "stagemesh bench gateway: error: --concurrency takes positive integers" in capsys.readouterr().err

@@ -1,9 +1,9 @@
 """Pipelines of real processes over the real MLX ring on loopback, with the real default model.
 
-Parity (PP=2, PP=3 on an explicit layer split, bit-identical to PP=1 through prefill and 32 decode steps),
-a correct answer, and failures that surface within seconds: a neighbour with a
-different compute dtype, a neighbour killed mid-generation, a frozen
-neighbour, and a neighbour that never starts.
+Parity (PP=3 on an explicit layer split over the TCP lane and PP=2 over the ring, bit-identical to PP=1
+through prefill and 8 decode steps), a correct answer, and failures that surface within seconds: a neighbour
+with a different compute dtype, a neighbour killed mid-generation, a frozen neighbour, and a neighbour that
+never starts.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ def _tokenizer(path):
     return load_tokenizer(read_model_spec(path))
 
 
-# PP=3 runs on an explicit, uneven --pp-layer-split: the tool must honour it and still be exact.
-@pytest.mark.parametrize(("pp", "transport", "split"), [(2, "lane", None), (3, "lane", "4,25"), (2, "ring", None)])
+# PP=3 runs on an explicit, uneven --pp-layer-split: the tool must honour it and still be exact. Each transport
+# once: PP=3's lane hops include every hop PP=2 on the lane would make (first to next, last back to first), and a
+# run starts PP+1 stage processes, each loading the model.
+@pytest.mark.parametrize(("pp", "transport", "split"), [(3, "lane", "4,25"), (2, "ring", None)])
 def test_parity_tool_finds_pp_bit_identical_to_pp1(pp, transport, split):
     result = subprocess.run(
         [sys.executable, "-m", "stagemesh.cli", "bench", "parity", "--pipeline-parallel-size", str(pp),
@@ -51,15 +53,6 @@ def test_parity_tool_finds_pp_bit_identical_to_pp1(pp, transport, split):
     assert result.stdout.strip().endswith("PASS")
     if split:
         assert "[0, 4) [4, 25) [25, 30)" in result.stdout
-
-
-def test_bad_layer_split_is_refused_before_anything_starts():
-    result = subprocess.run(
-        [sys.executable, "-m", "stagemesh.cli", "bench", "parity", "-pp", "3", "--pp-layer-split", "20,10"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2
-    assert "--pp-layer-split '20,10' is not strictly increasing" in result.stderr
 
 
 def test_default_model_completes_the_capital_of_france_with_paris_over_two_stages(default_model_path, tmp_path):

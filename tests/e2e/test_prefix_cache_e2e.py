@@ -1,5 +1,6 @@
-"""Prefix caching across a real pipeline (stage processes, lanes, gRPC, no Ray): at PP=2 and PP=3 greedy
-output with the cache on equals the cache off, and every stage reused exactly what the entry stage decided."""
+"""Prefix caching across a real pipeline (stage processes, lanes, gRPC, no Ray): at PP=3 (an entry, a middle
+and a last stage) greedy output with the cache on equals the cache off, and every stage reused exactly what
+the entry stage decided."""
 
 from __future__ import annotations
 
@@ -59,10 +60,10 @@ def _start(default_model_path, workdir, pp):
     return procs, channels
 
 
-@pytest.mark.parametrize("pp", [2, 3])
+# PP=3 only: each kind of stage is in it, and PP=2 (an entry and a last stage) would add no other.
 def test_greedy_output_with_the_cache_equals_without_and_every_stage_agrees(
-        pp, default_model_path, tmp_path, cache_off_outputs):
-    procs, channels = _start(default_model_path, tmp_path, pp)
+        default_model_path, tmp_path, cache_off_outputs):
+    procs, channels = _start(default_model_path, tmp_path, 3)
     try:
         assert _conversation(_GrpcClient(stage_pb2_grpc.StageStub(channels[0]))) == cache_off_outputs
         stats = [stage_pb2_grpc.StageStub(c).GetStageInfo(stage_pb2.GetStageInfoRequest(), timeout=10).stats

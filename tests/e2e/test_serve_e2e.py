@@ -147,21 +147,37 @@ def _assert_nothing_left(serve, stage_pids):
     raise AssertionError(f"left behind: processes {leftovers}, ports {busy}")
 
 
-@pytest.mark.parametrize(
-    "sig,whole_group",
-    [(signal.SIGTERM, False), (signal.SIGINT, True), (signal.SIGTERM, True)],
-    ids=["sigterm-to-serve", "ctrl-c-to-group", "sigterm-to-group"],  # launchd; a terminal; systemd's cgroup stop
-)
-def test_stopping_leaves_no_stage_process_and_no_bound_port(tmp_path, sig, whole_group):
-    serve = start_serve(tmp_path, pp=2)
+# How a serve is stopped: launchd; a terminal's Ctrl-C; systemd's cgroup stop.
+STOPS = {"sigterm-to-serve": (signal.SIGTERM, False), "ctrl-c-to-group": (signal.SIGINT, True),
+         "sigterm-to-group": (signal.SIGTERM, True)}
+
+
+@pytest.fixture(scope="module")
+def serves_to_stop(tmp_path_factory):
+    """A PP=2 serve for each way of stopping one, started side by side: a start is mostly waiting (Ray, the
+    stages loading, health), and each test below ends its serve, so none can be shared."""
+    with ThreadPoolExecutor(len(STOPS)) as pool:
+        futures = {name: pool.submit(start_serve, tmp_path_factory.mktemp(name), pp=2) for name in STOPS}
+    started = {name: future.result() for name, future in futures.items() if future.exception() is None}
+    failures = [error for future in futures.values() if (error := future.exception()) is not None]
     try:
-        stage_pids = [s["pid"] for r in serve.mesh()["replicas"] for s in r["stages"]]
-        assert len(stage_pids) == 2 and all(psutil.pid_exists(p) for p in stage_pids)
-        code = serve.stop(sig, whole_group=whole_group, timeout=90)
-        assert code in (0, 130, -signal.SIGINT), serve.log()[-3000:]
-        _assert_nothing_left(serve, stage_pids)
+        if failures:
+            raise failures[0]
+        yield started
     finally:
-        serve.kill_leftovers()
+        for serve in started.values():
+            serve.kill_leftovers()
+
+
+@pytest.mark.parametrize("how", list(STOPS))
+def test_stopping_leaves_no_stage_process_and_no_bound_port(serves_to_stop, how):
+    serve = serves_to_stop[how]
+    sig, whole_group = STOPS[how]
+    stage_pids = [s["pid"] for r in serve.mesh()["replicas"] for s in r["stages"]]
+    assert len(stage_pids) == 2 and all(psutil.pid_exists(p) for p in stage_pids)
+    code = serve.stop(sig, whole_group=whole_group, timeout=90)
+    assert code in (0, 130, -signal.SIGINT), serve.log()[-3000:]
+    _assert_nothing_left(serve, stage_pids)
 
 
 def test_chat_command_streams_an_answer_and_keeps_history(serve_pp1):
