@@ -15,6 +15,11 @@ Contract:
 - Sequences join and leave by ``concat`` and ``take``: copies of their KV, as mlx-lm's ``BatchGenerator``
   extends and filters its batch. ``take`` keeps only each row's tokens (holes dropped); a batch that runs out
   of columns does the same to itself when holes are a large share of them, else grows.
+- ``pad_keys`` (the draft on CUDA): a forward that needs a mask (several tokens per row, or holes) attends over
+  every column the batch holds, the ones past this forward's masked, so the attention's shapes change only as
+  the batch grows: MLX's CUDA attention with a mask or several query rows is plain matmuls and a softmax,
+  planned per shape (``packed_forward``'s docstring says the same of the stage). A one-token forward without
+  holes keeps the unmasked vector kernel, which takes any length.
 - No device sync anywhere here: the caller evaluates (``arrays``) once per round.
 """
 
@@ -55,11 +60,16 @@ class _LayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start = self._batch.end
         stop = start + keys.shape[2]
-        if self.keys is None or self.values is None or self.keys.shape[2] < stop:
+        padded = self._batch.padded
+        # A padded forward attends over exactly ``capacity`` columns (its mask's width): grow to it.
+        if self.keys is None or self.values is None or self.keys.shape[2] < (self._batch.capacity if padded
+                                                                             else stop):
             self._grow(keys, values, self._batch.capacity)
         assert self.keys is not None and self.values is not None
         self.keys[..., start:stop, :] = keys
         self.values[..., start:stop, :] = values
+        if padded:
+            return self.keys, self.values
         return self.keys[..., :stop, :], self.values[..., :stop, :]
 
     def _grow(self, keys: mx.array, values: mx.array, columns: int) -> None:
@@ -80,8 +90,10 @@ class _LayerCache:
 class DraftBatch:
     """The draft's KV of ``seq_ids``, one row each (see the module's contract)."""
 
-    def __init__(self, seq_ids: Sequence[int], num_layers: int) -> None:
+    def __init__(self, seq_ids: Sequence[int], num_layers: int, pad_keys: bool = False) -> None:
         self.seq_ids = list(seq_ids)
+        self.pad_keys = pad_keys
+        self.padded = False  # this forward attends over every column held (``pad_keys`` and a mask needed)
         self.caches = [_LayerCache(self) for _ in range(num_layers)]
         self.valid = np.zeros((len(self.seq_ids), 0), dtype=bool)
         self.lengths = np.zeros(len(self.seq_ids), dtype=np.int64)
@@ -109,16 +121,32 @@ class DraftBatch:
         self.offsets = mx.array(self.lengths, dtype=mx.int32)
         counts = np.asarray(fed, dtype=np.int64)
         holes = not self.valid[:, :self.end].all() or bool((counts < width).any())
-        self._held_mask = mx.array(self.valid[:, :self.end]) if holes else None
+        self.padded = self.pad_keys and (holes or width > 1)
+        if self.padded:
+            self._held_mask = mx.array(self._padded_mask(width))
+        else:
+            self._held_mask = mx.array(self.valid[:, :self.end]) if holes else None
         logits = model(tokens, cache=self.caches)
         self.valid[:, self.end:self.end + width] = np.arange(width)[None, :] < counts[:, None]
         self.lengths += counts
         self.end += width
         return logits
 
+    def _padded_mask(self, width: int) -> np.ndarray:
+        """``bool[rows, 1, width, capacity]``: each new token sees its row's tokens held and the new columns up
+        to its own; every column after this forward's is masked."""
+        rows = len(self.seq_ids)
+        mask = np.zeros((rows, 1, width, self.capacity), dtype=bool)
+        mask[:, 0, :, :self.end] = self.valid[:, None, :self.end]
+        mask[:, 0, :, self.end:self.end + width] = np.tril(np.ones((width, width), dtype=bool))[None]
+        return mask
+
     def mask(self, n: int) -> mx.array | str | None:
         """Which columns each of ``n`` new tokens per row attends to: the row's tokens held, then the new
-        columns up to its own (causal); without holes, mlx-lm's own masks (none for one token, else causal)."""
+        columns up to its own (causal); without holes, mlx-lm's own masks (none for one token, else causal).
+        A padded forward's mask spans every column (``_padded_mask``)."""
+        if self.padded:
+            return self._held_mask
         if self._held_mask is None:
             return None if n == 1 else "causal"
         rows, held = self._held_mask.shape
@@ -142,7 +170,7 @@ class DraftBatch:
 
     def take(self, rows: Sequence[int]) -> DraftBatch:
         """A new batch of ``rows`` (in that order), each row's tokens moved to its first columns."""
-        out = DraftBatch([self.seq_ids[r] for r in rows], len(self.caches))
+        out = DraftBatch([self.seq_ids[r] for r in rows], len(self.caches), pad_keys=self.pad_keys)
         lengths = self.lengths[list(rows)]
         width = int(lengths.max()) if len(rows) else 0
         out.lengths = lengths.copy()
@@ -168,7 +196,7 @@ class DraftBatch:
     @classmethod
     def concat(cls, batches: Sequence[DraftBatch]) -> DraftBatch:
         """One batch of every row of ``batches``, in order (holes kept; shorter batches padded with holes)."""
-        out = cls([s for b in batches for s in b.seq_ids], len(batches[0].caches))
+        out = cls([s for b in batches for s in b.seq_ids], len(batches[0].caches), pad_keys=batches[0].pad_keys)
         end = max(b.end for b in batches)
         out.end = end
         out.lengths = np.concatenate([b.lengths for b in batches])

@@ -133,7 +133,7 @@ def load_draft_proposer(path: str, weights: DraftWeights = DraftWeights()) -> Dr
     # In the stage's compute dtype, as the stage's own weights (a bfloat16 matmul on the CPU is the slow path).
     model.set_dtype(weights.dtype, lambda d: mx.issubdtype(d, mx.floating))
     mx.eval(model.parameters())
-    proposer = DraftProposer(model, few_shapes=weights.backend != "cpu")
+    proposer = DraftProposer(model, few_shapes=weights.backend != "cpu", pad_keys=weights.backend == "cuda")
     log.info("draft model %s: weights %.2f GB %s (%s), KV %.1f KB per token of each speculating sequence", path,
              proposer.weight_bytes / 1e9, "dequantized" if dense else ("quantized" if quantized else "dense"), why,
              proposer.kv_bytes_per_token / 1e3)
@@ -229,8 +229,9 @@ class _Held:
 class DraftProposer:
     """Greedy proposals of an mlx-lm ``model``, batched across the sequences asked (see the module's contract)."""
 
-    def __init__(self, model: nn.Module, few_shapes: bool = False) -> None:
+    def __init__(self, model: nn.Module, few_shapes: bool = False, pad_keys: bool = False) -> None:
         self.model = model
+        self._pad_keys = pad_keys  # masked attention over whole buffers (``draft_batch.DraftBatch``): CUDA
         self._few_shapes = few_shapes  # catch-up widths padded to a few (``catch_up_width``): a GPU's kernels
         probe = make_prompt_cache(model)
         if any(type(cache) is not KVCache for cache in probe):
@@ -325,7 +326,7 @@ class DraftProposer:
         if self._batch is not None and seq_id in self._batch.seq_ids:
             return self._batch
         if seq_id not in self._parked:
-            self._parked[seq_id] = DraftBatch([seq_id], self._layers)
+            self._parked[seq_id] = DraftBatch([seq_id], self._layers, pad_keys=self._pad_keys)
         return self._parked[seq_id]
 
     def _regroup(self, seq_ids: Sequence[int], feeds: dict[int, tuple[int, ...]],

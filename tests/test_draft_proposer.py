@@ -62,18 +62,20 @@ def test_proposals_are_the_drafts_greedy_continuation_after_any_verification(tin
     assert proposer.held_sequences == 0
 
 
-@pytest.mark.parametrize("few_shapes", [False, True], ids=["exact-widths", "padded-widths"])
+@pytest.mark.parametrize(("few_shapes", "pad_keys"), [(False, False), (True, False), (True, True)],
+                         ids=["exact-widths", "padded-widths", "padded-widths-and-keys"])
 def test_sequences_joining_pausing_and_leaving_keep_the_drafts_greedy_continuation(tiny_llama, monkeypatch,
-                                                                                     few_shapes):
+                                                                                     few_shapes, pad_keys):
     """The draft's batch lasts across rounds: sequences that skip rounds (plain steps, a pause) leave it and come
     back, a long prompt joins mid-run (caught up on its own, in slices), rows grow past their columns (holes
-    compacted away), catch-ups run at their own widths or padded to a few (as on a GPU). Every round's proposals
-    are still the draft's own greedy continuation."""
+    compacted away), catch-ups run at their own widths or padded to a few, and masked forwards attend over every
+    column the batch holds (both as on CUDA). Every round's proposals are still the draft's own greedy
+    continuation."""
     from stage_worker import draft_batch, draft_proposer
 
     monkeypatch.setattr(draft_batch, "COLUMN_STEP", 16)  # columns run out every few rounds
     monkeypatch.setattr(draft_proposer, "CATCH_UP_STEP", 8)  # a long prompt's catch-up runs in slices
-    proposer = DraftProposer(load_draft_proposer(tiny_llama).model, few_shapes=few_shapes)
+    proposer = DraftProposer(load_draft_proposer(tiny_llama).model, few_shapes=few_shapes, pad_keys=pad_keys)
     late = tuple(range(200, 240))  # 40 tokens: longer than a joiner catches up inside the batch
     prompts = [*PROMPTS, late]
     reference = mlx_lm_greedy(proposer.model, [list(p) for p in prompts], 80)
