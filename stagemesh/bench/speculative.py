@@ -30,7 +30,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from datetime import datetime
@@ -169,11 +168,9 @@ def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
                 result = _drive(model, prompts, stops, args.output_len, speculative, proposer, level)
                 outputs[arm] = result.pop("outputs")
                 arms[arm].append(result)
-        figures = {arm: _median(runs) for arm, runs in arms.items()}
-        levels.append({"streams": level, **figures})
-        ratios.append({"streams": level, "compares": "speculation on / off",
-                       "tokens_per_s": round(figures["on"]["tokens_per_s"] / figures["off"]["tokens_per_s"], 3),
-                       "identical_greedy_tokens": outputs["off"] == outputs["on"]})
+        figures, ratio = _level_summary(level, arms, outputs)
+        levels.append(figures)
+        ratios.append(ratio)
     report = build_report("speculative", started_at=started_at, local_mlx=True, results={"levels": levels},
                           ratios=ratios,
                           config={**flags_of(args), "model": spec.default_served_name, "blas": loaded_blas(),
@@ -203,17 +200,25 @@ def _run_served(args: argparse.Namespace, streams: list[int], path: str, config_
                     result = drive_served(arm, PROMPTS, args.output_len, level)
                     outputs[arm.name] = result.pop("outputs")
                     runs[arm.name].append(result)
-            figures = {name: _median(results) for name, results in runs.items()}
-            levels.append({"streams": level, **figures})
-            ratios.append({"streams": level, "compares": "speculation on / off",
-                           "tokens_per_s": round(figures["on"]["tokens_per_s"] / figures["off"]["tokens_per_s"], 3),
-                           "identical_greedy_tokens": outputs["off"] == outputs["on"]})
+            figures, ratio = _level_summary(level, runs, outputs)
+            levels.append(figures)
+            ratios.append(ratio)
     report = build_report("speculative", started_at=started_at, local_mlx=False, results={"levels": levels},
                           ratios=ratios,
                           config={**flags_of(args), "model": path, "pp": args.pp,
                                   "speculative_config": json.loads(config_text), "prompts": PROMPTS})
     emit(report, args, format_speculative(report))
     return 0 if all(r["identical_greedy_tokens"] for r in ratios) else 1
+
+
+def _level_summary(level: int, runs: dict[str, list[dict[str, Any]]],
+                   outputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A streams level's figures (each arm's median run) and its on / off ratio (pure)."""
+    figures = {arm: _median(results) for arm, results in runs.items()}
+    ratio = {"streams": level, "compares": "speculation on / off",
+             "tokens_per_s": round(figures["on"]["tokens_per_s"] / figures["off"]["tokens_per_s"], 3),
+             "identical_greedy_tokens": outputs["off"] == outputs["on"]}
+    return {"streams": level, **figures}, ratio
 
 
 def _as_served() -> Any:
@@ -294,6 +299,7 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
     from stage_worker.stage_runtime import StageCompute
     from stage_worker.stage_status import StageStatus
     from stagemesh.bench.engine import drive_engine
+    from stagemesh.bench.speculative_served import timed_streams
 
     longest = max(len(p) for p in prompts) + output_len + 1
     seats = max(4, streams)
@@ -323,13 +329,7 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
                     break
 
     def client() -> None:
-        started = time.perf_counter()
-        threads = [threading.Thread(target=stream, args=(first,)) for first in range(streams)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        timing["seconds"] = time.perf_counter() - started
+        timing["seconds"] = timed_streams(streams, stream)
 
     drive_engine(engine, client)
     if failures:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,19 +82,24 @@ def drive_served(arm: ServedArm, messages: Sequence[str], output_len: int, strea
                 texts[index] = body["choices"][0]["message"]["content"] or ""
                 tokens[index] = int(body["usage"]["completion_tokens"])
 
-        started = time.perf_counter()
-        threads = [threading.Thread(target=stream, args=(first,)) for first in range(streams)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - started
+        seconds = timed_streams(streams, stream)
         after = spec_counts(client.get("/mesh").json())
     if failures:
         raise RuntimeError(f"request failed: {failures[0]}")
     total = sum(tokens)
     return {"tokens": total, "seconds": round(seconds, 3), "tokens_per_s": round(total / seconds, 1),
             "outputs": texts, **counts_between(before, after)}
+
+
+def timed_streams(streams: int, stream: Callable[[int], None]) -> float:
+    """Seconds for ``streams`` threads running ``stream(first)`` (first = 0..streams-1) until all return."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=stream, args=(first,)) for first in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
 
 
 @contextlib.contextmanager
@@ -114,4 +119,4 @@ def served_arms(model: str, pp: int, config_text: str, port_base: int, serve_arg
         yield ServedArm("off", off.url), ServedArm("on", on.url)
 
 
-__all__ = ["ServedArm", "counts_between", "drive_served", "served_arms", "spec_counts"]
+__all__ = ["ServedArm", "counts_between", "drive_served", "served_arms", "spec_counts", "timed_streams"]
