@@ -72,6 +72,7 @@ def test_packed_batches_equal_each_sequence_alone(model):
                                        err_msg=f"sequence {record[0]} in batch {batch}")
 
 
+@pytest.mark.e2e  # the real model's first layers
 def test_chunks_over_a_whole_padded_buffer_equal_chunks_over_their_history(model):
     """``pad_keys`` (a stage on CUDA): a chunk of several rows continuing a history (a verification, a long
     prompt's later chunk) attends over its caches' whole buffer with the positions past its history masked,
