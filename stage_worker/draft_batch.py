@@ -93,14 +93,19 @@ class DraftBatch:
     def __init__(self, seq_ids: Sequence[int], num_layers: int, pad_keys: bool = False) -> None:
         self.seq_ids = list(seq_ids)
         self.pad_keys = pad_keys
-        self.padded = False  # this forward attends over every column held (``pad_keys`` and a mask needed)
         self.caches = [_LayerCache(self) for _ in range(num_layers)]
         self.valid = np.zeros((len(self.seq_ids), 0), dtype=bool)
         self.lengths = np.zeros(len(self.seq_ids), dtype=np.int64)
         self.end = 0  # columns written so far
         self.offsets = mx.array(self.lengths, dtype=mx.int32)
         self._held_mask: mx.array | None = None  # None: no holes in this forward (mlx-lm's plain masks do)
+        self._padded_forward_mask: mx.array | None = None  # a padded forward's whole mask (``_padded_mask``)
         self._rows = {seq_id: row for row, seq_id in enumerate(self.seq_ids)}
+
+    @property
+    def padded(self) -> bool:
+        """This forward attends over every column held (``pad_keys`` and a mask needed)."""
+        return self._padded_forward_mask is not None
 
     @property
     def capacity(self) -> int:
@@ -121,11 +126,9 @@ class DraftBatch:
         self.offsets = mx.array(self.lengths, dtype=mx.int32)
         counts = np.asarray(fed, dtype=np.int64)
         holes = not self.valid[:, :self.end].all() or bool((counts < width).any())
-        self.padded = self.pad_keys and (holes or width > 1)
-        if self.padded:
-            self._held_mask = mx.array(self._padded_mask(width))
-        else:
-            self._held_mask = mx.array(self.valid[:, :self.end]) if holes else None
+        padded = self.pad_keys and (holes or width > 1)
+        self._padded_forward_mask = mx.array(self._padded_mask(width)) if padded else None
+        self._held_mask = mx.array(self.valid[:, :self.end]) if holes and not padded else None
         logits = model(tokens, cache=self.caches)
         self.valid[:, self.end:self.end + width] = np.arange(width)[None, :] < counts[:, None]
         self.lengths += counts
@@ -145,8 +148,8 @@ class DraftBatch:
         """Which columns each of ``n`` new tokens per row attends to: the row's tokens held, then the new
         columns up to its own (causal); without holes, mlx-lm's own masks (none for one token, else causal).
         A padded forward's mask spans every column (``_padded_mask``)."""
-        if self.padded:
-            return self._held_mask
+        if self._padded_forward_mask is not None:
+            return self._padded_forward_mask
         if self._held_mask is None:
             return None if n == 1 else "causal"
         rows, held = self._held_mask.shape

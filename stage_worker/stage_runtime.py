@@ -196,7 +196,7 @@ class StageCompute:
         logprobs = self.rows.logprobs(logits, tokens, row_seq_ids)
         self.rows.observe(row_seq_ids, tokens, layout)
         extra = self.rows.pending() + (logprobs.arrays() if logprobs is not None else [])
-        verify = {r.seq_id: drafts[r.seq_id] for r in chosen if r.has(RecordFlag.VERIFY)} if drafts else {}
+        verify = {r.seq_id: run for r, run in zip(chosen, runs, strict=True) if run is not None}
         return PendingSample(tokens, logprobs, (tokens, logits, hidden, *extra), chosen, logits,
                              tuple(row_seq_ids), verify)
 
