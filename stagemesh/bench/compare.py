@@ -50,6 +50,7 @@ its run; for ``prefix`` it holds the summary too. Pinning uses ``taskset`` (Linu
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import json
@@ -73,6 +74,7 @@ COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp
 # a first turn's length in, few tokens out (its point is the time to first token), two prompts per stream.
 DEFAULT_SIZES = (32, 48, None)  # None: stagemesh bench serve's own per level, 4 x its concurrency (at least 16)
 PREFIX_OUTPUT_LEN = 16
+LOG_TAIL_LINES = 15  # of a server's log, shown when it exits or never comes up
 
 
 @dataclass(frozen=True)
@@ -339,6 +341,13 @@ def _server(command: list[str], env: dict, url: str, label: str, model: str,
         yield Endpoint(url, label, model, process.pid, stagemesh)
 
 
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of the log at ``path``: a server's own reason for exiting, shown where the run
+    ends, since a benchmark's temporary log directory goes with it."""
+    with open(path, errors="replace") as log:
+        return "".join(collections.deque(log, maxlen=lines))
+
+
 @contextlib.contextmanager
 def server_process(command: list[str], label: str, health_url: str | None, *, env: dict | None = None,
                    startup_s: float = 300, poll_s: float = 1, stop_s: float = 60,
@@ -358,12 +367,14 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
         deadline = time.monotonic() + startup_s
         while health_url is not None:
             if process.poll() is not None:
-                raise SystemExit(f"{label} exited ({process.returncode}); see {log.name}")
+                raise SystemExit(f"{label} exited ({process.returncode}); see {log.name}, which ends:\n"
+                                 + log_tail(log.name))
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(health_url, timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise SystemExit(f"{label} did not come up in {startup_s:g} s; see {log.name}")
+                raise SystemExit(f"{label} did not come up in {startup_s:g} s; see {log.name}, which ends:\n"
+                                 + log_tail(log.name))
             time.sleep(poll_s)
         yield process
     finally:
