@@ -90,7 +90,9 @@ def test_neighbour_with_another_compute_dtype_is_refused_within_seconds(default_
     rank0 = _start_rank(good, 0, tmp_path / "r0.log")
     rank1 = _start_rank(odd, 1, tmp_path / "r1.log")
     codes = (_wait_exit(rank0, 60), _wait_exit(rank1, 60))
-    assert time.monotonic() - started < 50  # at the handshake, not after the 60 s connect timeout
+    # At the handshake, not after the 60 s connect timeout, which starts only once a stage has loaded its layers:
+    # on a loaded 2-core machine starting both processes alone has taken 50 s.
+    assert time.monotonic() - started < 60
     assert codes == (3, 3)
     logs = (tmp_path / "r0.log").read_text() + (tmp_path / "r1.log").read_text()
     assert "float16" in logs and "float32" in logs and "same --dtype" in logs
