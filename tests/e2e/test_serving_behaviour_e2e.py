@@ -57,9 +57,10 @@ def _generate(stub, prompt, max_tokens=16):
 
 def test_concurrent_greedy_generations_equal_one_at_a_time(pipeline):
     stub, _ = pipeline
-    alone = [_generate(stub, p) for p in PROMPTS[:4]]
+    # Eight tokens a request: seven decode steps of the four running together, each compared with alone.
+    alone = [_generate(stub, p, max_tokens=8) for p in PROMPTS[:4]]
     together: dict[int, list[int]] = {}
-    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, _generate(stub, PROMPTS[i])))
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, _generate(stub, PROMPTS[i], max_tokens=8)))
                for i in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
