@@ -354,8 +354,9 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
                    log_dir: Path | None = None) -> Iterator[subprocess.Popen]:
     """A benchmark's server in its own process group, logged to a file in ``log_dir`` (kept with the
     results, so a server's own error explains failed requests; default a temporary file): yielded once
-    ``health_url`` answers 200 (at once when None), stopped with its children afterwards (SIGTERM,
-    then SIGKILL after ``stop_s``). A server that exits or stays down ``startup_s`` ends the run."""
+    ``health_url`` answers 200 (at once when None), stopped afterwards (SIGTERM to it, then after it exits or
+    ``stop_s`` passes SIGKILL to its process group, children included). A server that exits or stays down
+    ``startup_s`` ends the run, with its log's last lines."""
     import httpx
 
     if log_dir is not None:
@@ -378,13 +379,17 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
             time.sleep(poll_s)
         yield process
     finally:
+        # SIGTERM to the server alone, as a service manager stops it: the whole group would also kill the local
+        # Ray daemons a stagemesh serve started, and its own orderly stop would then wait on them (13 s, not 3).
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
+            process.terminate()
             try:
                 process.wait(stop_s)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever it left behind
+        process.wait()
 
 
 def _sizes(args: argparse.Namespace, name: str) -> tuple[int, int, int | None]:
