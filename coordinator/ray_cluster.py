@@ -16,7 +16,9 @@
     the machine; ``address="local"`` always starts our own.
 
   The started node's address is checked afterwards and a non-loopback one is
-  refused rather than silently used.
+  refused rather than silently used. A local start Ray gives up on (its own
+  30 s waits for its daemons, which a busy machine can pass) is tried once
+  more, with Ray's wait for the GCS raised to 120 s.
 - ``cluster_nodes()``: the live nodes as ``placement.ClusterNode`` values.
 - ``reserve_bundles(slots)``: a placement group with one ``{"mlx": 1, "CPU":
   0.01}`` bundle per slot, each pinned to its slot's node (label
@@ -47,6 +49,9 @@ RAY_ADDRESS_ENV = "RAY_ADDRESS"
 BUNDLE_CPUS = 0.01
 NODE_ID_LABEL = "ray.io/node-id"
 _CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # Ray's wait for its GCS's port (default 30 s)
+GCS_PORT_WAIT_S = 120
+LOCAL_START_ATTEMPTS = 2
 
 
 class RayStartError(RuntimeError):
@@ -113,15 +118,26 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
             ) from exc
         return _session(local=False, owns=True, started=started)
     cpus = num_cpus if num_cpus is not None else max(1, os.cpu_count() or 1)
-    with loopback_only():
-        ray.init(
-            address="local",  # never attach to another Ray already running here
-            _node_ip_address=LOOPBACK,
-            resources={MLX_RESOURCE: mlx_units},
-            num_cpus=cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+    # A busy machine can take Ray past its own 30 s waits: for the GCS to write its port (a setting, raised
+    # here) and for the raylet to register (fixed in Ray), so a start that timed out is tried once more.
+    os.environ.setdefault(GCS_PORT_WAIT_ENV, str(GCS_PORT_WAIT_S))
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            with loopback_only():
+                ray.init(
+                    address="local",  # never attach to another Ray already running here
+                    _node_ip_address=LOOPBACK,
+                    resources={MLX_RESOURCE: mlx_units},
+                    num_cpus=cpus,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
+            break
+        except Exception as exc:  # Ray raises a bare Exception for the raylet's timeout
+            if attempt == LOCAL_START_ATTEMPTS or not is_startup_timeout(exc):
+                raise
+            log.warning("the local Ray did not start (%s); trying again", exc)
+            bounded(ray.shutdown, 30.0, "stopping a local Ray that did not start")
     session = _session(local=True, owns=True, started=started)
     node_address = next(
         (n.address for n in cluster_nodes(session.driver_node_id) if n.node_id == session.driver_node_id), "?")
@@ -134,6 +150,13 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
     log.info("started a local Ray on %s with %d '%s' unit(s), %d CPU(s) in %.1f s",
              session.address, mlx_units, MLX_RESOURCE, cpus, session.started_in_s)
     return session
+
+
+def is_startup_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ray giving up on its own daemons starting (pure): the raylet not registered, or the
+    GCS port not written, in time. Anything else is not retried."""
+    text = str(exc)
+    return "timed out during startup" in text or "Timed out waiting for file" in text
 
 
 def _is_loopback_address(address: str) -> bool:
