@@ -1,12 +1,15 @@
-"""Assertions shared by the coordinator's Ray tests."""
+"""Assertions and a loopback Ray cluster shared by the coordinator's Ray tests."""
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import psutil
 
+from coordinator.ray_cluster import is_startup_timeout, loopback_only
 from coordinator.stage_host import busy_ports
 from stagemesh.core.snapshots import MeshSnapshot
 
@@ -47,3 +50,42 @@ def assert_all_released(pids: Iterable[int | None], ports: Iterable[tuple[str, i
     assert not alive, f"stage processes still running: {alive}"
     bound = [(h, p) for h, p in ports if busy_ports(h, [p])]
     assert not bound, f"ports still bound: {bound}"
+
+
+def loopback_cluster(node_envs: Sequence[Mapping[str, str]], attempts: int = 2) -> tuple[Any, list[Any]]:
+    """A ``ray.cluster_utils.Cluster`` on loopback with one ``mlx`` unit and one CPU per node, each node started
+    with ``node_envs[i]`` added to the environment (its raylet, workers and stages inherit it; the first node is
+    the head), and the driver connected to it. Returns the cluster and its nodes in order.
+
+    Ray gives a node 30 s to register, which a loaded 2-core machine running other e2e groups can pass: a
+    cluster that timed out so is shut down and started again, as ``coordinator.ray_cluster`` does for a mesh."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    assert not ray.is_initialized()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    node = dict(node_ip_address="127.0.0.1", resources={"mlx": 1}, num_cpus=1)
+    for attempt in range(1, attempts + 1):
+        cluster = Cluster(initialize_head=False)
+        try:
+            with loopback_only():
+                nodes = []
+                for env in node_envs:
+                    saved = {name: os.environ.get(name) for name in env}
+                    os.environ.update(env)
+                    try:
+                        args = {**node, "include_dashboard": False} if not nodes else node
+                        nodes.append(cluster.add_node(**args))
+                    finally:
+                        for name, value in saved.items():
+                            if value is None:
+                                os.environ.pop(name, None)
+                            else:
+                                os.environ[name] = value
+                ray.init(address=cluster.address, log_to_driver=False)
+            return cluster, nodes
+        except Exception as exc:  # Ray raises a bare Exception for a node's registration timeout
+            cluster.shutdown()
+            if attempt == attempts or not is_startup_timeout(exc):
+                raise
+    raise AssertionError("unreachable")

@@ -25,12 +25,11 @@ import pytest
 
 from coordinator.layer_planner import PlanError
 from coordinator.mesh import MeshConfig, MeshCoordinator
-from coordinator.ray_cluster import loopback_only
 from stage_worker.model_facts import model_facts
 from stage_worker.model_reader import read_model_spec
 from stagemesh.status import format_mesh
 from tests.coordinator.conftest import mesh_ports
-from tests.coordinator.helpers import wait_until
+from tests.coordinator.helpers import loopback_cluster, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -43,20 +42,9 @@ FRANCE = "The capital of France is"
 def cluster():
     """(cluster, small node's id); the driver process itself carries no memory cap."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    assert not ray.is_initialized()
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    node = dict(node_ip_address="127.0.0.1", resources={"mlx": 1}, num_cpus=1)
-    with loopback_only():
-        os.environ["STAGEMESH_NODE_MEMORY"] = BIG
-        try:
-            c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-            os.environ["STAGEMESH_NODE_MEMORY"] = SMALL
-            small = c.add_node(**node)  # its raylet, and so its workers and stages, inherit the cap
-        finally:
-            del os.environ["STAGEMESH_NODE_MEMORY"]
-        ray.init(address=c.address, log_to_driver=False)
+    # Each node's raylet, and so its workers and stages, inherit its memory cap.
+    c, (_, small) = loopback_cluster([{"STAGEMESH_NODE_MEMORY": BIG}, {"STAGEMESH_NODE_MEMORY": SMALL}])
     try:
         yield c, small.node_id
     finally:

@@ -21,7 +21,7 @@ from coordinator.placement import PlacementError, place_stages
 from coordinator.ray_cluster import cluster_nodes, loopback_only, release_bundles, reserve_bundles
 from coordinator.stage_host import stage_host_actor
 from tests.coordinator.conftest import FAKE_STAGE, mesh_ports
-from tests.coordinator.helpers import assert_all_released, running, stage_ports, wait_until
+from tests.coordinator.helpers import assert_all_released, loopback_cluster, running, stage_ports, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -32,20 +32,9 @@ SLEEPER = ("-c", "import time; time.sleep(60)")
 @pytest.fixture(scope="module")
 def cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
-    assert not ray.is_initialized()
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    node = dict(node_ip_address="127.0.0.1", resources={"mlx": 1}, num_cpus=1)
-    with loopback_only():
-        c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-        c.add_node(**node)
-        os.environ["STAGEMESH_HOST_IP"] = PINNED
-        try:
-            c.add_node(**node)  # its raylet, and so its workers, inherit the pinned address
-        finally:
-            del os.environ["STAGEMESH_HOST_IP"]
-        ray.init(address=c.address, log_to_driver=False)
+    # The third node's raylet, and so its workers, inherit the pinned address.
+    c, _ = loopback_cluster([{}, {}, {"STAGEMESH_HOST_IP": PINNED}])
     try:
         yield c
     finally:
