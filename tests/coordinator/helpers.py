@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -52,6 +53,22 @@ def assert_all_released(pids: Iterable[int | None], ports: Iterable[tuple[str, i
     assert not bound, f"ports still bound: {bound}"
 
 
+
+@contextlib.contextmanager
+def added_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment (so in what it starts) for the block, the old values back after."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def loopback_cluster(node_envs: Sequence[Mapping[str, str]], attempts: int = 2) -> tuple[Any, list[Any]]:
     """A ``ray.cluster_utils.Cluster`` on loopback with one ``mlx`` unit and one CPU per node, each node started
     with ``node_envs[i]`` added to the environment (its raylet, workers and stages inherit it; the first node is
@@ -65,27 +82,19 @@ def loopback_cluster(node_envs: Sequence[Mapping[str, str]], attempts: int = 2) 
     assert not ray.is_initialized()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     node = dict(node_ip_address="127.0.0.1", resources={"mlx": 1}, num_cpus=1)
+    head = {**node, "include_dashboard": False}
     for attempt in range(1, attempts + 1):
         cluster = Cluster(initialize_head=False)
         try:
             with loopback_only():
                 nodes = []
                 for env in node_envs:
-                    saved = {name: os.environ.get(name) for name in env}
-                    os.environ.update(env)
-                    try:
-                        args = {**node, "include_dashboard": False} if not nodes else node
-                        nodes.append(cluster.add_node(**args))
-                    finally:
-                        for name, value in saved.items():
-                            if value is None:
-                                os.environ.pop(name, None)
-                            else:
-                                os.environ[name] = value
+                    with added_environment(env):
+                        nodes.append(cluster.add_node(**(node if nodes else head)))
                 ray.init(address=cluster.address, log_to_driver=False)
             return cluster, nodes
         except Exception as exc:  # Ray raises a bare Exception for a node's registration timeout
             cluster.shutdown()
             if attempt == attempts or not is_startup_timeout(exc):
                 raise
-    raise AssertionError("unreachable")
+    raise AssertionError(f"attempts must be at least 1, not {attempts}")
