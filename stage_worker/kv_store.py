@@ -19,15 +19,25 @@ BatchGenerator grows and shrinks its batch — and, if the batch lists them in
 another order, reorders the group with one gather per layer. Every stage sees the same records
 in the same order, so all stages make the same changes.
 
+A group step may feed several tokens per sequence (``for_decode``'s ``lengths``:
+speculative verifications, ``stage_worker.speculation``, beside one-token
+decodes). Every member then writes ``max(lengths)`` columns, the shorter ones
+right-padded; the padding becomes the member's *pending trim*.
+
 Positions are tracked here too: a chunk must continue its sequence exactly
 where this stage's cache ends, so a stage that missed a message fails loudly
 instead of attending to the wrong positions. The one exception is a rollback:
 a record starting *before* the cache's end (the positions after it held a
-verification's rejected proposals, ``stage_worker.speculation``) first trims
-the sequence's caches back to its ``start_pos`` (a grouped sequence leaves its
-group for that: mlx-lm's ``KVCache.trim`` on its own caches). Only models
-whose every layer holds a plain ``KVCache`` speculate (the same
-``exact_prefix_reuse`` as prefix caching); ``rewind`` refuses other caches.
+verification's rejected proposals) drops the positions from its ``start_pos``
+on: mlx-lm's ``KVCache.trim`` on a standalone sequence's caches; for a grouped
+one, a pending trim as well. A group settles its pending trims before anyone
+reads or changes its columns (``_settle``): the group's end moves back by the
+smallest trim and each other member's row rolls right by the rest, the
+columns rolled round becoming left padding (mlx-lm's ``dynamic_roll``, as
+``BatchKVCache.finalize`` settles right padding), so a grouped sequence never
+leaves its group to roll back. Only models whose every layer holds a plain
+``KVCache`` speculate (the same ``exact_prefix_reuse`` as prefix caching);
+a rollback in other caches is refused.
 
 Shrinking a group of ``BatchKVCache`` never reads the device: mlx-lm's
 ``BatchKVCache.filter`` reads the left padding back (``tolist``) to trim it, one
@@ -52,11 +62,11 @@ state cannot be cut at a position.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 from stage_worker.stage_status import PrefixCacheCounts
 from stage_worker.wire import WireMismatchError
@@ -66,6 +76,9 @@ from stage_worker.wire import WireMismatchError
 class _Group:
     members: list[int]
     caches: list[Any]  # per layer: a BatchKVCache, or another of mlx-lm's batch caches
+    # Columns at the end of a member's row that are not its positions (a wider step's right padding, rolled-back
+    # proposals), dropped by ``KVStore._settle`` before the columns are next read or changed.
+    trims: dict[int, int] = field(default_factory=dict)
 
 
 class KVStore:
@@ -160,6 +173,7 @@ class KVStore:
         group = self._group_of.get(seq_id)
         if group is None:
             raise WireMismatchError(f"sequence {seq_id} continues but this stage holds no KV for it")
+        self._settle(group)
         index, held = group.members.index(seq_id), self._positions[seq_id]
         views: list[tuple[mx.array | None, mx.array | None]] = []
         for batch in group.caches:
@@ -199,20 +213,59 @@ class KVStore:
         return caches
 
     # -- decode steps ------------------------------------------------------------
-    def for_decode(self, seq_ids: Sequence[int], positions: Sequence[int]) -> list[BatchKVCache]:
-        """Per-layer batch caches holding exactly ``seq_ids`` in that order, each one token on."""
+    def for_decode(self, seq_ids: Sequence[int], positions: Sequence[int],
+                   lengths: Sequence[int] | None = None) -> list[BatchKVCache]:
+        """Per-layer batch caches holding exactly ``seq_ids`` in that order, each ``lengths[i]`` tokens on (one
+        each by default). The step writes ``max(lengths)`` columns for every member: the caller right-pads the
+        shorter ones, and the store drops the padding before the group is next used."""
+        lengths = [1] * len(seq_ids) if lengths is None else list(lengths)
+        if len(lengths) != len(seq_ids) or min(lengths, default=1) < 1:
+            raise WireMismatchError(f"a decode group of {len(seq_ids)} sequences with token counts {lengths}")
         for seq_id, position in zip(seq_ids, positions):
             self._rewind(seq_id, position)
             self._check_position(seq_id, position)
         wanted = list(seq_ids)
         # The group of the first member that is in one (a newcomer may come first after a reorder).
         group = next((self._group_of[m] for m in wanted if m in self._group_of), None)
+        if group is not None:
+            self._settle(group)
         if group is None or group.members != wanted:
             group = self._regroup(wanted, group)
-        for seq_id in wanted:
-            self._positions[seq_id] += 1
-        self.tokens_held += len(wanted)
+        width = max(lengths)
+        if width > 1:
+            self._check_trimmable(group, f"a group step of {width} tokens")
+            group.trims = {m: width - n for m, n in zip(wanted, lengths) if n < width}
+        for seq_id, n in zip(wanted, lengths):
+            self._positions[seq_id] += n
+        self.tokens_held += sum(lengths)
         return group.caches
+
+    def _settle(self, group: _Group) -> None:
+        """Drop the group's pending trims (see the module's contract): afterwards each member's positions are
+        again the last ``positions[member]`` columns before the caches' ``_idx``."""
+        if not group.trims:
+            return
+        trims = [group.trims.get(m, 0) for m in group.members]
+        group.trims = {}
+        common = min(trims)
+        shifts = mx.array([t - common for t in trims])
+        rolled = common != max(trims)
+        for cache in group.caches:
+            cache._idx -= common
+            cache.offset = cache.offset - mx.array(trims)
+            if rolled and cache.keys is not None:
+                end = cache._idx
+                cache.keys[..., :end, :] = dynamic_roll(cache.keys[..., :end, :], shifts[:, None], axis=2)
+                cache.values[..., :end, :] = dynamic_roll(cache.values[..., :end, :], shifts[:, None], axis=2)
+            if rolled:
+                cache.left_padding = cache.left_padding + shifts
+
+    @staticmethod
+    def _check_trimmable(group: _Group, what: str) -> None:
+        for cache in group.caches:
+            if type(cache) is not BatchKVCache:
+                raise WireMismatchError(f"{what} on a decode group holding a {type(cache).__name__}, which cannot "
+                                        "drop positions")
 
     def _regroup(self, wanted: list[int], group: _Group | None) -> _Group:
         """Make ``group`` (the first wanted member's, if any) hold exactly ``wanted``, in that order:
@@ -276,6 +329,7 @@ class KVStore:
         A member's keys occupy the last ``positions[member]`` columns before ``_idx``, so the columns
         every kept member leaves unused at the left are ``_idx - max(positions)``.
         """
+        self._settle(group)
         indices = mx.array([group.members.index(m) for m in kept])
         longest = max(self._positions[m] for m in kept)
         for cache in group.caches:
@@ -320,6 +374,7 @@ class KVStore:
     def _extract(self, group: _Group, seq_id: int) -> list[KVCache]:
         """``BatchKVCache.extract`` without its device read: the member's keys are its last
         ``positions[seq_id]`` columns before ``_idx``."""
+        self._settle(group)
         index, held = group.members.index(seq_id), self._positions[seq_id]
         caches: list[Any] = []
         for batch in group.caches:
@@ -341,14 +396,17 @@ class KVStore:
         if held is None or held <= start_pos or start_pos < 0:
             return  # nothing to drop; ``_check_position`` judges the rest
         caches = self._standalone.get(seq_id)
-        if caches is None:
-            caches = self._ungroup(seq_id)
-        for cache in caches:
-            if not isinstance(cache, KVCache) or cache.offset != held:
-                raise WireMismatchError(
-                    f"sequence {seq_id} continues at position {start_pos} but this stage's KV holds {held}, "
-                    f"in a {type(cache).__name__} that cannot drop positions")
-            cache.trim(held - start_pos)
+        group = self._group_of.get(seq_id) if caches is None else None
+        if group is not None:
+            self._check_trimmable(group, f"sequence {seq_id} continuing at position {start_pos} (held: {held})")
+            group.trims[seq_id] = group.trims.get(seq_id, 0) + held - start_pos
+        else:
+            for cache in caches if caches is not None else self._ungroup(seq_id):
+                if not isinstance(cache, KVCache) or cache.offset != held:
+                    raise WireMismatchError(
+                        f"sequence {seq_id} continues at position {start_pos} but this stage's KV holds {held}, "
+                        f"in a {type(cache).__name__} that cannot drop positions")
+                cache.trim(held - start_pos)
         self._positions[seq_id] = start_pos
         self.tokens_held -= held - start_pos
 

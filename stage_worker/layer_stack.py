@@ -22,7 +22,8 @@ each model's ``__call__`` calls them: ``layer(h, mask, cache)`` on ``[B, L, hidd
   the sequence alone only by masked positions. Caches without such a batch form
   (rotating caches keeping their first positions, chunked or quantized KV, cache
   lists) keep their sequences one at a time;
-* the decode group (``DecodeRows``) runs as one ``[B, 1, hidden]`` batch against the
+* the decode group (``DecodeRows``) runs as one ``[B, W, hidden]`` batch (one token
+  each, or a speculative verification's ``W`` with the others right-padded) against the
   group's batch caches (``BatchKVCache``, ``BatchRotatingKVCache``, a batched
   ``ArraysCache``: left-padded, per-row offsets), as mlx-lm's ``BatchGenerator``
   decodes: every per-row part of a layer, the expert routing included, runs once for
@@ -58,9 +59,10 @@ def stack_layers(layers: Sequence[nn.Module], hidden: mx.array, segments: Sequen
     outputs: list[mx.array] = []
     order: list[int] = []
     if decode is not None:
-        rows = mx.array(decode.rows)
-        out = run_batch(layers, hidden[rows][:, None, :], decode.caches, array_masks)
-        outputs.append(out[:, 0, :])
+        gather, real = decode.padded_rows()
+        h = hidden[mx.array(gather)].reshape(decode.sequences, decode.width, -1)
+        out = run_batch(layers, h, decode.caches, array_masks).reshape(len(gather), -1)
+        outputs.append(out if real is None else out[mx.array(real)])
         order += decode.rows
     together: set[int] = set()
     for group in batch_groups([s for s in segments if _batchable(s.caches)]):

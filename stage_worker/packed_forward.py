@@ -6,16 +6,19 @@ the MLP — runs once over all ``T`` rows, so a batch of 16 decodes costs one
 ``[16, hidden]`` GEMM per projection instead of 16 GEMVs. Attention comes in
 three shapes, each as few MLX ops as its sequences allow:
 
-* a *decode group* (one token each) attends as one batch over its
-  ``BatchKVCache`` (see ``kv_store``);
+* a *decode group* (one token each, or a speculative verification's several
+  beside them) attends as one batch over its ``BatchKVCache`` (see
+  ``kv_store``): ``[B, heads, W, dim]`` queries, the sequences with fewer than
+  ``W`` tokens right-padded (causality keeps every real row from seeing the
+  padding after it; the store drops the padded columns afterwards);
 * *fresh prompts* (chunks starting a sequence) of similar length attend as one
   right-padded ``[n, heads, L, dim]`` causal batch (they have no history;
   causality keeps every real row from seeing the padding after it), and only
   the writes of their real rows into their own caches are per sequence.
   Without this, every fresh prompt would cost about ten small ops of its own
   per layer;
-* any other chunk (continuing a long prompt, a speculative verification)
-  applies RoPE at its own offset, appends to its own mlx-lm ``KVCache`` and
+* any other chunk (continuing a long prompt, a lone verification) applies
+  RoPE at its own offset, appends to its own mlx-lm ``KVCache`` and
   attends over its own history. With ``pad_keys`` (a stage on CUDA) a chunk of
   several rows attends over the cache's whole buffer (mlx-lm grows it 256
   positions at a time), the positions past its history masked: MLX's CUDA
@@ -23,7 +26,8 @@ three shapes, each as few MLX ops as its sequences allow:
   kernels are planned per shape, and a history one longer every step would be
   a new shape at every step of every layer; the buffer's length changes once
   in 256 positions. Masked positions weigh exactly zero, so the rows' results
-  are those over the history alone.
+  are those over the history alone. A decode group of several tokens each
+  does the same over its batch buffer.
 
 The modules are mlx-lm's own (``TransformerBlock`` of llama / qwen2 / qwen3,
 with ``self_attn.{q,k,v,o}_proj``, optional ``q_norm`` / ``k_norm``, ``rope``,
@@ -37,7 +41,7 @@ compare greedy tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -62,10 +66,34 @@ class Segment:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """One token each for a group of sequences: their rows, and per-layer ``BatchKVCache``."""
+    """A decode group's step: each sequence's tokens (one; a verification's several) and per-layer batch caches."""
 
-    rows: list[int]  # mx.array takes a list, not any Sequence
+    rows: list[int]  # the group's rows of the batch, sequence after sequence (mx.array takes a list, not any Sequence)
     caches: Sequence[BatchKVCache]
+    lengths: tuple[int, ...] = ()  # each sequence's token count, in order; empty: one each
+
+    @property
+    def sequences(self) -> int:
+        return len(self.lengths) if self.lengths else len(self.rows)
+
+    @property
+    def width(self) -> int:
+        """Tokens every sequence runs in the step (the shorter right-padded)."""
+        return max(self.lengths, default=1)
+
+    def padded_rows(self) -> tuple[list[int], list[int] | None]:
+        """The ``[sequences * width]`` batch rows of the padded step (padding repeats a sequence's last row) and
+        where the real rows sit in it (None: no padding)."""
+        lengths = self.lengths or (1,) * len(self.rows)
+        width = max(lengths)
+        gather: list[int] = []
+        real: list[int] = []
+        start = 0
+        for b, n in enumerate(lengths):
+            gather += [self.rows[start + min(t, n - 1)] for t in range(width)]
+            real += range(b * width, b * width + n)
+            start += n
+        return gather, None if len(real) == len(gather) else real
 
 
 @dataclass(frozen=True)
@@ -142,15 +170,26 @@ def _inverse(order: Sequence[int]) -> list[int]:
 class _DecodeShared:
     """What every layer's decode attention shares within one step."""
 
-    rows: mx.array | slice  # the group's rows of the batch: a slice when they are contiguous (no gather)
+    rows: mx.array | slice  # the padded step's rows of the batch: a slice when they are contiguous (no gather)
     mask: mx.array | None  # BatchKVCache.make_mask gives an array (or None with nothing to mask)
+    real: mx.array | None  # the real rows among the padded step's (None: no padding)
+    buffer_masks: dict[int, mx.array] = field(default_factory=dict)  # ``mask`` over whole buffers, by length
 
     @classmethod
     def of(cls, decode: DecodeRows) -> _DecodeShared:
-        first, count = decode.rows[0], len(decode.rows)
-        contiguous = decode.rows == list(range(first, first + count))
-        rows: mx.array | slice = slice(first, first + count) if contiguous else mx.array(decode.rows)
-        return cls(rows, decode.caches[0].make_mask(1))
+        gather, real = decode.padded_rows()
+        first, count = gather[0], len(gather)
+        contiguous = gather == list(range(first, first + count))
+        rows: mx.array | slice = slice(first, first + count) if contiguous else mx.array(gather)
+        return cls(rows, decode.caches[0].make_mask(decode.width), None if real is None else mx.array(real))
+
+    def over_buffer(self, buffer: int) -> mx.array:
+        """``mask`` widened to a whole buffer of ``buffer`` columns, the columns past the step masked."""
+        assert self.mask is not None
+        if buffer not in self.buffer_masks:
+            shape = (*self.mask.shape[:-1], buffer - self.mask.shape[-1])
+            self.buffer_masks[buffer] = mx.concatenate([self.mask, mx.zeros(shape, dtype=mx.bool_)], axis=-1)
+        return self.buffer_masks[buffer]
 
 
 class _PaddedMasks:
@@ -178,7 +217,7 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], other
     outputs = []
     if decode is not None:
         outputs.append(_decode_attention(attn, queries, keys, values, decode, layer_index,
-                                         shared or _DecodeShared.of(decode)))
+                                         shared or _DecodeShared.of(decode), padded is not None))
     for group in fresh:
         outputs.append(_fresh_prompts_attention(attn, queries, keys, values, group, layer_index))
     for segment in others:
@@ -225,16 +264,28 @@ def _fresh_prompts_attention(attn: nn.Module, queries: mx.array, keys: mx.array,
 
 
 def _decode_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,
-                      decode: DecodeRows, layer_index: int, shared: _DecodeShared) -> mx.array:
-    """mlx-lm's own attention on ``[B, heads, 1, dim]`` against the group's ``BatchKVCache``:
-    per-row RoPE offsets, one append and one masked attention for the whole group."""
+                      decode: DecodeRows, layer_index: int, shared: _DecodeShared, pad_keys: bool) -> mx.array:
+    """mlx-lm's own attention on ``[B, heads, W, dim]`` against the group's ``BatchKVCache``:
+    per-row RoPE offsets, one append and one masked attention for the whole group; the real rows out.
+    ``pad_keys``: a step of several tokens attends over the whole buffer (the module docstring's chunks)."""
     cache = decode.caches[layer_index]
-    q = queries[shared.rows][:, :, None, :]
-    k = keys[shared.rows][:, :, None, :]
-    v = values[shared.rows][:, :, None, :]
-    mask = shared.mask
+    width = decode.width
+    if width == 1:
+        q = queries[shared.rows][:, :, None, :]
+        k = keys[shared.rows][:, :, None, :]
+        v = values[shared.rows][:, :, None, :]
+    else:
+        q, k, v = (a[shared.rows].reshape(decode.sequences, width, *a.shape[1:]).transpose(0, 2, 1, 3)
+                   for a in (queries, keys, values))
+    mask: mx.array | None = shared.mask
     q = attn.rope(q, offset=cache.offset)
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
+    if pad_keys and width > 1:
+        k, v = cache.keys, cache.values
+        mask = shared.over_buffer(k.shape[2])
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-    return out.reshape(out.shape[0], -1)
+    if width == 1:
+        return out.reshape(out.shape[0], -1)
+    out = out.transpose(0, 2, 1, 3).reshape(decode.sequences * width, -1)
+    return out if shared.real is None else out[shared.real]

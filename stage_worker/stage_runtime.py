@@ -109,32 +109,33 @@ class StageCompute:
         if len(self.rows):
             self.rows.release(released)
         segments: list[Segment] = []
-        decode_ids: list[int] = []
-        decode_positions: list[int] = []
+        grouped: list[SequenceRecord] = []  # decodes and verifications: the batched decode group's step
         decode_rows: list[int] = []
         row = 0
         for r in records:
             if r.num_tokens == 0:
                 continue
-            if r.num_tokens == 1 and not r.has(RecordFlag.NEW_SEQUENCE):
-                decode_ids.append(r.seq_id)  # one more token: joins the batched decode group
-                decode_positions.append(r.start_pos)
-                decode_rows.append(row)
+            if not r.has(RecordFlag.NEW_SEQUENCE) and (r.num_tokens == 1 or r.has(RecordFlag.VERIFY)):
+                grouped.append(r)
+                decode_rows += range(row, row + r.num_tokens)
             else:
                 caches = self.kv.for_chunk(r.seq_id, r.start_pos, r.has(RecordFlag.NEW_SEQUENCE), r.num_tokens,
-                                           r.prefix_entry, verify=r.has(RecordFlag.VERIFY))
+                                           r.prefix_entry)
                 segments.append(Segment(caches, r.num_tokens, row))
             row += r.num_tokens
         if row != hidden.shape[0]:
             raise wire.WireMismatchError(f"batch records cover {row} rows but the payload has {hidden.shape[0]}")
         decode = None
-        if len(decode_ids) == 1:
-            # A lone decode runs as a one-token chunk on plain caches: mlx-lm's own single-sequence path,
-            # without the group's mask and gathers (on a GPU the step is bound by launching kernels).
-            caches = self.kv.for_chunk(decode_ids[0], decode_positions[0], False, 1)
-            segments.append(Segment(caches, 1, decode_rows[0]))
-        elif decode_ids:
-            decode = DecodeRows(decode_rows, self.kv.for_decode(decode_ids, decode_positions))
+        if len(grouped) == 1:
+            # A lone decode (or verification) runs as a chunk on plain caches: mlx-lm's own single-sequence
+            # path, without the group's mask and gathers (on a GPU the step is bound by launching kernels).
+            (r,) = grouped
+            caches = self.kv.for_chunk(r.seq_id, r.start_pos, False, r.num_tokens, verify=r.has(RecordFlag.VERIFY))
+            segments.append(Segment(caches, r.num_tokens, decode_rows[0]))
+        elif grouped:
+            lengths = tuple(r.num_tokens for r in grouped)
+            group = self.kv.for_decode([r.seq_id for r in grouped], [r.start_pos for r in grouped], lengths)
+            decode = DecodeRows(decode_rows, group, lengths if max(lengths) > 1 else ())
         if not segments and decode is None:
             return hidden
         out = self.model.run_packed(hidden, segments, decode)

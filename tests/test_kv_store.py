@@ -214,3 +214,28 @@ def test_tokens_held_counts_prefix_entries_and_copies():
     store.evict(3)
     store.release(2)
     assert store.tokens_held == 0
+
+
+def test_a_group_step_of_several_tokens_keeps_each_sequences_own_positions_through_rollbacks():
+    """Verifications (several tokens) beside a decode: every member writes the widest count, the shorter
+    right-padded; the padding and later rolled-back positions are dropped before the group is read again, by
+    a release, a reorder, a retained prefix or an extraction alike."""
+    store = _store()
+    for seq_id, n in ((1, 3), (2, 5), (3, 4)):
+        _prefill(store, seq_id, n)
+    lengths = [4, 1, 2]
+    caches = store.for_decode([1, 2, 3], [3, 5, 4], lengths)
+    for cache in caches:  # the stage's forward writes 4 columns per member, the real ones first
+        keys = mx.concatenate([mx.pad(_kv(s, n, p)[0], [(0, 0), (0, 0), (0, 4 - n), (0, 0)], constant_values=-7.0)
+                               for s, n, p in zip((1, 2, 3), lengths, (3, 5, 4))])
+        cache.update_and_fetch(keys, -keys)
+    assert store._positions == {1: 7, 2: 6, 3: 6} and store.tokens_held == 19
+    # Sequence 1 kept 2 of its 4 (rolls back to 5), 3 kept both of its 2: one group step, each one on.
+    _decode(store, [1, 3, 2], [5, 6, 6])
+    store.retain(2, 9, 4)  # a prefix sliced out of the group after the rollbacks
+    store.release(3)
+    expected = {1: _kv(1, 6), 2: _kv(2, 7)}
+    assert mx.array_equal(store._prefixes[9][0].keys, _kv(2, 4)[0]).item()
+    for seq_id, (keys, _) in expected.items():
+        assert mx.array_equal(_history(store, seq_id), keys).item(), seq_id
+    assert store.tokens_held == 6 + 7 + 4

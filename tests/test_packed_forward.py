@@ -90,3 +90,36 @@ def test_chunks_over_a_whole_padded_buffer_equal_chunks_over_their_history(model
             # The same rows of the same history: only the matmul's length differs, by weights of exactly 0.
             np.testing.assert_allclose(got[record[0]], expected[record[0]], rtol=1e-5, atol=1e-5,
                                        err_msg=f"sequence {record[0]} in batch {batch}")
+
+
+VERIFY = RecordFlag.VERIFY | RecordFlag.SAMPLE
+
+
+@pytest.mark.e2e  # the real model's first layers
+@pytest.mark.parametrize("pad_keys", [False, True], ids=["history", "whole-buffer"])
+def test_verifications_in_the_decode_group_equal_each_sequence_alone_through_their_rollbacks(model, pad_keys):
+    """Speculative verifications (several tokens) beside one-token decodes run as one right-padded group step,
+    and rejected positions roll back inside the group (each sequence's next record starts before its KV's end):
+    every row equals the sequence computed alone, on its own caches."""
+    steps = [
+        [(0, 0, 9, NEW), (1, 0, 4, NEW), (2, 0, 12, NEW)],
+        [(0, 9, 5, VERIFY), (1, 4, 1, 0), (2, 12, 3, VERIFY)],
+        # 0 kept 2 of its 5 positions, 2 kept all 3; 1 now verifies while 0 decodes
+        [(0, 11, 1, 0), (1, 5, 4, VERIFY), (2, 15, 5, VERIFY)],
+        # 1 kept 1 position, 2 kept 4: rolled back by different amounts in one step
+        [(0, 12, 3, VERIFY), (1, 6, 1, 0), (2, 19, 1, 0)],
+        [(0, 13, 1, 0), (1, 7, 1, 0), (2, 20, 1, 0)],  # plain decodes after the rollbacks
+    ]
+    grouped_model = StageModel(model.spec, model.role, model.dtype, model._module)
+    grouped_model.pad_keys = pad_keys
+    grouped = StageCompute(grouped_model, 16)
+    alone = StageCompute(model, 16)
+    for step, batch in enumerate(steps):
+        together = _run(grouped, grouped_model, batch)
+        if step:  # one group step, never a sequence taken out of its group to roll back
+            assert len({id(grouped.kv._group_of.get(s)) for s in (0, 1, 2)}) == 1 and not grouped.kv._standalone
+        for record in batch:
+            reference = _run(alone, model, [record])[record[0]]
+            np.testing.assert_allclose(together[record[0]], reference, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"sequence {record[0]} in batch {batch}")
+    assert grouped.kv.tokens_held == alone.kv.tokens_held == 14 + 8 + 21

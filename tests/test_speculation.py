@@ -262,12 +262,12 @@ def test_a_record_starting_before_the_kv_end_drops_the_positions_after_it():
         store.for_chunk(1, 9, False, 1)  # ahead of the KV is still a lost message
 
 
-def test_a_grouped_sequence_leaves_its_group_to_drop_positions():
+def test_a_grouped_sequence_drops_positions_without_leaving_its_group():
     store = _kv([1, 2], 5)
     (group,) = store.for_decode([1, 2], [5, 5])  # both in one decode group, 6 positions each
     step = mx.full((2, 1, 1, 2), 0.5)
     group.update_and_fetch(step, step)  # what the stage's forward writes
-    (group,) = store.for_decode([1, 2], [4, 6])  # sequence 1 rolls back two positions
+    assert store.for_decode([1, 2], [4, 6]) == [group]  # sequence 1 rolls back two positions, in place
     group.update_and_fetch(step, step)
     assert group.offset.tolist() == [5, 7] and store.tokens_held == 12
     # Sequence 1 holds its first 4 positions and the new one; sequence 2 all of its 7.
