@@ -281,7 +281,7 @@ def _decode_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values
     q = attn.rope(q, offset=cache.offset)
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
-    if pad_keys and width > 1:
+    if pad_keys and width > 1 and cache.keys is not None and cache.values is not None:
         k, v = cache.keys, cache.values
         mask = shared.over_buffer(k.shape[2])
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
