@@ -14,7 +14,9 @@
   immediately but fails only after ``max_misses`` consecutive checks, so one
   slow answer under load does not cost a whole replica; a frozen stage is
   caught in ``max_misses`` intervals. DRAINING is an operator's choice: not
-  healthy (the gateway skips it), not a failure (no restart).
+  healthy (the gateway skips it), not a failure (no restart). A serving
+  stage that only missed checks is unhealthy too, but the gateway still uses
+  its replica when no replica is healthy (``MeshSnapshot.routable_replicas``).
 
 What follows a failure (restart, backoff) is ``coordinator.supervision``'s.
 """

@@ -7,7 +7,8 @@ Contract:
 - Every call carries the mesh token as metadata (``stagemesh.core.mesh_token``);
   with ``tls`` the channels are mutual TLS (``stagemesh.core.grpc_tls``).
 - ``generate(request, affinity=None)`` is an async generator of ``GenerateResponse``
-  messages from one healthy replica chosen by least outstanding requests
+  messages from one healthy replica (none healthy: one whose stage only missed
+  a check, ``MeshSnapshot.routable_replicas``) chosen by least outstanding requests
   (ties round-robin; with an ``affinity``, the replica that key hashes to:
   ``gateway.balancer``), under a per-request deadline. Requests to one entry
   stage share one ``GenerateStream`` call (``gateway.stage_streams``: one
@@ -98,12 +99,12 @@ class ReplicaClient:
         for channel in channels:
             await channel.close()
 
-    def _healthy_keys(self) -> list[ReplicaKey]:
-        healthy: tuple[ReplicaSnapshot, ...] = self._mesh.snapshot().healthy_replicas
-        return [(r.replica, r.entry.grpc_target) for r in healthy]
+    def _routable_keys(self) -> list[ReplicaKey]:
+        routable: tuple[ReplicaSnapshot, ...] = self._mesh.snapshot().routable_replicas
+        return [(r.replica, r.entry.grpc_target) for r in routable]
 
     def _pick(self, tried: set[ReplicaKey], affinity: str | None = None) -> ReplicaKey:
-        keys = self._healthy_keys()
+        keys = self._routable_keys()
         if not keys:
             raise errors.no_healthy_replica()
         key = self.balancer.pick(keys, exclude=tried, cap=self._cap, affinity=affinity)
@@ -112,7 +113,7 @@ class ReplicaClient:
         return key
 
     def _another_replica(self, tried: set[ReplicaKey]) -> bool:
-        return bool(self.balancer.eligible(self._healthy_keys(), exclude=tried, cap=self._cap))
+        return bool(self.balancer.eligible(self._routable_keys(), exclude=tried, cap=self._cap))
 
     async def generate(self, request: stage_pb2.GenerateRequest,
                        affinity: str | None = None) -> AsyncGenerator[stage_pb2.GenerateResponse, None]:

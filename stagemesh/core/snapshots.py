@@ -134,6 +134,13 @@ class ReplicaSnapshot:
         return bool(self.stages) and all(s.healthy for s in self.stages)
 
     @property
+    def suspect(self) -> bool:
+        """Serving, but a stage missed its latest health checks (fewer than fail it): one slow answer on a
+        loaded machine, or a stage about to be failed."""
+        return (bool(self.stages) and not self.healthy and self.state is ReplicaState.SERVING
+                and all(s.state is StageState.SERVING for s in self.stages))
+
+    @property
     def entry(self) -> StageSnapshot:
         return self.stages[0]
 
@@ -159,6 +166,14 @@ class MeshSnapshot:
     @property
     def healthy_replicas(self) -> tuple[ReplicaSnapshot, ...]:
         return tuple(r for r in self.replicas if r.healthy)
+
+    @property
+    def routable_replicas(self) -> tuple[ReplicaSnapshot, ...]:
+        """Where requests go (pure): the healthy replicas; when there are none, the suspect ones. A replica whose
+        stage missed a health check or two is still serving until the coordinator fails it, and refusing
+        every request meanwhile (a lone replica on a loaded machine) would turn one slow answer into errors;
+        if the stage is really gone, the request fails fast on its own and fails over as any other does."""
+        return self.healthy_replicas or tuple(r for r in self.replicas if r.suspect)
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "replicas": [r.to_json() for r in self.replicas],

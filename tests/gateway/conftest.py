@@ -51,6 +51,7 @@ def mesh(stages) -> FakeMesh:
 @pytest.fixture
 def healthy_mesh(mesh, stages):
     mesh.healthy.clear()
+    mesh.suspect.clear()
     mesh.supervision.clear()
     mesh.ports[:] = [stages[0].port]  # a test may have put a dead port first
     return mesh

@@ -193,18 +193,19 @@ class FakeMesh:
     ports: list[int]
     model: str = "SmolLM2-135M-Instruct"
     healthy: dict[int, bool] = field(default_factory=dict)
+    suspect: set[int] = field(default_factory=set)  # replicas serving whose stage missed its latest check
     pid_base: int = 1000
     supervision: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def snapshot(self) -> MeshSnapshot:
         replicas = []
         for r, port in enumerate(self.ports):
-            ok = self.healthy.get(r, True)
+            ok = self.healthy.get(r, True) and r not in self.suspect
             stage = StageSnapshot(
                 rank=0, layers=(0, 30), host="127.0.0.1", grpc_port=port, ring_port=0, pid=self.pid_base + r,
                 node_id=f"node-{r}", compute_dtype="float32", quantized=False, healthy=ok, backend="cpu",
                 device="fake CPU",
-                state=StageState.SERVING if ok else StageState.FAILED,
+                state=StageState.SERVING if ok or r in self.suspect else StageState.FAILED,
                 stats=StageStats(batches=10 + r, tokens=99, compute_seconds=1.5, wait_seconds=0.25,
                                          send_seconds=0.125, running_sequences=r, waiting_requests=0,
                                          prefix_cache_queries=400, prefix_cache_hits=96, prefix_cache_blocks=7,

@@ -78,6 +78,19 @@ def test_non_streaming_disconnect_cancels_the_grpc_call(server, stage):
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=5).status_code == 200
 
 
+def test_a_replica_that_only_missed_a_health_check_still_serves_when_no_other_can(client, healthy_mesh, stages,
+                                                                                   stage):
+    """One slow health answer (a loaded machine) leaves the lone replica serving, not a 503; beside a healthy
+    replica, the suspect one gets nothing."""
+    healthy_mesh.suspect.add(0)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].text is not None
+    assert len(stage.requests) == 1
+    healthy_mesh.ports[:] = [stages[0].port, stages[1].port]
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert len(stages[0].servicer.requests) == 1 and len(stages[1].servicer.requests) == 3
+
+
 def test_requests_alternate_between_idle_replicas(client, healthy_mesh, stages, stage):
     healthy_mesh.ports[:] = [stages[0].port, stages[1].port]
     for _ in range(4):
