@@ -214,10 +214,10 @@ class KVStore:
 
     # -- decode steps ------------------------------------------------------------
     def for_decode(self, seq_ids: Sequence[int], positions: Sequence[int],
-                   lengths: Sequence[int] | None = None, width: int = 0) -> list[BatchKVCache]:
+                   lengths: Sequence[int] | None = None) -> list[BatchKVCache]:
         """Per-layer batch caches holding exactly ``seq_ids`` in that order, each ``lengths[i]`` tokens on (one
-        each by default). The step writes ``max(width, max(lengths))`` columns for every member: the caller
-        right-pads the shorter ones, and the store drops the padding before the group is next used."""
+        each by default). The step writes ``max(lengths)`` columns for every member: the caller right-pads the
+        shorter ones, and the store drops the padding before the group is next used."""
         lengths = [1] * len(seq_ids) if lengths is None else list(lengths)
         if len(lengths) != len(seq_ids) or min(lengths, default=1) < 1:
             raise WireMismatchError(f"a decode group of {len(seq_ids)} sequences with token counts {lengths}")
@@ -231,7 +231,7 @@ class KVStore:
             self._settle(group)
         if group is None or group.members != wanted:
             group = self._regroup(wanted, group)
-        width = max(width, max(lengths))
+        width = max(lengths)
         if width > 1:
             self._check_trimmable(group, f"a group step of {width} tokens")
             group.trims = {m: width - n for m, n in zip(wanted, lengths) if n < width}

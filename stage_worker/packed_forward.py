@@ -71,7 +71,6 @@ class DecodeRows:
     rows: list[int]  # the group's rows of the batch, sequence after sequence (mx.array takes a list, not any Sequence)
     caches: Sequence[BatchKVCache]
     lengths: tuple[int, ...] = ()  # each sequence's token count, in order; empty: one each
-    pad_to: int = 0  # a wider step than the longest sequence's (``step_width``); 0: the longest's
 
     @property
     def sequences(self) -> int:
@@ -80,13 +79,13 @@ class DecodeRows:
     @property
     def width(self) -> int:
         """Tokens every sequence runs in the step (the shorter right-padded)."""
-        return max(self.pad_to, max(self.lengths, default=1))
+        return max(self.lengths, default=1)
 
     def padded_rows(self) -> tuple[list[int], list[int] | None]:
         """The ``[sequences * width]`` batch rows of the padded step (padding repeats a sequence's last row) and
         where the real rows sit in it (None: no padding)."""
         lengths = self.lengths or (1,) * len(self.rows)
-        width = self.width
+        width = max(lengths)
         gather: list[int] = []
         real: list[int] = []
         start = 0
@@ -110,16 +109,6 @@ class _FreshGroup:
 # A prompt joins a group whose shortest member is within this many tokens (or a quarter of its
 # length): padding costs compute, a separate attention costs ~10 small ops per layer.
 _PAD_TOKENS = 8
-
-
-def step_width(longest: int, bucketed: bool) -> int:
-    """The width of a decode group's step whose longest sequence feeds ``longest`` tokens (pure): itself, or
-    with ``bucketed`` (a stage on CUDA) the next power of two, so verifications of varying lengths make a
-    few shapes rather than one per length and group size (MLX's CUDA kernels are planned per shape; the
-    padded rows cost little there)."""
-    if not bucketed or longest <= 1:
-        return longest
-    return 1 << (longest - 1).bit_length()
 
 
 def packed_layers(

@@ -42,7 +42,7 @@ from stage_worker.blas import AdaptiveBlasThreads
 from stage_worker.build_ahead import Placeholder
 from stage_worker.kv_store import KVStore
 from stage_worker.links import InboundLink, LinkError, OutboundLink
-from stage_worker.packed_forward import DecodeRows, Segment, step_width
+from stage_worker.packed_forward import DecodeRows, Segment
 from stage_worker.row_options import LogprobRows, RowProcessors, logprobs_from_body, rows_body, rows_from_body
 from stage_worker.sampling import sample_rows
 from stage_worker.speculation import VerifyLayout, accept_proposals, drafts_body, drafts_from_body
@@ -134,10 +134,8 @@ class StageCompute:
             segments.append(Segment(caches, r.num_tokens, decode_rows[0]))
         elif grouped:
             lengths = tuple(r.num_tokens for r in grouped)
-            width = step_width(max(lengths), self.model.pad_keys)
-            group = self.kv.for_decode([r.seq_id for r in grouped], [r.start_pos for r in grouped], lengths,
-                                       width)
-            decode = DecodeRows(decode_rows, group, lengths if width > 1 else (), width)
+            group = self.kv.for_decode([r.seq_id for r in grouped], [r.start_pos for r in grouped], lengths)
+            decode = DecodeRows(decode_rows, group, lengths if max(lengths) > 1 else ())
         if not segments and decode is None:
             return hidden
         out = self.model.run_packed(hidden, segments, decode)

@@ -123,10 +123,3 @@ def test_verifications_in_the_decode_group_equal_each_sequence_alone_through_the
             np.testing.assert_allclose(together[record[0]], reference, rtol=1e-4, atol=1e-4,
                                        err_msg=f"sequence {record[0]} in batch {batch}")
     assert grouped.kv.tokens_held == alone.kv.tokens_held == 14 + 8 + 21
-
-
-def test_a_gpu_stages_group_steps_take_a_few_widths():
-    from stage_worker.packed_forward import step_width
-
-    assert [step_width(n, True) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
-    assert [step_width(n, False) for n in (1, 3, 9)] == [1, 3, 9]
