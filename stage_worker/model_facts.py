@@ -120,7 +120,7 @@ def draft_facts(config: SpeculativeConfig | None, target: ModelSpec, max_num_seq
     for index in range(facts.num_layers):
         weights += facts.layer_sizes[index] if facts.layer_sizes else facts.layer
     return DraftFacts(weights, facts.slice_kv(0, facts.num_layers).per_token,
-                      sequences=min(config.disable_by_batch_size, max_num_seqs),
+                      sequences=min(config.limit_for(None), max_num_seqs),
                       proposals=config.num_speculative_tokens)
 
 

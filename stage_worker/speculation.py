@@ -104,7 +104,7 @@ def speculative_tokens(config: SpeculativeConfig | None, *, running: int, remain
     ``remaining``: tokens it may still produce (by max_tokens and the model length); ``budget``: token rows
     left in the batch. A verification of k proposals yields up to k + 1 tokens and feeds k + 1 rows.
     """
-    if config is None or running > config.disable_by_batch_size or acceptance.paused_steps:
+    if config is None or running > config.limit_for(None) or acceptance.paused_steps:
         return 0
     return max(0, min(config.num_speculative_tokens, remaining - 1, budget - 1))
 

@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -345,6 +345,8 @@ def speculation_for(ctx: StageContext) -> SpeculativeConfig | None:
         log.warning("speculative decoding off: %s layers keep sliding windows or recurrent state, which cannot drop "
                     "rejected proposals (docs/architecture.md)", ctx.spec.model_type)
         return None
+    # Unset, the limit is this backend's (an NVIDIA GPU speculates for a lone sequence only).
+    config = replace(config, disable_by_batch_size=config.limit_for(ctx.device.backend))
     proposes = f"draft model {config.model}" if config.model else \
         f"prompt lookup of {config.prompt_lookup_min}..{config.prompt_lookup_max} tokens"
     log.info("speculative decoding: up to %d proposals per step (%s), while at most %d sequences run",

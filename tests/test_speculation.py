@@ -47,6 +47,17 @@ def test_the_flag_takes_vllms_keys_and_defaults():
     assert SpeculativeConfig.from_json(draft.to_json()) == draft
 
 
+def test_unset_the_batch_size_limit_is_the_backends():
+    """An NVIDIA GPU speculates for a lone sequence only (docs/performance.md); other backends up to 4; a given
+    limit is kept everywhere, and memory is planned for the largest default."""
+    unset = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert unset.disable_by_batch_size is None
+    assert [unset.limit_for(b) for b in ("cpu", "metal", "cuda", None)] == [4, 4, 1, 4]
+    given = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}')
+    assert [given.limit_for(b) for b in ("cpu", "cuda")] == [8, 8]
+    assert SpeculativeConfig.from_json(unset.to_json()) == unset
+
+
 @pytest.mark.parametrize(("text", "names"), [
     ('{"method": "eagle", "num_speculative_tokens": 4}', "method 'eagle'"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be in 1..16"),
@@ -165,7 +176,8 @@ def test_the_rule_turns_speculation_off_where_it_cannot_pay():
 
     assert k() == 3
     assert speculative_tokens(None, running=1, remaining=9, budget=9, acceptance=Acceptance()) == 0
-    assert k(running=NGRAM.disable_by_batch_size + 1) == 0 and k(running=NGRAM.disable_by_batch_size) == 3
+    limit = NGRAM.limit_for(None)
+    assert k(running=limit + 1) == 0 and k(running=limit) == 3
     assert k(remaining=3) == 2 and k(remaining=1) == 0  # room for the bonus token within max_tokens
     assert k(budget=2) == 1
     assert k(acceptance=Acceptance(paused_steps=2)) == 0

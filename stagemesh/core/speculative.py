@@ -10,8 +10,9 @@ Contract:
   takes ``"model"`` alone to mean this method). Whether the path holds a model whose vocabulary is the
   target's is checked where both are read (``stage_worker.draft_proposer.check_draft_model``), not here.
 - vLLM's defaults for ngram: both lookup bounds 5 when neither is given, else the missing one equals the
-  other. ``disable_by_batch_size`` (vLLM's key): no sequence speculates while more than this many run
-  (default ``DEFAULT_DISABLE_BY_BATCH_SIZE``).
+  other. ``disable_by_batch_size`` (vLLM's key): no sequence speculates while more than this many run;
+  unset, the entry stage's backend decides (``limit_for``: ``DEFAULT_DISABLE_BY_BATCH_SIZE``, on CUDA
+  ``CUDA_DISABLE_BY_BATCH_SIZE``).
 - ``to_json`` / ``from_json`` are the form the launch plan carries to every stage.
 """
 
@@ -32,6 +33,9 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, for both bounds when neither is given
 # Above this many running sequences a step's extra verification rows cost more than the trips they save: the
 # batch is no longer bound by the walk through the stages but by its rows (docs/performance.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# On an NVIDIA GPU a verification of several sequences costs more than the trips it saves (measured with prompt
+# lookup on an H200: 0.58x at 4 streams, 2.7x at one; docs/performance.md), so only a lone sequence speculates.
+CUDA_DISABLE_BY_BATCH_SIZE = 1
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size")
 _NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
@@ -51,8 +55,15 @@ class SpeculativeConfig:
     method: str = NGRAM
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None  # None: the backend's default (``limit_for``)
     model: str | None = None  # the draft model's directory (draft_model only)
+
+    def limit_for(self, backend: str | None) -> int:
+        """The most running sequences at which a sequence speculates on ``backend`` (MLX's: cpu, metal, cuda;
+        None: the largest any backend takes by default, what memory is planned for)."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        return CUDA_DISABLE_BY_BATCH_SIZE if backend == "cuda" else DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,13 +77,15 @@ class SpeculativeConfig:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise SpeculativeConfigError(f"{FLAG}: \"model\" must be a directory path, got {self.model!r}")
         for key, value in asdict(self).items():
+            if key == "disable_by_batch_size" and value is None:
+                continue
             if key not in ("method", "model") and (not isinstance(value, int) or isinstance(value, bool)):
                 raise SpeculativeConfigError(f"{FLAG}: {key} must be an integer, got {value!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(f"{FLAG}: num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
                                          f"got {self.num_speculative_tokens}")
         for key in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise SpeculativeConfigError(f"{FLAG}: {key} must be at least 1, got {getattr(self, key)}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(f"{FLAG}: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
@@ -111,7 +124,7 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
                                          "does not take it")
         return SpeculativeConfig(
             num_speculative_tokens=raw["num_speculative_tokens"], method=method, model=model,
-            disable_by_batch_size=raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
+            disable_by_batch_size=raw.get("disable_by_batch_size"))
     low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
     # vLLM's defaults: both 5 when neither is given, else the missing bound equals the given one.
     low = high if low is None else low
@@ -121,8 +134,8 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     return SpeculativeConfig(
         num_speculative_tokens=raw["num_speculative_tokens"], method=method, prompt_lookup_max=high,
         prompt_lookup_min=low, model=model,
-        disable_by_batch_size=raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
+        disable_by_batch_size=raw.get("disable_by_batch_size"))
 
 
-__all__ = ["DEFAULT_DISABLE_BY_BATCH_SIZE", "DRAFT_MODEL", "MAX_SPECULATIVE_TOKENS", "NGRAM", "SpeculativeConfig",
-           "SpeculativeConfigError", "parse_speculative_config"]
+__all__ = ["CUDA_DISABLE_BY_BATCH_SIZE", "DEFAULT_DISABLE_BY_BATCH_SIZE", "DRAFT_MODEL", "MAX_SPECULATIVE_TOKENS",
+           "NGRAM", "SpeculativeConfig", "SpeculativeConfigError", "parse_speculative_config"]
