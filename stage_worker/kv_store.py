@@ -249,10 +249,11 @@ class KVStore:
         group.trims = {}
         common = min(trims)
         shifts = mx.array([t - common for t in trims])
+        dropped = mx.array(trims)  # one array for every layer
         rolled = common != max(trims)
         for cache in group.caches:
             cache._idx -= common
-            cache.offset = cache.offset - mx.array(trims)
+            cache.offset = cache.offset - dropped
             if rolled and cache.keys is not None:
                 end = cache._idx
                 cache.keys[..., :end, :] = dynamic_roll(cache.keys[..., :end, :], shifts[:, None], axis=2)

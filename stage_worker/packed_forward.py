@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -82,18 +83,21 @@ class DecodeRows:
         return max(self.lengths, default=1)
 
     def padded_rows(self) -> tuple[list[int], list[int] | None]:
-        """The ``[sequences * width]`` batch rows of the padded step (padding repeats a sequence's last row) and
-        where the real rows sit in it (None: no padding)."""
+        """The ``[sequences * width]`` batch rows of the padded step and where its real rows sit (``right_padded``;
+        a sequence's rows are contiguous in the batch)."""
         lengths = self.lengths or (1,) * len(self.rows)
-        width = max(lengths)
-        gather: list[int] = []
-        real: list[int] = []
-        start = 0
-        for b, n in enumerate(lengths):
-            gather += [self.rows[start + min(t, n - 1)] for t in range(width)]
-            real += range(b * width, b * width + n)
-            start += n
-        return gather, None if len(real) == len(gather) else real
+        starts = accumulate(lengths[:-1], initial=0)  # each sequence's first place in ``rows``
+        return right_padded([(self.rows[start], n) for start, n in zip(starts, lengths)], self.width)
+
+
+def right_padded(spans: Sequence[tuple[int, int]], width: int) -> tuple[list[int], list[int] | None]:
+    """Sequences' runs of batch rows (first row, count) laid out ``width`` rows each (pure): the batch rows to
+    gather, a short run's padding repeating its last row, and the real rows' places in that layout (None when
+    nothing is padded)."""
+    gather = [first + min(t, count - 1) for first, count in spans for t in range(width)]
+    if all(count == width for _, count in spans):
+        return gather, None
+    return gather, [i * width + t for i, (_, count) in enumerate(spans) for t in range(count)]
 
 
 @dataclass(frozen=True)
@@ -153,9 +157,7 @@ def _pad_limit(shortest: int) -> int:
 
 def _fresh_group(segments: Sequence[Segment]) -> _FreshGroup:
     length = max(s.num_tokens for s in segments)
-    gather = [s.row_start + min(t, s.num_tokens - 1) for s in segments for t in range(length)]
-    padded = any(s.num_tokens < length for s in segments)
-    real = [i * length + t for i, s in enumerate(segments) for t in range(s.num_tokens)] if padded else None
+    gather, real = right_padded([(s.row_start, s.num_tokens) for s in segments], length)
     return _FreshGroup(tuple(segments), length, mx.array(gather), None if real is None else mx.array(real))
 
 
