@@ -12,7 +12,16 @@ import pytest
 from stagemesh.bench.random_checkpoint import shape_config, shape_names, write_random_checkpoint
 from stagemesh.bench.report import ENVELOPE_KEYS
 from stagemesh.cli import main
+from tests.architectures import tiny_checkpoint
 from tests.conftest import free_port_base
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A small random Llama (hidden 64, 4 layers) with the default model's tokenizer: the tools below are
+    tested for what they measure and report, which a small model shows as well as the default one, in a
+    fraction of the CPU time (the engine runs a checkpoint as loaded, without the optimized BLAS)."""
+    return tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny"))
 
 
 def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_for_every_id(tmp_path):
@@ -55,28 +64,6 @@ def test_a_checkpoint_larger_than_a_shard_is_written_shard_by_shard_with_the_sam
     assert read_model_spec(str(sharded)).details["weight_map"] == index["weight_map"]
 
 
-# Gigabytes of random weights: one of the two shapes the GPU benchmarks run, written and loaded whole (the
-# writer and loader are the same code for every shape; gpt-oss-20b's two layers of 32 wide experts took a minute
-# of the suite). Every shipped shape is checked against its published sizes in tests/test_architectures.py.
-@pytest.mark.e2e
-@pytest.mark.parametrize("shape", ["qwen3-30b-a3b"])
-def test_the_mixture_of_experts_shapes_write_as_checkpoints_a_stage_loads(tmp_path, shape):
-    import mlx.core as mx
-
-    from stage_worker.first_layers import least_layers
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.stage_model import StageModel, StageRole
-    from stagemesh.core.layer_split import LayerRange
-
-    layers = least_layers(shape_config(shape))[0]  # as few as keep its layer pattern
-    out = write_random_checkpoint(shape_config(shape, layers), tmp_path / shape, "bfloat16", shard_bytes=1 << 30)
-    spec = read_model_spec(str(out))
-    assert spec.num_layers == layers and spec.model_type == shape_config(shape)["model_type"]
-    # The first stage's slice (embedding and first layer) loads strictly: every tensor is there, in its shape.
-    stage = StageModel.load(spec, StageRole(LayerRange(0, 1), True, layers == 1), mx.bfloat16)
-    assert stage.weight_bytes > 0
-
-
 @pytest.mark.e2e
 def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
     out = tmp_path / "hop.json"
@@ -94,9 +81,9 @@ def test_bench_hop_times_both_transports_between_two_processes(tmp_path):
 
 
 @pytest.mark.e2e
-def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
+def test_bench_engine_drives_the_entry_stage_alone(tmp_path, tiny_llama):
     out = tmp_path / "engine.json"
-    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", "--output-len", "4",
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", tiny_llama, "--output-len", "4",
                            "--streams", "2", "--input-len", "4", "--mixed", "3", "--mixed-max-prompt", "6", "--profile",
                            "--output", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -113,9 +100,9 @@ def test_bench_engine_drives_the_entry_stage_alone(tmp_path):
 
 
 @pytest.mark.e2e
-def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_path):
+def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_path, tiny_llama):
     out = tmp_path / "engine.json"
-    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", "--output-len", "4",
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", tiny_llama, "--output-len", "4",
                            "--streams", "2", "--input-len", "4", "--mixed", "2", "--mixed-max-prompt", "6",
                            "--compare-projections", "1", "--output", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -140,10 +127,9 @@ def test_bench_engine_refuses_compare_projections_with_profile(capsys, monkeypat
 
 
 @pytest.mark.e2e
-def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_real_serve(tmp_path):
+def test_bench_stack_measures_the_engine_the_stage_grpc_and_the_gateway_of_one_real_serve(tmp_path, tiny_llama):
     out = tmp_path / "stack.json"
-    # Four-token prompts: the engine layer prefills without the optimized BLAS on the CPU backend, slowly.
-    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "stack", "--output-len", "4",
+    done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "stack", tiny_llama, "--output-len", "4",
                            "--streams", "2", "--input-len", "4", "--rounds", "1",
                            "--port-base", str(free_port_base(8)), "--output", str(out)],
                           capture_output=True, text=True, timeout=600)

@@ -46,12 +46,11 @@ def _greedy(url: str, messages) -> str:
 
 
 def test_greedy_text_is_the_same_with_speculation_at_pp2(serve_pp1, speculating):
-    for messages in PROMPTS:
-        assert _greedy(speculating.url, messages) == _greedy(serve_pp1.url, messages)
+    expected = [_greedy(serve_pp1.url, messages) for messages in PROMPTS]
+    assert [_greedy(speculating.url, messages) for messages in PROMPTS] == expected
     streamed = openai.OpenAI(base_url=f"{speculating.url}/v1", api_key="none", max_retries=0).chat.completions.create(
         model=MODEL, messages=PROMPTS[0], max_tokens=64, temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == _greedy(serve_pp1.url,
-                                                                                                PROMPTS[0])
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected[0]
     metrics = httpx.get(f"{speculating.url}/metrics").text
     drafted = [line for line in metrics.splitlines()
                if line.startswith("stagemesh_stage_spec_decode_num_draft_tokens_total") and 'rank="0"' in line]
