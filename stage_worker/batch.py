@@ -58,8 +58,8 @@ class SequenceRecord:
     prefix_entry: int = 0
 
     def has(self, flag: RecordFlag) -> bool:
-        # int's own ``&``: IntFlag's builds a new enum member each call, and the host builds a batch between
-        # GPU steps with a few hundred of these (1.2 ms of a 16-stream step's host time, profiled on an H200).
+        # int's own ``&``: IntFlag's builds a new enum member each call, and building a batch between GPU steps
+        # calls this a few hundred times (docs/performance.md, "One GPU: through the whole mesh").
         return int.__and__(self.flags, flag) != 0
 
 
