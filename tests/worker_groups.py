@@ -1,4 +1,4 @@
-"""How the suite spreads over pytest-xdist's workers (``-n 3 --dist loadgroup`` in pyproject's addopts).
+"""How the suite spreads over pytest-xdist's workers (``-n 2 --dist loadgroup`` in pyproject's addopts).
 
 A group of tests runs on one worker, one test after another; groups run side by side. A test's group is:
 
