@@ -140,18 +140,18 @@ def _distinct_share(lp: dict) -> float:
 @pytest.mark.parametrize("field, value", [("frequency_penalty", 1.5), ("presence_penalty", 1.5),
                                           ("repetition_penalty", 1.8)])
 def test_positive_penalties_make_output_less_repetitive(clients, field, value):
-    plain = both(clients, lambda c: _completion(c, prompt=REPEATS, max_tokens=24, logprobs=0,
+    plain = both(clients, lambda c: _completion(c, prompt=REPEATS, max_tokens=16, logprobs=0,
                                                extra_body={"ignore_eos": True}))
-    penalized = both(clients, lambda c: _completion(c, prompt=REPEATS, max_tokens=24, logprobs=0,
+    penalized = both(clients, lambda c: _completion(c, prompt=REPEATS, max_tokens=16, logprobs=0,
                                                    extra_body={"ignore_eos": True, field: value}))
     assert _distinct_share(penalized[2]) > _distinct_share(plain[2]), (plain[0], penalized[0])
 
 
 def test_negative_presence_penalty_makes_output_more_repetitive(clients):
     prompt = "Write a short story about a cat."
-    plain = both(clients, lambda c: _completion(c, prompt=prompt, max_tokens=24, logprobs=0,
+    plain = both(clients, lambda c: _completion(c, prompt=prompt, max_tokens=16, logprobs=0,
                                                extra_body={"ignore_eos": True}))
-    rewarded = both(clients, lambda c: _completion(c, prompt=prompt, max_tokens=24, logprobs=0,
+    rewarded = both(clients, lambda c: _completion(c, prompt=prompt, max_tokens=16, logprobs=0,
                                                   presence_penalty=-2.0, extra_body={"ignore_eos": True}))
     assert _distinct_share(rewarded[2]) < _distinct_share(plain[2]), (plain[0], rewarded[0])
 

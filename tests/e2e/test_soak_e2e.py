@@ -21,7 +21,7 @@ def test_a_short_soak_with_a_kill_and_a_freeze_passes(tmp_path):
     # load; one of each is all the verdict below needs (a longer run only repeats them).
     report_path = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, "-m", "stagemesh.soak", "--duration", "30", "--streams", "4", "-pp", "2", "--warmup", "5",
+        [sys.executable, "-m", "stagemesh.soak", "--duration", "20", "--streams", "2", "-pp", "2", "--warmup", "5",
          "--faults", "kill,stop", "--hold", "5", "--fault-interval", "3", "--allow-give-up", "--seed", "3",
          "--port", str(free_port_base(1)), "--grpc-base-port", str(free_port_base(2)),
          "--ring-base-port", str(free_port_base(4)), "--json", str(report_path), "--log-dir", str(tmp_path)],

@@ -41,7 +41,7 @@ def speculating(tmp_path_factory):
 
 def _greedy(url: str, messages) -> str:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
     return reply.choices[0].message.content or ""
 
 
@@ -49,7 +49,7 @@ def test_greedy_text_is_the_same_with_speculation_at_pp2(serve_pp1, speculating)
     expected = [_greedy(serve_pp1.url, messages) for messages in PROMPTS]
     assert [_greedy(speculating.url, messages) for messages in PROMPTS] == expected
     streamed = openai.OpenAI(base_url=f"{speculating.url}/v1", api_key="none", max_retries=0).chat.completions.create(
-        model=MODEL, messages=PROMPTS[0], max_tokens=64, temperature=0, stream=True)
+        model=MODEL, messages=PROMPTS[0], max_tokens=40, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected[0]
     metrics = httpx.get(f"{speculating.url}/metrics").text
     drafted = [line for line in metrics.splitlines()
@@ -97,7 +97,7 @@ def test_logprobs_penalties_and_a_json_schema_speculate_and_keep_their_meaning(s
     for request in requests:
         before = _settled_entry_stats(speculating)
         got, expected = (openai.OpenAI(base_url=f"{serve.url}/v1", api_key="none", max_retries=0).chat.completions
-                         .create(model=MODEL, max_tokens=64, temperature=0, **request).choices[0]
+                         .create(model=MODEL, max_tokens=40, temperature=0, **request).choices[0]
                          for serve in (speculating, serve_pp1))
         assert got.message.content == expected.message.content
         if "response_format" in request:
