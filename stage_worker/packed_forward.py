@@ -49,6 +49,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from stage_worker import masked_decode_kernel
 from stage_worker.fused_projections import attention_projections, feed_forward
 
 
@@ -117,17 +118,18 @@ _PAD_TOKENS = 8
 
 def packed_layers(
     layers: Sequence[nn.Module], hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None,
-    pad_keys: bool = False,
+    pad_keys: bool = False, fused_decode: bool = False,
 ) -> mx.array:
     """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); segments and decode rows cover the rows.
-    ``pad_keys``: chunks of several rows attend over their caches' whole buffers (module docstring)."""
+    ``pad_keys``: chunks of several rows attend over their caches' whole buffers (module docstring).
+    ``fused_decode``: a one-token decode group attends through ``masked_decode_kernel`` where it applies."""
     fresh, others = fresh_prompt_groups(segments)
     # attention outputs come out unit by unit: decode group, fresh prompt groups, other chunks
     order = ([*decode.rows] if decode else []) + [r for g in fresh for s in g.segments for r in s.rows] + \
         [r for s in others for r in s.rows]
     restore = None if order == list(range(len(order))) else mx.array(_inverse(order))
     # The group's rows and causal mask are the same in every layer (its caches move in step): made once.
-    shared = _DecodeShared.of(decode) if decode is not None else None
+    shared = _DecodeShared.of(decode, fused_decode) if decode is not None else None
     padded = _PaddedMasks() if pad_keys else None
     h = hidden
     for index, layer in enumerate(layers):
@@ -176,14 +178,19 @@ class _DecodeShared:
     mask: mx.array | None  # BatchKVCache.make_mask gives an array (or None with nothing to mask)
     real: mx.array | None  # the real rows among the padded step's (None: no padding)
     buffer_masks: dict[int, mx.array] = field(default_factory=dict)  # ``mask`` over whole buffers, by length
+    # One-token steps through ``masked_decode_kernel``: the step's end column after its append (every layer's
+    # cache moves in step); None where the step attends through mlx-lm's masked attention.
+    fused_end: mx.array | None = None
 
     @classmethod
-    def of(cls, decode: DecodeRows) -> _DecodeShared:
+    def of(cls, decode: DecodeRows, fused: bool) -> _DecodeShared:
         gather, real = decode.padded_rows()
         first, count = gather[0], len(gather)
         contiguous = gather == list(range(first, first + count))
         rows: mx.array | slice = slice(first, first + count) if contiguous else mx.array(gather)
-        return cls(rows, decode.caches[0].make_mask(decode.width), None if real is None else mx.array(real))
+        cache = decode.caches[0]
+        fused_end = mx.array([cache._idx + 1], dtype=mx.int32) if fused and decode.width == 1 else None
+        return cls(rows, cache.make_mask(decode.width), None if real is None else mx.array(real), fused_end=fused_end)
 
     def over_buffer(self, buffer: int) -> mx.array:
         """``mask`` widened to a whole buffer of ``buffer`` columns, the columns past the step masked."""
@@ -219,7 +226,7 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], other
     outputs = []
     if decode is not None:
         outputs.append(_decode_attention(attn, queries, keys, values, decode, layer_index,
-                                         shared or _DecodeShared.of(decode), padded is not None))
+                                         shared or _DecodeShared.of(decode, False), padded is not None))
     for group in fresh:
         outputs.append(_fresh_prompts_attention(attn, queries, keys, values, group, layer_index))
     for segment in others:
@@ -283,6 +290,12 @@ def _decode_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values
     q = attn.rope(q, offset=cache.offset)
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
+    if (shared.fused_end is not None and cache.keys is not None and cache.values is not None
+            and masked_decode_kernel.supported(q, cache.keys)):
+        # The whole buffers, each row's window [left padding, end): what the mask below would leave visible.
+        out = masked_decode_kernel.attend(q, cache.keys, cache.values, cache.left_padding, shared.fused_end,
+                                          attn.scale)
+        return out.reshape(out.shape[0], -1)
     if pad_keys and width > 1 and cache.keys is not None and cache.values is not None:
         k, v = cache.keys, cache.values
         mask = shared.over_buffer(k.shape[2])

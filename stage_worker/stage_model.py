@@ -161,6 +161,9 @@ class StageModel:
         # Multi-row chunks attend over whole cache buffers where attention kernels are planned per shape
         # (``packed_forward``'s docstring): MLX's CUDA backend.
         self.pad_keys = current_backend() == "cuda"
+        # A one-token decode group's masked attention as one kernel (``masked_decode_kernel``, CUDA only); the
+        # stage turns it on (``STAGEMESH_DECODE_KERNEL``).
+        self.fused_decode = False
         self._measure()
 
     def _measure(self) -> None:
@@ -249,7 +252,8 @@ class StageModel:
         self, hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None
     ) -> mx.array:
         """``[T, hidden]`` rows of several sequences (prompt chunks and a decode group), lazy."""
-        return packed_layers(self._module.layers, hidden, segments, decode, pad_keys=self.pad_keys)
+        return packed_layers(self._module.layers, hidden, segments, decode, pad_keys=self.pad_keys,
+                             fused_decode=self.fused_decode)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final norm and head on ``[k, hidden]`` rows; float32 ``[k, vocab]`` (lazy)."""

@@ -47,6 +47,7 @@ from stage_worker.grpc_service import StageDescription, StageServicer, start_grp
 from stage_worker.handshake import StageIdentity, connect_neighbours, init_ring
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
 from stage_worker.load_progress import WeightProgress, reporting
+from stage_worker.masked_decode_kernel import decode_kernel_wanted
 from stage_worker.memory import (
     MemoryBudgetError,
     host_memory_budget,
@@ -207,6 +208,10 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
         log.info("projections joined: q/k/v %s, gate/up %s (%s=off keeps them apart)",
                  "yes" if fused.qkv else "not in every layer", "yes" if fused.gate_up else "not in every layer",
                  settings.env_name("FUSE_PROJECTIONS"))
+    if decode_kernel_wanted(settings.DECODE_KERNEL, device.backend):
+        model.fused_decode = True
+        log.info("decode groups attend through one masked decode kernel (%s=off keeps mlx-lm's masked attention)",
+                 settings.env_name("DECODE_KERNEL"))
     experts = policy_for(settings.ALL_EXPERTS_ROWS, device.backend)
     if experts.all_experts_max_rows and (routed := model.route_experts(experts)):
         log.info("expert blocks: every expert on calls of up to %d rows, gathered above (%d blocks; %s=off keeps "

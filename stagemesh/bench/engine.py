@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.engine import step_ahead_pays
     from stage_worker.expert_routing import policy_for
     from stage_worker.fused_projections import fusion_wanted
+    from stage_worker.masked_decode_kernel import decode_kernel_wanted
     from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stage_worker.warmup import warm_up, warmup_plan
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             if fused:
                 model.fuse_projections()
             model.route_experts(policy_for(settings.ALL_EXPERTS_ROWS, backend))  # as a stage does
+            model.fused_decode = decode_kernel_wanted(settings.DECODE_KERNEL, backend)  # as a stage does
             runs = measure(model)
     from stage_worker.blas import loaded_blas
     from stage_worker.wire import dtype_name

@@ -174,6 +174,9 @@ VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v
              "join every layer's q/k/v projections into one matmul and gate/up into another (fewer, wider "
              "kernels; on a GPU results may differ from mlx-lm's layers in the last bits): auto (on GPUs, where "
              "it pays), on (on the CPU too), off (mlx-lm's layers as they are)"),
+    Variable("STAGEMESH_DECODE_KERNEL", _choice("STAGEMESH_DECODE_KERNEL", "auto", ("auto", "off")),
+             "a decode group's masked attention (rows of different lengths) as one kernel of stagemesh's own: "
+             "auto (on CUDA, where MLX has no fused masked decode), off (mlx-lm's masked attention)"),
     Variable("STAGEMESH_ALL_EXPERTS_ROWS", _str("STAGEMESH_ALL_EXPERTS_ROWS", "auto"),
              "mixture-of-experts blocks run every expert on every row (one wide matmul) on calls of up to this "
              "many rows, mlx-lm's gathered experts above: auto (on CUDA, where it pays), off, or a row count"),
