@@ -27,6 +27,7 @@ _WARPS = 4  # warps per (row, query head); each takes every _WARPS-th key of the
 
 _SOURCE = """
     constexpr int PER_LANE = D / 32;
+    const float neg_inf = -__int_as_float(0x7f800000);  // MLX 0.32 defines no inf for custom kernels
     const int bh = blockIdx.x;            // row * HQ + query head
     const int row = bh / HQ;
     const int kv_head = (bh % HQ) / (HQ / HKV);
@@ -42,7 +43,7 @@ _SOURCE = """
     #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) qr[i] = static_cast<float>(qp[i]) * s;
 
-    float m = -inf, l = 0.f, acc[PER_LANE];
+    float m = neg_inf, l = 0.f, acc[PER_LANE];
     #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) acc[i] = 0.f;
 
@@ -72,7 +73,7 @@ _SOURCE = """
     for (int i = 0; i < PER_LANE; ++i) warp_acc[warp][lane * PER_LANE + i] = acc[i];
     __syncthreads();
 
-    float top = -inf;
+    float top = neg_inf;
     #pragma unroll
     for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_max[w]);
     for (int d = threadIdx.x; d < D; d += WARPS * 32) {
@@ -80,7 +81,7 @@ _SOURCE = """
         #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
             // a warp that saw no key has max -inf and weighs nothing
-            const float f = warp_max[w] == -inf ? 0.f : __expf(warp_max[w] - top);
+            const float f = warp_max[w] == neg_inf ? 0.f : __expf(warp_max[w] - top);
             num += f * warp_acc[w][d];
             den += f * warp_sum[w];
         }
