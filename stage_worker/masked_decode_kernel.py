@@ -19,6 +19,7 @@ query heads, key/value heads, dtype) by MLX's JIT and cached by it; the scale is
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import cast
 
 import mlx.core as mx
@@ -128,6 +129,7 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, starts: mx.array, end:
     return out
 
 
+@cache  # asked for every layer of every decode step; the answer never changes within a process
 def _cuda_available() -> bool:
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available())
