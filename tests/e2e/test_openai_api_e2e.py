@@ -2,8 +2,9 @@
 
 The sampling knobs and logprobs are checked on PP=1 and PP=2 at once, and the two layouts must give the same
 answer; logprobs must equal a log-softmax of the logits mlx-lm's own model computes on the same weights.
-Structured output and tools sit above the model (the gateway's grammar and the last stage's mask), so they
-are checked once, at PP=2, where the stage that samples is not the stage that embeds.
+Structured output and tools sit above the model (the gateway's grammar and the last stage's mask), so each is
+checked on one layout: most at PP=2, where the stage that samples is not the stage that embeds; guided choice
+and regex, and a named tool call's streamed deltas, at PP=1.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def servers(serve_pp1, serve_pp2):
 @pytest.fixture(scope="module")
 def clients(servers):
     return servers[0]
+
+
+@pytest.fixture(scope="module")
+def pp1(clients):
+    """The PP=1 client alone: for what sits above the model."""
+    return clients[0]
 
 
 @pytest.fixture(scope="module")
@@ -304,16 +311,16 @@ def test_sdk_parse_with_a_pydantic_model(pp2):
     assert isinstance(city, City)
 
 
-def test_guided_choice_and_regex(pp2):
+def test_guided_choice_and_regex(pp1):
     def run(client, extra):
         r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", temperature=0, max_tokens=10,
                                       extra_body=extra)
         return r.choices[0].text
 
-    assert run(pp2, {"guided_choice": ["yes", "no"]}) in ("yes", "no")
+    assert run(pp1, {"guided_choice": ["yes", "no"]}) in ("yes", "no")
     import re
 
-    assert re.fullmatch(r"[0-9]{3}", run(pp2, {"guided_regex": "[0-9]{3}"}))
+    assert re.fullmatch(r"[0-9]{3}", run(pp1, {"guided_regex": "[0-9]{3}"}))
 
 
 # -- tool calling ------------------------------------------------------------------------------------------------
@@ -354,7 +361,7 @@ def test_forced_tool_call_has_arguments_valid_for_its_schema(pp2, choice):
         assert [name for name, _ in calls] == ["get_weather"]
 
 
-def test_named_tool_call_streams_argument_deltas(pp2):
+def test_named_tool_call_streams_argument_deltas(pp1):
     def run(client):
         stream = client.chat.completions.create(
             model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80, stream=True,
@@ -363,13 +370,13 @@ def test_named_tool_call_streams_argument_deltas(pp2):
         deltas = [d for chunk in chunks for d in (chunk.choices[0].delta.tool_calls or [])]
         return deltas, chunks[-1].choices[0].finish_reason
 
-    deltas, finish = run(pp2)
+    deltas, finish = run(pp1)
     assert finish == "tool_calls"
     assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
     assert len(deltas) > 2  # the arguments arrive in pieces
     arguments = "".join(d.function.arguments or "" for d in deltas)
     assert json.loads(arguments)["unit"] in ("celsius", "fahrenheit")
-    whole = pp2.chat.completions.create(
+    whole = pp1.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert whole.choices[0].message.tool_calls[0].function.arguments == arguments
