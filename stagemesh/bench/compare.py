@@ -38,7 +38,9 @@ writes its report (JSON) + PNG per comparison under ``--output-dir``:
 
 ``--shape NAME`` serves a model of a real size with random weights instead of
 the embedded one (``random_checkpoint``: Llama 3.2 1B, Llama 3.1 8B, Qwen3 8B),
-written once and read by every server; ``--bare`` adds the bare batched
+written once and read by every server. MODEL may also be a model directory
+(an MLX checkpoint), served to both sides as it is; ``stock`` and ``matched``
+then refuse, as they convert a GGUF for mlx_lm. ``--bare`` adds the bare batched
 forward of the same weights at each concurrency (``stagemesh bench pipeline
 --bare N,N``'s reference, the device's limit) to the results.
 
@@ -70,6 +72,8 @@ from stagemesh.bench.random_checkpoint import check_shape_flags, shape_descripti
 from stagemesh.core.errors import UserError
 
 COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix")
+# Those that serve mlx_lm the GGUF converted to an mlx-lm directory: they need MODEL to be a .gguf file.
+GGUF_COMPARISONS = ("stock", "matched")
 # Sizes when a flag is not given: (input, output, prompts per level) for most comparisons; for ``prefix``
 # a first turn's length in, few tokens out (its point is the time to first token), two prompts per stream.
 DEFAULT_SIZES = (32, 48, None)  # None: stagemesh bench serve's own per level, 4 x its concurrency (at least 16)
@@ -139,6 +143,14 @@ def run(args: argparse.Namespace) -> int:
             if value < 1:
                 raise UserError(f"{flag} must be at least 1; got {value}")
     model = None if args.shape else resolve_model_path(args.model)
+    # A model directory (or the --shape checkpoint) is what mlx_lm.server reads as it is; the GGUF comparisons
+    # need a .gguf to convert.
+    as_is = bool(args.shape) or (model is not None and Path(model).is_dir())
+    needs_gguf = sorted(set(chosen) & set(GGUF_COMPARISONS)) if as_is else []
+    if needs_gguf:
+        raise UserError(f"--comparisons {','.join(needs_gguf)} compare against the GGUF converted for mlx_lm; "
+                        f"{args.shape or model} is not a .gguf file: pass one, or choose from "
+                        f"{', '.join(c for c in COMPARISONS if c not in GGUF_COMPARISONS)}")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     blas = find_optimized_blas()
@@ -153,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.shape}: {shape_description(args)} checkpoint in {time.monotonic() - started:.0f} s",
                   file=sys.stderr)
             tokenizer_dir = model
+        elif as_is:
+            assert model is not None
+            tokenizer_dir = model
         else:
             assert model is not None
             tokenizer_dir = convert_gguf_to_mlx_dir(model, str(Path(tmp) / "q4"))
@@ -160,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         for name in chosen:
             with contextlib.ExitStack() as stack:
                 endpoints = _start_comparison(name, stack, model, tokenizer_dir, tmp, blas, ports, serve_args,
-                                              shape=bool(args.shape), log_dir=out / "logs")
+                                              shape=as_is, log_dir=out / "logs")
                 if name == "prefix":
                     prefix_runs, prefix_summary = _bench_prefix(args, endpoints, out, tokenizer_dir)
                     runs += prefix_runs
@@ -217,7 +232,7 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
     return bare
 
 
-def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), shape=False,
+def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), as_is=False,
                       log_dir: Path | None = None) -> list[Endpoint]:
     ncpu = os.cpu_count() or 1
     serve_args = list(serve_args)
@@ -225,10 +240,10 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
     _mlx_lm_server = functools.partial(_mlx_lm, log_dir=log_dir)
     if name == "prefix":
         # Cache off first: the baseline every ratio is taken against. mlx_lm.server reads an mlx-lm
-        # directory: the --shape checkpoint itself; else, as for ``matched``, the same dense float32
+        # directory: MODEL's or the --shape checkpoint itself; else, as for ``matched``, the same dense float32
         # weights with the same BLAS as our stages (stock mlx_lm here is many times slower for reasons
         # that have nothing to do with caching, which would make "no worse than mlx_lm" say nothing).
-        if shape:
+        if as_is:
             reference, env = model, {}
         else:
             reference = _dense_f32_dir(q4_dir, tmp)

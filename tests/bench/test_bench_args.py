@@ -120,3 +120,16 @@ def test_bench_gateway_refuses_a_level_below_one(capsys):
 
     assert main(["bench", "gateway", "--concurrency", "0"]) == 2
     assert "stagemesh bench gateway: error: --concurrency takes positive integers" in capsys.readouterr().err
+
+
+def test_bench_compare_refuses_a_gguf_comparison_of_a_model_directory(tmp_path, capsys):
+    """A model directory is served to both sides as it is; ``stock`` converts a GGUF for mlx_lm, so it is refused
+    with the comparisons that do take a directory, before any server starts."""
+    from stagemesh.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["bench", "compare", str(tmp_path), "--comparisons", "mlx-lm,stock",
+                 "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--comparisons stock compare against the GGUF converted for mlx_lm" in err
+    assert f"{tmp_path} is not a .gguf file" in err and "mlx-lm" in err.split("choose from")[1]
