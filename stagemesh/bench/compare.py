@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         for name in chosen:
             with contextlib.ExitStack() as stack:
                 endpoints = _start_comparison(name, stack, model, tokenizer_dir, tmp, blas, ports, serve_args,
-                                              shape=as_is, log_dir=out / "logs")
+                                              as_is=as_is, log_dir=out / "logs")
                 if name == "prefix":
                     prefix_runs, prefix_summary = _bench_prefix(args, endpoints, out, tokenizer_dir)
                     runs += prefix_runs
