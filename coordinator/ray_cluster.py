@@ -51,6 +51,7 @@ NODE_ID_LABEL = "ray.io/node-id"
 _CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # Ray's wait for its GCS's port (default 30 s)
 GCS_PORT_WAIT_S = 120
+NO_PRESTART_ENV = "RAY_prestart_worker_first_driver"  # Ray's idle workers for its first driver (default on)
 LOCAL_START_ATTEMPTS = 2
 
 
@@ -97,6 +98,9 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
     # No telemetry: the only network here is the package registries, and a
     # private mesh has nothing to report.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # A mesh runs actors only (a StageHost per stage, each on a worker of its own), so the idle task workers a
+    # raylet starts for its first driver would only take CPU and memory (about 0.8 CPU s and 40 MB each).
+    os.environ.setdefault(NO_PRESTART_ENV, "0")
     if address:
         # A cluster on loopback (one machine, tests) needs the same guard, or Ray
         # rewrites 127.0.0.1 in the address to the outward interface and fails.

@@ -93,6 +93,7 @@ _COMMON_ENV = (
     ("PYTHONUNBUFFERED", "1"),
     ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1"),
     ("RAY_USAGE_STATS_ENABLED", "0"),
+    ("RAY_prestart_worker_first_driver", "0"),  # the mesh runs actors only: no idle task workers
     ("STAGEMESH_HOST_IP", "{ip}"),
     ("STAGEMESH_RING_BASE_PORT", "{ring_base_port}"),
     ("STAGEMESH_GRPC_BASE_PORT", "{grpc_base_port}"),

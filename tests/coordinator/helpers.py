@@ -10,7 +10,7 @@ from typing import Any
 
 import psutil
 
-from coordinator.ray_cluster import is_startup_timeout, loopback_only
+from coordinator.ray_cluster import NO_PRESTART_ENV, is_startup_timeout, loopback_only
 from coordinator.stage_host import busy_ports
 from stagemesh.core.snapshots import MeshSnapshot
 
@@ -81,6 +81,7 @@ def loopback_cluster(node_envs: Sequence[Mapping[str, str]], attempts: int = 2) 
 
     assert not ray.is_initialized()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(NO_PRESTART_ENV, "0")  # as a mesh's own Ray: actors only, no idle task workers
     node = dict(node_ip_address="127.0.0.1", resources={"mlx": 1}, num_cpus=1)
     head = {**node, "include_dashboard": False}
     for attempt in range(1, attempts + 1):
