@@ -165,12 +165,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.shape}: {shape_description(args)} checkpoint in {time.monotonic() - started:.0f} s",
                   file=sys.stderr)
             tokenizer_dir = model
-        elif as_is:
-            assert model is not None
-            tokenizer_dir = model
         else:
             assert model is not None
-            tokenizer_dir = convert_gguf_to_mlx_dir(model, str(Path(tmp) / "q4"))
+            tokenizer_dir = model if as_is else convert_gguf_to_mlx_dir(model, str(Path(tmp) / "q4"))
         ports = iter(range(args.port_base, args.port_base + 1000, 10))
         for name in chosen:
             with contextlib.ExitStack() as stack:
