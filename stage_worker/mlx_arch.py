@@ -29,6 +29,7 @@ Contract:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 from collections.abc import Mapping
