@@ -15,6 +15,9 @@ def main() -> int:
     argv = sys.argv[1:]
     args = launch_parser("python -m stage_worker", __doc__).parse_args(argv)
     launch = prepare("stage_worker", argv, args.launch)
+    from stage_worker import lean_mlx_lm
+
+    lean_mlx_lm.install()  # before anything imports mlx_lm: a stage needs its models, not its tokenizer stack
     from stage_worker.stage_process import serve  # MLX loads only now, after the BLAS preload
 
     return serve(launch)

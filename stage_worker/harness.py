@@ -83,6 +83,9 @@ def main() -> int:
     parser.add_argument("--stats", help="write weight bytes and peak RSS here on exit")
     args = parser.parse_args(argv)
     launch = prepare("stage_worker.harness", argv, args.launch)
+    from stage_worker import lean_mlx_lm
+
+    lean_mlx_lm.install()  # as a serving stage does (stage_worker.__main__)
     return run(launch, HarnessOptions(args.job, args.job_result, args.record_logits, args.stats))
 
 

@@ -37,9 +37,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
-from mlx_lm.utils import dequantize_model
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from stage_worker.checkpoint_check import mismatched_scales
 from stage_worker.device import current_backend
@@ -192,7 +192,7 @@ class StageModel:
         does not (see ``choose_dense_weights``)."""
         if not self.quantized:
             return
-        dequantize_model(self._module)
+        _dequantize_modules(self._module)
         self._module.set_dtype(self.dtype, lambda d: mx.issubdtype(d, mx.floating))
         mx.eval(self._module.parameters())
         self._measure()
@@ -456,6 +456,33 @@ def _check_tensors(spec: ModelSpec, role: StageRole, expected: dict[str, mx.arra
     if problems:
         raise ModelFormatError(f"{spec.path}: the weights of layers {role.layers} do not match mlx-lm's "
                                f"{spec.model_type} model for its config.json: {problems}")
+
+
+def _dequantize_modules(module: nn.Module) -> None:
+    """Swap every quantized linear, embedding and expert block under ``module`` for its dense twin, in place.
+
+    What ``mlx_lm.utils.dequantize_model`` does (``tests/test_mlx_quantization.py`` holds the two equal); it is
+    not called because importing ``mlx_lm.utils`` imports transformers, which a stage process otherwise never
+    loads (``stage_worker.lean_mlx_lm``)."""
+    dense: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        twin: nn.Module
+        if isinstance(child, nn.QuantizedLinear):
+            twin = nn.Linear(1, 1, bias="bias" in child)
+        elif isinstance(child, nn.QuantizedEmbedding):
+            twin = nn.Embedding(1, 1)
+        elif isinstance(child, QuantizedSwitchLinear):
+            twin = SwitchLinear(1, 1, 1, bias="bias" in child)
+        else:
+            continue
+        # Built at a placeholder size, then given the real weight: nothing of the placeholder is evaluated.
+        twin.weight = mx.dequantize(child.weight, child.scales, getattr(child, "biases", None), child.group_size,
+                                    child.bits, child.mode)
+        if "bias" in child:
+            twin.bias = child.bias
+        dense.append((name, twin))
+    if dense:
+        module.update_modules(tree_unflatten(dense))
 
 
 def _is_quantized(module: nn.Module) -> bool:
