@@ -50,6 +50,23 @@ os.environ.setdefault("STAGEMESH_BLAS_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 _load_the_stages_blas()
 
+
+def _compile_the_project() -> None:
+    """Write the bytecode of the project's packages once, so each process the suite starts reads it.
+
+    pip installs the project editable and compiles none of it, and where ``PYTHONDONTWRITEBYTECODE`` is set no
+    process writes it either: every stage, serve, StageHost actor and CLI call would compile the modules it
+    imports (0.1-0.25 CPU-s each, hundreds of processes). ``compileall`` writes regardless, skips what is
+    current and touches nothing but ``__pycache__``."""
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for package in ("stagemesh", "stage_worker", "coordinator", "gateway"):
+        compileall.compile_dir(root / package, quiet=1)
+
+
+_compile_the_project()
+
 pytest_plugins = ("tests.fast_tier", "tests.worker_groups", "pytester")
 
 # Each call hands out a fresh range so tests (and reruns) never share ports. The range sits
