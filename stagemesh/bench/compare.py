@@ -365,7 +365,8 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
                    startup_s: float = 300, poll_s: float = 1, stop_s: float = 60,
                    log_dir: Path | None = None) -> Iterator[subprocess.Popen]:
     """A benchmark's server in its own process group, logged to a file in ``log_dir`` (kept with the
-    results, so a server's own error explains failed requests; default a temporary file): yielded once
+    results, so a server's own error explains failed requests; default a temporary file, removed after a run
+    that raised nothing and kept, by name in the error, otherwise): yielded once
     ``health_url`` answers 200 (at once when None), stopped afterwards (SIGTERM to it, then after it exits or
     ``stop_s`` passes SIGKILL to its process group, children included). A server that exits or stays down
     ``startup_s`` ends the run, with its log's last lines."""
@@ -373,9 +374,10 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
 
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    log = tempfile.NamedTemporaryFile("w", prefix=f"bench-{label}-", suffix=".log", delete=False,
-                                      dir=log_dir)
+    log = tempfile.NamedTemporaryFile("w", prefix=f"bench-{label.replace(' ', '-')}-", suffix=".log",
+                                      delete=False, dir=log_dir)
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    went_well = False
     try:
         deadline = time.monotonic() + startup_s
         while health_url is not None:
@@ -390,6 +392,7 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
                                  + log_tail(log.name))
             time.sleep(poll_s)
         yield process
+        went_well = True
     finally:
         # SIGTERM to the server alone, as a service manager stops it: the whole group would also kill the local
         # Ray daemons a stagemesh serve started, and its own orderly stop would then wait on them (13 s, not 3).
@@ -402,6 +405,9 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # whatever it left behind
         process.wait()
+        log.close()
+        if log_dir is None and went_well:
+            os.unlink(log.name)  # a temporary log of a run that went well explains nothing
 
 
 def _sizes(args: argparse.Namespace, name: str) -> tuple[int, int, int | None]:

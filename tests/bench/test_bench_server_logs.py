@@ -1,11 +1,13 @@
 """How a benchmark runs its servers (``stagemesh.bench.compare.server_process``): one that exits or never comes up
 ends the run with its own log's last lines, which live in a temporary directory the run removes; one that ran is
-stopped by SIGTERM to it alone, then its process group killed."""
+stopped by SIGTERM to it alone, then its process group killed. Without a log directory the log is a temporary file:
+gone after a run that went well, kept and named where the server failed."""
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 
 import pytest
@@ -67,6 +69,21 @@ def test_a_server_is_stopped_by_sigterm_to_it_and_what_it_leaves_behind_is_kille
     while _alive(pid):
         assert time.monotonic() < deadline, f"the server's child {pid} outlived the run"
         time.sleep(0.05)
+
+
+@pytest.mark.e2e
+def test_a_temporary_log_is_removed_after_a_run_that_went_well_and_kept_where_it_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where NamedTemporaryFile puts it
+    with server_process([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+                        "bench ran", None):
+        pass
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as ended:
+        with server_process([sys.executable, "-c", "print('no model here'); raise SystemExit(2)"], "bench failed",
+                            f"http://127.0.0.1:{free_port_base(1)}/health", poll_s=0.1):
+            pytest.fail("a server that exited was yielded")
+    (kept,) = tmp_path.glob("bench-bench-failed-*.log")
+    assert f"see {kept}," in str(ended.value) and kept.read_text() == "no model here\n"
 
 
 def _alive(pid: int) -> bool:
