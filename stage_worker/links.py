@@ -46,7 +46,8 @@ class LinkError(RuntimeError):
 
 
 class RingWatchdog:
-    """Ends the process when one ring operation outlives its deadline."""
+    """Ends the process when one ring operation outlives its deadline; ``close`` ends its thread (a stage's lives
+    as long as the process, a pipeline's in a test process ends with the pipeline)."""
 
     def __init__(self, timeout_s: float, describe_stage: str) -> None:
         self._timeout_s = timeout_s
@@ -54,6 +55,7 @@ class RingWatchdog:
         self._lock = threading.Lock()
         self._started: float | None = None
         self._what = ""
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="ring-watchdog")
         self._thread.start()
 
@@ -67,9 +69,12 @@ class RingWatchdog:
             with self._lock:
                 self._started = None
 
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(0.5, self._timeout_s / 4))
+        while not self._closed.wait(min(0.5, self._timeout_s / 4)):
             with self._lock:
                 started, what = self._started, self._what
             if started is not None and time.monotonic() - started > self._timeout_s:

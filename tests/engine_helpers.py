@@ -55,7 +55,8 @@ def read_until_finished(handles: list[RequestHandle], timeout_s: float = 120) ->
 
 
 def lane(name_in: str, name_out: str):
-    """A real control lane over loopback, payloads on the lane: (inbound end, outbound end)."""
+    """A real control lane over loopback, payloads on the lane: (inbound end, outbound end, the outbound end's
+    watchdog, which its user closes with the lane)."""
     import socket
     import threading
 
@@ -73,8 +74,8 @@ def lane(name_in: str, name_out: str):
     outbound.handshake({"hello": 1}, 10)
     accepted.join()
     inbound.attach_lane_payloads()
-    outbound.attach_lane_payloads(RingWatchdog(120, name_out))
-    return inbound, outbound
+    outbound.attach_lane_payloads(watchdog := RingWatchdog(120, name_out))
+    return inbound, outbound, watchdog
 
 
 class InProcessPipeline:
@@ -130,9 +131,10 @@ class InProcessPipeline:
         self._runner.join(60)
         for relay in self._relays:
             relay.join(60)  # the engine's shutdown sends SHUTDOWN round the ring
-        for inbound, outbound in self._lanes:
+        for inbound, outbound, watchdog in self._lanes:
             inbound.close()
             outbound.close()
+            watchdog.close()
         assert not self._runner.is_alive() and not any(relay.is_alive() for relay in self._relays)
 
     def __enter__(self) -> InProcessPipeline:

@@ -9,7 +9,7 @@ import pytest
 from stage_worker import wire
 from stage_worker.batch import RecordFlag, SequenceRecord
 from stage_worker.handshake import StageIdentity, check_predecessor
-from stage_worker.links import InboundLink, LinkError, OutboundLink
+from stage_worker.links import InboundLink, LinkError, OutboundLink, RingWatchdog
 from stage_worker.wire import FrameKind
 
 
@@ -195,3 +195,11 @@ def test_an_announced_header_arrives_before_its_payload_which_lands_in_the_given
         outbound.send_announced(mx.zeros((1, 3), dtype=mx.bfloat16))
     inbound.close()
     outbound.close()
+
+
+def test_a_closed_watchdog_ends_its_thread():
+    before = sum(t.name == "ring-watchdog" for t in threading.enumerate())
+    watchdog = RingWatchdog(5, "test")
+    assert sum(t.name == "ring-watchdog" for t in threading.enumerate()) == before + 1
+    watchdog.close()
+    assert sum(t.name == "ring-watchdog" for t in threading.enumerate()) == before

@@ -73,9 +73,10 @@ def _serve(models, micro_batches, stop=frozenset(), build_ahead=True, prompts=PR
         runner.join(60)
         for relay in relays:
             relay.join(60)  # the engine's shutdown sends SHUTDOWN round the ring
-        for inbound, outbound in lanes:
+        for inbound, outbound, watchdog in lanes:
             inbound.close()
             outbound.close()
+            watchdog.close()
         assert not runner.is_alive() and not any(relay.is_alive() for relay in relays)
 
 
