@@ -110,3 +110,35 @@ def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: 
 
 def port_is_free(port: int) -> bool:
     return ports.port_is_free("127.0.0.1", port)
+
+
+# How a serve is stopped: launchd (SIGTERM to the serve); a terminal's Ctrl-C (SIGINT to the process group);
+# systemd's cgroup stop (SIGTERM to the group).
+STOPS = {"sigterm-to-serve": (signal.SIGTERM, False), "ctrl-c-to-group": (signal.SIGINT, True),
+         "sigterm-to-group": (signal.SIGTERM, True)}
+
+
+def assert_stops_clean(serve: ServeProcess, how: str) -> None:
+    """Stop ``serve`` the way ``how`` names (``STOPS``): it exits cleanly and leaves no stage process, no
+    process it started and no bound port behind.
+
+    Each module whose serve is stopped only at its end runs this as its last test, one way of stopping each:
+    a start is Ray, the model and the stage processes, and stopping is what every serve's last moment tests
+    anyway. Its processes are read again first, so a stage that was replaced during the module counts too."""
+    sig, whole_group = STOPS[how]
+    stage_pids = [s["pid"] for r in serve.mesh()["replicas"] for s in r["stages"]]
+    assert len(stage_pids) == serve.pp * serve.dp and all(psutil.pid_exists(p) for p in stage_pids), stage_pids
+    serve.remember_descendants()
+    code = serve.stop(sig, whole_group=whole_group, timeout=90)
+    assert code in (0, 130, -signal.SIGINT), serve.log()[-3000:]
+    deadline = time.monotonic() + 15
+    leftovers: list[int] = []
+    busy: list[int] = []
+    while time.monotonic() < deadline:
+        leftovers = [p for p in [*stage_pids, *(d.pid for d in serve.descendants)]
+                     if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        busy = [port for port in serve.ports() if not port_is_free(port)]
+        if not leftovers and not busy:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"left behind: processes {leftovers}, ports {busy}")

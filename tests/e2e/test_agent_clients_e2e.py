@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.serve_process import start_serve
+from tests.e2e.serve_process import assert_stops_clean, start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -211,3 +211,8 @@ def test_codex_exec_answers_a_one_line_prompt(serve, tmp_path):
                 if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
     assert messages and messages[-1].strip(), events
     assert _served(serve, "/v1/responses") > before
+
+
+def test_ctrl_c_to_the_process_group_stops_the_serve_and_leaves_nothing(serve):
+    """What Ctrl-C in a terminal does. Runs last: it ends the module's serve."""
+    assert_stops_clean(serve, "ctrl-c-to-group")

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.serve_process import start_serve
+from tests.e2e.serve_process import assert_stops_clean, start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -93,3 +93,8 @@ def test_stages_take_only_mesh_certificates(secure):
                                 "stagemesh.v1.Stage/GenerateStream"],
                                capture_output=True, text=True, timeout=30)
     assert "Unauthenticated" in untokened.stderr, untokened.stderr
+
+
+def test_sigterm_to_the_serve_stops_the_secure_mesh_and_leaves_nothing(secure):
+    """What launchd does. Runs last: it ends the module's serve."""
+    assert_stops_clean(secure[0], "sigterm-to-serve")

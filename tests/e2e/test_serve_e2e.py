@@ -5,10 +5,8 @@ real HTTP through the unchanged OpenAI SDK, on the embedded default model.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +16,6 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import MESH_TOKEN
-from tests.e2e.serve_process import port_is_free, start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -132,52 +129,6 @@ def test_unknown_model_is_404_and_malformed_body_is_400(serve_pp1):
     assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=5)
-
-
-def _assert_nothing_left(serve, stage_pids):
-    deadline = time.monotonic() + 15
-    leftovers = []
-    while time.monotonic() < deadline:
-        leftovers = [p for p in [*stage_pids, *(d.pid for d in serve.descendants)]
-                     if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        busy = [port for port in serve.ports() if not port_is_free(port)]
-        if not leftovers and not busy:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"left behind: processes {leftovers}, ports {busy}")
-
-
-# How a serve is stopped: launchd; a terminal's Ctrl-C; systemd's cgroup stop.
-STOPS = {"sigterm-to-serve": (signal.SIGTERM, False), "ctrl-c-to-group": (signal.SIGINT, True),
-         "sigterm-to-group": (signal.SIGTERM, True)}
-
-
-@pytest.fixture(scope="module")
-def serves_to_stop(tmp_path_factory):
-    """A PP=2 serve for each way of stopping one, started side by side: a start is mostly waiting (Ray, the
-    stages loading, health), and each test below ends its serve, so none can be shared."""
-    with ThreadPoolExecutor(len(STOPS)) as pool:
-        futures = {name: pool.submit(start_serve, tmp_path_factory.mktemp(name), pp=2) for name in STOPS}
-    started = {name: future.result() for name, future in futures.items() if future.exception() is None}
-    failures = [error for future in futures.values() if (error := future.exception()) is not None]
-    try:
-        if failures:
-            raise failures[0]
-        yield started
-    finally:
-        for serve in started.values():
-            serve.kill_leftovers()
-
-
-@pytest.mark.parametrize("how", list(STOPS))
-def test_stopping_leaves_no_stage_process_and_no_bound_port(serves_to_stop, how):
-    serve = serves_to_stop[how]
-    sig, whole_group = STOPS[how]
-    stage_pids = [s["pid"] for r in serve.mesh()["replicas"] for s in r["stages"]]
-    assert len(stage_pids) == 2 and all(psutil.pid_exists(p) for p in stage_pids)
-    code = serve.stop(sig, whole_group=whole_group, timeout=90)
-    assert code in (0, 130, -signal.SIGINT), serve.log()[-3000:]
-    _assert_nothing_left(serve, stage_pids)
 
 
 def test_chat_command_streams_an_answer_and_keeps_history(serve_pp1):

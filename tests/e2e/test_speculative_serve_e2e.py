@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from stagemesh.status import format_mesh
-from tests.e2e.serve_process import start_serve
+from tests.e2e.serve_process import assert_stops_clean, start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -132,7 +132,7 @@ def test_a_draft_model_that_is_not_there_is_refused_at_start_naming_it(tmp_path)
 def test_a_last_stage_killed_while_requests_verify_ends_every_request_and_the_replica_heals(serve_pp1, speculating):
     """Stage 1 (the last, which verifies) is killed with SIGKILL while four speculating streams are under way:
     each stream finishes or fails with an error the SDK raises, none hangs, and the replica is rebuilt and
-    answers as before. Runs last: it kills the module's speculating serve's stage."""
+    answers as before. Runs after the tests that need the serve whole: it kills one of its stages."""
     client = openai.OpenAI(base_url=f"{speculating.url}/v1", api_key="none", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": f"Repeat this code exactly, four times:\n{CODE * 2}"}]
     outcomes: dict[int, str] = {}
@@ -175,3 +175,9 @@ def test_a_last_stage_killed_while_requests_verify_ends_every_request_and_the_re
     else:
         raise AssertionError(f"the replica did not heal: {speculating.mesh()}")
     assert _greedy(speculating.url, PROMPTS[0]) == _greedy(serve_pp1.url, PROMPTS[0])
+
+
+def test_sigterm_to_the_process_group_stops_the_healed_serve_and_leaves_nothing(speculating):
+    """What systemd's stop does (SIGTERM to the whole group), after the test above replaced a stage. Runs last: it
+    ends the module's serve."""
+    assert_stops_clean(speculating, "sigterm-to-group")
