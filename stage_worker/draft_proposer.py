@@ -115,6 +115,19 @@ class DraftWeights:
     memory_budget: int = 0
     dtype: mx.Dtype = mx.float32
 
+    @classmethod
+    def on_this_machine(cls, memory_budget: int) -> DraftWeights:
+        """What an entry stage with ``--dequantize auto`` on this machine and this BLAS decides by: for a draft
+        loaded outside a stage (the bench, the tests). On the CPU with an optimized BLAS a quantized draft runs
+        dense, as the stage's own weights; left quantized the default model's draft step takes three times as
+        long as its dense one."""
+        from stage_worker.blas import loaded_blas
+        from stage_worker.device import current_backend
+        from stage_worker.stage_model import resolve_compute_dtype
+
+        backend = current_backend()
+        return cls("auto", backend, loaded_blas(), memory_budget, resolve_compute_dtype("auto", backend))
+
 
 def load_draft_proposer(path: str, weights: DraftWeights = DraftWeights()) -> DraftProposer:
     """The draft model at ``path`` (checked by ``check_draft_model``), loaded as ``mlx_lm.load`` loads it, its

@@ -267,14 +267,14 @@ def _check_draft_identity(path: str, draft_path: str, depths, max_tokens: int, *
     (requests taking the argmax of the target's logits as they are only: a sampled row may draw another token
     than the draft's argmax, a penalized one prefer another), with another model
     most are rejected (the target's and the draft's KV both roll back)."""
-    from stage_worker.draft_proposer import load_draft_proposer
+    from stage_worker.draft_proposer import DraftWeights, load_draft_proposer
 
     with InProcessPipeline(_stages(path, 1), prefix_cache=PrefixCache(8, b"test")) as plain:
         expected = _workload(plain, repeating, max_tokens, small, all_options=not own_weights)
     config = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model=draft_path,
                                disable_by_batch_size=8)
     for depth in depths:
-        proposer = load_draft_proposer(draft_path)
+        proposer = load_draft_proposer(draft_path, DraftWeights.on_this_machine(1 << 40))  # as a stage loads it
         with InProcessPipeline(_stages(path, depth), speculative=config, prefix_cache=PrefixCache(8, b"test"),
                                proposer=proposer) as speculating:
             got = _workload(speculating, repeating, max_tokens, small, all_options=not own_weights)

@@ -225,14 +225,9 @@ def _as_served() -> Any:
     """What a stage on this machine decides its weights by (``load_stage_as_served``), for the draft."""
     import psutil
 
-    from stage_worker.blas import loaded_blas
-    from stage_worker.device import current_backend
     from stage_worker.draft_proposer import DraftWeights
-    from stage_worker.stage_model import resolve_compute_dtype
 
-    backend = current_backend()
-    return DraftWeights("auto", backend, loaded_blas(), int(psutil.virtual_memory().total * 0.8),
-                        resolve_compute_dtype("auto", backend))
+    return DraftWeights.on_this_machine(int(psutil.virtual_memory().total * 0.8))
 
 
 def _draft_dir(args: argparse.Namespace, spec: Any, tmp: Path) -> str | None:
