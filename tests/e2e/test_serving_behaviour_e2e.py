@@ -73,7 +73,7 @@ def test_a_full_stage_refuses_at_once_with_resource_exhausted(pipeline):
 
     def run():
         try:
-            _generate(stub, PROMPTS[0], max_tokens=24)
+            _generate(stub, PROMPTS[0], max_tokens=12)
             results.append("ok")
         except grpc.RpcError as exc:
             results.append(exc.code().name + ":" + exc.details())
@@ -204,7 +204,7 @@ def test_cancelling_a_prompt_or_the_whole_call_frees_its_sequences(pipeline):
 def test_a_full_stage_refuses_prompts_of_a_stream_with_resource_exhausted(pipeline):
     stub, _ = pipeline
     requests = _Requests()
-    ids = [requests.start(PROMPTS[i % 8], max_tokens=24) for i in range(14)]  # 8 running + 2 waiting fit
+    ids = [requests.start(PROMPTS[i % 8], max_tokens=12) for i in range(14)]  # 8 running + 2 waiting fit
     outcome: dict[str, str] = {}
     for message in _stream(stub, requests):
         for update in message.updates:
