@@ -20,8 +20,11 @@ import pytest
 
 from stagemesh.status import format_mesh
 from tests.e2e.serve_process import assert_stops_clean, start_serve
+from tests.worker_groups import SHARED_SERVES_GROUP
 
-pytestmark = pytest.mark.e2e
+# Every test here but two uses the package's shared PP=1 serve, so the module runs in that serve's group (one
+# worker): the last test stops the speculating serve the others healed, so it must run on the same one.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group(SHARED_SERVES_GROUP)]
 
 MODEL = "SmolLM2-135M-Instruct"
 CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -41,7 +44,7 @@ def speculating(tmp_path_factory):
 
 def _greedy(url: str, messages) -> str:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     return reply.choices[0].message.content or ""
 
 
@@ -49,7 +52,7 @@ def test_greedy_text_is_the_same_with_speculation_at_pp2(serve_pp1, speculating)
     expected = [_greedy(serve_pp1.url, messages) for messages in PROMPTS]
     assert [_greedy(speculating.url, messages) for messages in PROMPTS] == expected
     streamed = openai.OpenAI(base_url=f"{speculating.url}/v1", api_key="none", max_retries=0).chat.completions.create(
-        model=MODEL, messages=PROMPTS[0], max_tokens=40, temperature=0, stream=True)
+        model=MODEL, messages=PROMPTS[0], max_tokens=24, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected[0]
     metrics = httpx.get(f"{speculating.url}/metrics").text
     drafted = [line for line in metrics.splitlines()
