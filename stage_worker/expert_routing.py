@@ -6,7 +6,8 @@ Contract:
   computes each (row, expert) pair its router picked with gathered matmuls (``mx.gather_mm``).
   ``all_experts_glu(block, x, indices)`` computes the same block as every expert on every row and then takes
   the picked pairs: the gate and up projections of all experts as one ``[rows, experts * hidden]`` matmul each,
-  the down projection as one matmul batched over the experts. It returns what ``SwitchGLU.__call__`` returns,
+  the down projection as one matmul batched over the experts (gate and up as one matmul where
+  ``sibling_projections`` joined them). It returns what ``SwitchGLU.__call__`` returns,
   in its shape (``[..., k, dims]``); each output element is the same dot product, which a GEMM library may
   block differently, so values can differ from the gathered form in the last bits.
 * ``ExpertsPolicy(all_experts_max_rows)``: a block call runs every expert when it holds at most that many
@@ -35,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
+from stage_worker.sibling_projections import joined_experts
 from stagemesh.core import settings
 
 # mlx-lm's SwitchGLU sorts a call's (row, expert) pairs by expert from this many on (``do_sort``).
@@ -104,7 +106,9 @@ def install(module: nn.Module, policy: ExpertsPolicy) -> int:
 
 
 def _dense(block: SwitchGLU) -> bool:
-    return all(type(p) is SwitchLinear for p in (block.gate_proj, block.up_proj, block.down_proj))
+    joined = joined_experts(block)
+    gate_up = (joined,) if joined is not None else (block.gate_proj, block.up_proj)
+    return all(type(p) is SwitchLinear for p in (*gate_up, block.down_proj))
 
 
 def all_experts_glu(block: SwitchGLU, x: mx.array, indices: mx.array) -> mx.array:
@@ -112,8 +116,14 @@ def all_experts_glu(block: SwitchGLU, x: mx.array, indices: mx.array) -> mx.arra
     *lead, dims = x.shape
     k = indices.shape[-1]
     rows = x.reshape(-1, dims)
-    up = _every_expert(block.up_proj, rows)
-    gate = _every_expert(block.gate_proj, rows)
+    joined = joined_experts(block)
+    if joined is not None:  # gate and up joined (``sibling_projections``): one matmul for both
+        gate_up = _every_expert(joined, rows)
+        half = gate_up.shape[-1] // 2
+        gate, up = gate_up[..., :half], gate_up[..., half:]
+    else:
+        up = _every_expert(block.up_proj, rows)
+        gate = _every_expert(block.gate_proj, rows)
     hidden = block.activation(up, gate).swapaxes(0, 1)  # [experts, rows, hidden]
     down = block.down_proj
     out = hidden @ down["weight"].swapaxes(-1, -2)  # [experts, rows, dims]: one matmul batched over the experts
@@ -123,7 +133,7 @@ def all_experts_glu(block: SwitchGLU, x: mx.array, indices: mx.array) -> mx.arra
     return picked.reshape(*lead, k, dims)
 
 
-def _every_expert(linear: SwitchLinear, rows: mx.array) -> mx.array:
+def _every_expert(linear: nn.Module, rows: mx.array) -> mx.array:
     """``[rows, in]`` through every expert of ``linear``: ``[rows, experts, out]``, as one matmul."""
     weight = linear["weight"]  # [experts, out, in]: the experts' rows one after another, a plain linear layer's
     experts, out, dims = weight.shape

@@ -22,7 +22,8 @@ stage), ``run_packed`` (every stage: many sequences' rows at once), ``logits``
   caches the model's ``make_cache`` asks for, and its two ends computed by
   mlx-lm's own code (the inner model's ``__call__`` up to its first layer for the
   embedding, scaling included; the outer model's ``__call__`` after its norm for
-  the head, tied or not).
+  the head, tied or not). A GPU stage joins its layers' sibling projections where
+  mlx-lm's code still calls them as parts (``sibling_projections``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from stage_worker.layer_stack import stack_layers
 from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
 from stage_worker.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
 from stage_worker.packed_forward import DecodeRows, Segment, packed_layers
+from stage_worker.sibling_projections import join_sibling_projections
 from stage_worker.stage_weights import load_stage_weights
 from stagemesh.core.layer_split import LayerRange
 from stagemesh.core.memory import AUTO_DTYPES
@@ -341,8 +343,11 @@ class StackStageModel(StageModel):
         self._bind_ends()
 
     def fuse_projections(self) -> FusedLayer:
-        """Nothing to join: mlx-lm's own layers run as they are (``packed_forward`` is the joined path)."""
-        return FusedLayer(qkv=False, gate_up=False)
+        """Join each layer's sibling projections (q/k/v, gate/up, experts' gate/up) where mlx-lm's own code
+        still calls them as before (``sibling_projections``); what was joined in every layer."""
+        joined = [join_sibling_projections(layer) for layer in self.layers]
+        self._measure()
+        return FusedLayer(qkv=all(j.qkv for j in joined), gate_up=all(j.gate_up for j in joined))
 
     @property
     def layers(self) -> list[nn.Module]:
