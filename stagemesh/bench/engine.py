@@ -11,9 +11,10 @@ bookkeeping). The engine runs on this process's main thread because MLX's
 CUDA streams belong to the thread that made them, as in a stage.
 
 ``--compare-projections N`` measures what joining each layer's projections
-is worth (``stage_worker.fused_projections``): N fresh loads, each running the
-same set with mlx-lm's separate projections, then again after joining them in
-place, with the joined / separate ratio of each run. On a GPU this one
+is worth (``stage_worker.fused_projections``, ``sibling_projections``): two
+copies of the model, one with mlx-lm's separate projections and one joined
+(twice the weights' memory), run the same set in turns for N rounds, with the
+joined / separate ratio of each round and their median. On a GPU this one
 process is steadier than two servers sharing the device (docs/performance.md).
 
 It is a tool for GPU backends: the weights run as loaded (a quantized
@@ -28,6 +29,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import tempfile
 import threading
@@ -57,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_seed(parser)
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries of both runs")
     parser.add_argument("--compare-projections", type=int, default=0, metavar="N",
-                        help="instead: N fresh loads, each run with mlx-lm's separate projections, then again "
-                             "after joining them in place (fused_projections), with the joined/separate ratios")
+                        help="instead: N rounds in turns on two copies of the model (twice its memory), one with "
+                             "mlx-lm's separate projections and one joined, with each round's joined/separate "
+                             "ratios and their median")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                         "--mixed not negative")
     check_shape_flags(args)
     if args.compare_projections < 0 or (args.compare_projections and args.profile):
-        raise UserError("--compare-projections takes a positive count of loads, without --profile")
+        raise UserError("--compare-projections takes a positive count of rounds, without --profile")
     started_at = now()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-engine-") as tmp:
         if args.shape:
@@ -108,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
             return StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
 
         def measure(model: StageModel) -> dict[str, dict]:
-            warm_up(model, warmup)
-            if args.compare_projections:
+            if not args.compare_projections:
+                warm_up(model, warmup)
+            else:
                 # Both arms start alike: an empty allocator cache, then one unmeasured run of the streams'
                 # shapes; otherwise the arm measured second finds buffers and kernels the first one made.
                 mx.clear_cache()
@@ -123,16 +127,26 @@ def run(args: argparse.Namespace) -> int:
             return runs
 
         comparison: list[dict[str, Any]] = []
-        for _ in range(args.compare_projections):
-            # Each load runs separate then joined, so host drift between loads hits both alike.
-            model = load()
-            separate = measure(model)
-            fused_layers = model.fuse_projections()
-            joined = measure(model)
-            comparison.append({"separate": separate, "joined": joined,
-                               "joined_in_every_layer": {"qkv": fused_layers.qkv, "gate_up": fused_layers.gate_up},
-                               "joined_over_separate": joined_over_separate(separate, joined)})
-            del model
+        if args.compare_projections:
+            # Two copies side by side, measured in turns (the order swapped each round): a GPU host's speed
+            # drifts by tens of percent within minutes, and turns make the drift hit both arms alike.
+            arms: dict[str, StageModel] = {}
+            for arm in ("separate", "joined"):
+                model = load()
+                model.route_experts(policy_for(settings.ALL_EXPERTS_ROWS, backend))  # as a stage does
+                model.fused_decode = decode_kernel_wanted(settings.DECODE_KERNEL, backend)
+                if arm == "joined":
+                    fused_layers = model.fuse_projections()
+                warm_up(model, warmup)
+                arms[arm] = model
+            for round_number in range(args.compare_projections):
+                order = ("separate", "joined") if round_number % 2 == 0 else ("joined", "separate")
+                measured = {arm: measure(arms[arm]) for arm in order}
+                comparison.append({"separate": measured["separate"], "joined": measured["joined"],
+                                   "joined_in_every_layer": {"qkv": fused_layers.qkv, "gate_up": fused_layers.gate_up},
+                                   "joined_over_separate": joined_over_separate(measured["separate"],
+                                                                                measured["joined"])})
+            del arms, model
         runs: dict[str, dict] = {}
         if not comparison:
             model = load()
@@ -151,8 +165,11 @@ def run(args: argparse.Namespace) -> int:
     if comparison:
         results = {"projections": [{k: v for k, v in pair.items() if k != "joined_over_separate"}
                                    for pair in comparison]}
-        ratios = [{"load": i, "compares": "joined / separate projections", **pair["joined_over_separate"]}
+        ratios = [{"round": i, "compares": "joined / separate projections", **pair["joined_over_separate"]}
                   for i, pair in enumerate(comparison, 1)]
+        ratios.append({"round": "median", "compares": "joined / separate projections",
+                       **{key: round(statistics.median(r[key] for r in ratios), 3) for key in ratios[0]
+                          if key not in ("round", "compares")}})
     else:
         results = {"quantized": model.quantized, "fused_projections": fused,
                    **{name: {k: v for k, v in run.items() if k != "profile"} for name, run in runs.items()}}
@@ -190,10 +207,10 @@ def format_engine(report: dict[str, Any]) -> str:
     if "projections" in results:
         for i, pair in enumerate(results["projections"], 1):
             for arm in ("separate", "joined"):
-                lines += [f"load {i}, {arm} projections:", *(f"  {line}" for line in figures(pair[arm]))]
+                lines += [f"round {i}, {arm} projections:", *(f"  {line}" for line in figures(pair[arm]))]
         for ratio in report["ratios"]:
-            values = ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items() if k not in ("load", "compares"))
-            lines.append(f"load {ratio['load']}, {ratio['compares']}: {values}")
+            values = ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items() if k not in ("round", "compares"))
+            lines.append(f"round {ratio['round']}, {ratio['compares']}: {values}")
     else:
         lines.append(f"quantized {results['quantized']}, fused projections {results['fused_projections']}")
         lines += figures(results)

@@ -100,23 +100,28 @@ def test_bench_engine_drives_the_entry_stage_alone(tmp_path, tiny_llama):
 
 
 @pytest.mark.e2e
-def test_bench_engine_compares_separate_and_joined_projections_on_each_load(tmp_path, tiny_llama):
+def test_bench_engine_compares_separate_and_joined_projections_in_turns(tmp_path, tiny_llama):
     out = tmp_path / "engine.json"
     done = subprocess.run([sys.executable, "-m", "stagemesh.cli", "bench", "engine", tiny_llama, "--output-len", "4",
                            "--streams", "2", "--input-len", "4", "--mixed", "2", "--mixed-max-prompt", "6",
-                           "--compare-projections", "1", "--output", str(out)],
+                           "--compare-projections", "2", "--output", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
-    [pair] = report["results"]["projections"]
-    assert pair["joined_in_every_layer"] == {"qkv": True, "gate_up": True}
-    for arm in ("separate", "joined"):
-        assert pair[arm]["streams"]["tokens"] == 8 and pair[arm]["mixed"]["failed"] == 0
-    [ratios] = report["ratios"]
-    assert (ratios.pop("load"), ratios.pop("compares")) == (1, "joined / separate projections")
-    assert set(ratios) == {"single_stream", "streams", "mixed"} and all(r > 0 for r in ratios.values())
-    expected = pair["joined"]["streams"]["tokens_per_s"] / pair["separate"]["streams"]["tokens_per_s"]
-    assert ratios["streams"] == round(expected, 3)
+    rounds = report["results"]["projections"]
+    assert len(rounds) == 2
+    for pair in rounds:
+        assert pair["joined_in_every_layer"] == {"qkv": True, "gate_up": True}
+        for arm in ("separate", "joined"):
+            assert pair[arm]["streams"]["tokens"] == 8 and pair[arm]["mixed"]["failed"] == 0
+    *each, median = report["ratios"]
+    assert [r.pop("round") for r in each] == [1, 2] and median.pop("round") == "median"
+    assert {r.pop("compares") for r in (*each, median)} == {"joined / separate projections"}
+    for key in ("single_stream", "streams", "mixed"):
+        assert all(r[key] > 0 for r in each) and median[key] == round((each[0][key] + each[1][key]) / 2, 3)
+    expected = rounds[0]["joined"]["streams"]["tokens_per_s"] / rounds[0]["separate"]["streams"]["tokens_per_s"]
+    assert each[0]["streams"] == round(expected, 3)
+    assert "round median, joined / separate projections" in done.stdout
 
 
 def test_bench_engine_refuses_compare_projections_with_profile(capsys, monkeypatch):
