@@ -14,8 +14,8 @@ Contract:
   other parts of the group called on the same input arrays (the same objects) take theirs from the same
   product. Expert parts always do; parts of plain linear layers do so for a single row (one sequence
   decoding a token), and on more rows multiply by their own rows of the joined weights (views, no copies),
-  exactly as the separate layer did: there a strided column slice would make the model's reshapes to heads
-  and its norms copy what the joined matmul saved.
+  exactly as the separate layer did: there a column slice is strided across rows, and the model's reshapes
+  to heads and its norms could copy it back (unmeasured; ``packed_forward`` avoids it by splitting by heads).
 * A group that is not of one kind and format (a bias on some parts only, other bits or group sizes, a
   per-expert global scale, another layer type such as LoRA) stays as it is.
 * ``SwitchGLU`` blocks that ``expert_routing`` runs as every expert read the joined experts directly
@@ -67,7 +67,7 @@ class _SharedProduct:
     """A group's joined layer, its last product and the parts' own views of its weights.
 
     A plain object, not a module: the joined layer is counted once, as its parent's child, and the views
-    share its memory."""
+    share its memory. Not locked: a model's forward is built on one thread (a stage's engine thread)."""
 
     def __init__(self, joined: nn.Module, bounds: Sequence[tuple[int, int]]) -> None:
         self.joined = joined
