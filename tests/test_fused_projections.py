@@ -5,57 +5,20 @@ group, a lone decode)."""
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 
-from stage_worker.batch import RecordFlag, SequenceRecord
 from stage_worker.default_model import default_model_path
 from stage_worker.fused_projections import FusedLayer, fusion_wanted
 from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole
-from stage_worker.stage_runtime import StageCompute
 from stagemesh.core.layer_split import LayerRange
 from tests.conftest import tiny_config
-
-NEW = RecordFlag.NEW_SEQUENCE
-
-# Each batch as (sequence, first position, tokens, flags): fresh prompts of similar length attend together,
-# a long one alone; then a decode group beside a continued prompt and two new prompts; then all decode; then
-# one sequence alone (a lone decode takes mlx-lm's single-sequence path).
-STEPS = [
-    [(0, 0, 6, NEW), (1, 0, 6, NEW), (2, 0, 4, NEW), (3, 0, 5, NEW), (6, 0, 30, NEW)],
-    [(0, 6, 1, 0), (1, 6, 1, 0), (2, 4, 1, 0), (3, 5, 3, 0), (4, 0, 2, NEW), (5, 0, 2, NEW), (6, 30, 1, 0)],
-    [(0, 7, 1, 0), (1, 7, 1, 0), (2, 5, 1, 0), (3, 8, 1, 0), (4, 2, 1, 0), (5, 2, 1, 0), (6, 31, 1, 0)],
-    [(6, 32, 1, 0)],
-]
-
-
-def _outputs(model: StageModel, vocab: int) -> list[np.ndarray]:
-    compute = StageCompute(model, 16)
-    outputs = []
-    for batch in STEPS:
-        records = [SequenceRecord(s, start, n, flags) for s, start, n, flags in batch]
-        ids = [(s * 97 + 13 * p) % (vocab - 1) + 1 for s, start, n, _ in batch for p in range(start, start + n)]
-        outputs.append(np.array(compute.forward(records, model.embed(mx.array(ids, dtype=mx.int32)))))
-    return outputs
+from tests.joined_outputs import assert_same_outputs, stage_outputs
 
 
 def _load(path: str, layers: int, dtype: mx.Dtype, load_format: str = "auto") -> StageModel:
     spec = read_model_spec(path, load_format)
     return StageModel.load(spec, StageRole(LayerRange(0, layers), True, False), dtype)
-
-
-def _assert_same(fused: list[np.ndarray], separate: list[np.ndarray]) -> None:
-    from stage_worker.blas import loaded_blas
-
-    exact = loaded_blas() == "reference"
-    for step, (a, b) in enumerate(zip(fused, separate)):
-        # The same dot products: with MLX's reference BLAS identical, not merely close; an optimized BLAS (the
-        # one tests/conftest.py loads, as a stage does) blocks a wider matrix differently, so the last bits move.
-        if exact:
-            np.testing.assert_array_equal(a, b, err_msg=f"batch {step}: {STEPS[step]}")
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"batch {step}: {STEPS[step]}")
 
 
 @pytest.mark.e2e
@@ -74,7 +37,7 @@ def test_the_real_model_computes_the_same_with_joined_projections(dense):
     assert "gate_up_proj" in mlp and "gate_proj" not in mlp and "up_proj" not in mlp
     assert isinstance(attn.qkv_proj, nn.QuantizedLinear) is not dense
     assert attn.qkv_proj.weight.shape[0] == 576 + 2 * 192  # SmolLM2-135M: 9 heads, 3 KV heads, all of 64
-    _assert_same(_outputs(fused, fused.spec.vocab_size), _outputs(separate, separate.spec.vocab_size))
+    assert_same_outputs(stage_outputs(fused), stage_outputs(separate))
 
 
 QWEN3 = {"head_dim": 16, "rope_theta": 10000.0, "tie_word_embeddings": True}
@@ -95,7 +58,7 @@ def test_biases_and_per_head_norms_survive_joining(tmp_path, model_type, extra):
     assert fused.fuse_projections() == FusedLayer(qkv=True, gate_up=True)
     if model_type == "qwen2":
         assert "bias" in fused.layers[0].self_attn.qkv_proj
-    _assert_same(_outputs(fused, 512), _outputs(separate, 512))
+    assert_same_outputs(stage_outputs(fused), stage_outputs(separate))
 
 
 def test_quantized_layers_join_quantized(tmp_path):
@@ -105,7 +68,7 @@ def test_quantized_layers_join_quantized(tmp_path):
     assert fused.fuse_projections() == FusedLayer(qkv=True, gate_up=True)
     joined = fused.layers[0].self_attn.qkv_proj
     assert isinstance(joined, nn.QuantizedLinear) and (joined.bits, joined.group_size) == (4, 32)
-    _assert_same(_outputs(fused, 512), _outputs(separate, 512))
+    assert_same_outputs(stage_outputs(fused), stage_outputs(separate))
 
 
 def test_projections_of_different_kinds_stay_apart(tmp_path):
@@ -119,7 +82,7 @@ def test_projections_of_different_kinds_stay_apart(tmp_path):
     first, second = fused.layers[0].self_attn, fused.layers[1].self_attn
     assert {"q_proj", "k_proj", "v_proj"} <= set(first) and "qkv_proj" not in first
     assert "qkv_proj" in second  # the other layer's projections are alike, so they join
-    _assert_same(_outputs(fused, 512), _outputs(separate, 512))
+    assert_same_outputs(stage_outputs(fused), stage_outputs(separate))
 
 
 def test_auto_joins_on_gpus_only():

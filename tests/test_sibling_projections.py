@@ -10,31 +10,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from stage_worker.batch import RecordFlag, SequenceRecord
-from stage_worker.blas import loaded_blas
 from stage_worker.expert_routing import ExpertsPolicy, RoutedSwitchGLU
 from stage_worker.mlx_arch import PACKED_ARCHITECTURES
 from stage_worker.model_reader import read_model_spec
 from stage_worker.sibling_projections import ProjectionPart, join_sibling_projections, joined_layer
 from stage_worker.stage_model import StageModel, StageRole
-from stage_worker.stage_runtime import StageCompute
 from stagemesh.core.layer_split import LayerRange
 from tests.architectures import TINY_CONFIGS, tiny_checkpoint
-
-NEW = RecordFlag.NEW_SEQUENCE
-
-# Each batch as (sequence, first position, tokens, flags), as tests/test_fused_projections.py runs them.
-STEPS = [
-    [(0, 0, 6, NEW), (1, 0, 6, NEW), (2, 0, 4, NEW), (3, 0, 5, NEW), (6, 0, 30, NEW)],
-    [(0, 6, 1, 0), (1, 6, 1, 0), (2, 4, 1, 0), (3, 5, 3, 0), (4, 0, 2, NEW), (5, 0, 2, NEW), (6, 30, 1, 0)],
-    [(0, 7, 1, 0), (1, 7, 1, 0), (2, 5, 1, 0), (3, 8, 1, 0), (4, 2, 1, 0), (5, 2, 1, 0), (6, 31, 1, 0)],
-    [(6, 32, 1, 0)],
-    [(6, 33, 1, 0)],
-]
+from tests.joined_outputs import assert_same_outputs, stage_outputs
 
 STACK_ARCHITECTURES = sorted(set(TINY_CONFIGS) - set(PACKED_ARCHITECTURES))
 
@@ -54,27 +40,6 @@ JOINED_IN_LAST_LAYER = {
     "qwen3_moe": {"mlp.switch_mlp.gate_up_proj", "self_attn.qkv_proj"},
     "qwen3_next": {"mlp.shared_expert.gate_up_proj", "mlp.switch_mlp.gate_up_proj", "self_attn.qkv_proj"},
 }
-
-
-def _outputs(model: StageModel, vocab: int) -> list[np.ndarray]:
-    compute = StageCompute(model, 16)
-    outputs = []
-    for batch in STEPS:
-        records = [SequenceRecord(s, start, n, flags) for s, start, n, flags in batch]
-        ids = [(s * 97 + 13 * p) % (vocab - 1) + 1 for s, start, n, _ in batch for p in range(start, start + n)]
-        outputs.append(np.array(compute.forward(records, model.embed(mx.array(ids, dtype=mx.int32)))))
-    return outputs
-
-
-def _assert_same(joined: list[np.ndarray], separate: list[np.ndarray]) -> None:
-    exact = loaded_blas() == "reference"
-    for step, (a, b) in enumerate(zip(joined, separate)):
-        # The same dot products: identical with MLX's reference BLAS; an optimized BLAS (the one
-        # tests/conftest.py loads, as a stage does) may block a wider matrix differently (last bits).
-        if exact:
-            np.testing.assert_array_equal(a, b, err_msg=f"batch {step}: {STEPS[step]}")
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"batch {step}: {STEPS[step]}")
 
 
 def _whole(path: str) -> StageModel:
@@ -97,8 +62,7 @@ def test_every_stack_architecture_computes_the_same_with_joined_siblings(name, t
     joined.fuse_projections()
     assert joined.weight_bytes == held  # the same bytes, joined
     assert _joined_in(joined.layers[-1]) == JOINED_IN_LAST_LAYER[name]
-    vocab = separate.spec.vocab_size
-    _assert_same(_outputs(joined, vocab), _outputs(separate, vocab))
+    assert_same_outputs(stage_outputs(joined), stage_outputs(separate))
 
 
 @pytest.mark.parametrize("quantization", ["affine4", "mxfp4"])
@@ -112,8 +76,7 @@ def test_quantized_experts_and_projections_join_and_compute_the_same(name, quant
     assert joined.weight_bytes == held
     experts = joined.layers[-1].mlp.experts if name == "gpt_oss" else joined.layers[-1].mlp.switch_mlp
     assert isinstance(experts.gate_up_proj, QuantizedSwitchLinear)  # still quantized, in the parts' format
-    vocab = separate.spec.vocab_size
-    _assert_same(_outputs(joined, vocab), _outputs(separate, vocab))
+    assert_same_outputs(stage_outputs(joined), stage_outputs(separate))
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
@@ -125,8 +88,7 @@ def test_every_expert_routing_reads_the_joined_experts(name, tmp_path_factory):
     assert separate.route_experts(policy) == joined.route_experts(policy) > 0
     block = joined.layers[-1].mlp.experts if name == "gpt_oss" else joined.layers[-1].mlp.switch_mlp
     assert isinstance(block, RoutedSwitchGLU) and "gate_up_proj" in block
-    vocab = separate.spec.vocab_size
-    _assert_same(_outputs(joined, vocab), _outputs(separate, vocab))
+    assert_same_outputs(stage_outputs(joined), stage_outputs(separate))
 
 
 def test_a_mixed_quantization_leaves_apart_the_groups_whose_formats_differ(tmp_path_factory):
@@ -138,8 +100,7 @@ def test_a_mixed_quantization_leaves_apart_the_groups_whose_formats_differ(tmp_p
     formats = [{layer.self_attn[p].bits for p in ("q_proj", "k_proj", "v_proj")} if "qkv_proj" not in layer.self_attn
                else None for layer in joined.layers]
     assert any(f is not None and len(f) > 1 for f in formats)  # some layers kept apart, by their bits
-    vocab = separate.spec.vocab_size
-    _assert_same(_outputs(joined, vocab), _outputs(separate, vocab))
+    assert_same_outputs(stage_outputs(joined), stage_outputs(separate))
 
 
 def test_parts_of_different_kinds_or_biases_are_not_joined():
