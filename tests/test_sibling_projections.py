@@ -14,15 +14,13 @@ import pytest
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from stage_worker.expert_routing import ExpertsPolicy, RoutedSwitchGLU
-from stage_worker.mlx_arch import PACKED_ARCHITECTURES
+from stage_worker.mlx_arch import STACK_ARCHITECTURES
 from stage_worker.model_reader import read_model_spec
 from stage_worker.sibling_projections import ProjectionPart, join_sibling_projections, joined_layer
 from stage_worker.stage_model import StageModel, StageRole
 from stagemesh.core.layer_split import LayerRange
-from tests.architectures import TINY_CONFIGS, tiny_checkpoint
+from tests.architectures import tiny_checkpoint
 from tests.joined_outputs import assert_same_outputs, stage_outputs
-
-STACK_ARCHITECTURES = sorted(set(TINY_CONFIGS) - set(PACKED_ARCHITECTURES))
 
 # The joined children in the last layer of each tiny model (what its mlx-lm module calls by the parts' names).
 # MLA's attention has no q/k/v triple; phi3 and Qwen3-Next's linear attention arrive joined; llama4_text's
