@@ -32,13 +32,13 @@ to PP=1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from stage_worker.sibling_projections import joined_layer
 from stagemesh.core import settings
 
 
@@ -64,12 +64,12 @@ class FusedLayer:
 def fuse_layer_projections(layer: nn.Module) -> FusedLayer:
     """Join ``layer``'s q/k/v and gate/up projections in place (see the module's contract)."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = _joined([attn.q_proj, attn.k_proj, attn.v_proj])
+    qkv = joined_layer([attn.q_proj, attn.k_proj, attn.v_proj])
     if qkv is not None:
         attn.qkv_proj = qkv
         for name in ("q_proj", "k_proj", "v_proj"):
             delattr(attn, name)
-    gate_up = _joined([mlp.gate_proj, mlp.up_proj])
+    gate_up = joined_layer([mlp.gate_proj, mlp.up_proj])
     if gate_up is not None:
         mlp.gate_up_proj = gate_up
         delattr(mlp, "gate_proj")
@@ -98,34 +98,3 @@ def feed_forward(mlp: nn.Module, x: mx.array) -> mx.array:
         half = joined.shape[-1] // 2
         return mlp.down_proj(swiglu(joined[..., :half], joined[..., half:]))
     return mlp(x)
-
-
-def _joined(parts: Sequence[nn.Module]) -> nn.Module | None:
-    """One linear layer computing ``parts`` one after the other along the output, or None if they differ
-    in kind (dense / quantized, bits, group size, mode, dtype, which biases they carry)."""
-    kinds = {type(p) for p in parts}
-    with_bias = {"bias" in p for p in parts}
-    dtypes = {p.weight.dtype for p in parts}
-    if len(kinds) != 1 or len(with_bias) != 1 or len(dtypes) != 1:
-        return None
-    kind, bias = kinds.pop(), with_bias.pop()
-    output_dims = sum(p.weight.shape[0] for p in parts)
-    joined: nn.Module
-    if kind is nn.Linear:
-        # MLX builds lazily: the random initial weight is replaced before anything evaluates it.
-        joined = nn.Linear(parts[0].weight.shape[1], output_dims, bias=bias)
-    elif kind is nn.QuantizedLinear:
-        formats = {(p.group_size, p.bits, p.mode, p.get("biases") is not None) for p in parts}
-        if len(formats) != 1:
-            return None
-        group_size, bits, mode, _ = formats.pop()
-        input_dims = parts[0].weight.shape[1] * 32 // bits
-        joined = nn.QuantizedLinear(input_dims, output_dims, bias=bias, group_size=group_size, bits=bits, mode=mode)
-        joined.scales = mx.concatenate([p.scales for p in parts])
-        joined.biases = None if parts[0].get("biases") is None else mx.concatenate([p.biases for p in parts])
-    else:
-        return None  # a layer type this module does not know (LoRA, say): leave it alone
-    joined.weight = mx.concatenate([p.weight for p in parts])
-    if bias:
-        joined.bias = mx.concatenate([p.bias for p in parts])
-    return joined
