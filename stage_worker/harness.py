@@ -50,7 +50,7 @@ def run(launch: StageLaunch, options: HarnessOptions) -> int:
         if not launch.is_first:
             run_relay(stage, status)
             return
-        pipeline = stage.entry_pipeline(status)
+        pipeline = stage.entry_pipeline(status, speculating=False)
         status.set_state(StageState.SERVING)
         if options.job:
             with open(options.job) as f:

@@ -85,6 +85,9 @@ class KVStore:
     def __init__(self, make_caches: Callable[[], list[Any]], max_sequences: int) -> None:
         self._make_caches = make_caches
         self._max_sequences = max_sequences
+        # Starts the evaluation of a prefix entry's copies without waiting for it: ``mx.async_eval``, or where a
+        # kernel launcher evaluates the stage's steps, its ``launch`` (``stage_worker.launcher``).
+        self.evaluate_later: Callable[[Sequence[mx.array]], object] = _async_eval
         self._standalone: dict[int, list[KVCache]] = {}
         self._group_of: dict[int, _Group] = {}
         self._positions: dict[int, int] = {}
@@ -157,7 +160,7 @@ class KVStore:
                 copies += [entry.keys, entry.values]
             kept.append(entry)
         if copies:
-            mx.async_eval(*copies)  # every layer's copy in one submission, never waited for here
+            self.evaluate_later(copies)  # every layer's copy in one submission, never waited for here
         self._prefixes[entry_id] = kept
         self.prefix_cached_tokens += tokens
         self.tokens_held += tokens
@@ -420,3 +423,7 @@ class KVStore:
                 f"sequence {seq_id} continues at position {start_pos} but this stage's KV "
                 f"holds {held} positions"
             )
+
+
+def _async_eval(arrays: Sequence[mx.array]) -> None:
+    mx.async_eval(*arrays)

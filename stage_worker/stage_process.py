@@ -45,6 +45,7 @@ from stage_worker.expert_routing import policy_for
 from stage_worker.fused_projections import fusion_wanted
 from stage_worker.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.handshake import StageIdentity, connect_neighbours, init_ring
+from stage_worker.launcher import KernelLauncher, launcher_wanted, plain_kv_caches
 from stage_worker.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
 from stage_worker.load_progress import WeightProgress, reporting
 from stage_worker.masked_decode_kernel import decode_kernel_wanted
@@ -136,10 +137,17 @@ class RunningStage:
     compute: StageCompute
     links: StageLinks
 
-    def entry_pipeline(self, status: StageStatus) -> EntryPipeline:
-        return EntryPipeline(self.compute, self.links.outbound, self.links.inbound, self.context.launch.is_last,
+    def entry_pipeline(self, status: StageStatus, speculating: bool) -> EntryPipeline:
+        """The entry stage's pipeline; built on the engine's thread, which may then hand evaluation to a
+        kernel launcher (``stage_worker.launcher``)."""
+        is_last = self.context.launch.is_last
+        launcher = KernelLauncher() if launcher_wanted(
+            settings.LAUNCH_THREAD, self.context.device.backend, is_last,
+            plain_kv_caches(self.compute.model.new_caches()), speculating, self.compute.recording) else None
+        return EntryPipeline(self.compute, self.links.outbound, self.links.inbound, is_last,
                              reply_timeout_s=self.context.ring_timeout_s, on_batch=status.record_batch,
-                             on_wait=status.record_wait, build_ahead=build_ahead_enabled(settings.STEP_AHEAD))
+                             on_wait=status.record_wait, build_ahead=build_ahead_enabled(settings.STEP_AHEAD),
+                             launcher=launcher)
 
 
 def resolve(launch: StageLaunch) -> StageContext:
@@ -318,9 +326,9 @@ def run_stage(ctx: StageContext, status: StageStatus, body: Callable[[RunningSta
 def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer) -> None:
     """Rank 0: admit requests (the scheduler), drive the pipeline (the engine) until stopped."""
     ctx, options = stage.context, stage.context.launch.options
-    pipeline = stage.entry_pipeline(status)
-    capacity = pipeline.pipeline_kv_capacity(stage.loaded.kv_capacity)
     speculative = speculation_for(ctx)
+    pipeline = stage.entry_pipeline(status, speculating=speculative is not None)
+    capacity = pipeline.pipeline_kv_capacity(stage.loaded.kv_capacity)
     scheduler = Scheduler(max_num_seqs=options.max_num_seqs, max_model_len=ctx.max_model_len,
                           max_waiting=options.max_waiting, max_batch_tokens=options.max_batch_tokens,
                           prefill_chunk_tokens=options.max_batch_tokens, kv_token_capacity=capacity,
@@ -335,8 +343,8 @@ def run_entry(stage: RunningStage, status: StageStatus, servicer: StageServicer)
     on_stop_signal(engine.stop)
     status.set_state(StageState.SERVING)
     log.info("serving (max_num_seqs=%d max_model_len=%d, pipeline KV capacity %d tokens, %d micro-batches, "
-             "steps ahead: %s, graphs built ahead: %s)", options.max_num_seqs, ctx.max_model_len, capacity,
-             engine.micro_batches, engine.steps_ahead, pipeline.builds_ahead)
+             "steps ahead: %s, graphs built ahead: %s, launch thread: %s)", options.max_num_seqs, ctx.max_model_len,
+             capacity, engine.micro_batches, engine.steps_ahead, pipeline.builds_ahead, pipeline.launches_apart)
     engine.run()
 
 

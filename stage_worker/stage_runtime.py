@@ -37,10 +37,11 @@ import mlx.core as mx
 import numpy as np
 
 from stage_worker import wire
-from stage_worker.batch import Chunk, RecordFlag, SampledToken, SequenceRecord, TokenLogprob
+from stage_worker.batch import Chunk, RecordFlag, RowOptions, SampledToken, SequenceRecord, TokenLogprob
 from stage_worker.blas import AdaptiveBlasThreads
 from stage_worker.build_ahead import Placeholder
 from stage_worker.kv_store import KVStore
+from stage_worker.launcher import KernelLauncher, Launched
 from stage_worker.links import InboundLink, LinkError, OutboundLink
 from stage_worker.packed_forward import DecodeRows, Segment
 from stage_worker.row_options import LogprobRows, RowProcessors, logprobs_from_body, rows_body, rows_from_body
@@ -89,6 +90,11 @@ class StageCompute:
         self._recorder = recorder
         self._threads = threads
         self.rows = RowProcessors(model.spec)  # per-sequence logits processors (used on the last stage)
+
+    @property
+    def recording(self) -> bool:
+        """Whether the last stage's logits are recorded (a parity run)."""
+        return self._recorder is not None
 
     def forward(self, records: Sequence[SequenceRecord], hidden: mx.array, in_flight: int = 0,
                 evaluate: bool = True) -> mx.array:
@@ -326,6 +332,8 @@ class _LocalBatch:
     sampling: PendingSample
     rows: int  # token rows computed
     build_s: float  # host time spent building it
+    readback: mx.array  # the tokens ``collect`` reads: ``sampling.tokens``, or with a launcher a copy of them
+    launched: Launched | None = None  # with a launcher: its launch, waited for before ``readback`` is read
 
 
 class EntryPipeline:
@@ -347,8 +355,14 @@ class EntryPipeline:
         on_batch: BatchTimer | None = None,
         on_wait: Callable[[float], None] | None = None,
         build_ahead: bool = False,
+        launcher: KernelLauncher | None = None,
     ) -> None:
+        if launcher is not None and not is_last:
+            raise ValueError("a kernel launcher serves a single-stage pipeline only (stage_worker.launcher)")
         self._compute = compute
+        self._launcher = launcher
+        if launcher is not None:
+            compute.kv.evaluate_later = launcher.launch
         self._reply_timeout_s = reply_timeout_s
         self._on_batch = on_batch
         self._on_wait = on_wait
@@ -367,6 +381,11 @@ class EntryPipeline:
     def single_stage(self) -> bool:
         """This stage is also the last: tokens are sampled here (and can feed the next step on the device)."""
         return self._is_last
+
+    @property
+    def launches_apart(self) -> bool:
+        """A kernel launcher evaluates this pipeline's steps on a thread of its own."""
+        return self._launcher is not None
 
     @property
     def builds_ahead(self) -> bool:
@@ -405,18 +424,11 @@ class EntryPipeline:
         started = time.perf_counter()
         options = {c.record.seq_id: c.options for c in chunks if c.options is not None}
         if self._is_last:
-            ids = self._input_ids(chunks, self._local_carry_source(chunks))
-            hidden = self._embed(ids)
-            hidden = self._compute.forward(records, hidden, in_flight, evaluate=False)
-            if options:
-                self._compute.rows.register(options)
-            drafts = {c.record.seq_id: c.token_ids[1:] for c in chunks if c.record.has(RecordFlag.VERIFY)}
-            sampling = self._compute.sample(records, hidden, wait=False, drafts=drafts)
-            # Its compute is counted in ``collect``, once the device has finished it.
-            # Kept until ``collect`` without what only its evaluation needed (the batch's hidden states, logits).
-            kept = replace(sampling, evaluate=(), logits=None)
-            self._local_results.append(_LocalBatch(kept, int(ids.size), time.perf_counter() - started))
-            self._compute.release_finished(records)
+            if self._launcher is None:
+                self._submit_local(chunks, records, options, in_flight, started)
+            else:
+                with mx.stream(self._launcher.stream):  # a stream the launcher's thread may evaluate
+                    self._submit_local(chunks, records, options, in_flight, started)
             return self._batch_id
         assert self._outbound is not None
         source = self._remote_carry_source(chunks)
@@ -446,6 +458,30 @@ class EntryPipeline:
                 self._on_batch(rows, computed - started, 0.0, time.perf_counter() - computed)
         self._compute.release_finished(records)
         return self._batch_id
+
+    def _submit_local(self, chunks: Sequence[Chunk], records: list[SequenceRecord], options: dict[int, RowOptions],
+                      in_flight: int, started: float) -> None:
+        """``submit`` on a single stage: the batch's layers and sampling, queued on the device."""
+        ids = self._input_ids(chunks, self._local_carry_source(chunks))
+        hidden = self._compute.forward(records, self._embed(ids), in_flight, evaluate=False)
+        if options:
+            self._compute.rows.register(options)
+        drafts = {c.record.seq_id: c.token_ids[1:] for c in chunks if c.record.has(RecordFlag.VERIFY)}
+        launched = None
+        if self._launcher is not None:
+            sampling = self._compute.build_sample(records, hidden, drafts)
+            # The next step's graph takes ``tokens``: this thread reads a copy that no queued graph takes.
+            readback = mx.contiguous(sampling.tokens)
+            launched = self._launcher.launch([*sampling.evaluate, readback])
+        else:
+            sampling = self._compute.sample(records, hidden, wait=False, drafts=drafts)
+            readback = sampling.tokens
+        # Its compute is counted in ``collect``, once the device has finished it.
+        # Kept until ``collect`` without what only its evaluation needed (the batch's hidden states, logits).
+        kept = replace(sampling, evaluate=(), logits=None)
+        self._local_results.append(_LocalBatch(kept, int(ids.size), time.perf_counter() - started, readback,
+                                               launched))
+        self._compute.release_finished(records)
 
     def _embed(self, ids: mx.array) -> mx.array:
         model = self._compute.model
@@ -516,8 +552,10 @@ class EntryPipeline:
             batch = self._local_results.popleft()
             reading = time.perf_counter()
             sampling = batch.sampling
+            if batch.launched is not None:
+                batch.launched.wait()
             # Reads the tokens back: waits for this batch only.
-            kept = sampling.reply(np.array(sampling.tokens).tolist())
+            kept = sampling.reply(np.array(batch.readback).tolist())
             sampled = kept.sampled()
             self._compute.accept(sampled)
             if sampling.logprobs is not None:
@@ -569,6 +607,8 @@ class EntryPipeline:
         """Drain what is in flight, send SHUTDOWN round the ring and wait for it to come back."""
         while self.in_flight:
             self.collect()
+        if self._launcher is not None:
+            self._launcher.close()
         if self._outbound is None or self._inbound is None:
             return
         self._outbound.send(FrameKind.SHUTDOWN)

@@ -83,7 +83,8 @@ class InProcessPipeline:
     scheduler on one thread, every other stage's relay loop on its own, hidden states over real lanes."""
 
     def __init__(self, stages, *, max_num_seqs: int = 8, prefix_cache=None, max_batch_tokens: int = 512,
-                 prefill_chunk_tokens: int | None = None, speculative=None, proposer=None) -> None:
+                 prefill_chunk_tokens: int | None = None, speculative=None, proposer=None,
+                 launcher: bool = False) -> None:
         import threading
 
         from stage_worker.engine import EntryEngine
@@ -102,7 +103,9 @@ class InProcessPipeline:
             relay.start()
         entry = StageCompute(stages[0], max_num_seqs)
         if depth == 1:
-            pipeline = EntryPipeline(entry, None, None, is_last=True)
+            from stage_worker.launcher import KernelLauncher
+
+            pipeline = EntryPipeline(entry, None, None, is_last=True, launcher=KernelLauncher() if launcher else None)
         else:
             pipeline = EntryPipeline(entry, self._lanes[0][1], self._lanes[-1][0], is_last=False, build_ahead=True)
         self.scheduler = Scheduler(max_num_seqs=max_num_seqs, max_model_len=512, max_waiting=64,

@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: N rounds in turns on two copies of the model (twice its memory), one with "
                              "mlx-lm's separate projections and one joined, with each round's joined/separate "
                              "ratios and their median")
+    parser.add_argument("--compare-launch", type=int, default=0, metavar="N",
+                        help="instead: N rounds in turns on one copy of the model, its steps launched by the engine's "
+                             "thread and by a launch thread of their own (STAGEMESH_LAUNCH_THREAD), with each "
+                             "round's ratios and their median")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.engine import step_ahead_pays
     from stage_worker.expert_routing import policy_for
     from stage_worker.fused_projections import fusion_wanted
+    from stage_worker.launcher import launcher_wanted, plain_kv_caches
     from stage_worker.masked_decode_kernel import decode_kernel_wanted
     from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
@@ -92,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     check_shape_flags(args)
     if args.compare_projections < 0 or (args.compare_projections and args.profile):
         raise UserError("--compare-projections takes a positive count of rounds, without --profile")
+    if args.compare_launch < 0 or (args.compare_launch and (args.profile or args.compare_projections)):
+        raise UserError("--compare-launch takes a positive count of rounds, without --profile or "
+                        "--compare-projections")
     started_at = now()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-engine-") as tmp:
         if args.shape:
@@ -110,21 +118,35 @@ def run(args: argparse.Namespace) -> int:
         def load() -> StageModel:
             return StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), dtype)
 
-        def measure(model: StageModel) -> dict[str, dict]:
-            if not args.compare_projections:
+        def measure(model: StageModel, launch: bool | None = None) -> dict[str, dict]:
+            """The runs on ``model``; ``launch``: with a launch thread or without (None: as a stage decides)."""
+            if launch is None:
+                launch = launcher_wanted(settings.LAUNCH_THREAD, backend, True, plain_kv_caches(model.new_caches()),
+                                         False, False)
+            if not (args.compare_projections or args.compare_launch):
                 warm_up(model, warmup)
             else:
                 # Both arms start alike: an empty allocator cache, then one unmeasured run of the streams'
                 # shapes; otherwise the arm measured second finds buffers and kernels the first one made.
                 mx.clear_cache()
-                _drive(model, args.streams, min(args.output_len, 16), args.input_len, step_ahead, False)
-            runs = {"single_stream": _drive(model, 1, args.output_len, args.input_len, step_ahead, args.profile),
-                    "streams": _drive(model, args.streams, args.output_len, args.input_len, step_ahead,
+                _drive(model, args.streams, min(args.output_len, 16), args.input_len, step_ahead, launch, False)
+            runs = {"single_stream": _drive(model, 1, args.output_len, args.input_len, step_ahead, launch,
+                                            args.profile),
+                    "streams": _drive(model, args.streams, args.output_len, args.input_len, step_ahead, launch,
                                       args.profile)}
             if args.mixed:
                 runs["mixed"] = _drive_mixed(model, args.mixed, args.streams, args.mixed_max_prompt, args.output_len,
-                                             args.seed, step_ahead, args.profile)
+                                             args.seed, step_ahead, launch, args.profile)
             return runs
+
+        def load_as_a_stage() -> tuple[StageModel, bool]:
+            model = load()
+            fused = fusion_wanted(settings.FUSE_PROJECTIONS, backend)  # as a stage does
+            if fused:
+                model.fuse_projections()
+            model.route_experts(policy_for(settings.ALL_EXPERTS_ROWS, backend))  # as a stage does
+            model.fused_decode = decode_kernel_wanted(settings.DECODE_KERNEL, backend)  # as a stage does
+            return model, fused
 
         comparison: list[dict[str, Any]] = []
         if args.compare_projections:
@@ -147,14 +169,18 @@ def run(args: argparse.Namespace) -> int:
                                    "joined_over_separate": joined_over_separate(measured["separate"],
                                                                                 measured["joined"])})
             del arms, model
+        launch_turns: list[dict[str, Any]] = []
+        if args.compare_launch:
+            model, fused = load_as_a_stage()
+            warm_up(model, warmup)
+            for round_number in range(args.compare_launch):
+                turn = {"engine_thread": False, "launch_thread": True}
+                names = ("engine_thread", "launch_thread") if round_number % 2 == 0 else \
+                    ("launch_thread", "engine_thread")
+                launch_turns.append({name: measure(model, turn[name]) for name in names})
         runs: dict[str, dict] = {}
-        if not comparison:
-            model = load()
-            fused = fusion_wanted(settings.FUSE_PROJECTIONS, backend)  # as a stage does
-            if fused:
-                model.fuse_projections()
-            model.route_experts(policy_for(settings.ALL_EXPERTS_ROWS, backend))  # as a stage does
-            model.fused_decode = decode_kernel_wanted(settings.DECODE_KERNEL, backend)  # as a stage does
+        if not comparison and not launch_turns:
+            model, fused = load_as_a_stage()
             runs = measure(model)
     from stage_worker.blas import loaded_blas
     from stage_worker.wire import dtype_name
@@ -162,14 +188,18 @@ def run(args: argparse.Namespace) -> int:
     config = {**flags_of(args), "model": args.shape or spec.default_served_name, "dtype": dtype_name(dtype),
               "blas": loaded_blas(), "step_ahead": step_ahead}
     results: dict[str, Any]
-    if comparison:
+    if launch_turns:
+        results = {"launch": launch_turns, "quantized": model.quantized, "fused_projections": fused}
+        ratios = [{"round": i, "compares": "launch thread / engine thread",
+                   **faster_over_slower(turn["engine_thread"], turn["launch_thread"])}
+                  for i, turn in enumerate(launch_turns, 1)]
+        ratios.append(_median_round(ratios, "launch thread / engine thread"))
+    elif comparison:
         results = {"projections": [{k: v for k, v in pair.items() if k != "joined_over_separate"}
                                    for pair in comparison]}
         ratios = [{"round": i, "compares": "joined / separate projections", **pair["joined_over_separate"]}
                   for i, pair in enumerate(comparison, 1)]
-        ratios.append({"round": "median", "compares": "joined / separate projections",
-                       **{key: round(statistics.median(r[key] for r in ratios), 3) for key in ratios[0]
-                          if key not in ("round", "compares")}})
+        ratios.append(_median_round(ratios, "joined / separate projections"))
     else:
         results = {"quantized": model.quantized, "fused_projections": fused,
                    **{name: {k: v for k, v in run.items() if k != "profile"} for name, run in runs.items()}}
@@ -204,10 +234,14 @@ def format_engine(report: dict[str, Any]) -> str:
                        f"{mixed['ttft_p50_ms']} ms, p90 {mixed['ttft_p90_ms']} ms, {mixed['failed']} failed")
         return out
 
-    if "projections" in results:
-        for i, pair in enumerate(results["projections"], 1):
-            for arm in ("separate", "joined"):
-                lines += [f"round {i}, {arm} projections:", *(f"  {line}" for line in figures(pair[arm]))]
+    arms = {"projections": (("separate", "projections"), ("joined", "projections")),
+            "launch": (("engine_thread", "launched by the engine thread"), ("launch_thread", "launch thread"))}
+    turns = next((kind for kind in arms if kind in results), None)
+    if turns is not None:
+        for i, pair in enumerate(results[turns], 1):
+            for arm, label in arms[turns]:
+                name = f"{arm} {label}" if turns == "projections" else label
+                lines += [f"round {i}, {name}:", *(f"  {line}" for line in figures(pair[arm]))]
         for ratio in report["ratios"]:
             values = ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items() if k not in ("round", "compares"))
             lines.append(f"round {ratio['round']}, {ratio['compares']}: {values}")
@@ -219,27 +253,42 @@ def format_engine(report: dict[str, Any]) -> str:
 
 def joined_over_separate(separate: dict[str, dict], joined: dict[str, dict]) -> dict[str, float]:
     """Each run's speed with joined projections over separate ones (> 1: joined is faster; pure)."""
-    ratios = {"single_stream": separate["single_stream"]["ms_per_token_p50"]
-              / joined["single_stream"]["ms_per_token_p50"],
-              "streams": joined["streams"]["tokens_per_s"] / separate["streams"]["tokens_per_s"]}
-    if "mixed" in joined:
-        ratios["mixed"] = joined["mixed"]["tokens_per_s"] / separate["mixed"]["tokens_per_s"]
+    return faster_over_slower(separate, joined)
+
+
+def faster_over_slower(before: dict[str, dict], after: dict[str, dict]) -> dict[str, float]:
+    """Each run's speed in ``after`` over ``before`` (> 1: ``after`` is faster; pure)."""
+    ratios = {"single_stream": before["single_stream"]["ms_per_token_p50"]
+              / after["single_stream"]["ms_per_token_p50"],
+              "streams": after["streams"]["tokens_per_s"] / before["streams"]["tokens_per_s"]}
+    if "mixed" in after:
+        ratios["mixed"] = after["mixed"]["tokens_per_s"] / before["mixed"]["tokens_per_s"]
     return {k: round(v, 3) for k, v in ratios.items()}
 
 
-def _engine(model: Any, seats: int, max_model_len: int, step_ahead: bool) -> Any:
+def _median_round(ratios: list[dict[str, Any]], compares: str) -> dict[str, Any]:
+    """The rounds' median of each ratio, as one more entry of the report's ratios (pure)."""
+    return {"round": "median", "compares": compares,
+            **{key: round(statistics.median(r[key] for r in ratios), 3) for key in ratios[0]
+               if key not in ("round", "compares")}}
+
+
+def _engine(model: Any, seats: int, max_model_len: int, step_ahead: bool, launch: bool) -> Any:
     from stage_worker.engine import EntryEngine
+    from stage_worker.launcher import KernelLauncher
     from stage_worker.scheduler import Scheduler
     from stage_worker.stage_runtime import EntryPipeline, StageCompute
     from stage_worker.stage_status import StageStatus
 
-    pipeline = EntryPipeline(StageCompute(model, seats), None, None, is_last=True)
+    # Made on this thread, which runs the engine: its graphs are then evaluated on the launcher's thread.
+    launcher = KernelLauncher() if launch else None
+    pipeline = EntryPipeline(StageCompute(model, seats), None, None, is_last=True, launcher=launcher)
     scheduler = Scheduler(max_num_seqs=seats, max_model_len=max_model_len, max_waiting=seats)
     return EntryEngine(pipeline, scheduler, StageStatus(), step_ahead=step_ahead)
 
 
 def _drive_mixed(model: Any, requests: int, streams: int, max_prompt: int, max_tokens: int, seed: int,
-                 step_ahead: bool, profile: bool) -> dict:
+                 step_ahead: bool, launch: bool, profile: bool) -> dict:
     """``requests`` of seeded random lengths, ``streams`` in flight, one submitted as one ends."""
     import random
 
@@ -248,7 +297,7 @@ def _drive_mixed(model: Any, requests: int, streams: int, max_prompt: int, max_t
 
     rng = random.Random(seed)
     lengths = [(rng.randint(1, max_prompt), rng.randint(1, max_tokens)) for _ in range(requests)]
-    engine = _engine(model, max(64, streams), max_prompt + max_tokens + 1, step_ahead)
+    engine = _engine(model, max(64, streams), max_prompt + max_tokens + 1, step_ahead, launch)
     outcome: dict[str, Any] = {"failures": [], "ttft_s": [], "tokens": []}  # lists: appends are thread-safe
 
     def one(index: int, prompt_len: int, out_len: int) -> None:
@@ -297,10 +346,11 @@ def _drive_mixed(model: Any, requests: int, streams: int, max_prompt: int, max_t
             **({"profile": profile_text} if profile_text else {})}
 
 
-def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: bool, profile: bool) -> dict:
+def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: bool, launch: bool,
+           profile: bool) -> dict:
     from stage_worker.scheduler import GenerationRequest
 
-    engine = _engine(model, max(64, streams), prompt_len + tokens + 1, step_ahead)
+    engine = _engine(model, max(64, streams), prompt_len + tokens + 1, step_ahead, launch)
     stamps: list[float] = []
     outcome: dict[str, Any] = {}
 

@@ -1,0 +1,112 @@
+"""A stage's kernel launcher: one thread that evaluates the steps the engine thread builds.
+
+Contract:
+
+* ``KernelLauncher()`` starts a daemon thread and a ``stream`` MLX lets any thread evaluate
+  (``mx.new_thread_unsafe_stream``): graphs built on it (``with mx.stream(launcher.stream)``), on whatever
+  thread, can be evaluated by the launcher's thread. ``launch(arrays)`` queues their
+  evaluation (``mx.async_eval``: kernels encoded and launched, not waited for) and returns at once with a
+  ``Launched``; ``Launched.wait()`` returns once they are launched (re-raising what the evaluation raised), after
+  which reading one of them (``np.array``) waits for the device only. Launches run in the order queued.
+  ``idle()`` waits until everything queued has been launched; ``close()`` stops the thread.
+* The rule that keeps it safe: while the launcher may be evaluating, the engine thread builds graphs and
+  reads arrays that no queued graph takes as an input; it evaluates nothing itself. Hence a step's tokens are read
+  through a copy of their own (``readback``), the next step's graph taking the tokens themselves, and a stage
+  uses the launcher only where nothing in its step reads the device while building (``launcher_wanted``).
+* ``launcher_wanted(setting, backend, ...)`` decides ``STAGEMESH_LAUNCH_THREAD`` (pure).
+
+Why: on a GPU a decode step is bound by the host thread. Building its graph in Python (mlx-lm's layers)
+and encoding and launching its kernels (``mx.async_eval``) each take milliseconds, one after the other on
+one thread; on two threads the engine builds step n+1 while step n's kernels are launched, and a step takes
+the longer of the two instead of their sum. ``mx.async_eval`` releases the GIL while it encodes, so the
+two run in parallel. Figures: docs/performance.md ("A second host thread for launching").
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from stagemesh.core import settings
+
+
+class Launched:
+    """One queued launch: ``wait`` until its kernels are launched."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"launching a step's kernels failed: {self._error}") from self._error
+
+
+class KernelLauncher:
+    """A thread that evaluates what the constructing thread builds (see the module's contract)."""
+
+    def __init__(self) -> None:
+        self.stream = mx.new_thread_unsafe_stream(mx.default_device())
+        self._queue: queue.SimpleQueue[tuple[list[mx.array], Launched] | None] = queue.SimpleQueue()
+        self._last = Launched()
+        self._last._finish(None)
+        self._thread = threading.Thread(target=self._run, name="stagemesh-launcher", daemon=True)
+        self._thread.start()
+
+    def launch(self, arrays: Sequence[mx.array]) -> Launched:
+        launched = Launched()
+        self._queue.put((list(arrays), launched))
+        self._last = launched
+        return launched
+
+    def idle(self) -> None:
+        """Wait until everything queued so far has been launched (its errors are the launches' own)."""
+        self._last._done.wait()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            arrays, launched = item
+            try:
+                mx.async_eval(*arrays)
+            except BaseException as exc:  # handed to the engine thread, which fails the stage with it
+                launched._finish(exc)
+                continue
+            launched._finish(None)
+
+
+def launcher_wanted(setting: str, backend: str, single_stage: bool, plain_kv_caches: bool, speculating: bool,
+                    recording: bool) -> bool:
+    """``STAGEMESH_LAUNCH_THREAD`` (auto, on, off) for a stage (pure).
+
+    Only a single-stage pipeline (its steps' tokens read back on the stage), whose layers keep plain KV caches
+    (mlx-lm's other batch caches read the device when a group shrinks), that neither speculates (a draft
+    model evaluates on the engine thread) nor records logits (a parity run reads them at once) can use one:
+    there ``on`` and, on CUDA, where a step is bound by the host thread, ``auto``; elsewhere never.
+    """
+    if not (single_stage and plain_kv_caches and not speculating and not recording):
+        return False
+    return settings.switched_on(setting, auto=backend == "cuda")
+
+
+def plain_kv_caches(caches: Sequence[object]) -> bool:
+    """Whether every layer keeps mlx-lm's plain ``KVCache`` (its batch form shrinks without reading the device)."""
+    return all(type(cache) is KVCache for cache in caches)
+
+
+__all__ = ["KernelLauncher", "Launched", "launcher_wanted", "plain_kv_caches"]

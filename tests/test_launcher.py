@@ -1,0 +1,82 @@
+"""A single stage whose steps a kernel launcher evaluates on a thread of its own gives mlx-lm's tokens.
+
+Real engine and scheduler, tiny random-weight checkpoints (``tests/architectures.py``) of the packed path
+(llama) and the layer-stack path (qwen3_moe), the launcher forced on (on the CPU backend as on CUDA, the
+engine thread builds each step while the launcher's thread evaluates the one before): a prompt alone,
+prompts batched as they arrive and finish at different steps, a prompt reusing a cached prefix, each equal
+to mlx-lm's own greedy generation. Also which stages may use one (``launcher_wanted``), and that a failed
+launch reaches the engine thread.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from stage_worker.launcher import KernelLauncher, launcher_wanted, plain_kv_caches
+from stage_worker.model_reader import read_model_spec
+from stage_worker.prefix_cache import PrefixCache
+from stage_worker.stage_model import StageModel, StageRole
+from stagemesh.core.layer_split import LayerRange
+from tests.architectures import mlx_lm_greedy, tiny_checkpoint
+from tests.engine_helpers import InProcessPipeline, read_until_finished
+
+PROMPTS = ((504, 3575, 282, 4649, 314, 1018, 28, 2270, 253, 11, 12, 13, 14, 15, 16, 17, 18, 19),
+           (1, 2, 3), (17, 42, 99, 1000, 5, 6, 7, 8, 9, 10, 11))
+MAX_TOKENS = (12, 7, 10)
+SHARED_PREFIX = PROMPTS[0][:16] + (7, 7, 7)  # two prefix-cache blocks of 8 shared with PROMPTS[0]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_a_launched_single_stage_equals_mlx_lm_generation(tmp_path, name):
+    from mlx_lm.utils import load
+
+    path = tiny_checkpoint(name, tmp_path)
+    model, _ = load(path)
+    reference = mlx_lm_greedy(model, PROMPTS + (SHARED_PREFIX,), max(MAX_TOKENS))
+    expected = [ref[:n] for ref, n in zip(reference, MAX_TOKENS)]
+    spec = read_model_spec(path)
+    stage = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
+    assert plain_kv_caches(stage.new_caches())
+    with InProcessPipeline([stage], prefix_cache=PrefixCache(8, b"test"), launcher=True) as pipeline:
+        assert pipeline.engine._pipeline.launches_apart
+        assert pipeline.generate(PROMPTS[2], MAX_TOKENS[2]) == expected[2]
+        first = [pipeline.submit(PROMPTS[0], MAX_TOKENS[0]), pipeline.submit(PROMPTS[1], MAX_TOKENS[1])]
+        early = first[0].events.get(timeout=120)
+        late = pipeline.submit(PROMPTS[2], MAX_TOKENS[2])  # joins the running decode group, which later shrinks
+        outputs, _ = read_until_finished(first + [late])
+        outputs[0] = list(early.token_ids) + outputs[0]
+        assert outputs == expected
+        assert pipeline.generate(SHARED_PREFIX, MAX_TOKENS[0]) == reference[3][:MAX_TOKENS[0]]
+        assert pipeline.scheduler.prefix_cache is not None and pipeline.scheduler.prefix_cache.stats.hits >= 16
+
+
+def test_which_stages_use_a_launcher():
+    plain = {"single_stage": True, "plain_kv_caches": True, "speculating": False, "recording": False}
+    assert launcher_wanted("auto", "cuda", **plain)
+    assert not launcher_wanted("auto", "cpu", **plain) and not launcher_wanted("auto", "metal", **plain)
+    assert launcher_wanted("on", "cpu", **plain)
+    assert not launcher_wanted("off", "cuda", **plain)
+    for reason in ("single_stage", "plain_kv_caches"):
+        assert not launcher_wanted("on", "cuda", **{**plain, reason: False})
+    for reason in ("speculating", "recording"):
+        assert not launcher_wanted("on", "cuda", **{**plain, reason: True})
+
+
+def test_launches_run_in_order_and_a_failed_one_is_raised_where_it_is_waited_for():
+    launcher = KernelLauncher()
+    try:
+        with mx.stream(launcher.stream):
+            first = mx.arange(4) * 2
+            second = first + 1  # takes the first launch's output
+        launched = [launcher.launch([first]), launcher.launch([second])]
+        launched[1].wait()
+        assert launched[0]._done.is_set()
+        assert mx.array(second).tolist() == [1, 3, 5, 7]
+        # Built on this thread's own stream, which MLX lets no other thread evaluate.
+        failed = launcher.launch([mx.arange(3) + 1])
+        with pytest.raises(RuntimeError, match="launching a step's kernels failed"):
+            failed.wait()
+        launcher.idle()  # the thread goes on after a failure
+    finally:
+        launcher.close()
