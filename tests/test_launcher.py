@@ -4,20 +4,25 @@ Real engine and scheduler, tiny random-weight checkpoints (``tests/architectures
 (llama) and the layer-stack path (qwen3_moe), the launcher forced on (on the CPU backend as on CUDA, the
 engine thread builds each step while the launcher's thread evaluates the one before): a prompt alone,
 prompts batched as they arrive and finish at different steps, a prompt reusing a cached prefix, each equal
-to mlx-lm's own greedy generation. Also which stages may use one (``launcher_wanted``), and that a failed
-launch reaches the engine thread.
+to mlx-lm's own greedy generation; seeded sampling with penalties and logprobs the same as without a
+launcher. Also which stages may use one (``launcher_wanted``), and that a failed launch reaches the engine
+thread.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
+from stage_worker.engine import RequestFailed
 from stage_worker.launcher import KernelLauncher, launcher_wanted, plain_kv_caches
 from stage_worker.model_reader import read_model_spec
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.stage_model import StageModel, StageRole
 from stagemesh.core.layer_split import LayerRange
+from stagemesh.core.sampling import GREEDY
 from tests.architectures import mlx_lm_greedy, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 
@@ -49,6 +54,41 @@ def test_a_launched_single_stage_equals_mlx_lm_generation(tmp_path, name):
         assert outputs == expected
         assert pipeline.generate(SHARED_PREFIX, MAX_TOKENS[0]) == reference[3][:MAX_TOKENS[0]]
         assert pipeline.scheduler.prefix_cache is not None and pipeline.scheduler.prefix_cache.stats.hits >= 16
+
+
+def _events(handles) -> list[tuple[list[int], list]]:
+    """Each request's tokens and logprobs, read to its end."""
+    out = []
+    for handle in handles:
+        tokens: list[int] = []
+        logprobs: list = []
+        while True:
+            event = handle.events.get(timeout=120)
+            assert not isinstance(event, RequestFailed), event
+            tokens += event.token_ids
+            logprobs += event.logprobs
+            if event.finish is not None:
+                break
+        out.append((tokens, logprobs))
+    return out
+
+
+def test_sampling_with_penalties_and_logprobs_is_the_same_launched(tmp_path):
+    """Seeded sampling, penalties (their counts carried on the device from step to step) and logprobs (read back
+    while the next step launches) give the same tokens and logprobs with a launcher as without one."""
+    path = tiny_checkpoint("qwen3_moe", tmp_path)
+    spec = read_model_spec(path)
+    sampled = replace(GREEDY, temperature=0.8, top_k=50, seed=7, presence_penalty=0.5, frequency_penalty=0.3,
+                      repetition_penalty=1.2, logprobs=3)
+    runs = []
+    for launcher in (False, True):
+        stage = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
+        with InProcessPipeline([stage], launcher=launcher) as pipeline:
+            runs.append(_events([pipeline.submit(PROMPTS[0], 12, sampling=sampled),
+                                 pipeline.submit(PROMPTS[1], 9, sampling=replace(sampled, seed=8)),
+                                 pipeline.submit(PROMPTS[2], 10)]))
+    assert runs[1] == runs[0]
+    assert all(len(logprobs) == len(tokens) for tokens, logprobs in runs[1][:2])
 
 
 def test_which_stages_use_a_launcher():
