@@ -138,12 +138,12 @@ class RunningStage:
     links: StageLinks
 
     def entry_pipeline(self, status: StageStatus, speculating: bool) -> EntryPipeline:
-        """The entry stage's pipeline; built on the engine's thread, which may then hand evaluation to a
-        kernel launcher (``stage_worker.launcher``)."""
+        """The entry stage's pipeline; where ``STAGEMESH_LAUNCH_THREAD=on`` applies, a kernel launcher evaluates
+        its steps (``stage_worker.launcher``)."""
         is_last = self.context.launch.is_last
-        launcher = KernelLauncher() if launcher_wanted(
-            settings.LAUNCH_THREAD, self.context.device.backend, is_last,
-            plain_kv_caches(self.compute.model.new_caches()), speculating, self.compute.recording) else None
+        wanted = launcher_wanted(settings.LAUNCH_THREAD, is_last, plain_kv_caches(self.compute.model.new_caches()),
+                                 speculating, self.compute.recording)
+        launcher = KernelLauncher() if wanted else None
         return EntryPipeline(self.compute, self.links.outbound, self.links.inbound, is_last,
                              reply_timeout_s=self.context.ring_timeout_s, on_batch=status.record_batch,
                              on_wait=status.record_wait, build_ahead=build_ahead_enabled(settings.STEP_AHEAD),

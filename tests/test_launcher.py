@@ -93,14 +93,12 @@ def test_sampling_with_penalties_and_logprobs_is_the_same_launched(tmp_path):
 
 def test_which_stages_use_a_launcher():
     plain = {"single_stage": True, "plain_kv_caches": True, "speculating": False, "recording": False}
-    assert launcher_wanted("auto", "cuda", **plain)
-    assert not launcher_wanted("auto", "cpu", **plain) and not launcher_wanted("auto", "metal", **plain)
-    assert launcher_wanted("on", "cpu", **plain)
-    assert not launcher_wanted("off", "cuda", **plain)
+    assert launcher_wanted("on", **plain)
+    assert not launcher_wanted("off", **plain)
     for reason in ("single_stage", "plain_kv_caches"):
-        assert not launcher_wanted("on", "cuda", **{**plain, reason: False})
+        assert not launcher_wanted("on", **{**plain, reason: False})
     for reason in ("speculating", "recording"):
-        assert not launcher_wanted("on", "cuda", **{**plain, reason: True})
+        assert not launcher_wanted("on", **{**plain, reason: True})
 
 
 def test_launches_run_in_order_and_a_failed_one_is_raised_where_it_is_waited_for():
