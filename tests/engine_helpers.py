@@ -54,6 +54,24 @@ def read_until_finished(handles: list[RequestHandle], timeout_s: float = 120) ->
     return outputs, finishes
 
 
+def read_with_logprobs(handles: list[RequestHandle], timeout_s: float = 120) -> list[tuple[list[int], list]]:
+    """Every request's tokens and their logprobs (one per token where it asked for them), in the handles' order;
+    a failure fails the test."""
+    outputs = []
+    for handle in handles:
+        tokens: list[int] = []
+        logprobs: list = []
+        while True:
+            event = handle.events.get(timeout=timeout_s)
+            assert not isinstance(event, RequestFailed), event
+            tokens += event.token_ids
+            logprobs += event.logprobs
+            if event.finish is not None:
+                break
+        outputs.append((tokens, logprobs))
+    return outputs
+
+
 def lane(name_in: str, name_out: str):
     """A real control lane over loopback, payloads on the lane: (inbound end, outbound end, the outbound end's
     watchdog, which its user closes with the lane)."""

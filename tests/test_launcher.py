@@ -16,7 +16,6 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from stage_worker.engine import RequestFailed
 from stage_worker.launcher import KernelLauncher, launcher_wanted, plain_kv_caches
 from stage_worker.model_reader import read_model_spec
 from stage_worker.prefix_cache import PrefixCache
@@ -24,7 +23,7 @@ from stage_worker.stage_model import StageModel, StageRole
 from stagemesh.core.layer_split import LayerRange
 from stagemesh.core.sampling import GREEDY
 from tests.architectures import mlx_lm_greedy, tiny_checkpoint
-from tests.engine_helpers import InProcessPipeline, read_until_finished
+from tests.engine_helpers import InProcessPipeline, read_until_finished, read_with_logprobs
 
 PROMPTS = ((504, 3575, 282, 4649, 314, 1018, 28, 2270, 253, 11, 12, 13, 14, 15, 16, 17, 18, 19),
            (1, 2, 3), (17, 42, 99, 1000, 5, 6, 7, 8, 9, 10, 11))
@@ -56,23 +55,6 @@ def test_a_launched_single_stage_equals_mlx_lm_generation(tmp_path, name):
         assert pipeline.scheduler.prefix_cache is not None and pipeline.scheduler.prefix_cache.stats.hits >= 16
 
 
-def _events(handles) -> list[tuple[list[int], list]]:
-    """Each request's tokens and logprobs, read to its end."""
-    out = []
-    for handle in handles:
-        tokens: list[int] = []
-        logprobs: list = []
-        while True:
-            event = handle.events.get(timeout=120)
-            assert not isinstance(event, RequestFailed), event
-            tokens += event.token_ids
-            logprobs += event.logprobs
-            if event.finish is not None:
-                break
-        out.append((tokens, logprobs))
-    return out
-
-
 def test_sampling_with_penalties_and_logprobs_is_the_same_launched(tmp_path):
     """Seeded sampling, penalties (their counts carried on the device from step to step) and logprobs (read back
     while the next step launches) give the same tokens and logprobs with a launcher as without one."""
@@ -84,7 +66,7 @@ def test_sampling_with_penalties_and_logprobs_is_the_same_launched(tmp_path):
     for launcher in (False, True):
         stage = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
         with InProcessPipeline([stage], launcher=launcher) as pipeline:
-            runs.append(_events([pipeline.submit(PROMPTS[0], 12, sampling=sampled),
+            runs.append(read_with_logprobs([pipeline.submit(PROMPTS[0], 12, sampling=sampled),
                                  pipeline.submit(PROMPTS[1], 9, sampling=replace(sampled, seed=8)),
                                  pipeline.submit(PROMPTS[2], 10)]))
     assert runs[1] == runs[0]

@@ -26,7 +26,7 @@ from stagemesh.core.layer_split import LayerRange, even_split
 from stagemesh.core.sampling import GREEDY, SamplingParams
 from stagemesh.core.speculative import SpeculativeConfig
 from tests.architectures import tiny_checkpoint
-from tests.engine_helpers import InProcessPipeline, as_served, read_until_finished
+from tests.engine_helpers import InProcessPipeline, as_served, read_until_finished, read_with_logprobs
 
 SPECULATIVE = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
                                 disable_by_batch_size=8)
@@ -145,23 +145,6 @@ def _options() -> dict[str, SamplingParams]:
 Output = tuple[list[int], list]  # a request's tokens and their logprobs
 
 
-def _read(handles) -> list[Output]:
-    from stage_worker.engine import RequestFailed
-
-    outputs = []
-    for handle in handles:
-        tokens, logprobs = [], []
-        while True:
-            event = handle.events.get(timeout=120)
-            assert not isinstance(event, RequestFailed), event
-            tokens += event.token_ids
-            logprobs += event.logprobs
-            if event.finish is not None:
-                break
-        outputs.append((tokens, logprobs))
-    return outputs
-
-
 def _options_workload(pipeline: InProcessPipeline, options: dict[str, SamplingParams], prompt,
                       max_tokens: int) -> tuple[dict[str, Output], list[Output], dict[str, tuple[int, int]]]:
     """Each option's request alone (and the verifications it had and the proposals they accepted), then all of
@@ -172,13 +155,14 @@ def _options_workload(pipeline: InProcessPipeline, options: dict[str, SamplingPa
     stops = {"min_tokens": {EOS}, "grammar": {EOS}}
     for name, sampling in options.items():
         before = pipeline.scheduler.spec_decode.counts
-        (alone[name],) = _read([pipeline.submit(prompt, max_tokens, sampling, stops.get(name, frozenset()))])
+        handle = pipeline.submit(prompt, max_tokens, sampling, stops.get(name, frozenset()))
+        (alone[name],) = read_with_logprobs([handle])
         after = pipeline.scheduler.spec_decode.counts
         verified[name] = (after.drafts - before.drafts, after.accepted_tokens - before.accepted_tokens)
     handles = [pipeline.submit(prompt, max_tokens, sampling, stops.get(name, frozenset()))
                for name, sampling in options.items()]
     handles += [pipeline.submit(p, max_tokens) for p in (REPEATING, OTHERS[0])]
-    return alone, _read(handles), verified
+    return alone, read_with_logprobs(handles), verified
 
 
 def _assert_same(got: Output, expected: Output, what: str) -> None:
