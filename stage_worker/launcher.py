@@ -9,7 +9,7 @@ Contract:
   ``Launched``; ``Launched.wait()`` returns once they are launched (re-raising what the evaluation raised), after
   which reading one of them (``np.array``) waits for the device only. Launches run in the order queued.
   ``idle()`` waits until everything queued has been launched; ``close()`` stops the thread.
-* The rule that keeps it safe: while the launcher may be evaluating, the engine thread builds graphs and
+* The rule it keeps: while the launcher may be evaluating, the engine thread builds graphs and
   reads arrays that no queued graph takes as an input; it evaluates nothing itself. Hence a step's tokens are read
   through a copy of their own (``readback``), the next step's graph taking the tokens themselves, and a stage
   uses the launcher only where nothing in its step reads the device while building (``launcher_wanted``).
@@ -24,7 +24,7 @@ two run in parallel. Figures: docs/performance.md ("A second host thread for lau
 Why off by default: MLX (0.32) does not make its arrays safe to use from two threads at once, and the
 engine thread's graph building still drops and takes references to arrays the launcher's evaluation
 detaches; a CUDA stage of a mixture-of-experts model under mixed traffic crashed with a corrupted heap
-(docs/performance.md), which the rule above does not exclude.
+(docs/performance.md); the rule above does not rule that out.
 """
 
 from __future__ import annotations
