@@ -166,18 +166,16 @@ def run(args: argparse.Namespace) -> int:
                 measured = {arm: measure(arms[arm]) for arm in order}
                 comparison.append({"separate": measured["separate"], "joined": measured["joined"],
                                    "joined_in_every_layer": {"qkv": fused_layers.qkv, "gate_up": fused_layers.gate_up},
-                                   "joined_over_separate": joined_over_separate(measured["separate"],
-                                                                                measured["joined"])})
+                                   "joined_over_separate": speed_ratios(measured["separate"], measured["joined"])})
             del arms, model
         launch_turns: list[dict[str, Any]] = []
         if args.compare_launch:
             model, fused = load_as_a_stage()
             warm_up(model, warmup)
             for round_number in range(args.compare_launch):
-                turn = {"engine_thread": False, "launch_thread": True}
-                names = ("engine_thread", "launch_thread") if round_number % 2 == 0 else \
-                    ("launch_thread", "engine_thread")
-                launch_turns.append({name: measure(model, turn[name]) for name in names})
+                launch_order = (False, True) if round_number % 2 == 0 else (True, False)
+                by_launch = {launch: measure(model, launch) for launch in launch_order}
+                launch_turns.append({"engine_thread": by_launch[False], "launch_thread": by_launch[True]})
         runs: dict[str, dict] = {}
         if not comparison and not launch_turns:
             model, fused = load_as_a_stage()
@@ -191,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     if launch_turns:
         results = {"launch": launch_turns, "quantized": model.quantized, "fused_projections": fused}
         ratios = [{"round": i, "compares": "launch thread / engine thread",
-                   **faster_over_slower(turn["engine_thread"], turn["launch_thread"])}
+                   **speed_ratios(turn["engine_thread"], turn["launch_thread"])}
                   for i, turn in enumerate(launch_turns, 1)]
         ratios.append(_median_round(ratios, "launch thread / engine thread"))
     elif comparison:
@@ -234,14 +232,13 @@ def format_engine(report: dict[str, Any]) -> str:
                        f"{mixed['ttft_p50_ms']} ms, p90 {mixed['ttft_p90_ms']} ms, {mixed['failed']} failed")
         return out
 
-    arms = {"projections": (("separate", "projections"), ("joined", "projections")),
+    arms = {"projections": (("separate", "separate projections"), ("joined", "joined projections")),
             "launch": (("engine_thread", "launched by the engine thread"), ("launch_thread", "launch thread"))}
     turns = next((kind for kind in arms if kind in results), None)
     if turns is not None:
         for i, pair in enumerate(results[turns], 1):
             for arm, label in arms[turns]:
-                name = f"{arm} {label}" if turns == "projections" else label
-                lines += [f"round {i}, {name}:", *(f"  {line}" for line in figures(pair[arm]))]
+                lines += [f"round {i}, {label}:", *(f"  {line}" for line in figures(pair[arm]))]
         for ratio in report["ratios"]:
             values = ", ".join(f"{k} {v:.3f}x" for k, v in ratio.items() if k not in ("round", "compares"))
             lines.append(f"round {ratio['round']}, {ratio['compares']}: {values}")
@@ -251,12 +248,7 @@ def format_engine(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def joined_over_separate(separate: dict[str, dict], joined: dict[str, dict]) -> dict[str, float]:
-    """Each run's speed with joined projections over separate ones (> 1: joined is faster; pure)."""
-    return faster_over_slower(separate, joined)
-
-
-def faster_over_slower(before: dict[str, dict], after: dict[str, dict]) -> dict[str, float]:
+def speed_ratios(before: dict[str, dict], after: dict[str, dict]) -> dict[str, float]:
     """Each run's speed in ``after`` over ``before`` (> 1: ``after`` is faster; pure)."""
     ratios = {"single_stream": before["single_stream"]["ms_per_token_p50"]
               / after["single_stream"]["ms_per_token_p50"],
