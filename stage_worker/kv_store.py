@@ -43,9 +43,10 @@ Shrinking a group of ``BatchKVCache`` never reads the device: mlx-lm's
 ``BatchKVCache.filter`` reads the left padding back (``tolist``) to trim it, one
 device sync per layer per change, which on a GPU stalls the queued work every
 time a sequence ends. The store knows each member's token count, so ``_filter``
-trims by the same amount computed on the host (other cache kinds use mlx-lm's
-own ``filter`` and ``extract``). Sequences released in one batch leave their
-group in one filter.
+trims by the same amount computed on the host, and ``extract_row`` takes a member
+out the same way (other cache kinds use mlx-lm's own ``filter`` and ``extract``);
+``stage_worker.layer_stack`` extracts the prompt chunks it batches with it too.
+Sequences released in one batch leave their group in one filter.
 
 Prefix caching (``stage_worker.prefix_cache`` decides, on the entry stage
 only): a RETAIN record keeps a finishing sequence's first positions as a
@@ -79,6 +80,21 @@ class _Group:
     # Columns at the end of a member's row that are not its positions (a wider step's right padding, rolled-back
     # proposals), dropped by ``KVStore._settle`` before the columns are next read or changed.
     trims: dict[int, int] = field(default_factory=dict)
+
+
+def extract_row(batch: Any, index: int, held: int) -> Any:
+    """Row ``index`` of a batch cache as the sequence's own cache. A ``BatchKVCache`` row becomes a ``KVCache``
+    of the ``held`` positions it holds, its last ``held`` columns before ``_idx``, without reading the device
+    (mlx-lm's ``extract`` reads the left padding back); other kinds use mlx-lm's ``extract``."""
+    if not isinstance(batch, BatchKVCache):
+        return batch.extract(index)
+    cache = KVCache()
+    if batch.keys is not None and batch.values is not None and held:
+        start = batch._idx - held
+        cache.keys = mx.contiguous(batch.keys[index : index + 1, :, start : batch._idx])
+        cache.values = mx.contiguous(batch.values[index : index + 1, :, start : batch._idx])
+        cache.offset = held
+    return cache
 
 
 class KVStore:
@@ -380,19 +396,7 @@ class KVStore:
         ``positions[seq_id]`` columns before ``_idx``."""
         self._settle(group)
         index, held = group.members.index(seq_id), self._positions[seq_id]
-        caches: list[Any] = []
-        for batch in group.caches:
-            if not isinstance(batch, BatchKVCache):
-                caches.append(batch.extract(index))
-                continue
-            cache = KVCache()
-            if batch.keys is not None and batch.values is not None and held:
-                start = batch._idx - held
-                cache.keys = mx.contiguous(batch.keys[index : index + 1, :, start : batch._idx])
-                cache.values = mx.contiguous(batch.values[index : index + 1, :, start : batch._idx])
-                cache.offset = held
-            caches.append(cache)
-        return caches
+        return [extract_row(batch, index, held) for batch in group.caches]
 
     def _rewind(self, seq_id: int, start_pos: int) -> None:
         """Drop ``seq_id``'s positions from ``start_pos`` on, if it holds more (see the module's contract)."""

@@ -11,9 +11,12 @@ Contract:
   ``idle()`` waits until everything queued has been launched; ``close()`` stops the thread.
 * The rule it keeps: while the launcher may be evaluating, the engine thread builds graphs and
   reads arrays that no queued graph takes as an input; it evaluates nothing itself. Hence a step's tokens are read
-  through a copy of their own (``readback``), the next step's graph taking the tokens themselves, and a stage
-  uses the launcher only where nothing in its step reads the device while building (``launcher_wanted``).
-* ``launcher_wanted(setting, ...)`` decides ``STAGEMESH_LAUNCH_THREAD`` (pure): off unless asked for.
+  through a copy of their own (``readback``), the next step's graph taking the tokens themselves; batch caches
+  change members and hand back rows without reading the device (``kv_store.extract_row``, ``KVStore._filter``:
+  mlx-lm's ``extract`` and ``filter`` read the left padding back); and a stage uses the launcher only where
+  nothing else in its step evaluates while building (``launcher_wanted``).
+* ``launcher_wanted(setting, backend, ...)`` decides ``STAGEMESH_LAUNCH_THREAD`` (pure): ``auto`` launches on
+  CUDA, where it is measured.
 
 Why: on a GPU a decode step is bound by the host thread. Building its graph in Python (mlx-lm's layers)
 and encoding and launching its kernels (``mx.async_eval``) each take milliseconds, one after the other on
@@ -21,10 +24,12 @@ one thread; on two threads the engine builds step n+1 while step n's kernels are
 the longer of the two instead of their sum. ``mx.async_eval`` releases the GIL while it encodes, so the
 two run in parallel. Figures: docs/performance.md ("A second host thread for launching").
 
-Why off by default: MLX (0.32) does not make its arrays safe to use from two threads at once, and the
-engine thread's graph building still drops and takes references to arrays the launcher's evaluation
-detaches; a CUDA stage of a mixture-of-experts model under mixed traffic crashed with a corrupted heap
-(docs/performance.md); the rule above does not rule that out.
+Why the rule matters: MLX lets any thread evaluate a ``new_thread_unsafe_stream`` but guards nothing; the
+stream's command encoder is one object. An evaluation on the engine thread while the launcher's thread encodes
+(mlx-lm's ``BatchKVCache.extract`` evaluating its left padding, once) made two threads append to that
+encoder's buffers at once: a CUDA stage aborted with a corrupted heap under mixed traffic until the stage
+extracted rows itself. Why ``auto`` is CUDA only: on the CPU backend a step is bound by arithmetic, and on
+Metal the launcher is unmeasured.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+from stagemesh.core import settings
 
 
 class Launched:
@@ -93,16 +100,16 @@ class KernelLauncher:
             launched._finish(None)
 
 
-def launcher_wanted(setting: str, single_stage: bool, plain_kv_caches: bool, speculating: bool,
+def launcher_wanted(setting: str, backend: str, single_stage: bool, plain_kv_caches: bool, speculating: bool,
                     recording: bool) -> bool:
-    """``STAGEMESH_LAUNCH_THREAD`` (off, on) for a stage (pure).
+    """``STAGEMESH_LAUNCH_THREAD`` (auto, on, off) for a stage on ``backend`` (pure): auto launches on CUDA.
 
     Only a single-stage pipeline (its steps' tokens read back on the stage), whose layers keep plain KV caches
     (mlx-lm's other batch caches read the device when a group shrinks), that neither speculates (a draft
-    model evaluates on the engine thread) nor records logits (a parity run reads them at once) can use one,
-    and only where ``on`` asks for it.
+    model evaluates on the engine thread) nor records logits (a parity run reads them at once) can use one.
     """
-    return setting == "on" and single_stage and plain_kv_caches and not speculating and not recording
+    able = single_stage and plain_kv_caches and not speculating and not recording
+    return able and settings.switched_on(setting, auto=backend == "cuda")
 
 
 def plain_kv_caches(caches: Sequence[object]) -> bool:

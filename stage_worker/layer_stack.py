@@ -18,7 +18,8 @@ each model's ``__call__`` calls them: ``layer(h, mask, cache)`` on ``[B, L, hidd
   position from seeing the padding after it, and a linear-attention state stops at
   each row's length), the padding then rolled to the left (``finalize``) and each
   sequence's caches extracted back into its own (the KV store keeps a prefilling
-  sequence alone). Exactly mlx-lm's arithmetic per row: a merged row differs from
+  sequence alone; ``kv_store.extract_row``: a ``BatchKVCache`` row without reading
+  the device). Exactly mlx-lm's arithmetic per row: a merged row differs from
   the sequence alone only by masked positions. Caches without such a batch form
   (rotating caches keeping their first positions, chunked or quantized KV, cache
   lists) keep their sequences one at a time;
@@ -47,6 +48,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from stage_worker.kv_store import extract_row
 from stage_worker.packed_forward import DecodeRows, Segment
 
 # Padding a batch of chunks may add, as a share of its real positions (``batch_groups``).
@@ -131,6 +133,9 @@ def _run_together(layers: Sequence[nn.Module], hidden: mx.array, group: Sequence
     pad_row = hidden.shape[0]  # a zero row appended below: what the padded positions read
     index = [list(s.rows) + [pad_row] * pad for pad, s in zip(padding, group)]
     padded = mx.concatenate([hidden, mx.zeros((1, hidden.shape[1]), hidden.dtype)])[mx.array(index)]
+    # What each sequence's cache of each layer holds after its chunk: its row's last columns, once the padding
+    # is rolled to the left.
+    held_after = [[s.caches[layer].size() + s.num_tokens for s in group] for layer in range(len(group[0].caches))]
     # Merging copies each history once (and extracting once more): less than the chunk's attention reads over
     # it, by the chunk's length, so the batch is worth it for any chunk longer than a few positions.
     caches = [type(kind).merge([s.caches[layer] for s in group]) for layer, kind in enumerate(group[0].caches)]
@@ -142,7 +147,8 @@ def _run_together(layers: Sequence[nn.Module], hidden: mx.array, group: Sequence
         if any(padding):
             cache.finalize()
         for b, segment in enumerate(group):
-            vars(segment.caches[layer]).update(vars(cache.extract(b)))
+            # Without a device read (a kernel launcher may be evaluating the previous step: stage_worker.launcher).
+            vars(segment.caches[layer]).update(vars(extract_row(cache, b, held_after[layer][b])))
     return out.reshape(-1, out.shape[-1])[mx.array([b * length + j for b, n in enumerate(lengths)
                                                     for j in range(n)])]
 

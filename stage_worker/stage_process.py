@@ -38,7 +38,7 @@ from stage_worker import wire
 from stage_worker.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
 from stage_worker.build_ahead import build_ahead_enabled
 from stage_worker.default_model import default_model_path
-from stage_worker.device import StageDevice, apply_wired_limit, probe
+from stage_worker.device import StageDevice, apply_wired_limit, current_backend, probe
 from stage_worker.draft_proposer import DraftWeights, load_draft_proposer
 from stage_worker.engine import EntryEngine, PipelineBroken, step_ahead_wanted
 from stage_worker.expert_routing import policy_for
@@ -138,11 +138,11 @@ class RunningStage:
     links: StageLinks
 
     def entry_pipeline(self, status: StageStatus, speculating: bool) -> EntryPipeline:
-        """The entry stage's pipeline; where ``STAGEMESH_LAUNCH_THREAD=on`` applies, a kernel launcher evaluates
+        """The entry stage's pipeline; where ``STAGEMESH_LAUNCH_THREAD`` applies, a kernel launcher evaluates
         its steps (``stage_worker.launcher``)."""
         is_last = self.context.launch.is_last
-        wanted = launcher_wanted(settings.LAUNCH_THREAD, is_last, plain_kv_caches(self.compute.model.new_caches()),
-                                 speculating, self.compute.recording)
+        wanted = launcher_wanted(settings.LAUNCH_THREAD, current_backend(), is_last,
+                                 plain_kv_caches(self.compute.model.new_caches()), speculating, self.compute.recording)
         launcher = KernelLauncher() if wanted else None
         return EntryPipeline(self.compute, self.links.outbound, self.links.inbound, is_last,
                              reply_timeout_s=self.context.ring_timeout_s, on_batch=status.record_batch,

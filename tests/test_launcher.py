@@ -55,6 +55,46 @@ def test_a_launched_single_stage_equals_mlx_lm_generation(tmp_path, name):
         assert pipeline.scheduler.prefix_cache is not None and pipeline.scheduler.prefix_cache.stats.hits >= 16
 
 
+def test_the_engine_thread_evaluates_nothing_while_prompts_run_together(tmp_path, monkeypatch):
+    """Prompt chunks batched on the layer-stack path (merged caches, then each sequence's rows extracted back)
+    are built without the engine thread evaluating anything: an evaluation there would encode on the stream the
+    launcher's thread is encoding on (on CUDA a corrupted heap). mlx-lm's ``BatchKVCache.extract`` evaluates the
+    left padding, so the stage extracts without it (``kv_store.extract_row``); the tokens stay mlx-lm's."""
+    import threading
+
+    from mlx_lm.utils import load
+
+    from stage_worker import layer_stack
+
+    prompts = (PROMPTS[0][:11], PROMPTS[2], PROMPTS[0][5:16])  # one length: their first chunks run together
+    path = tiny_checkpoint("qwen3_moe", tmp_path)
+    model, _ = load(path)
+    expected = mlx_lm_greedy(model, prompts, 6)
+    spec = read_model_spec(path)
+    stage = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
+    grouped: list[int] = []
+    evaluated_on: list[str] = []
+
+    def recording_batch_groups(chunks, *args):
+        groups = real_batch_groups(chunks, *args)
+        grouped.extend(len(group) for group in groups)
+        return groups
+
+    def recording_eval(*arrays):
+        evaluated_on.append(threading.current_thread().name)
+        return real_eval(*arrays)
+
+    real_batch_groups, real_eval = layer_stack.batch_groups, mx.eval
+    with InProcessPipeline([stage], launcher=True) as pipeline:
+        monkeypatch.setattr(layer_stack, "batch_groups", recording_batch_groups)
+        monkeypatch.setattr(mx, "eval", recording_eval)
+        outputs, _ = read_until_finished([pipeline.submit(prompt, 6) for prompt in prompts])
+        monkeypatch.undo()
+    assert max(grouped, default=0) >= 2, "no prompt chunks ran together"
+    assert evaluated_on == []
+    assert outputs == expected
+
+
 def test_sampling_with_penalties_and_logprobs_is_the_same_launched(tmp_path):
     """Seeded sampling, penalties (their counts carried on the device from step to step) and logprobs (read back
     while the next step launches) give the same tokens and logprobs with a launcher as without one."""
@@ -75,12 +115,14 @@ def test_sampling_with_penalties_and_logprobs_is_the_same_launched(tmp_path):
 
 def test_which_stages_use_a_launcher():
     plain = {"single_stage": True, "plain_kv_caches": True, "speculating": False, "recording": False}
-    assert launcher_wanted("on", **plain)
-    assert not launcher_wanted("off", **plain)
+    assert launcher_wanted("auto", "cuda", **plain)
+    assert not launcher_wanted("auto", "cpu", **plain) and not launcher_wanted("auto", "metal", **plain)
+    assert launcher_wanted("on", "cpu", **plain) and launcher_wanted("on", "metal", **plain)
+    assert not launcher_wanted("off", "cuda", **plain)
     for reason in ("single_stage", "plain_kv_caches"):
-        assert not launcher_wanted("on", **{**plain, reason: False})
+        assert not launcher_wanted("on", "cuda", **{**plain, reason: False})
     for reason in ("speculating", "recording"):
-        assert not launcher_wanted("on", **{**plain, reason: True})
+        assert not launcher_wanted("on", "cuda", **{**plain, reason: True})
 
 
 def test_launches_run_in_order_and_a_failed_one_is_raised_where_it_is_waited_for():

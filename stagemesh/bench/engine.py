@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
         def measure(model: StageModel, launch: bool | None = None) -> dict[str, dict]:
             """The runs on ``model``; ``launch``: with a launch thread or without (None: as a stage decides)."""
             if launch is None:
-                launch = launcher_wanted(settings.LAUNCH_THREAD, True, plain_kv_caches(model.new_caches()), False,
-                                         False)
+                launch = launcher_wanted(settings.LAUNCH_THREAD, backend, True, plain_kv_caches(model.new_caches()),
+                                         False, False)
             if not (args.compare_projections or args.compare_launch):
                 warm_up(model, warmup)
             else:

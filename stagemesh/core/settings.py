@@ -177,10 +177,10 @@ VARIABLES: dict[str, Variable] = {v.env_name.removeprefix("STAGEMESH_"): v for v
     Variable("STAGEMESH_DECODE_KERNEL", _choice("STAGEMESH_DECODE_KERNEL", "auto", ("auto", "off")),
              "a decode group's masked attention (rows of different lengths) as one kernel of stagemesh's own: "
              "auto (on CUDA, where MLX has no fused masked decode), off (mlx-lm's masked attention)"),
-    Variable("STAGEMESH_LAUNCH_THREAD", _choice("STAGEMESH_LAUNCH_THREAD", "off", ("off", "on")),
-             "on: a second host thread launches each step's kernels while the engine thread builds the next "
-             "(single-stage pipelines whose layers keep plain KV caches, without speculation; experimental: "
-             "docs/performance.md); off (the default)"),
+    Variable("STAGEMESH_LAUNCH_THREAD", _choice("STAGEMESH_LAUNCH_THREAD", "auto", AUTO_ON_OFF),
+             "a second host thread launches each step's kernels while the engine thread builds the next "
+             "(single-stage pipelines whose layers keep plain KV caches, without speculation): auto (on CUDA, "
+             "where it pays), on (on the CPU and Metal too, unmeasured there), off (the engine thread launches)"),
     Variable("STAGEMESH_ALL_EXPERTS_ROWS", _str("STAGEMESH_ALL_EXPERTS_ROWS", "auto"),
              "mixture-of-experts blocks run every expert on every row (one wide matmul) on calls of up to this "
              "many rows, mlx-lm's gathered experts above: auto (on CUDA, where it pays), off, or a row count"),
