@@ -26,7 +26,7 @@ two run in parallel. Figures: docs/performance.md ("A second host thread for lau
 
 Why the rule matters: MLX lets any thread evaluate a ``new_thread_unsafe_stream`` but guards nothing; the
 stream's command encoder is one object. An evaluation on the engine thread while the launcher's thread encodes
-(mlx-lm's ``BatchKVCache.extract`` evaluating its left padding, once) made two threads append to that
+(mlx-lm's ``BatchKVCache.extract`` evaluating its left padding) made two threads append to that
 encoder's buffers at once: a CUDA stage aborted with a corrupted heap under mixed traffic until the stage
 extracted rows itself. Why ``auto`` is CUDA only: on the CPU backend a step is bound by arithmetic, and on
 Metal the launcher is unmeasured.
