@@ -1,22 +1,12 @@
 """Stage health: how the coordinator probes a stage and judges the answer.
 
-- ``StageChannel`` holds one gRPC channel to a stage and issues, without
-  blocking, the two probes the coordinator needs: the standard
-  ``grpc.health.v1.Health/Check`` (service "") and ``stagemesh.v1.Stage/
-  GetStageInfo``. The channel reconnects fast (100 ms .. 1 s backoff) because
-  a stage's port appears a moment after its process starts and again after
-  every restart; gRPC's default backoff would grow to minutes.
-- ``judge(probe, ...)`` is the pure rule turning one probe into a verdict.
-  A stage whose process exited, whose host actor is gone, or that reports
-  FAILED has failed at once. While starting, anything short of SERVING is
-  just "starting" (the startup deadline is enforced elsewhere). Once serving,
-  a stage that is not SERVING (unreachable, slow, NOT_SERVING) is unhealthy
-  immediately but fails only after ``max_misses`` consecutive checks, so one
-  slow answer under load does not cost a whole replica; a frozen stage is
-  caught in ``max_misses`` intervals. DRAINING is an operator's choice: not
-  healthy (the gateway skips it), not a failure (no restart). A serving
-  stage that only missed checks is unhealthy too, but the gateway still uses
-  its replica when no replica is healthy (``MeshSnapshot.routable_replicas``).
+- ``StageChannel`` holds one gRPC channel to a stage and issues, without blocking, the two probes the
+  coordinator needs: the standard ``grpc.health.v1.Health/Check`` (service "") and
+  ``stagemesh.v1.Stage/GetStageInfo``; ``finish_probe`` collects them.
+- ``judge(probe, ...)`` is the pure rule turning one ``StageProbe`` into a ``Verdict`` and a reason: a stage
+  whose process exited, whose host is gone or that reports FAILED fails at once; a serving stage that stops
+  answering fails only after ``max_misses`` checks in a row.
+- ``info_view`` keeps the parts of ``stagemesh.v1.StageInfo`` the snapshot shows.
 
 What follows a failure (restart, backoff) is ``coordinator.supervision``'s.
 """
@@ -71,7 +61,15 @@ class StageProbe:
 
 
 def judge(probe: StageProbe, *, starting: bool, misses: int, max_misses: int) -> tuple[Verdict, str | None]:
-    """(verdict, reason); ``misses`` counts the consecutive non-serving checks before this one."""
+    """(verdict, reason); ``misses`` counts the consecutive non-serving checks before this one.
+
+    While starting, anything short of SERVING is just STARTING (the startup deadline is enforced elsewhere).
+    Once serving, a stage that is not SERVING (unreachable, slow, NOT_SERVING) is SUSPECT, unhealthy at once,
+    but fails only after ``max_misses`` consecutive checks, so one slow answer under load does not cost a whole
+    replica; a frozen stage is caught in ``max_misses`` intervals. DRAINING is an operator's choice: not
+    healthy (the gateway skips it), not a failure (no restart). A stage that only missed checks is unhealthy,
+    but the gateway still uses its replica when no replica is healthy (``MeshSnapshot.routable_replicas``).
+    """
     if probe.host_lost is not None:
         return Verdict.FAILED, f"its StageHost is gone ({probe.host_lost})"
     if probe.exit_code is not None:
@@ -91,8 +89,10 @@ def judge(probe: StageProbe, *, starting: bool, misses: int, max_misses: int) ->
 
 
 class StageChannel:
-    """A gRPC channel to one stage and its two probes (see the module docstring)."""
+    """A gRPC channel to one stage and its two probes, started without blocking (``start_probe``)."""
 
+    # Reconnect fast: a stage's port appears a moment after its process starts and again after every
+    # restart, and gRPC's default backoff would grow to minutes.
     _OPTIONS = [
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),

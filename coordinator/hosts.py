@@ -1,23 +1,11 @@
 """Where a replica's stages run: its placement group, StageHosts, GPUs, layer ranges and pipeline plan.
 
-``ReplicaHosts`` (one per mesh, sharing the coordinator's replicas and lock):
-
-- ``reserve(index, slots)``: one placement group for the replica (one
-  ``{"mlx": 1, "CPU": 0.01}`` bundle per stage) and a ``StageHost`` actor in
-  each bundle.
-- ``describe(replica)``: the address, Python and GPUs each host reports.
-- ``assign_gpus(replica)``: one GPU of its node per stage; the other replicas
-  keep theirs (caller holds the lock).
-- ``plan(replica)``: the replica's ``PipelinePlan`` from the addresses its
-  hosts advertise; with the model's facts the layer planner chooses the
-  ranges from each node's own memory (``memory_plans``), else the split is
-  even or ``--pp-layer-split``. A request that cannot fit raises ``PlanError``.
-- ``options(replica)``: each stage's ``StageOptions`` with the count of
-  stages sharing its node and GPU.
-- ``alive(replica)`` / ``place_again(replica, session)``: whether its hosts
-  still answer; if not, the nodes that lost theirs are avoided for
-  ``LOST_NODE_S`` and the replica is placed again on the cluster's live nodes
-  (``node_lost`` and ``replica_replaced`` events).
+``ReplicaHosts`` (one per mesh, sharing the coordinator's replicas and lock) offers ``reserve``,
+``describe``, ``assign_gpus``, ``plan``, ``options``, ``alive`` and ``place_again``. Each stage gets one
+GPU of its node without taking another replica's; a replica's ``PipelinePlan`` uses the addresses its hosts
+advertise, and a request that cannot fit raises ``PlanError``. A replica whose hosts stop answering is
+placed again on the cluster's live nodes, avoiding the lost nodes for ``LOST_NODE_S``. It is the
+coordinator's (``coordinator.mesh``) view of Ray; ``coordinator.launch`` starts the stages it placed.
 """
 
 from __future__ import annotations
@@ -65,12 +53,15 @@ class ReplicaHosts:
         self.memory_plans: dict[int, MemoryPlan] = {}  # replica -> its layer plan (with model_facts)
 
     def reserve(self, index: int, slots: Sequence[StageSlot]) -> LiveReplica:
+        """One placement group for replica ``index`` (one ``{"mlx": 1, "CPU": 0.01}`` bundle per stage) and a
+        ``StageHost`` actor in each bundle."""
         group = reserve_bundles(slots, self.config.placement_timeout_s, name=f"stagemesh-replica-{index}")
         stages = [LiveStage(index, slot, stage_host_actor(group, i, label=f"r{index}-s{slot.rank}"))
                   for i, slot in enumerate(slots)]
         return LiveReplica(index, group, stages, ReplicaRecord(index))
 
     def describe(self, replica: LiveReplica, timeout_s: float = ACTOR_START_S) -> None:
+        """Record the address, Python and GPUs each host of ``replica`` reports."""
         import ray
 
         infos = ray.get([s.actor.describe.remote() for s in replica.stages], timeout=timeout_s)
@@ -94,6 +85,11 @@ class ReplicaHosts:
             stage.gpu_index = gpu
 
     def plan(self, replica: LiveReplica) -> None:
+        """Set ``replica``'s ``PipelinePlan`` from the addresses its hosts advertise, and each stage's channel.
+
+        With the model's facts the layer planner chooses the ranges from each node's own memory
+        (``memory_plans``), else the split is even or ``--pp-layer-split``. A request that cannot fit raises
+        ``PlanError``."""
         cfg = self.config
         with self._lock:
             if any(s.gpu_index is None for s in replica.stages):  # new hosts (placed again), or no GPUs at all
@@ -119,11 +115,14 @@ class ReplicaHosts:
                 stage.compute_dtype = stage.compute_dtype or cfg.compute_dtype
 
     def options(self, replica: LiveReplica) -> list[StageOptions]:
+        """Each stage's ``StageOptions``, with the count of stages sharing its node and GPU."""
         return [stage_options(self.config, s.slot.node_id, self._stages_on_node(s.slot.node_id), s.gpu_index,
                               self._stages_on_gpu(s.slot.node_id, s.gpu_index))
                 for s in replica.stages]
 
     def alive(self, replica: LiveReplica) -> bool:
+        """Whether ``replica``'s hosts still answer; if not, the nodes that lost theirs are noted (``node_lost``
+        events) so ``place_again`` avoids them for ``LOST_NODE_S``."""
         try:
             self.describe(replica, timeout_s=ACTOR_CALL_S)
             return True
@@ -134,7 +133,8 @@ class ReplicaHosts:
             return False
 
     def place_again(self, replica: LiveReplica, session: RaySession | None) -> None:
-        """Place ``replica`` again on live nodes (its old host actors are gone)."""
+        """Place ``replica`` again on the cluster's live nodes (its old host actors are gone); journals
+        ``replica_replaced``."""
         import ray
 
         cfg = self.config
@@ -208,7 +208,7 @@ class ReplicaHosts:
         return plan.ranges(0)
 
     def _remember_lost_nodes(self, replica: LiveReplica) -> None:
-        """Note the nodes whose StageHost no longer answers, so placing again avoids them."""
+        """Note the nodes whose StageHost does not answer, so placing again avoids them."""
         import ray
 
         for stage in replica.stages:

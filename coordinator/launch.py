@@ -1,21 +1,10 @@
 """Start and stop a replica's stage processes through their StageHosts.
 
-``StageLauncher`` (one per mesh):
+``StageLauncher`` (one per mesh) offers ``start(replica, options)`` (all ranks together once their ports are
+free; their pids), ``stop_now`` (a broken replica), ``stop_orderly`` (entry stage first),
+``release`` (channels, actors, placement group) and ``log_tail(stage)`` for error messages.
 
-- ``start(replica, options)``: once every port of the replica's plan is free
-  on its host (at most ``PORTS_FREE_S``, else ``PlacementError`` naming the
-  ports), start all ranks together (the ring needs all of them; each waits
-  for its neighbours) and return their pids. ``stop()`` of the mesh while it
-  waits raises ``Stopping``.
-- ``stop_now(replica)``: a broken replica: SIGTERM every stage at once, SIGKILL
-  after a short grace.
-- ``stop_orderly(replica)``: SIGTERM the entry stage (it shuts its pipeline
-  down), then the rest, then SIGKILL stragglers.
-- ``release(replica)``: close its channels, kill its actors, remove its
-  placement group.
-- ``log_tail(stage)``: the end of a stage's log, for error messages.
-
-It changes no live record: the caller records pids and states under its lock.
+It changes no live record: the caller (``coordinator.mesh``) records pids and states under its lock.
 """
 
 from __future__ import annotations
@@ -46,7 +35,11 @@ class StageLauncher:
         self._clock = clock
 
     def start(self, replica: LiveReplica, options: Sequence[StageOptions]) -> list[int]:
-        """Start every rank of ``replica`` at once, once their ports are free; their pids."""
+        """Start every rank of ``replica`` at once, once their ports are free; their pids.
+
+        All ranks start together because the ring needs all of them (each waits for its neighbours). Ports
+        still busy after ``PORTS_FREE_S`` raise ``PlacementError`` naming them; the mesh's ``stop()`` while
+        this waits raises ``Stopping``."""
         import ray
 
         plan = replica.plan
@@ -83,6 +76,7 @@ class StageLauncher:
         ], timeout=ACTOR_CALL_S)
 
     def stop_now(self, replica: LiveReplica) -> None:
+        """A broken replica: SIGTERM every stage at once, SIGKILL after a short grace."""
         import ray
 
         grace = min(2.0, self.config.stop_grace_s)
@@ -95,6 +89,7 @@ class StageLauncher:
                 log.warning("%s: could not stop it through its StageHost (%s)", stage.name, type(exc).__name__)
 
     def stop_orderly(self, replica: LiveReplica) -> None:
+        """SIGTERM the entry stage (it shuts its pipeline down), then the rest, then SIGKILL stragglers."""
         import ray
 
         if not replica.stages:
@@ -123,6 +118,7 @@ class StageLauncher:
                 log.info("%s: stopped (exit %s)", stage.name, code)
 
     def release(self, replica: LiveReplica) -> None:
+        """Close ``replica``'s channels, kill its actors and remove its placement group."""
         import ray
 
         for stage in replica.stages:
@@ -136,6 +132,7 @@ class StageLauncher:
             release_bundles(replica.group)
 
     def log_tail(self, stage: LiveStage, lines: int = 20) -> str:
+        """The end of ``stage``'s log, for error messages."""
         import ray
 
         try:

@@ -1,54 +1,16 @@
 """Layer planner: which contiguous layers each stage holds, so that every stage fits its node's memory.
 
-A pure function over plain values (no Ray, no MLX), so a plan is previewed by
-``stagemesh plan`` and tested with made-up clusters:
+``plan_pipeline`` (one replica) and ``plan_mesh`` (every replica: a ``MemoryPlan``) are pure functions over
+plain values, no Ray and no MLX: the nodes' facts (``StageSeat``), the model's (``ModelFacts``) and the
+request (``PlanRequest``). ``format_plan`` prints a plan; ``largest_max_model_len`` finds the longest context
+that fits. ``coordinator.hosts`` plans before launching; ``coordinator.plan_preview`` serves ``stagemesh plan``.
 
-- the nodes' facts (``StageSeat``: the ``NodeMemory`` each node reported about
-  itself, and how many stages share its memory),
-- the model's facts (``stagemesh.core.memory.ModelFacts``),
-- the request (``PlanRequest``: ``--max-model-len``, ``--max-num-seqs``,
-  ``--memory-fraction``, ``--dtype``, ``--pp-layer-split``).
-
-The rule a stage must meet is the stage's own (``stage_worker.memory``): its
-weights, KV for one full-length sequence (``--max-model-len`` positions,
-counted as ``stagemesh.core.memory.StageKV`` counts them) and the runtime
-allowance fit its budget (``stagemesh.core.memory.budget_for``). The planner
-asks for more: ``HEADROOM_FRACTION`` of each budget left over, so that no stage
-is packed to the brim and every stage holds KV beyond a single sequence.
-Whatever is left becomes the stage's KV capacity in tokens (the pipeline's is
-its smallest stage's), computed exactly as the stage computes it.
-
-Every slice is sized exactly, layer by layer (``ModelFacts.layer_sizes``: dense
-first layers beside expert layers, linear-attention layers beside attention
-ones) and KV by layer kind (``ModelFacts.kv_layers``): a full-context layer's
-keys and values (MLA's latent) per position, a sliding-window layer's bounded
-by its window per sequence, a linear-attention layer's recurrent state a fixed
-size per sequence; windows and states count for ``--max-num-seqs`` sequences.
-
-Among the splits that fit, it chooses the one whose slowest stage is fastest:
-a stage's time per token is its layers' weight bytes over its node's speed
-(decoding reads every weight once per step; ``STAGEMESH_NODE_SPEED``, 1 when
-unknown). Ties go to the split with the most KV capacity in the pipeline's
-smallest stage, then to earlier stages holding more layers. With equal nodes,
-equal layers and room to spare that is the even split, or one layer from it.
-``--pp-layer-split`` overrides the choice and is checked by the same rule.
-
-A request that cannot fit raises ``PlanError`` before anything loads: which
-stage is short by how many GB, the largest ``--max-model-len`` that would fit,
-and how many more nodes of which size would make it fit.
-
-With a draft model (``PlanRequest.draft``, ``stagemesh.core.memory.DraftFacts``), each replica's first stage
-also holds the draft's weights and KV for the sequences that may speculate, counted like its own weights
-before its KV capacity, as the stage counts it.
-
-Beyond the windows and states it holds for each of them, ``--max-num-seqs``
-does not change what must fit: like vLLM, a stage must hold one full-length
-sequence of positions, and the scheduler admits sequences while the
-pipeline's KV capacity lasts (requests queue beyond it). The plan reports how
-many full-length sequences fit at once, and the ``--max-num-seqs`` or
-``--max-model-len`` that would let every running sequence reach full length.
+A stage must fit its weights, KV for one ``--max-model-len`` sequence and the runtime in its budget, as the
+stage itself counts them (``stage_worker.memory``), and keep ``HEADROOM_FRACTION`` free; the rest is its KV
+capacity. Among the splits that fit, the planner picks the one whose slowest stage is fastest;
+``--pp-layer-split`` overrides the choice and is checked by the same rule. A request that cannot fit raises
+``PlanError`` before anything loads, with the numbers and the ways out.
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -97,6 +59,18 @@ class StageSeat:
 
 @dataclass(frozen=True)
 class PlanRequest:
+    """What the user asked for: ``--max-model-len``, ``--max-num-seqs``, ``--memory-fraction``, ``--dtype``,
+    ``--pp-layer-split`` and the draft model.
+
+    Beyond the sliding windows and recurrent states a stage holds for each sequence, ``max_num_seqs`` does not
+    change what must fit: like vLLM, a stage must hold one full-length sequence of positions, and the scheduler
+    admits sequences while the pipeline's KV capacity lasts (requests queue beyond it). The plan reports how
+    many full-length sequences fit at once, and the ``--max-num-seqs`` or ``--max-model-len`` that would let
+    every running sequence reach full length. With a ``draft``, each replica's first stage also holds the
+    draft's weights and KV for the sequences that may speculate, counted like its own weights before its KV
+    capacity, as the stage counts it.
+    """
+
     max_model_len: int
     max_num_seqs: int = defaults.MAX_NUM_SEQS
     memory_fraction: float = defaults.MEMORY_FRACTION
@@ -174,7 +148,14 @@ class MemoryPlan:
 
 class _Layers:
     """Prefix sums over the model's layers, so any slice's weights and KV cost O(1) (the split search asks
-    for many slices). ``kv`` equals ``ModelFacts.slice_kv``, the count the stage sizes its KV by."""
+    for many slices). ``kv`` equals ``ModelFacts.slice_kv``, the count the stage sizes its KV by.
+
+    Every slice is sized exactly, layer by layer (``ModelFacts.layer_sizes``: dense first layers beside
+    expert layers, linear-attention layers beside attention ones), and KV by layer kind
+    (``ModelFacts.kv_layers``): a full-context layer's keys and values (MLA's latent) per position, a
+    sliding-window layer's bounded by its window per sequence, a linear-attention layer's recurrent state a
+    fixed size per sequence; windows and states count for ``--max-num-seqs`` sequences.
+    """
 
     def __init__(self, model: ModelFacts) -> None:
         self.model = model
@@ -210,7 +191,14 @@ def _prefix(values: Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class _Cost:
-    """One stage's seat under the request: what any slice of layers costs there."""
+    """One stage's seat under the request: what any slice of layers costs there.
+
+    A slice fits when its weights, KV for one full-length sequence (counted as
+    ``stagemesh.core.memory.StageKV`` counts it) and the runtime allowance stay within ``allowed``: the
+    budget (``stagemesh.core.memory.budget_for``) less ``HEADROOM_FRACTION``, so that no stage is packed to
+    the brim and every stage holds KV beyond a single sequence. Whatever is left becomes the stage's KV
+    capacity (``tokens``), computed exactly as the stage computes it.
+    """
 
     layers: _Layers
     budget: int
@@ -323,7 +311,12 @@ def _within(cost: _Cost, start: int, end: int, max_model_len: int, time_limit: f
 
 def _choose(costs: Sequence[_Cost], num_layers: int, max_model_len: int) -> list[int] | None:
     """Layer counts per stage minimising the slowest stage's time, then maximising the smallest stage's KV
-    capacity; None when no split fits."""
+    capacity; None when no split fits.
+
+    A stage's time per token is its layers' weight bytes over its node's speed (decoding reads every weight
+    once per step; ``STAGEMESH_NODE_SPEED``, 1 when unknown). Remaining ties go to earlier stages holding
+    more layers. With equal nodes, equal layers and room to spare that is the even split, or one layer from it.
+    """
     if _greedy(costs, num_layers, max_model_len) is None:
         return None
     # The slowest stage's time is one stage's time over some slice: search those values for the least that fits.
@@ -432,6 +425,8 @@ def _split_flag(counts: Sequence[int]) -> str:
 
 def _refusal(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest, costs: Sequence[_Cost],
              replica: int) -> str:
+    """``PlanError``'s message: which stage is short by how many GB, the largest ``--max-model-len`` that
+    would fit, and how many more nodes of which size would make it fit."""
     length = request.max_model_len
     caps = [c.most_layers(model.num_layers, length) for c in costs]
     lines = [f"the model's {model.num_layers} layers with --max-model-len {length} do not fit "

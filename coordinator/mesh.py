@@ -1,30 +1,15 @@
 """MeshCoordinator: bring the mesh up with Ray, keep every replica serving, take it down.
 
-It wires the jobs, each in its own module: ``config`` (``MeshConfig``),
-``hosts`` (placement groups, StageHosts, GPUs, plans), ``launch`` (stage
-processes), ``checks`` (one health check), ``supervision`` (the pure rule for
-what to do next) and ``publish`` (the snapshot and its events).
+``MeshCoordinator(config)`` offers ``start()``, ``snapshot()`` (the current immutable ``MeshSnapshot``, from
+any thread) and ``stop()`` (idempotent; afterwards no stage process runs and no stage port is bound). A start
+that fails stops everything and raises ``MeshStartError`` (naming the stage, with its log tail),
+``PlacementError`` or ``PlanError``. Once started, each replica is supervised: a failed stage takes its whole
+replica down, and the replica starts again after its backoff.
 
-- ``start()``: join ``RAY_ADDRESS`` or start a loopback Ray, place ``P * D``
-  stages, plan every replica, start all ranks of each replica together and
-  wait until every stage's gRPC health says SERVING. Any failure stops
-  everything and raises: ``MeshStartError`` naming the failing stage with its
-  log tail (a replica that never served is given up, never retried),
-  ``PlacementError`` or ``PlanError``.
-- Supervision: one thread per replica asks ``supervision.next_action`` and
-  carries it out. While the replica serves, it checks its stages every
-  ``health_interval_s``; a failed stage (exited, host gone, FAILED, or not
-  serving for ``unhealthy_after_misses`` checks) takes the whole replica down
-  at once (a broken ring cannot be repaired in place), and after the backoff
-  (``config.backoff``) the replica starts again with the same plan, placed
-  again if its hosts are gone. A replica that has served is restarted forever.
-- ``snapshot()``: the current ``MeshSnapshot`` (immutable; any thread).
-- ``stop()``: SIGTERM the entry stage of each replica first (it stops its
-  pipeline cleanly), then the rest, SIGKILL stragglers, kill the actors,
-  remove the placement groups, and shut down a Ray it started. Idempotent;
-  afterwards no stage process runs and no stage port is bound.
+It wires the jobs, each in its own module: ``config`` (``MeshConfig``), ``hosts`` (placement groups,
+StageHosts, GPUs, plans), ``launch`` (stage processes), ``checks`` (one health check), ``supervision`` (the
+pure rule for what to do next) and ``publish`` (the snapshot and its events). ``stagemesh serve`` drives it.
 """
-
 from __future__ import annotations
 
 import atexit
@@ -74,7 +59,14 @@ class MeshStartError(RuntimeError):
 
 
 class MeshCoordinator:
-    """Runs the mesh described by a ``MeshConfig`` (see the module docstring)."""
+    """Runs the mesh described by a ``MeshConfig``.
+
+    Supervision: one thread per replica asks ``supervision.next_action`` and carries it out. While the replica
+    serves, it checks its stages every ``health_interval_s``; a failed stage (exited, host gone, FAILED, or not
+    serving for ``unhealthy_after_misses`` checks) takes the whole replica down at once (a broken ring cannot be
+    repaired in place), and after the backoff (``config.backoff``) the replica starts again with the same plan,
+    placed again if its hosts are gone. A replica that has served is restarted forever.
+    """
 
     def __init__(self, config: MeshConfig, *, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
@@ -104,7 +96,12 @@ class MeshCoordinator:
         return self._publisher.snapshot()
 
     def start(self) -> MeshSnapshot:
-        """Bring every stage up and start supervising; raises ``MeshStartError`` or ``PlacementError``."""
+        """Bring every stage up and start supervising; raises ``MeshStartError``, ``PlacementError`` or
+        ``PlanError``.
+
+        Joins ``RAY_ADDRESS`` or starts a loopback Ray, places ``P * D`` stages, plans every replica, starts all
+        ranks of each replica together and waits until every stage's gRPC health says SERVING. Any failure stops
+        everything; a replica that never served is given up, never retried."""
         if self._session is not None or self._stopped:
             raise RuntimeError("MeshCoordinator.start() may be called once")
         cfg = self.config
@@ -150,7 +147,10 @@ class MeshCoordinator:
         return self.snapshot()
 
     def stop(self) -> None:
-        """Stop every stage, the actors, the placement groups and a Ray we started. Idempotent."""
+        """Stop every stage, the actors, the placement groups and a Ray we started. Idempotent.
+
+        The entry stage of each replica gets SIGTERM first (it stops its pipeline cleanly), then the rest;
+        stragglers get SIGKILL. Afterwards no stage process runs and no stage port is bound."""
         with self._stop_lock:
             if self._stopped:
                 return

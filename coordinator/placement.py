@@ -1,24 +1,15 @@
 """Placement: which Ray node hosts each (replica, rank), and the plans that follow.
 
-Pure functions over plain values (no Ray), so every decision is unit-tested
-with made-up clusters:
+Pure functions over plain values (no Ray), so every decision is unit-tested with made-up clusters:
 
-- ``place_stages(nodes, P, D)`` gives each of the ``P * D`` stages one ``mlx``
-  unit. Rank 0 of every replica goes to the head node (where the gateway and
-  coordinator run, so the hop gateway -> entry stage stays local) while it has
-  units; a replica's other ranks go to distinct nodes when possible (PP exists
-  for models too big for one Mac, so two ranks of one replica on one node is
-  the fallback, not the goal). Too few units raise ``PlacementError`` saying
-  how many there are and how to add some.
-- ``assign_gpus(nodes, gpu_counts, held)`` gives each stage one GPU of its
-  node (a node with several NVIDIA GPUs): round robin, so a stage's GPU is its
-  ordinal among the stages on its node modulo the node's GPU count.
-- ``pipeline_plan(replica, hosts, ...)`` builds one replica's ``PipelinePlan``:
-  global stage index ``g = replica * P + rank`` fixes its ports
-  (``stagemesh.core.ports``), ``hosts[rank]`` is the address that stage's node
-  advertises.
+- ``place_stages(nodes, P, D)`` gives each of the ``P * D`` stages one ``mlx`` unit of a node; too few
+  units raise ``PlacementError`` saying how many there are and how to add some.
+- ``assign_gpus(nodes, gpu_counts, held)`` gives each stage one GPU of its node.
+- ``pipeline_plan(replica, hosts, ...)`` builds one replica's ``PipelinePlan``: global stage index
+  ``g = replica * P + rank`` fixes its ports (``stagemesh.core.ports``), ``hosts[rank]`` is the address that
+  stage's node advertises.
+- ``without_lost_nodes`` and ``check_port_ranges`` serve placing again and the port flags.
 """
-
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -126,9 +117,13 @@ def place_stages(
     local: bool = False,
     head_address: str | None = None,
 ) -> Placement:
-    """Choose a node for every (replica, rank); see the module docstring for the rules.
+    """Choose a node for every (replica, rank), one ``mlx`` unit each.
 
-    ``local`` and ``head_address`` only shape the error message.
+    Rank 0 of every replica goes to the head node (where the gateway and coordinator run, so the hop
+    gateway -> entry stage stays local) while it has units; a replica's other ranks go to distinct nodes
+    when possible (PP exists for models too big for one Mac, so two ranks of one replica on one node is the
+    fallback, not the goal). Too few units raise ``PlacementError``; ``local`` and ``head_address`` only
+    shape its message.
     """
     pp, dp = pipeline_parallel_size, data_parallel_size
     _check_sizes(pp, dp)

@@ -1,33 +1,15 @@
 """Ray at the edges: join or start a cluster, read its nodes, reserve bundles, shut down.
 
-- ``connect_ray(units)``: with ``RAY_ADDRESS`` (or an explicit address) join
-  that cluster; with Ray already initialised in this process, use it as is;
-  otherwise start a private local Ray **on loopback only** with ``units``
-  ``mlx`` units and no dashboard. Two Ray quirks make "loopback only" need
-  more than ``_node_ip_address="127.0.0.1"`` (both hold for ray 2.60 on
-  Linux):
-
-  * Ray rewrites a loopback node address to the machine's outward interface
-    (``resolve_ip_for_localhost``) unless clusters are disabled, which it does
-    by default only on macOS and Windows. Starting with
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps the node on 127.0.0.1 and
-    every Ray listener (GCS, raylet, workers) bound to 127.0.0.1.
-  * ``ray.init()`` without an address attaches to any Ray already running on
-    the machine; ``address="local"`` always starts our own.
-
-  The started node's address is checked afterwards and a non-loopback one is
-  refused rather than silently used. A local start Ray gives up on (its own
-  30 s waits for its daemons, which a busy machine can pass) is tried once
-  more, with Ray's wait for the GCS raised to 120 s.
+- ``connect_ray(units)``: join ``RAY_ADDRESS`` (or an explicit address), use a Ray already initialised in
+  this process as is, or start a private local Ray **on loopback only** with ``units`` ``mlx`` units and no
+  dashboard; a local node that comes up on another address is refused rather than silently used.
 - ``cluster_nodes()``: the live nodes as ``placement.ClusterNode`` values.
-- ``reserve_bundles(slots)``: a placement group with one ``{"mlx": 1, "CPU":
-  0.01}`` bundle per slot, each pinned to its slot's node (label
-  ``ray.io/node-id``), ready within ``timeout_s`` or a ``PlacementError``
-  that says what is missing; never Ray's silent pending-forever.
-- ``disconnect(session)``: ``ray.shutdown()`` if we called ``ray.init()``
-  (which also stops a local Ray we started).
+- ``reserve_bundles(slots, timeout_s)``: a placement group with one ``{"mlx": 1, "CPU": 0.01}`` bundle per
+  slot, each pinned to its slot's node (label ``ray.io/node-id``), ready within ``timeout_s`` or a
+  ``PlacementError`` that says what is missing; never Ray's silent pending-forever.
+- ``disconnect(session)``: ``ray.shutdown()`` if we called ``ray.init()`` (which also stops a local Ray we
+  started).
 """
-
 from __future__ import annotations
 
 import logging
@@ -70,7 +52,15 @@ class RaySession:
 
 @contextmanager
 def loopback_only() -> Iterator[None]:
-    """Keep a locally started Ray on 127.0.0.1 (see the module docstring)."""
+    """Keep a locally started Ray on 127.0.0.1.
+
+    Two Ray quirks make "loopback only" need more than ``_node_ip_address="127.0.0.1"`` (both hold for ray
+    2.60 on Linux). Ray rewrites a loopback node address to the machine's outward interface
+    (``resolve_ip_for_localhost``) unless clusters are disabled, which it does by default only on macOS and
+    Windows; ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps the node on 127.0.0.1 and every Ray listener (GCS,
+    raylet, workers) bound to 127.0.0.1. And ``ray.init()`` without an address attaches to any Ray already
+    running on the machine, so ``connect_ray`` starts its own with ``address="local"``.
+    """
     from ray._private import ray_constants
 
     saved_env = os.environ.get(_CLUSTER_SWITCH)
@@ -99,7 +89,7 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
     # private mesh has nothing to report.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # A mesh runs actors only (a StageHost per stage, each on a worker of its own), so the idle task workers a
-    # raylet starts for its first driver would only take CPU and memory (about 0.8 CPU s and 40 MB each).
+    # raylet starts for its first driver would only take CPU and memory (docs/performance.md has the figures).
     os.environ.setdefault(NO_PRESTART_ENV, "0")
     if address:
         # A cluster on loopback (one machine, tests) needs the same guard, or Ray

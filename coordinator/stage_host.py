@@ -1,40 +1,16 @@
 """StageHost: the Ray actor that owns one stage process on one node.
 
-One ``StageHost`` sits in each placement-group bundle (``{"mlx": 1, "CPU":
-0.01}``). It is deliberately thin: the stage itself is a subprocess
-(``python -m stage_worker.stage_process ... --serve``), never the actor,
-because MLX's ring cannot be re-created inside a process (a broken pipeline
-needs fresh processes) and because it keeps Ray's worker out of the stage's
-memory and CPU budget.
+One ``StageHost`` sits in each placement-group bundle. It is deliberately thin: the stage itself is a
+subprocess (``python -m stage_worker --launch FILE``), never the actor, because MLX's ring cannot be
+re-created inside a process (a broken pipeline needs fresh processes) and because it keeps Ray's worker out
+of the stage's memory and CPU budget.
 
-Contract (every method returns quickly; nothing here blocks on the stage):
-
-- ``describe()`` -> ``HostInfo``: the node id, the address the stage must
-  advertise (``STAGEMESH_HOST_IP`` from this node's environment, else the
-  address the node registered with Ray: its ``NodeManagerAddress``; never
-  ``ray.util.get_node_ip_address()``, which names the outward interface even
-  for a node started on 127.0.0.1), Python / MLX / stagemesh versions, and how
-  many NVIDIA GPUs its stages may be spread over (``stagemesh.core.gpus``: the
-  entries of ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``'s GPUs; 0 on a
-  Mac or a CPU node).
-- ``node_memory()`` -> ``stagemesh.core.memory.NodeMemory``: this node's
-  backend, device and memory as a stage here will see them (MLX's recommended
-  working set on Metal, the GPU's memory on CUDA, the host's on the CPU, and
-  ``STAGEMESH_NODE_MEMORY`` / ``STAGEMESH_NODE_SPEED``), for the layer
-  planner. Read by ``python -m stage_worker.node_probe`` in a subprocess: the
-  coordinator may not import the stage worker, and the subprocess has the
-  environment and MLX a stage started here has. Asked once, then cached.
-- ``start(plan_json, rank, args)`` writes the plan to a temp file on this
-  node, starts the stage with its output in a log file there, returns its pid.
-- ``poll()`` -> exit code or None; ``terminate()`` sends SIGTERM and returns;
-  ``stop(grace_s)`` sends SIGTERM, waits, then SIGKILLs; ``log_tail()``.
-- ``busy_ports(host, ports)``: which of ``ports`` cannot be bound on this node
-  right now (a restart waits for its old ports to be released).
-
-The class is plain Python: tests use it directly without Ray;
+Contract (every method returns quickly; nothing here blocks on the stage): ``describe()`` (``HostInfo``: the
+address the stage must advertise, versions, GPUs), ``node_memory()`` (for the layer planner),
+``start(launch_json)`` (the stage's pid), ``poll()``, ``terminate()``, ``stop(grace_s)``, ``log_tail()`` and
+``busy_ports(host, ports)``. The class is plain Python: tests use it directly without Ray;
 ``stage_host_actor`` wraps it as an actor in a given bundle.
 """
-
 from __future__ import annotations
 
 import importlib.metadata
@@ -144,7 +120,7 @@ def stage_env(base: Mapping[str, str]) -> dict[str, str]:
 
 
 class StageHost:
-    """Owns at most one stage process at a time (see the module docstring)."""
+    """Owns at most one stage process at a time; every method returns quickly."""
 
     def __init__(self, label: str = "stage") -> None:
         self._label = label
@@ -158,6 +134,13 @@ class StageHost:
     # -- identity -------------------------------------------------------------
 
     def describe(self) -> HostInfo:
+        """``HostInfo``: the node id, the address the stage must advertise, versions and GPU count.
+
+        The address is ``STAGEMESH_HOST_IP`` from this node's environment, else the address the node registered
+        with Ray (``advertised_host``); never ``ray.util.get_node_ip_address()``, which names the outward
+        interface even for a node started on 127.0.0.1. The GPUs are those its stages may be spread over
+        (``stagemesh.core.gpus``: the entries of ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``'s GPUs; 0 on
+        a Mac or a CPU node)."""
         import ray  # only inside an actor; plain use (tests) goes through describe_local
 
         node_id = ray.get_runtime_context().get_node_id()
@@ -175,7 +158,12 @@ class StageHost:
         )
 
     def node_memory(self, command: Sequence[str] = NODE_PROBE_COMMAND) -> NodeMemory:
-        """This node's memory and backend as a stage here sees them (see the module docstring)."""
+        """This node's memory and backend as a stage here sees them, for the layer planner.
+
+        MLX's recommended working set on Metal, the GPU's memory on CUDA, the host's on the CPU, and
+        ``STAGEMESH_NODE_MEMORY`` / ``STAGEMESH_NODE_SPEED``. Read by ``python -m stage_worker.node_probe`` in a
+        subprocess: the coordinator may not import the stage worker, and the subprocess has the environment and
+        MLX a stage started here has. Asked once, then cached."""
         if self._memory is None:
             try:
                 done = subprocess.run([sys.executable, *command], capture_output=True, text=True,
@@ -265,6 +253,7 @@ class StageHost:
     # -- ports ----------------------------------------------------------------
 
     def busy_ports(self, host: str, ports: Sequence[int]) -> list[int]:
+        """Which of ``ports`` cannot be bound on this node right now (a restart waits for its old ports)."""
         return busy_ports(host, ports)
 
 

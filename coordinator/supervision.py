@@ -1,26 +1,17 @@
 """Supervision of a replica: facts in a frozen record, the next step from one pure function.
 
 Contract:
-- ``ReplicaRecord`` is what the supervisor knows of one replica: its ``Phase``
-  and since when, its restarts, its failures in a row, whether it ever served
-  and why it last went down. The transitions (``restarting``, ``serving``,
-  ``failed``, ``given_up``, ``stopped``) each return a new record; nothing
-  here mutates, sleeps or reads a clock.
-- ``next_action(record, now, policy)`` is the one decision, like exo's
-  ``plan()``: ``Restart`` the replica now, ``WaitUntil`` a time, ``GiveUp``, or
-  ``Nothing`` (keep checking its health). The caller carries it out, records
-  what happened with a transition, and asks again.
-- The rule: a replica that never served gives up (a model or setting that
-  cannot load: ``stagemesh serve`` fails at start with the reason). A replica
-  that has served is restarted forever. The first restart of a streak of
-  failures is immediate; the n-th waits ``base_s * 2 ** (n - 2)`` seconds, at
-  most ``cap_s``. Serving ``stable_after_s`` in one go ends the streak.
-- ``replica_state`` and ``pending_restart`` are how a record reads in
-  ``GET /mesh`` (``ReplicaState``, the backoff and when it ends).
-
-Times are the caller's monotonic seconds.
+- ``ReplicaRecord`` is what the supervisor knows of one replica; the transitions (``restarting``,
+  ``serving``, ``failed``, ``given_up``, ``stopped``) each return a new record. Nothing here mutates, sleeps
+  or reads a clock; times are the caller's monotonic seconds.
+- ``next_action(record, now, policy)`` is the one decision: ``Restart``, ``WaitUntil``, ``GiveUp`` or
+  ``Nothing``. The caller (``coordinator.mesh``) carries it out, records what happened with a transition,
+  and asks again.
+- A replica that never served gives up; one that has served is restarted forever, after a backoff that
+  grows with its failures in a row (``BackoffPolicy``).
+- ``replica_state`` and ``pending_restart`` are how a record reads in ``GET /mesh`` (``ReplicaState``, the
+  backoff and when it ends).
 """
-
 from __future__ import annotations
 
 import enum
@@ -107,6 +98,14 @@ def failures_in_a_row(record: ReplicaRecord, now: float, policy: BackoffPolicy) 
 
 
 def next_action(record: ReplicaRecord, now: float, policy: BackoffPolicy) -> Action:
+    """The one decision, like exo's ``plan()``: ``Restart`` the replica now, ``WaitUntil`` a time, ``GiveUp``,
+    or ``Nothing`` (keep checking its health).
+
+    A replica that never served gives up (a model or setting that cannot load: ``stagemesh serve`` fails at
+    start with the reason). A replica that has served is restarted forever. The first restart of a streak of
+    failures is immediate; the n-th waits ``base_s * 2 ** (n - 2)`` seconds, at most ``cap_s``
+    (``backoff_delay``). Serving ``stable_after_s`` in one go ends the streak (``failures_in_a_row``).
+    """
     if record.phase is not Phase.DOWN:
         return Nothing()
     if not record.ever_served:

@@ -1,45 +1,16 @@
 #!/usr/bin/env python3
 """The one source of truth for how a stagemesh node runs its services.
 
-Three services make a two-Mac mesh (and an N-Mac one: more workers):
+Three services make a mesh of Macs, each described once as data (``SERVICES``: program arguments and
+environment with ``{placeholders}``): ``head`` (Mac A: ``ray start --head --block``), ``worker`` (Mac B, C..:
+``ray start --address HEAD:6379 --block``), both pinned to the Thunderbolt address, and ``serve`` (Mac A:
+``stagemesh serve`` joining that cluster through ``RAY_ADDRESS``). From that description this script
 
-- ``head``   (Mac A) ``ray start --head --block`` pinned to the Thunderbolt address, one ``mlx`` unit;
-- ``worker`` (Mac B..) ``ray start --address HEAD:6379 --block`` pinned likewise;
-- ``serve``  (Mac A) ``stagemesh serve`` joining that cluster (``RAY_ADDRESS``).
-
-Each is described once, as data (``SERVICES``): program arguments and environment
-with ``{placeholders}``. From that description this script
-
-- renders launchd plists (``--out DIR``; ``--print plist``), which is how
-  ``deploy/two-mac/mesh.sh`` installs the services on macOS;
-- runs the very same command in the foreground (``--exec``: same argv, same
-  environment on top of the caller's, output appended to the same log file),
-  which is how ``mesh.sh`` drives Linux nodes and the tests;
-- validates plists (``--check FILE...``: ``plistlib`` plus the keys and values
-  a service needs; ``plutil -lint`` too where it exists);
-- writes the example sets in ``deploy/launchd/`` (``--examples DIR``).
-
-What every service carries, and why (the pitfalls of multi-Mac Ray + MLX):
-
-- ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1``: Ray refuses multi-node clusters on
-  macOS without it (and pins itself to loopback).
-- ``RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor`` on whatever joins a cluster
-  (worker, the serve driver): Ray otherwise refuses a node whose Python patch
-  version differs from the head's.
-- ``STAGEMESH_HOST_IP`` = the node's Thunderbolt address, on ``ray start`` (its
-  raylet passes it to the stage hosts, which advertise it for the ring and
-  gRPC) and ``--node-ip-address`` to the same address (Ray's own traffic).
-- ``--resources={"mlx": N}``: stagemesh places one stage per ``mlx`` unit.
-- ``STAGEMESH_RING_BASE_PORT`` / ``STAGEMESH_GRPC_BASE_PORT``: the same on every node.
-- ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH``: Ray 2.60 turns token
-  authentication on for a head that finds ``~/.ray/auth_token``; a worker
-  without the same token cannot join ("Authentication token is missing or
-  incorrect"), so the mode and the token file are explicit on every node.
-- ``--block``: launchd supervises the process it started; a ``ray start`` that
-  daemonizes and exits would be restarted in a loop.
-- KeepAlive, RunAtLoad, ``ProcessType=Interactive`` (no App Nap / background
-  QoS throttling of inference), logs under ``~/Library/Logs/stagemesh``, the
-  venv's absolute paths (launchd has no shell, no PATH, no activated venv).
+- renders launchd plists (``--out DIR``; ``--print plist``), which is how ``deploy/two-mac/mesh.sh``
+  installs the services on macOS;
+- runs the very same command in the foreground (``--exec``: same argv, same environment on top of the
+  caller's, output appended to the same log file), which is how ``mesh.sh`` drives Linux nodes and the tests;
+- validates plists (``--check FILE...``) and writes the example sets in ``deploy/launchd/`` (``--examples DIR``).
 """
 
 from __future__ import annotations
@@ -88,6 +59,23 @@ class ServiceSpec:
     throttle_s: int = 10
 
 
+# What every service carries, and why (the pitfalls of multi-Mac Ray + MLX):
+# - RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1: Ray refuses multi-node clusters on macOS without it (and pins itself
+#   to loopback).
+# - RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL=minor on whatever joins a cluster (worker, the serve driver): Ray
+#   otherwise refuses a node whose Python patch version differs from the head's.
+# - STAGEMESH_HOST_IP = the node's Thunderbolt address, on `ray start` (its raylet passes it to the stage hosts,
+#   which advertise it for the ring and gRPC), and --node-ip-address to the same address (Ray's own traffic).
+# - --resources={"mlx": N}: stagemesh places one stage per mlx unit.
+# - STAGEMESH_RING_BASE_PORT / STAGEMESH_GRPC_BASE_PORT: the same on every node.
+# - RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (``Settings.environment``): Ray 2.60 turns token authentication
+#   on for a head that finds ~/.ray/auth_token; a worker without the same token cannot join ("Authentication
+#   token is missing or incorrect"), so the mode and the token file are explicit on every node.
+# - --block: launchd supervises the process it started; a `ray start` that daemonizes and exits would be
+#   restarted in a loop.
+# - In the plist (``Settings.plist``): KeepAlive, RunAtLoad, ProcessType=Interactive (no App Nap / background
+#   QoS throttling of inference), logs under ~/Library/Logs/stagemesh, the venv's absolute paths (launchd has
+#   no shell, no PATH, no activated venv).
 _COMMON_ENV = (
     ("PATH", "{venv}/bin:/usr/bin:/bin:/usr/sbin:/sbin"),
     ("PYTHONUNBUFFERED", "1"),

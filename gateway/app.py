@@ -1,26 +1,14 @@
 """The gateway's FastAPI app: the factory and its routes, nothing else.
 
-Contract::
-
-    app = create_app(GatewayConfig(served_model_name=..., max_model_len=..., api_keys=(...)),
-                     mesh=mesh_view, tokenizer=tok, eos_token_ids=frozenset({2}))
-
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and
-not), Anthropic's ``POST /v1/messages`` (and ``/v1/messages/count_tokens``;
-``gateway.anthropic``) and OpenAI's ``POST /v1/responses`` (and
-``/v1/responses/input_tokens``; ``gateway.openai_responses``), both run through
-the chat endpoint's checks and generation, ``GET /v1/models`` (and
-``/v1/models/{id}``), ``GET /health`` (200 when at least one replica is
-healthy, else 503), ``GET /mesh`` (the coordinator's snapshot,
-``MeshSnapshot.to_json()``), ``GET /metrics`` (Prometheus, this app's own
-registry), ``POST /tokenize`` / ``/detokenize`` and ``GET /version``
-(``gateway.tokenize_routes``), ``GET /`` (the dashboard) and ``GET
-/dashboard/live`` (its data; ``gateway.dashboard``). ``/v1/*`` and
-``/dashboard/live`` require a key when ``api_keys`` is set; CORS, the body
-limit and the in-flight caps are ``gateway.limits``. Every error is an OpenAI
-envelope (``gateway.errors``), Anthropic's on ``/v1/messages``. gRPC channels
-to the entry stages are opened lazily on the server's event loop and closed at
-shutdown.
+Contract: ``create_app(GatewayConfig(...), mesh=mesh_view, tokenizer=tok, eos_token_ids=frozenset({2}))``
+builds the app: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
+(``gateway.openai_responses``) and ``/v1/models``, Anthropic's ``/v1/messages`` (``gateway.anthropic``), the
+last two run through the chat endpoint's checks and generation, ``/health``, ``/mesh``, ``/metrics``, vLLM's
+``/tokenize`` / ``/detokenize`` / ``/version`` (``gateway.tokenize_routes``) and the dashboard at ``/``
+(``gateway.dashboard``). ``/v1/*`` and ``/dashboard/live`` require a key when ``api_keys`` is set; CORS, the
+body limit and the in-flight caps are ``gateway.limits``. Every error is an OpenAI envelope
+(``gateway.errors``), Anthropic's on ``/v1/messages``. gRPC channels to the entry stages are opened lazily on
+the server's event loop and closed at shutdown.
 """
 
 from __future__ import annotations
@@ -59,6 +47,12 @@ __all__ = ["GatewayConfig", "create_app"]
 
 
 def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_token_ids: frozenset[int]) -> FastAPI:
+    """The app, its routes besides the routers': ``POST /v1/completions`` and ``POST /v1/chat/completions``
+    (streaming and not), ``GET /v1/models`` and ``/v1/models/{id}``, ``GET /health`` (200 when at least one
+    replica is healthy, else 503), ``GET /mesh`` (the coordinator's snapshot, ``MeshSnapshot.to_json()``) and
+    ``GET /metrics`` (Prometheus, this app's own registry). The routers add ``/v1/messages`` (and
+    ``/v1/messages/count_tokens``), ``/v1/responses`` (and ``/v1/responses/input_tokens``), the tokenizer
+    routes and the dashboard's ``GET /`` and ``GET /dashboard/live``."""
     client = ReplicaClient(
         mesh, request_timeout_s=config.request_timeout_s,
         max_outstanding_per_replica=config.max_outstanding_per_replica,

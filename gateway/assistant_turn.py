@@ -1,21 +1,14 @@
 """One generated assistant turn read as reasoning, text and tool calls: what the non-chat APIs shape.
 
 Contract:
-- ``TurnReader(plan, serving)`` knows how a chat plan's reply reads: its tools
-  (``ToolPlan``), the server's tool-call format, and whether the chat template
-  writes reasoning (``gateway.reasoning``; the prompt may open it).
-- ``reader.stream(events)`` turns one choice's ``ChoiceEvent``s into
-  ``ReasoningDelta``, ``ContentDelta``, ``CallStart``, ``ArgumentsDelta`` as
-  they come (the same incremental tool-call parsing as a streamed chat
-  completion, ``gateway.tool_output.ToolStream``) and ends with one
-  ``TurnEnd``; ``reader.whole(events)`` collects a ``Turn`` (the calls read as
-  an unstreamed chat completion reads them, ``final_message``).
-- ``TurnEnd.stop`` is ``end`` (EOS or a stop token), ``stop_string`` (one of
-  the request's stop strings, named in ``stop_string``), ``length`` (the token
-  budget) or ``tool_calls`` (whole calls were made). Usage is counted in the
-  gateway's metrics once the turn has ended.
-- ``first_awaited(events)`` waits for the first event before a stream starts,
-  so a mesh that cannot serve still gets a proper HTTP status.
+- ``TurnReader(plan, serving)`` knows how a chat plan's reply reads: its tools (``ToolPlan``), the server's
+  tool-call format, and whether the chat template writes reasoning (``gateway.reasoning``).
+- ``reader.stream(events)`` turns one choice's ``ChoiceEvent``s into ``ReasoningDelta``, ``ContentDelta``,
+  ``CallStart``, ``ArgumentsDelta`` as they come and ends with one ``TurnEnd``; ``reader.whole(events)``
+  collects a ``Turn``. Both read calls as the chat endpoint does (``gateway.tool_output``) and count usage in
+  the gateway's metrics once the turn has ended.
+- ``first_awaited(events)`` waits for the first event before a stream starts, so a mesh that cannot serve
+  still gets a proper HTTP status.
 """
 
 from __future__ import annotations
@@ -43,6 +36,9 @@ class ReasoningDelta:
 
 @dataclass(frozen=True)
 class TurnEnd:
+    """How the turn ended. ``stop`` is ``end`` (EOS or a stop token), ``stop_string`` (one of the request's stop
+    strings, named in ``stop_string``), ``length`` (the token budget) or ``tool_calls`` (whole calls were made)."""
+
     stop: Stop
     stop_string: str | None
     prompt_tokens: int
@@ -85,6 +81,8 @@ async def first_awaited(events: AsyncGenerator[ChoiceEvent, None]) -> AsyncGener
 
 
 class TurnReader:
+    """How one chat plan's reply reads; the rendered prompt may itself open the reasoning (``opens_reasoning``)."""
+
     def __init__(self, plan: ChatPlan, serving: OpenAIServing) -> None:
         self._plan = plan
         self._serving = serving
@@ -98,6 +96,7 @@ class TurnReader:
                        last.completion_tokens)
 
     async def whole(self, events: AsyncGenerator[ChoiceEvent, None]) -> Turn:
+        """The whole turn, its calls read as an unstreamed chat completion reads them (``final_message``)."""
         texts: list[str] = []
         last: ChoiceEvent | None = None
         async with contextlib.aclosing(events):
@@ -110,6 +109,8 @@ class TurnReader:
         return Turn(reasoning, content or None, calls, self._ended(finish, last))
 
     async def stream(self, events: AsyncGenerator[ChoiceEvent, None]) -> AsyncGenerator[TurnEvent, None]:
+        """The turn's events as they come, calls parsed incrementally as a streamed chat completion parses them
+        (``ToolStream``), ending with one ``TurnEnd``."""
         tools = ToolStream(self._plan.tools, self._serving.tool_parser)
         splitter = ReasoningSplitter(self._inside) if self._reasons else None
         async with contextlib.aclosing(events):

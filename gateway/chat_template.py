@@ -1,21 +1,11 @@
 """Chat messages to prompt token ids through the model's own chat template.
 
-Contract: ``render_chat(messages, tokenizer, options)`` checks the messages
-(roles, text-only content), renders them with the chat template
-(``options.template``: the request's ``chat_template``, else the server's
-``--chat-template``, else the model's own) and its variables
-(``options.kwargs``: ``--chat-template-kwargs`` overridden key by key by the
-request's ``chat_template_kwargs``, e.g. ``enable_thinking``), ending with the
-generation prompt (``add_generation_prompt``, default true) or leaving the
-final assistant message open (``continue_final_message``), and encodes the
-rendered text without adding special tokens again (the template already wrote
-them; ``add_special_tokens`` asks for them). ``chat_options(req, defaults)``
-builds the options and checks them. Any problem is a 400 ``APIError`` whose
-``param`` points at the field or message, never a 500.
-
-Why render-then-encode: transformers 5 returns a BatchEncoding from
-``apply_chat_template(tokenize=True)``; text is the stable interface, and the
-encoded ids are exactly what the stage is sent (so usage counts are exact).
+Contract: ``render_chat(messages, tokenizer, options)`` checks the messages (roles, text-only content),
+renders them with the chat template and its variables (``ChatOptions``), ending with the generation prompt or
+leaving the final assistant message open (``continue_final_message``), and encodes the rendered text without
+adding special tokens again unless ``add_special_tokens`` asks for them: the ids are exactly what the stage is
+sent, so usage counts are exact. ``chat_options(req, defaults)`` builds the options and checks them. Any
+problem is a 400 ``APIError`` whose ``param`` points at the field or message, never a 500.
 """
 
 from __future__ import annotations
@@ -76,6 +66,12 @@ _RESERVED_KWARGS = frozenset(RESERVED_TEMPLATE_KWARGS)
 
 @dataclass(frozen=True)
 class ChatOptions:
+    """How to render: ``template`` is the request's ``chat_template``, else the server's ``--chat-template``
+    (None: the model's own); ``kwargs`` are ``--chat-template-kwargs`` overridden key by key by the request's
+    ``chat_template_kwargs`` (e.g. ``enable_thinking``); ``add_generation_prompt`` is true unless the final
+    message is continued; ``add_special_tokens`` adds them again when encoding (the template already wrote them).
+    """
+
     template: str | None = None
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
@@ -121,6 +117,8 @@ def render_chat(messages: Sequence[ChatMessage], tokenizer: Any, options: ChatOp
             continue_final_message=o.continue_final_message, chat_template=o.template, **extra)
     except (TemplateError, ValueError, TypeError) as e:
         raise bad_request(f"The chat template could not render these messages: {e}", "messages") from e
+    # Render, then encode: transformers 5 returns a BatchEncoding from ``apply_chat_template(tokenize=True)``;
+    # text is the stable interface, and the encoded ids are exactly what the stage is sent.
     ids = tuple(tokenizer.encode(text, add_special_tokens=o.add_special_tokens))
     if not ids:
         raise bad_request("The rendered chat prompt is empty.", "messages")

@@ -1,20 +1,13 @@
 """Another API's request as the chat endpoint's own, and its errors back in that API's terms.
 
 Contract:
-- ``chat_request(fields)`` builds the ``ChatCompletionRequest`` a translated
-  request becomes (``gateway.anthropic.translate``, ``gateway.openai_responses.translate``);
-  everything it asks of the mesh then goes through the chat endpoint's checks
-  and generation (``OpenAIServing.plan_chat`` / ``run_chat``): one path.
-- ``FieldNames`` maps the chat request's field paths (``messages[3].content``,
-  ``stop``, ``tools[0].function.parameters``) to the client's own
-  (``messages[1].content[2].content``, ``stop_sequences``, ``tools[0].input_schema``):
-  the longest mapped prefix of a path is replaced. ``renamed(err)`` is the
-  chat check's ``APIError`` naming the client's field, in ``param`` and in the
-  message (where the message names the chat field, it is replaced; otherwise
-  the client's field is put first).
-- ``chat_field_schema(name)`` is the documented JSON Schema of a chat field
-  (its range and limits), so the other APIs' schemas state the same bounds
-  the chat checks enforce, from one definition.
+- ``chat_request(fields)`` builds the ``ChatCompletionRequest`` a translated request becomes
+  (``gateway.anthropic.translate``, ``gateway.openai_responses.translate``); everything it asks of the mesh then
+  goes through the chat endpoint's checks and generation (``OpenAIServing.plan_chat`` / ``run_chat``): one path.
+- ``FieldNames`` maps the chat request's field paths to the client's own; ``renamed(err)`` is the chat
+  check's ``APIError`` naming the client's field, in ``param`` and in the message.
+- ``chat_field_schema(name)`` is the documented JSON Schema of a chat field (its range and limits), so the
+  other APIs' schemas state the same bounds the chat checks enforce, from one definition.
 """
 
 from __future__ import annotations
@@ -47,6 +40,11 @@ def chat_field_schema(name: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class FieldNames:
+    """Chat field paths (``messages[3].content``, ``stop``, ``tools[0].function.parameters``) to the client's
+    own (``messages[1].content[2].content``, ``stop_sequences``, ``tools[0].input_schema``): the longest mapped
+    prefix of a path is replaced. ``renamed`` replaces the chat field where the message names it, and otherwise
+    puts the client's field first."""
+
     renames: Mapping[str, str] = field(default_factory=dict)
 
     def client_param(self, param: str | None) -> str | None:

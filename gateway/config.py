@@ -1,28 +1,10 @@
 """Gateway configuration: one frozen value, defaults that suit one Mac or a few.
 
-``GatewayConfig`` fields:
-- ``served_model_name``: the only model name clients may ask for (an empty or
-  absent ``model`` also means it).
-- ``max_model_len``: context length; a prompt plus ``max_tokens`` must fit.
-- ``api_keys``: accepted bearer keys for ``/v1/*``; empty: no auth.
-- ``request_timeout_s``: deadline of each generation on a stage (a request
-  outliving it gets a 504, and the stage aborts the sequence).
-- ``max_outstanding_per_replica``: calls in flight per replica before new ones
-  get 503 (0: no gateway-side cap; the entry stage's own queue still answers
-  RESOURCE_EXHAUSTED when full).
-- ``failover_attempts``: other replicas tried when a call is refused
-  (UNAVAILABLE / RESOURCE_EXHAUSTED) before its first token.
-- ``grpc_channel_options``: extra ``grpc.aio`` channel options.
-- ``allowed_origins``: origins browsers may call from (CORS); empty: none.
-- ``max_request_bytes``: longer request bodies get 413 (0: no limit).
-- ``max_concurrent_requests`` / ``max_concurrent_requests_per_key``: requests
-  in flight (in all / per API key) beyond which new ones get 429 with
-  ``Retry-After`` (0: no cap). See ``gateway.limits``.
-- ``grpc_tls``: the node's TLS files (``stagemesh.core.grpc_tls``) for mutual
-  TLS to the stages; None: plaintext.
-- ``mesh_token``: sent as gRPC metadata on every call to a stage
-  (``stagemesh.core.mesh_token``); never shown in the config's repr.
-- ``openai``: server-side defaults of the OpenAI surface (``gateway.openai_defaults``).
+Contract: ``GatewayConfig`` is everything ``gateway.app.create_app`` reads: the served model and its context
+length, the API keys, the generation deadline, the caps on requests and body size, the gRPC channels' options,
+TLS and mesh token, the origins browsers may call from, and the OpenAI surface's defaults
+(``gateway.openai_defaults``). Its fields are checked on construction (``ValueError`` / ``TypeError``), 0 means
+"no cap" for every cap, and ``mesh_token`` never shows in its repr.
 """
 
 from __future__ import annotations
@@ -37,6 +19,30 @@ from .openai_defaults import OpenAIDefaults
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """The gateway's settings.
+
+    - ``served_model_name``: the only model name clients may ask for (an empty or absent ``model`` also
+      means it).
+    - ``max_model_len``: context length; a prompt plus ``max_tokens`` must fit.
+    - ``api_keys``: accepted bearer keys for ``/v1/*``; empty: no auth.
+    - ``request_timeout_s``: deadline of each generation on a stage (a request outliving it gets a 504, and
+      the stage aborts the sequence).
+    - ``max_outstanding_per_replica``: calls in flight per replica before new ones get 503 (0: no
+      gateway-side cap; the entry stage's own queue still answers RESOURCE_EXHAUSTED when full).
+    - ``failover_attempts``: other replicas tried when a call is refused (UNAVAILABLE / RESOURCE_EXHAUSTED)
+      before its first token.
+    - ``grpc_channel_options``: extra ``grpc.aio`` channel options.
+    - ``allowed_origins``: origins browsers may call from (CORS); empty: none.
+    - ``max_request_bytes``: longer request bodies get 413 (0: no limit).
+    - ``max_concurrent_requests`` / ``max_concurrent_requests_per_key``: requests in flight (in all / per API
+      key) beyond which new ones get 429 with ``Retry-After`` (0: no cap). See ``gateway.limits``.
+    - ``grpc_tls``: the node's TLS files (``stagemesh.core.grpc_tls``) for mutual TLS to the stages; None:
+      plaintext.
+    - ``mesh_token``: sent as gRPC metadata on every call to a stage (``stagemesh.core.mesh_token``); never
+      shown in the config's repr.
+    - ``openai``: server-side defaults of the OpenAI surface (``gateway.openai_defaults``).
+    """
+
     served_model_name: str
     max_model_len: int
     api_keys: tuple[str, ...] = ()

@@ -1,21 +1,10 @@
 """Incremental detokenization: token ids in, complete text out, once.
 
-Contract: ``IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)``; ``push(ids)``
-returns the text the new ids complete (possibly ""), ``flush()`` returns what
-is still held when the sequence ends. The concatenation of every ``push`` and
-the final ``flush`` equals the text of all pushed ids decoded at once (special
-tokens skipped unless ``skip_special_tokens`` is false).
-
-How: a fast tokenizer (every one stagemesh loads) decodes through
-tokenizers' own ``DecodeStream``: one step per token, no re-decoding, and
-byte-level and byte-fallback tokens that hold part of a character are held
-until it is complete (an emoji is often 3-4 tokens). It is seeded with the
-prompt's last ids so tokenizers that drop a word's leading space at the start
-of a decode (SentencePiece) get it right. Ids still held when the sequence
-ends are decoded on their own at ``flush`` (an incomplete character becomes
-U+FFFD). Other tokenizers use vLLM's prefix/read-offset window: decode a small
-window of recent ids and emit only the text beyond what the window's older
-part already produced, and only when it does not end in U+FFFD.
+Contract: ``IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)``; ``push(ids)`` returns
+the text the new ids complete (possibly ""), ``flush()`` returns what is still held when the sequence ends.
+The concatenation of every ``push`` and the final ``flush`` equals the text of all pushed ids decoded at once
+(special tokens skipped unless ``skip_special_tokens`` is false); a character split over several tokens is
+emitted only once complete. ``gateway.generation`` runs one per choice.
 """
 
 from __future__ import annotations
@@ -28,6 +17,16 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
+    """A fast tokenizer (every one stagemesh loads) decodes through tokenizers' own ``DecodeStream``: one step
+    per token, no re-decoding, and byte-level and byte-fallback tokens that hold part of a character are held
+    until it is complete (an emoji is often 3-4 tokens). It is seeded with the prompt's last ids so tokenizers
+    that drop a word's leading space at the start of a decode (SentencePiece) get it right. Ids still held when
+    the sequence ends are decoded on their own at ``flush`` (an incomplete character becomes U+FFFD).
+
+    Other tokenizers use vLLM's prefix/read-offset window: decode a small window of recent ids and emit only
+    the text beyond what the window's older part already produced, and only when it does not end in U+FFFD.
+    """
+
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens

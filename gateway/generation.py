@@ -1,24 +1,14 @@
 """One OpenAI request's choices, run against the mesh, as a stream of text deltas.
 
 Contract:
-- ``ChoiceJob`` is one (prompt, choice) pair: its OpenAI choice index, the
-  prompt's token ids and the resolved token budget and stage sampling.
-- ``run_choices(jobs, ...)`` starts one generation per job concurrently and
-  yields ``ChoiceEvent``s as text becomes available, each job ending with
-  exactly one event whose ``finish_reason`` is set ("stop": EOS or a stop
-  string; "length": the token budget). Text is detokenized incrementally (no
-  partial characters), stop strings are cut out (kept with
-  ``include_stop_str_in_output``) and end the job (the last event names it:
-  ``stop_string``), which cancels its gRPC call so the stage frees the slot; a
-  stop token (EOS or one of the request's ``stop_token_ids``) ending the
-  generation counts in ``completion_tokens`` but never shows in the text nor in
-  the logprobs.
-- With logprobs requested, each event carries the ``TokenLogprobs`` of the
-  tokens received since the previous event (the tokens behind its text, or
-  held back with it).
-- The first failing job raises its ``APIError`` out of the iterator and the
-  other jobs are cancelled; closing the iterator (or cancelling the consumer)
-  cancels every call.
+- ``ChoiceJob`` is one (prompt, choice) pair: its OpenAI choice index, the prompt's token ids and the
+  resolved token budget and stage sampling.
+- ``run_choices(jobs, ctx)`` starts one generation per job concurrently and yields ``ChoiceEvent``s as text
+  becomes available, each job ending with exactly one event whose ``finish_reason`` is set ("stop": EOS or a
+  stop string; "length": the token budget). Text is detokenized incrementally (no partial characters), stop
+  strings are cut out and stop tokens never show; with logprobs requested, each event carries its tokens'.
+- The first failing job raises its ``APIError`` out of the iterator and the other jobs are cancelled; closing
+  the iterator (or cancelling the consumer) cancels every call.
 """
 
 from __future__ import annotations
@@ -53,6 +43,9 @@ class ChoiceJob:
 
 @dataclass(frozen=True)
 class ChoiceEvent:
+    """Text of one choice as it becomes available. ``logprobs`` (when requested) are those of the tokens
+    received since the previous event: the tokens behind its text, or held back with it."""
+
     index: int
     text: str
     finish_reason: str | None
@@ -88,6 +81,10 @@ class RunContext:
 
 
 async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGenerator[ChoiceEvent, None]:
+    """One job's events. A stop string is cut out (kept with ``include_stop_str_in_output``) and ends the job
+    (the last event names it: ``stop_string``), which cancels its gRPC call so the stage frees the slot. A stop
+    token (EOS or one of the request's ``stop_token_ids``) ending the generation counts in
+    ``completion_tokens`` but never shows in the text nor in the logprobs."""
     request = stage_pb2.GenerateRequest(
         request_id=f"{ctx.request_id}-{job.index}", prompt_token_ids=job.prompt_ids, max_tokens=job.max_tokens,
         sampling=job.sampling, stop_token_ids=sorted(ctx.stop_token_ids),

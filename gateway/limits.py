@@ -1,24 +1,13 @@
 """The gateway's own limits: request body size, requests in flight, and CORS.
 
 Contract:
-
-- ``RequestLimitsMiddleware(app, max_request_bytes, max_in_flight, max_in_flight_per_key)``
-  is pure ASGI and guards ``POST`` under ``/v1`` (the routes that generate):
-  - a body longer than ``max_request_bytes`` gets 413 before any of it is
-    parsed: at once from ``Content-Length``, or as soon as a chunked body
-    passes the limit (the body is read here, up to the limit, and replayed to
-    the app; later ``receive`` calls still report the client's disconnect);
-  - a request arriving while ``max_in_flight`` requests are running (in all),
-    or ``max_in_flight_per_key`` with the same API key, gets 429 with
-    ``Retry-After`` and OpenAI's ``rate_limit_exceeded`` envelope. A request
-    holds its slot until its response (a whole stream) has ended or the client
-    has gone. 0 means no cap. It sits inside the API-key check, so a request
-    with no valid key never takes a slot; without keys every client shares
-    one "key" and the per-key cap acts as a second global cap.
-- ``add_cors(app, allowed_origins)``: Starlette's CORS middleware for exactly
-  those origins (``"*"`` allowed), none when empty: browsers on other origins
-  are refused by default. Add it outside the API-key check so a refused
-  request still carries the CORS headers its page needs to read the 401.
+- ``RequestLimitsMiddleware(app, max_request_bytes, max_in_flight, max_in_flight_per_key)`` is pure ASGI and
+  guards ``POST`` under ``/v1`` (the routes that generate): a body longer than ``max_request_bytes`` gets 413
+  before any of it is parsed, and a request arriving while ``max_in_flight`` requests are running (in all), or
+  ``max_in_flight_per_key`` with the same API key, gets 429 with ``Retry-After`` and OpenAI's
+  ``rate_limit_exceeded`` envelope. 0 means no cap. It sits inside the API-key check.
+- ``add_cors(app, allowed_origins)``: Starlette's CORS middleware for exactly those origins (``"*"``
+  allowed), none when empty. Add it outside the API-key check.
 - ``InFlight`` is the counting, pure and synchronous (one event loop).
 """
 
@@ -97,6 +86,15 @@ async def send_error(send: Callable, err: APIError, extra: Sequence[tuple[bytes,
 
 
 class RequestLimitsMiddleware:
+    """The body limit and the in-flight caps on the generating routes.
+
+    A body too long gets its 413 at once from ``Content-Length``, or as soon as a chunked body passes the
+    limit: the body is read here, up to the limit, and replayed to the app (later ``receive`` calls still
+    report the client's disconnect). A request holds its in-flight slot until its response (a whole stream)
+    has ended or the client has gone. Inside the API-key check, a request with no valid key never takes a
+    slot; without keys every client shares one "key" and the per-key cap acts as a second global cap.
+    """
+
     def __init__(self, app: Any, *, max_request_bytes: int = 0, max_in_flight: int = 0,
                  max_in_flight_per_key: int = 0) -> None:
         self.app = app
@@ -157,6 +155,8 @@ def _replay(messages: list[dict], receive: Callable) -> Callable:
 
 
 def add_cors(app: FastAPI, allowed_origins: Sequence[str]) -> None:
+    """CORS for ``allowed_origins`` only: browsers on other origins are refused by default. Added outside the
+    API-key check, so a refused request still carries the CORS headers its page needs to read the 401."""
     if not allowed_origins:
         return
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "OPTIONS"],

@@ -1,21 +1,12 @@
 """The dashboard's live document: the mesh snapshot and the gateway's counters, with rates.
 
-Nothing here keeps books of its own. Every figure comes from one of two
-places: the coordinator's ``MeshSnapshot`` (what ``GET /mesh`` returns: stages,
-health, their ``StageStats`` counters, the event journal) and the gateway's
-``GatewayMetrics`` (what ``GET /metrics`` exports: requests by status, the
-requests-running gauge, and the last minute of TTFT / inter-token latency).
-Rates (batches/s, tokens/s, compute / wait / send shares of wall time, output
-tokens/s) are differences of those counters between two snapshots a few
-seconds apart; ``LiveSampler`` keeps that handful of recent samples.
-
 Contract:
-- ``LiveSampler(rate_window_s, clock)``: ``sample(snapshot, gateway)`` keeps
-  (now, snapshot, gateway counters) at most once per ``min_interval_s`` and
-  forgets samples older than ``error_window_s``; ``document(snapshot,
-  gateway, outstanding, wall_now)`` is the JSON of ``GET /dashboard/live``
-  (docs/api.md, "Live mesh data (dashboard)").
+- ``LiveSampler(metrics)``: ``document(snapshot, outstanding, auth_required=...)`` is the JSON of
+  ``GET /dashboard/live`` (docs/api.md, "Live mesh data (dashboard)").
 - ``stage_rates`` and ``build_document`` are pure functions over plain values.
+Nothing here keeps books of its own: every figure comes from the coordinator's ``MeshSnapshot`` (what
+``GET /mesh`` returns) or the gateway's ``GatewayMetrics`` (what ``GET /metrics`` exports), and rates are
+differences of their counters between two samples a few seconds apart.
 """
 
 from __future__ import annotations
@@ -157,6 +148,16 @@ def build_document(snapshot: MeshSnapshot, rate_base: Sample | None, error_base:
 
 
 class LiveSampler:
+    """The handful of recent samples the rates are taken against.
+
+    The snapshot holds the stages, their health, their ``StageStats`` counters and the event journal; the
+    metrics hold requests by status, the requests-running gauge and the last minute of TTFT / inter-token
+    latency. Rates (batches/s, tokens/s, compute / wait / send shares of wall time, output tokens/s) are taken
+    over about ``rate_window_s``, error counts over ``error_window_s``. Each ``document`` keeps (now, the
+    stages, the gateway counters) at most once per ``min_interval_s`` and forgets samples older than
+    ``error_window_s``.
+    """
+
     def __init__(self, metrics: GatewayMetrics, rate_window_s: float = RATE_WINDOW_S,
                  error_window_s: float = ERROR_WINDOW_S, min_interval_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:

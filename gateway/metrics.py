@@ -1,36 +1,15 @@
 """Prometheus metrics of one gateway app, in its own registry.
 
 Contract:
-- ``GatewayMetrics(mesh, outstanding)`` owns a private ``CollectorRegistry``
-  (several apps can live in one process, e.g. tests). Request-level series:
-  ``stagemesh_gateway_requests_total{endpoint,status}``,
-  ``..._time_to_first_token_seconds``, ``..._inter_token_latency_seconds``,
-  ``..._e2e_request_latency_seconds`` (histograms),
-  ``..._prompt_tokens_total``, ``..._generation_tokens_total`` (counters),
-  ``..._requests_running`` (gauge).
-- At scrape time a collector reads ``mesh.snapshot()`` and exports per-stage
-  series labelled ``replica``, ``rank``, ``host``:
-  ``stagemesh_stage_{compute,wait,send}_seconds_total``,
-  ``stagemesh_stage_batches_total``, ``stagemesh_stage_tokens_total``,
-  ``stagemesh_stage_generated_tokens_total``,
-  ``stagemesh_stage_running_sequences``, ``stagemesh_stage_waiting_requests``,
-  ``stagemesh_stage_kv_tokens``, ``stagemesh_stage_kv_token_capacity``,
-  ``stagemesh_stage_prefix_cache_{queries,hits,evictions}_total`` (tokens, tokens, blocks),
-  ``stagemesh_stage_prefix_cache_blocks``,
-  ``stagemesh_stage_spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` and
-  ``stagemesh_stage_spec_decode_num_accepted_tokens_per_pos_total{position}`` (vLLM's speculative decoding
-  counters, on the entry stage),
-  ``stagemesh_stage_healthy``; plus
-  ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer
-  and ``stagemesh_gateway_replica_failures_total{replica}`` (generations
-  that failed on the replica, from the replica client).
-- The same TTFT and inter-token observations also go to ``recent_ttft`` and
-  ``recent_itl`` (``gateway.recent.RecentWindow``), and to the serving
-  replica's pair in ``recent_by_replica``: the last minute, for the
+- ``GatewayMetrics(mesh, outstanding, failures)`` owns a private ``CollectorRegistry`` (several apps can live in
+  one process, e.g. tests) holding the request-level ``stagemesh_gateway_*`` series and a ``StageCollector``
+  (per-stage ``stagemesh_stage_*`` series from ``mesh.snapshot()``, read at scrape time); ``render()`` is the
+  ``GET /metrics`` body. It is the ``TokenObserver`` of ``gateway.generation``.
+- The same TTFT and inter-token observations also go to ``recent_ttft``, ``recent_itl`` and the serving
+  replica's pair in ``recent_by_replica`` (``gateway.recent.RecentWindow``): the last minute, for the
   dashboard's live percentiles.
-- ``RequestMetricsMiddleware`` (pure ASGI, so it never breaks disconnect
-  detection or streaming) counts every response by route and status and times
-  the generation endpoints end to end, including the stream.
+- ``RequestMetricsMiddleware`` (pure ASGI) counts every response by route and status and times the generation
+  endpoints end to end, including the stream.
 """
 
 from __future__ import annotations
@@ -58,7 +37,21 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/me
 
 
 class StageCollector(Collector):
-    """Per-stage series from the coordinator's latest snapshot, read at scrape time."""
+    """Per-stage series from the coordinator's latest snapshot, read at scrape time.
+
+    Labelled ``replica``, ``rank``, ``host``: ``stagemesh_stage_{compute,wait,send}_seconds_total``,
+    ``stagemesh_stage_batches_total``, ``stagemesh_stage_tokens_total``,
+    ``stagemesh_stage_generated_tokens_total``, ``stagemesh_stage_running_sequences``,
+    ``stagemesh_stage_waiting_requests``, ``stagemesh_stage_kv_tokens``, ``stagemesh_stage_kv_token_capacity``,
+    ``stagemesh_stage_prefix_cache_{queries,hits,evictions}_total`` (tokens, tokens, blocks),
+    ``stagemesh_stage_prefix_cache_blocks``,
+    ``stagemesh_stage_spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` and
+    ``stagemesh_stage_spec_decode_num_accepted_tokens_per_pos_total{position}`` (vLLM's speculative decoding
+    counters, on the entry stage), ``stagemesh_stage_healthy``; plus
+    ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer and
+    ``stagemesh_gateway_replica_failures_total{replica}`` (generations that failed on the replica, from the
+    replica client).
+    """
 
     def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]],
                  failures: Callable[[], Mapping[int, int]] = dict) -> None:
@@ -128,6 +121,11 @@ class StageCollector(Collector):
 
 
 class GatewayMetrics:
+    """The gateway's series: ``stagemesh_gateway_requests_total{endpoint,status}``,
+    ``..._time_to_first_token_seconds``, ``..._inter_token_latency_seconds``,
+    ``..._e2e_request_latency_seconds`` (histograms), ``..._prompt_tokens_total``,
+    ``..._generation_tokens_total`` (counters) and ``..._requests_running`` (gauge)."""
+
     def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]],
                  failures: Callable[[], Mapping[int, int]] = dict) -> None:
         self.replica_failures = failures
@@ -178,6 +176,8 @@ class GatewayMetrics:
 
 
 class RequestMetricsMiddleware:
+    """Pure ASGI, so it never breaks disconnect detection or streaming."""
+
     def __init__(self, app: Any, metrics: GatewayMetrics, known_paths: Callable[[], frozenset[str]]) -> None:
         self.app = app
         self.metrics = metrics

@@ -1,23 +1,13 @@
 """``/openapi.json`` that tells the truth: the statuses the gateway really answers, and its limits.
 
-Contract: ``install_openapi(app, vocab_size=..., max_model_len=...)`` replaces
-FastAPI's generated document with one where
-- no route documents FastAPI's 422 (the gateway answers 400, ``gateway.errors``);
-- every route documents the error statuses it can answer (400, 401 on ``/v1``,
-  404, 500, 503, 504 on generation) with OpenAI's error envelope
-  (``#/components/schemas/ErrorResponse``), or the envelope ``error_envelopes``
-  names for the routes under a prefix (Anthropic's on ``/v1/messages``);
-- the generation routes (completions, chat, messages, responses) answer
-  ``application/json`` or ``text/event-stream``; ``/metrics`` answers
-  Prometheus ``text/plain``;
-- token ids in requests (``logit_bias``'s keys too) are bounded by the
-  vocabulary (``vocab_size``) and ``max_tokens`` / ``min_tokens`` by the context
-  (``max_model_len``), on top of the ranges and cross-field rules the request
-  models declare (``gateway.schemas``).
-What JSON Schema cannot say (``gateway.schemas.RUNTIME_RULES``: prompt +
-max_tokens within the context, a grammar that must compile, ...) is named in
-each request schema's ``x-runtime-rules`` and checked at run time with a 400
-naming the field.
+Contract: ``install_openapi(app, vocab_size=..., max_model_len=...)`` replaces FastAPI's generated document
+with one where no route documents FastAPI's 422 (the gateway answers 400, ``gateway.errors``), every route
+documents the error statuses it can answer with its error envelope (OpenAI's, or the one ``error_envelopes``
+names for a prefix: Anthropic's on ``/v1/messages``), streams and ``/metrics`` have their content types, and
+token ids and token budgets are bounded by the served model's vocabulary and context, on top of the ranges
+and cross-field rules the request models declare (``gateway.schemas``). What JSON Schema cannot say
+(``gateway.schemas.RUNTIME_RULES``) is named in each request schema's ``x-runtime-rules`` and checked at run
+time with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -102,7 +92,14 @@ def _bound_token_ids(node: Any, vocab_size: int, max_model_len: int) -> None:
 
 def install_openapi(app: FastAPI, *, vocab_size: int, max_model_len: int,
                     error_envelopes: Mapping[str, tuple[str, dict[str, Any]]] | None = None) -> None:
-    """``error_envelopes``: path prefix -> (component name, JSON Schema) of its routes' error body."""
+    """``error_envelopes``: path prefix -> (component name, JSON Schema) of its routes' error body.
+
+    Error statuses per route are ``_statuses``' (400 on POST, 401 on ``/v1``, 413 and 429 on POST ``/v1``,
+    503 and 504 on generation); the generation routes (completions, chat, messages, responses) answer
+    ``application/json`` or ``text/event-stream``, ``/metrics`` Prometheus ``text/plain``. Token ids in
+    requests (``logit_bias``'s keys too) are bounded by ``vocab_size`` and ``max_tokens`` / ``min_tokens`` by
+    ``max_model_len`` (prompt + max_tokens within the context is a runtime rule).
+    """
     envelopes = dict(error_envelopes or {})
 
     def document() -> dict[str, Any]:

@@ -1,18 +1,13 @@
 """A reply's reasoning (``<think>...</think>``) told apart from its answer, as it streams and as a whole.
 
 Contract:
-- ``template_reasons(template)``: the chat template writes reasoning (it
-  mentions ``</think>``: Qwen3, DeepSeek-R1, QwQ and their kin). Only then is a
-  reply split; any other model's ``<think>`` is text like the rest.
-- ``opens_reasoning(prompt_tail)``: the rendered prompt ends inside an open
-  ``<think>`` (templates that start the reasoning for the model), so the reply
-  begins as reasoning.
-- ``ReasoningSplitter(inside)``: ``feed(text)`` returns ``(kind, text)`` pieces
-  (``"reasoning"`` or ``"text"``) to send now; ``finish()`` the rest. A reply
-  may open with ``<think>`` (after whitespace); reasoning ends at ``</think>``;
-  the tags and the whitespace right after the closing tag are not sent. Only
-  what could still be a tag is held back. Fed any split of a text, the pieces
-  add up to the same reasoning and text.
+- ``template_reasons(template)``: the chat template writes reasoning (it mentions ``</think>``: Qwen3,
+  DeepSeek-R1, QwQ and their kin). Only then is a reply split; any other model's ``<think>`` is text.
+- ``opens_reasoning(prompt_tail)``: the rendered prompt ends inside an open ``<think>`` (templates that start
+  the reasoning for the model), so the reply begins as reasoning.
+- ``ReasoningSplitter(inside)``: ``feed(text)`` returns ``(kind, text)`` pieces (``"reasoning"`` or
+  ``"text"``) to send now; ``finish()`` the rest. Fed any split of a text, the pieces add up to the same
+  reasoning and text.
 - ``split_reasoning(text, inside)``: the whole reply as ``(reasoning or None, text)``.
 """
 
@@ -38,6 +33,9 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
+    """A reply may open with ``<think>`` (after whitespace); reasoning ends at ``</think>``; the tags and the
+    whitespace right after the closing tag are not sent. Only what could still be a tag is held back."""
+
     def __init__(self, inside: bool = False) -> None:
         self._state: Literal["start", "reasoning", "after", "text"] = "reasoning" if inside else "start"
         self._held = ""

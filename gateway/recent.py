@@ -1,19 +1,13 @@
 """The last minute of a latency, for percentiles a person can read live.
 
-Prometheus histograms (``gateway.metrics``) count since the gateway started,
-and their percentiles need a Prometheus to take rates over buckets. The
-dashboard wants "p50 / p90 / p99 over the last minute" without one, so
-``GatewayMetrics`` hands every latency it observes for a histogram to a
-``RecentWindow`` as well: same observation, same place, kept for ``window_s``.
-
 Contract:
-- ``RecentWindow(window_s, max_samples, clock)``: ``add(value, weight)``
-  records ``weight`` observations of ``value`` now; samples older than
-  ``window_s`` are dropped on every call, and at most ``max_samples`` are kept
-  (the oldest go first) so memory stays bounded under any load.
-- ``summary(quantiles)`` -> ``{"count": n, "p50": seconds, …}`` over the
-  window (weighted, nearest-rank); ``None`` values when it is empty.
+- ``RecentWindow(window_s, max_samples, clock)``: ``add(value, weight)`` records ``weight`` observations of
+  ``value`` now; samples older than ``window_s`` are dropped on every call, and at most ``max_samples`` are
+  kept (the oldest go first) so memory stays bounded under any load.
+- ``summary(quantiles)`` -> ``{"count": n, "p50": seconds, …}`` over the window (weighted, nearest-rank);
+  ``None`` values when it is empty.
 - Thread-safe (observations come from the event loop, reads from anywhere).
+``GatewayMetrics`` (``gateway.metrics``) feeds it; the dashboard (``gateway.live``) reads it.
 """
 
 from __future__ import annotations
@@ -42,6 +36,11 @@ def weighted_quantile(samples: Sequence[tuple[float, int]], q: float) -> float |
 
 
 class RecentWindow:
+    """Prometheus histograms count since the gateway started, and their percentiles need a Prometheus to take
+    rates over buckets. The dashboard wants "p50 / p90 / p99 over the last minute" without one, so
+    ``GatewayMetrics`` hands every latency it observes for a histogram to a ``RecentWindow`` as well: same
+    observation, same place, kept for ``window_s``."""
+
     def __init__(self, window_s: float = 60.0, max_samples: int = 20_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if window_s <= 0 or max_samples < 1:

@@ -1,31 +1,16 @@
 """gRPC client of the replicas' entry stages, with load balancing and failover.
 
 Contract:
-- ``ReplicaClient(mesh, ...)`` keeps one ``grpc.aio`` channel per entry-stage
-  target (``host:grpc_port``), created on first use in the running event loop
-  and reused; ``close()`` closes them all.
-- Every call carries the mesh token as metadata (``stagemesh.core.mesh_token``);
-  with ``tls`` the channels are mutual TLS (``stagemesh.core.grpc_tls``).
-- ``generate(request, affinity=None)`` is an async generator of ``GenerateResponse``
-  messages from one healthy replica (none healthy: one whose stage only missed
-  a check, ``MeshSnapshot.routable_replicas``) chosen by least outstanding requests
-  (ties round-robin; with an ``affinity``, the replica that key hashes to:
-  ``gateway.balancer``), under a per-request deadline. Requests to one entry
-  stage share one ``GenerateStream`` call (``gateway.stage_streams``: one
-  message per engine step for all of them), the one RPC path to a stage.
-  Close the generator (``aclosing``) or cancel the task consuming it and the
-  request is cancelled, which makes the stage abort the sequence and free its
-  slot.
-- If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token
-  arrived, another healthy replica is tried (up to ``failover_attempts``
-  more); nothing was generated yet, so this cannot duplicate output.
-- ``replica_of(request_id)`` names the replica serving a call while it runs
-  (the dashboard's per-replica latencies); ``failures`` counts, per replica,
-  the calls that failed there (not cancelled by the client, not refused as
-  invalid).
-- gRPC failures become ``APIError``: INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED
-  and UNAVAILABLE 503 "overloaded" (after tokens were sent: 503
-  pipeline_failed), DEADLINE_EXCEEDED 504, anything else 500.
+- ``ReplicaClient(mesh, ...)`` keeps one ``grpc.aio`` channel per entry-stage target, created on first use in
+  the running event loop; ``close()`` closes them all. Every call carries the mesh token
+  (``stagemesh.core.mesh_token``); with ``tls`` the channels are mutual TLS (``stagemesh.core.grpc_tls``).
+- ``generate(request, affinity=None)`` is an async generator of ``GenerateResponse`` messages from one
+  routable replica chosen by ``gateway.balancer``, under a per-request deadline, over the entry stage's shared
+  ``GenerateStream`` call (``gateway.stage_streams``). Closing the generator or cancelling its consumer
+  cancels the request, so the stage aborts the sequence and frees its slot. A call refused before any token
+  is tried on another replica (``failover_attempts``); gRPC failures become ``APIError``.
+- ``replica_of(request_id)`` names the replica serving a call while it runs; ``failures`` counts, per
+  replica, the calls that failed there.
 """
 
 from __future__ import annotations
@@ -77,6 +62,7 @@ class ReplicaClient:
         self.failures: dict[int, int] = {}  # replica -> requests that failed there
 
     def replica_of(self, request_id: str) -> int | None:
+        """For the dashboard's per-replica latencies."""
         return self._serving.get(request_id)
 
     @property
@@ -117,6 +103,15 @@ class ReplicaClient:
 
     async def generate(self, request: stage_pb2.GenerateRequest,
                        affinity: str | None = None) -> AsyncGenerator[stage_pb2.GenerateResponse, None]:
+        """The request's responses from one healthy replica (none healthy: one whose stage only missed a check,
+        ``MeshSnapshot.routable_replicas``), chosen by least outstanding requests (ties round-robin; with an
+        ``affinity``, the replica that key hashes to). Requests to one entry stage share one ``GenerateStream``
+        call: one message per engine step for all of them, the one RPC path to a stage.
+
+        If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token arrived, another healthy replica
+        is tried (up to ``failover_attempts`` more); nothing was generated yet, so this cannot duplicate
+        output. ``failures`` counts neither calls the client cancelled nor requests refused as invalid.
+        """
         tried: set[ReplicaKey] = set()
         attempt = 0
         while True:
@@ -155,6 +150,8 @@ class ReplicaClient:
         return await stream.start(request, self._timeout)
 
     def _api_error(self, e: grpc.aio.AioRpcError, received: bool) -> errors.APIError:
+        """INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED and UNAVAILABLE 503 "overloaded" (after tokens were sent:
+        503 pipeline_failed), DEADLINE_EXCEEDED 504, anything else 500."""
         code, details = e.code(), e.details() or e.code().name
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return errors.bad_request(f"The stage rejected the request: {details}")

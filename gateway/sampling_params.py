@@ -1,29 +1,15 @@
 """The ONE place that maps OpenAI request fields to what a stage is asked to do.
 
 Contract:
-- ``settings_from_request(req, defaults, vocab_size)`` validates every
-  generation-related field of a completion or chat request and returns frozen
-  ``SamplingSettings``, or raises a 400 ``APIError`` whose ``param`` names the
-  field. The sampling fields' ranges are the core's (``stagemesh.core.sampling``:
-  its ``check`` runs here, with each field named as the request names it); the
-  request's own limits (``n``, ``stop``, ``stop_token_ids``, ...) are the
-  schema's (``gateway.schemas``). Unset fields take the model's
-  generation-config ``defaults`` (vLLM's ``--generation-config``), else the
-  core's defaults (OpenAI's). Fields the stages cannot honour (beam search,
-  prompt logprobs, ...) are refused when set to anything but their default,
-  never silently ignored. Token ids (``logit_bias`` keys, ``stop_token_ids``,
-  ``allowed_token_ids``) must be below ``vocab_size``.
-- ``SamplingSettings.sampling`` is the request's core ``SamplingParams``; the
-  other fields are the request's own (choices, stop strings, streaming, output).
-- ``SamplingSettings.max_tokens_for(prompt_len, max_model_len)`` resolves the
-  token budget: the room left in the context by default; a prompt that leaves
-  no room, or an explicit budget that does not fit, is a 400 naming the
-  numbers (we never clamp silently: the client would get less than it asked
-  for without knowing why).
-- ``SamplingSettings.stage_sampling(choice)`` is the stage's
-  ``SamplingParams`` message for choice ``choice`` (seed + choice when seeded), and
-  ``stop_token_ids(eos)`` the ids the stage stops at (EOS unless ``ignore_eos``,
-  plus the request's ``stop_token_ids``).
+- ``settings_from_request(req, defaults, vocab_size)`` validates every generation-related field of a
+  completion or chat request and returns frozen ``SamplingSettings``, or raises a 400 ``APIError`` whose
+  ``param`` names the field. Unset fields take the model's generation-config ``defaults``, else the core's;
+  fields the stages cannot honour are refused when set to anything but their default, never silently ignored.
+- ``SamplingSettings.sampling`` is the request's core ``SamplingParams``; the other fields are the request's
+  own (choices, stop strings, streaming, output).
+- ``SamplingSettings.max_tokens_for(prompt_len, max_model_len, prompt_param)`` resolves the token budget,
+  never clamping it silently; ``stage_sampling(choice)`` is the stage's ``SamplingParams`` message for one
+  choice and ``stop_token_ids(eos)`` the ids the stage stops at.
 """
 
 from __future__ import annotations
@@ -67,6 +53,9 @@ class SamplingSettings:
     add_special_tokens: bool | None = None  # None: the endpoint's default
 
     def max_tokens_for(self, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
+        """The room left in the context by default; a prompt that leaves no room, or an explicit budget that
+        does not fit, is a 400 naming the numbers (clamping silently would give the client less than it asked
+        for without saying why)."""
         if prompt_len >= max_model_len:
             raise APIError(
                 400,
@@ -89,6 +78,7 @@ class SamplingSettings:
         return replace(self, sampling=replace(self.sampling, grammar=grammar))
 
     def stage_sampling(self, choice: int) -> stage_pb2.SamplingParams:
+        """The stage's message for choice ``choice`` (seed + choice when seeded)."""
         params = self.sampling
         if params.seed is not None:
             # Choices must differ yet stay reproducible: seed + i, folded into the stage's range.
@@ -128,6 +118,12 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
 def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
                           defaults: GenerationDefaults | None = None,
                           vocab_size: int | None = None) -> SamplingSettings:
+    """The sampling fields' ranges are the core's (``stagemesh.core.sampling``: its ``check`` runs here, with
+    each field named as the request names it); the request's own limits (``n``, ``stop``, ``stop_token_ids``,
+    ...) are the schema's (``gateway.schemas``). Unset fields take ``defaults`` (vLLM's
+    ``--generation-config``), else the core's defaults (OpenAI's). Fields the stages cannot honour (beam
+    search, prompt logprobs, ...) are refused unless at their default. Token ids (``logit_bias`` keys,
+    ``stop_token_ids``, ``allowed_token_ids``) must be below ``vocab_size``."""
     d = defaults or GenerationDefaults()
     core = sampling.DEFAULTS
     _refuse_unsupported(req)

@@ -1,25 +1,12 @@
 """Pydantic request models of the OpenAI endpoints the gateway serves.
 
-Contract: these models only *type* the JSON (so FastAPI can turn a malformed
-body into a 400 and /openapi.json documents the API). Unknown top-level fields
-are rejected (OpenAI does the same), never silently ignored. Whether a value
-is in range, supported, or fits the context is decided in one place,
-``gateway.sampling_params`` (and the prompt modules), so every message about a
-field comes from there. Fields we accept but cannot honour are declared here
-with their OpenAI default so that sending the default stays legal.
-
-The documented ranges are the core's (``stagemesh.core.sampling.RANGES``, which
-``gateway.sampling_params`` enforces) and the request limits below, only
-*described* here (``json_schema_extra``), so /openapi.json is as tight as the
-validation while the 400s keep their own wording;
-``gateway.openapi`` adds the vocabulary and context bounds of the served model.
-The rules between fields (``stream_options`` needs ``stream``, one output
-constraint at most, a message's content by role, ...) are said in JSON Schema
-too (alternatives of per-field restrictions, ``_either``), so a request the
-document calls valid is accepted. The few rules JSON Schema cannot say
-(``RUNTIME_RULES``: the prompt's token count against the context, ``min_tokens``
-against ``max_tokens``, a grammar llguidance must compile, ...) are named in
-each request schema's ``x-runtime-rules`` and in docs/api.md.
+Contract: these models only *type* the JSON (so FastAPI can turn a malformed body into a 400 and
+/openapi.json documents the API). Unknown top-level fields are rejected (OpenAI does the same), never silently
+ignored. Whether a value is in range, supported, or fits the context is decided in one place,
+``gateway.sampling_params`` (and the prompt modules), so every message about a field comes from there; here
+the ranges, limits and rules between fields are only *described*, in JSON Schema, so that a request the
+document calls valid is accepted. Fields we accept but cannot honour are declared with their OpenAI default
+(``DEFAULT_ONLY``) so that sending the default stays legal. ``RUNTIME_RULES`` names what JSON Schema cannot say.
 """
 
 from __future__ import annotations
@@ -36,6 +23,11 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
 
 
+# The documented ranges are the core's (stagemesh.core.sampling.RANGES, which gateway.sampling_params enforces)
+# and the request limits above, only described here (json_schema_extra), so /openapi.json is as tight as the
+# validation while the 400s keep their own wording; gateway.openapi adds the served model's vocabulary and
+# context bounds. The rules between fields (stream_options needs stream, one output constraint at most, a
+# message's content by role, ...) are said in JSON Schema too (``_either``).
 def _doc(**schema: Any) -> Any:
     """An optional field whose documented JSON Schema gains ``schema`` (the run-time checks are elsewhere)."""
     return Field(default=None, json_schema_extra=schema)
@@ -76,7 +68,8 @@ def _set_to(field: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": [field], "properties": {field: schema}}
 
 
-# What JSON Schema cannot say about a request, each checked at run time with a 400 naming the field.
+# What JSON Schema cannot say about a request, each checked at run time with a 400 naming the field; each
+# request schema names its rules in ``x-runtime-rules``, and docs/api.md lists them.
 RUNTIME_RULES = {
     "prompt-fits-context": "Each prompt encodes to at least one token (the tokenizer drops some control "
                            "characters), and its tokens (as the chat template renders it) plus max_tokens (or "

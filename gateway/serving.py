@@ -1,20 +1,13 @@
 """The OpenAI completion and chat endpoints: validated request in, HTTP response out.
 
-Contract: ``OpenAIServing.completions(req)`` / ``.chat(req)`` return a
-``JSONResponse`` (non-streaming) or an ``SSEResponse`` (``stream=true``), or
-raise ``APIError``. Everything is validated (model, fields, prompt, context
-length) before any gRPC call. A stream does not start until the first text
-(or the first failure) is known, so a mesh that cannot serve still gets a
-proper 503 status; once a stream has started, a failure is sent as
-``data: {"error": ...}`` followed by ``data: [DONE]``. Logprobs, when asked
-for, ride each chunk (the tokens behind its text) or the whole choice; a
-completion's ``echo`` puts the prompt's text before the completion (in the
-first chunk of a stream).
-
-``plan_chat(req)`` / ``run_chat(plan, request_id)`` are the chat endpoint's two halves for
-the other APIs the gateway speaks (``gateway.anthropic``, ``gateway.openai_responses``):
-every check and the rendered prompt, then the generation's ``ChoiceEvent``s, which
-they shape into their own responses.
+Contract: ``OpenAIServing.completions(req)`` / ``.chat(req)`` return a ``JSONResponse`` (non-streaming) or an
+``SSEResponse`` (``stream=true``), or raise ``APIError``. Everything is validated (model, fields, prompt,
+context length) before any gRPC call. A stream does not start until the first text (or the first failure) is
+known, so a mesh that cannot serve still gets a proper 503 status; once a stream has started, a failure is
+sent as ``data: {"error": ...}`` followed by ``data: [DONE]``.
+``plan_chat(req)`` / ``run_chat(plan, request_id)`` are the chat endpoint's two halves for the other APIs the
+gateway speaks (``gateway.anthropic``, ``gateway.openai_responses``): every check and the rendered prompt,
+then the generation's ``ChoiceEvent``s, which they shape into their own responses.
 """
 
 from __future__ import annotations
@@ -76,8 +69,9 @@ class OpenAIServing:
         self._config = config
         self._client = client
         self._tokenizer = tokenizer
-        # Once: ``len()`` of a Hugging Face tokenizer walks its added tokens on every call (11 ms for a
-        # vocabulary extended by 79k tokens), which would run per request on the event loop.
+        # Once: ``len()`` of a Hugging Face tokenizer walks its added tokens on every call, which is slow for a
+        # vocabulary with many added tokens and would run per request on the event loop (docs/performance.md
+        # has the figures).
         self._vocab_size = len(tokenizer)
         self._eos = frozenset(eos_token_ids)
         self._metrics = metrics
@@ -145,6 +139,9 @@ class OpenAIServing:
     async def _serve(self, kind: Kind, model: str, prompts: list[tuple[int, ...]], settings: SamplingSettings,
                      prompt_param: str, arrived: float, echo: list[str] | None = None,
                      tools: ToolPlan | None = None) -> JSONResponse | StreamingResponse:
+        """The request's choices, whole or streamed. Logprobs, when asked for, ride each chunk (the tokens behind
+        its text) or the whole choice; a completion's ``echo`` puts the prompt's text before the completion (in
+        the first chunk of a stream)."""
         tools = tools or ToolPlan()
         header = ResponseHeader.new(kind, model)
         jobs, events = self._start(prompts, settings, prompt_param, arrived, header.id)

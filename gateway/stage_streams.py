@@ -1,21 +1,15 @@
 """Many generations over one gRPC call per entry stage: the gateway's end of ``Stage.GenerateStream``.
 
-Why: on a GPU a step takes a few ms, and a message per token per request would be written by the
-stage's event loop (which shares the GIL with the thread that builds the next step) and read by the
-gateway's. Over ``GenerateStream`` the stage sends one message per step holding every request's new
-tokens, and the gateway reads one and hands each request its part.
-
 Contract:
-- ``StageStream(stub, metadata)`` opens one ``GenerateStream`` call to an entry stage, in the running
-  event loop, and a task that reads it. ``await start(request, timeout_s)`` writes the request's
-  start and returns its ``StreamedGeneration``. ``closed`` turns true once the call has ended (the
-  stage died, the connection broke, ``close()``); the client then opens a new stream for new work.
+- ``StageStream(stub, metadata)`` opens one ``GenerateStream`` call to an entry stage, in the running event
+  loop, and a task that reads it. ``await start(request, timeout_s)`` writes the request's start and returns
+  its ``StreamedGeneration``. ``closed`` turns true once the call has ended (the stage died, the connection
+  broke, ``close()``); the client then opens a new stream for new work.
 - A ``StreamedGeneration`` is to its caller what a call of its own would be: iterate it for
   ``GenerateResponse`` messages, ending after the one whose ``finish_reason`` is set; it raises
-  ``grpc.aio.AioRpcError`` with the request's status code (the request's own error from the
-  stage; the call's failure, for every request on it; DEADLINE_EXCEEDED ``timeout_s`` after the
-  start, which also aborts the request on the stage). ``cancel()`` is synchronous (safe in a
-  ``finally`` of a task being cancelled) and tells the stage to abort the request unless it ended.
+  ``grpc.aio.AioRpcError`` with the request's status code. ``cancel()`` is synchronous (safe in a ``finally``
+  of a task being cancelled) and tells the stage to abort the request unless it ended.
+``gateway.replica_client`` keeps one ``StageStream`` per entry stage.
 """
 
 from __future__ import annotations
@@ -41,7 +35,11 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class StreamedGeneration:
-    """One request's share of a ``StageStream``."""
+    """One request's share of a ``StageStream``.
+
+    Its errors: the request's own error from the stage; the call's failure, for every request on it; and
+    DEADLINE_EXCEEDED ``timeout_s`` after the start, which also aborts the request on the stage.
+    """
 
     def __init__(self, stream: StageStream, request_id: str, timeout_s: float) -> None:
         self.request_id = request_id
@@ -92,7 +90,13 @@ class StreamedGeneration:
 
 
 class StageStream:
-    """One ``GenerateStream`` call to one entry stage and the generations riding on it."""
+    """One ``GenerateStream`` call to one entry stage and the generations riding on it.
+
+    Why one call: a step on a GPU is short (docs/performance.md has the figures), and a message per token per
+    request would be written by the stage's event loop (which shares the GIL with the thread that builds the
+    next step) and read by the gateway's. Over ``GenerateStream`` the stage sends one message per step holding
+    every request's new tokens, and the gateway reads one and hands each request its part.
+    """
 
     def __init__(self, stub: Any, metadata: Any) -> None:
         self._call = stub.GenerateStream(metadata=metadata)  # no deadline: each generation has its own

@@ -1,25 +1,12 @@
 """Structured output: a request's format constraint as one llguidance grammar for the last stage.
 
-Contract: ``grammar_for(req)`` returns the llguidance grammar (a string the
-stage hands to ``llguidance.LLMatcher``) for OpenAI's ``response_format``
-(``json_object``: any JSON object; ``json_schema``: that schema, with or
-without ``strict``) or vLLM's ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar`` (Lark) and their newer form
-``structured_outputs: {"json" | "regex" | "choice" | "grammar": ...}``, or
-None when the output is free. At most one constraint per request. A schema, regex or grammar that
-llguidance cannot compile is a 400 naming the field, before any stage is
-asked.
-
-Why llguidance (over xgrammar and outlines-core): it computes a token mask
-per batch row in about as long as a decode step's sampling (tens of
-microseconds a row, lazily, with no ahead-of-time compile of the whole
-grammar), in a Rust thread pool that releases the GIL, so a batch mixing
-constrained and free rows is not stalled; it has wheels for Linux x86_64 and
-macOS arm64 with no PyTorch dependency (xgrammar's Python package and
-outlines-core's integrations lean on PyTorch); and it supports JSON Schema,
-regexes and Lark in one engine, which is also what vLLM and llama.cpp use.
-JSON is compiled without flexible whitespace so a small model cannot spend
-its token budget on blank lines inside an object.
+Contract: ``grammar_for(req)`` returns the llguidance grammar (a string the stage hands to
+``llguidance.LLMatcher``) for OpenAI's ``response_format`` (``json_object``: any JSON object;
+``json_schema``: that schema, with or without ``strict``) or vLLM's ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` (Lark) and their ``structured_outputs: {"json" | "regex" | "choice" |
+"grammar": ...}`` form, or None when the output is free. At most one constraint per request. A schema, regex
+or grammar that llguidance cannot compile is a 400 naming the field, before any stage is asked.
+``json_schema_grammar(schema, param)`` is the same for one JSON Schema (a forced tool call's, ``gateway.tools``).
 """
 
 from __future__ import annotations
@@ -34,6 +21,11 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
+# Why llguidance (over xgrammar and outlines-core): it computes a row's token mask lazily, in a Rust thread pool
+# that releases the GIL, so a batch mixing constrained and free rows is not stalled; it needs no PyTorch; and it
+# takes JSON Schema, regexes and Lark in one engine, as vLLM and llama.cpp do (docs/api.md, "Structured output";
+# docs/performance.md has the figures). JSON is compiled without flexible whitespace so a small model cannot
+# spend its token budget on blank lines inside an object.
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 

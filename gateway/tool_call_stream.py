@@ -1,31 +1,13 @@
 """Tool calls read from a streamed reply as it arrives: text deltas in, content and call deltas out.
 
-Contract: ``ToolCallStream(fmt)`` (``fmt`` a ``gateway.tool_parsers.ToolFormat``)
-is fed the reply's text deltas (``feed(text)``) and returns, for each, the
-events to send now; ``finish()`` returns the last ones. Events:
-- ``ContentDelta(text)``: text before the calls. Only what could still begin a
-  call is held back: a partial marker (``<tool_c``), the whitespace before it
-  (the whole-text parser drops it), and for formats whose calls open the text
-  (llama3, ``required``) the leading whitespace and tag until the first
-  character decides.
-- ``CallStart(index, id, name)``: a call, as soon as its name is complete
-  (indexes 0, 1, ... in order);
-- ``ArgumentsDelta(index, text)``: the next piece of that call's arguments, as
-  the model writes them: their concatenation is exactly the ``arguments`` the
-  whole-text parser (``fmt.parse``) returns for the same text.
-Fed any split of a text, the content and calls it gives equal ``fmt.parse``'s
-whenever that text is well formed or not a call at all; text that turns out
-not to be a call before any call started is sent as content. A stream cannot
-take back what it sent: when a call whose name was sent turns out malformed
-or cut short, ``complete`` is False and the rest is dropped.
-
-How (after vLLM's ``extract_tool_calls_streaming``, without its partial-JSON
-re-parse and diff): a cursor walks the text once through the format's grammar
-(content, marker, call list, call object, member, value); a JSON value is
-followed character by character (strings, escapes, nesting) only to know where
-it ends, the arguments object's characters being sent as they pass; a
-finished call object is checked with the whole-text parser's own rules
-(``object_members``, ``call_from_members``), so both agree on what a call is.
+Contract: ``ToolCallStream(fmt)`` (``fmt`` a ``gateway.tool_parsers.ToolFormat``) is fed the reply's text
+deltas (``feed(text)``) and returns, for each, the events to send now; ``finish()`` returns the last ones.
+Events: ``ContentDelta(text)`` (text before the calls), ``CallStart(index, id, name)`` (a call, as soon as its
+name is complete; indexes 0, 1, ... in order) and ``ArgumentsDelta(index, text)`` (the next piece of that
+call's arguments, as the model writes them). Fed any split of a text, the content and calls it gives equal
+``fmt.parse``'s whenever that text is well formed or not a call at all, the pieces adding up to exactly
+``fmt.parse``'s ``arguments``. A stream cannot take back what it sent: when a call whose name was sent turns
+out malformed or cut short, ``complete`` is False and the rest is dropped.
 """
 
 from __future__ import annotations
@@ -135,6 +117,18 @@ def _partial(text: str, i: int, word: str) -> bool:
 
 
 class ToolCallStream:
+    """Only what could still begin a call is held back: a partial marker (``<tool_c``), the whitespace before
+    it (the whole-text parser drops it), and for formats whose calls open the text (llama3, ``required``) the
+    leading whitespace and tag until the first character decides. Text that turns out not to be a call before
+    any call started is sent as content.
+
+    How (after vLLM's ``extract_tool_calls_streaming``, without its partial-JSON re-parse and diff): a cursor
+    walks the text once through the format's grammar (content, marker, call list, call object, member, value);
+    a JSON value is followed character by character (strings, escapes, nesting) only to know where it ends,
+    the arguments object's characters being sent as they pass; a finished call object is checked with the
+    whole-text parser's own rules (``object_members``, ``call_from_members``), so both agree on what a call is.
+    """
+
     def __init__(self, fmt: ToolFormat) -> None:
         self._fmt = fmt
         self._buf = ""

@@ -1,24 +1,15 @@
 """A chat choice's generated text as OpenAI's message or stream deltas when tools are in play.
 
 Contract:
-- ``final_message(text, finish, plan, fmt)`` -> ``(content, tool_calls, finish)``:
-  a forced call (``required`` / ``named``) is read from its constrained JSON;
-  with ``auto`` the tool-call format ``fmt`` finds the calls in the text; any
-  call makes the finish reason ``tool_calls``. Without calls the text stays
+- ``final_message(text, finish, plan, fmt)`` -> ``(content, tool_calls, finish)``: a forced call
+  (``required`` / ``named``) is read from its constrained JSON; with ``auto`` the tool-call format ``fmt``
+  finds the calls in the text; any call makes the finish reason ``tool_calls``. Without calls the text stays
   content.
-- ``ToolStream(plan, fmt)`` does the same incrementally for one streamed
-  choice: ``feed(text)`` returns the OpenAI deltas to send now and
-  ``finish(reason)`` the last ones and the finish reason. Every call streams:
-  a first delta with its ``index``, ``id``, ``type``, ``function.name`` and
-  ``arguments: ""``, then ``function.arguments`` pieces as the model writes
-  them (their concatenation is the non-streamed call's ``arguments``). A
-  ``named`` call's arguments are the whole output; ``required`` output is read
-  as the ``FORCED`` format and ``auto`` output as ``fmt``, by
-  ``gateway.tool_call_stream``, which streams the text before any call as
-  content. The finish reason is ``tool_calls`` when calls were made whole.
-  ``events`` / ``finish_events`` give the same as typed events
-  (``ContentDelta``, ``CallStart``, ``ArgumentsDelta``) for the APIs that shape
-  them otherwise (``gateway.assistant_turn``).
+- ``ToolStream(plan, fmt)`` does the same incrementally for one streamed choice: ``feed(text)`` returns the
+  OpenAI deltas to send now and ``finish(reason)`` the last ones and the finish reason (``tool_calls`` when
+  calls were made whole). A streamed call's ``arguments`` pieces add up to the non-streamed call's.
+  ``events`` / ``finish_events`` give the same as typed events (``ContentDelta``, ``CallStart``,
+  ``ArgumentsDelta``) for the APIs that shape them otherwise (``gateway.assistant_turn``).
 """
 
 from __future__ import annotations
@@ -52,6 +43,11 @@ def _delta(event: Event) -> dict[str, Any]:
 
 
 class ToolStream:
+    """Every call streams: a first delta with its ``index``, ``id``, ``type``, ``function.name`` and
+    ``arguments: ""``, then ``function.arguments`` pieces as the model writes them. A ``named`` call's
+    arguments are the whole output; ``required`` output is read as the ``FORCED`` format and ``auto`` output
+    as ``fmt``, by ``gateway.tool_call_stream``, which streams the text before any call as content."""
+
     def __init__(self, plan: ToolPlan, fmt: ToolFormat) -> None:
         self._plan = plan
         self._parser: ToolCallStream | None = None

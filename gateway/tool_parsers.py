@@ -1,29 +1,17 @@
 """A model's text back into OpenAI ``tool_calls``: what each tool-call format looks like, and the whole-text parser.
 
 Contract:
-- ``ToolFormat`` is the one description of a format, read by both the
-  whole-text parser here and the streaming one (``gateway.tool_call_stream``):
-  where the calls open (``marker``, or the start of the text), what wraps each
-  call (``call_open`` / ``call_close``), whether the calls are a JSON array,
-  what separates them, and which key holds the arguments.
-- ``PARSERS`` names the formats (vLLM's ``--tool-call-parser`` names):
-  ``hermes`` (Hermes, Qwen 2.5/3, and the format stagemesh writes into
-  templates without their own: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``),
-  ``llama3_json`` (Llama 3.1+: a JSON object ``{"name": ..., "parameters": {...}}``,
-  optionally after ``<|python_tag|>``, several separated by ``;``) and
-  ``mistral`` (``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``).
-  ``FORCED`` is the shape ``tool_choice: "required"`` constrains the output to
+- ``ToolFormat`` is the one description of a format, read by both the whole-text parser here and the
+  streaming one (``gateway.tool_call_stream.ToolCallStream(fmt)``), so both agree on what a call is.
+- ``PARSERS`` names the formats by vLLM's ``--tool-call-parser`` names (``hermes``, ``llama3_json``,
+  ``mistral``); ``FORCED`` is the shape ``tool_choice: "required"`` constrains the output to
   (``gateway.tools``): a JSON array of ``{"name", "parameters"}``.
-- ``fmt.parse(text)`` returns ``(content, calls)``: the text before the calls
-  (trailing whitespace dropped; None when nothing is left) and each call as a
-  ``ToolCall``. A call's ``arguments`` is the model's own JSON text of the
-  arguments object (exactly what a stream sends piece by piece; a JSON string
-  holding an object counts as that object's text). Text that does not parse
-  as calls is all content (no call is invented or lost silently); text after
-  the last call is not part of the reply.
-- The incremental parser for one streamed reply is ``gateway.tool_call_stream.ToolCallStream(fmt)``.
-- ``pick_parser(flag, chat_template)``: the flag when given, else the format
-  the model's chat template writes, else ``hermes``.
+- ``fmt.parse(text)`` returns ``(content, calls)``: the text before the calls (trailing whitespace dropped;
+  None when nothing is left) and each call as a ``ToolCall``, its ``arguments`` the model's own JSON text of
+  the arguments object. Text that does not parse as calls is all content (no call is invented or lost
+  silently); text after the last call is not part of the reply.
+- ``pick_parser(flag, chat_template)``: the flag when given, else the format the model's chat template
+  writes, else ``hermes``.
 """
 
 from __future__ import annotations
@@ -127,6 +115,14 @@ def call_from_members(members: list[tuple[str, Any, str]]) -> tuple[str, str] | 
 
 @dataclass(frozen=True)
 class ToolFormat:
+    """Where the calls open (``marker``, or the start of the text), what wraps each call (``call_open`` /
+    ``call_close``), whether the calls are a JSON array, what separates them; either of ``ARGUMENT_KEYS``
+    holds the arguments.
+
+    ``parse`` gives a call's ``arguments`` exactly as a stream sends them piece by piece; a JSON string
+    holding an object counts as that object's text.
+    """
+
     name: str
     marker: str = ""  # opens the calls after any content; "" : the calls (after ``tag``) must open the text
     tag: str = ""  # optional text before calls that open the text (llama3's <|python_tag|>)
@@ -188,6 +184,11 @@ class ToolFormat:
         return found
 
 
+# hermes: Hermes, Qwen 2.5/3, and the format stagemesh writes into templates without their own
+#   (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``);
+# llama3_json: Llama 3.1+, a JSON object ``{"name": ..., "parameters": {...}}``, optionally after
+#   ``<|python_tag|>``, several separated by ``;``;
+# mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
 PARSERS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("hermes", marker="<tool_call>", call_open="<tool_call>", call_close="</tool_call>"),
     "llama3_json": ToolFormat("llama3_json", tag="<|python_tag|>", separator=";"),

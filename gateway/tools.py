@@ -1,27 +1,16 @@
 """A chat request's tools: what the model is told, what it may or must call, and how calls come back.
 
 Contract:
-- ``tool_plan(req)`` checks ``tools``, ``tool_choice`` and ``parallel_tool_calls``
-  (400 naming the field: ``tool_choice`` without ``tools``, as OpenAI and vLLM;
-  an unknown function; a malformed tool) and returns a frozen ``ToolPlan``:
-  ``mode`` is ``none`` (tools ignored, not shown to the model), ``auto`` (the
-  model may call; its text is parsed with the server's tool-call parser),
-  ``required`` or ``named``.
-- ``ToolPlan.forced_schema()``: for ``required`` and ``named`` the JSON Schema
-  the output is constrained to (``gateway.structured_output`` compiles it), so
-  the call and its arguments are valid even from a small model: ``named``
-  constrains the output to the function's arguments object; ``required`` to a
-  JSON array of ``{"name", "parameters"}`` objects (one item unless
-  ``parallel_tool_calls``), vLLM's shape. ``ToolPlan.forced_calls(text)`` turns
-  that output back into ``ToolCall``s (``required``: the ``FORCED`` format of
-  ``gateway.tool_parsers``, which a stream reads incrementally too).
-- ``template_messages(messages, plan, template)`` are the messages as the chat
-  template gets them: assistant ``tool_calls`` with their arguments as objects
-  (the Hugging Face convention) and ``tool`` messages with their
-  ``tool_call_id``. A template that does not know tools (it never mentions
-  ``tools``) gets them described in the system message in the Hermes format,
-  with past calls and results written as ``<tool_call>`` / ``<tool_response>``
-  text, which the ``hermes`` parser reads back.
+- ``tool_plan(req)`` checks ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (a 400 naming the field)
+  and returns a frozen ``ToolPlan`` whose ``mode`` is ``none`` (tools ignored, not shown to the model),
+  ``auto`` (the model may call; its text is parsed with the server's tool-call parser), ``required`` or
+  ``named``.
+- ``ToolPlan.forced_schema()``: for ``required`` and ``named`` the JSON Schema the output is constrained to
+  (``gateway.structured_output`` compiles it), so the call and its arguments are valid even from a small
+  model; ``ToolPlan.forced_calls(text)`` turns that output back into ``ToolCall``s.
+- ``template_messages(conversation, messages, plan, native)`` are the messages as the chat template gets them,
+  with their tool calls and results; a template that does not know tools (``template_supports_tools``) gets
+  them written in the Hermes format, which the ``hermes`` parser reads back.
 """
 
 from __future__ import annotations
@@ -64,6 +53,9 @@ class ToolPlan:
         return self.mode != "none"
 
     def forced_schema(self) -> dict[str, Any] | None:
+        """``named``: the function's arguments object; ``required``: a JSON array of ``{"name", "parameters"}``
+        objects (one item unless ``parallel``), vLLM's shape, read back as the ``FORCED`` format of
+        ``gateway.tool_parsers`` (which a stream reads incrementally too); None otherwise."""
         if self.mode == "named":
             return next(t.parameters for t in self.tools if t.name == self.name)
         if self.mode != "required":
@@ -108,6 +100,8 @@ def _tool(raw: dict[str, Any], i: int) -> Tool:
 
 
 def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+    """A 400 for ``tool_choice`` or ``parallel_tool_calls`` without ``tools`` (as OpenAI and vLLM), an unknown
+    function, duplicate names, or a malformed tool."""
     tools = tuple(_tool(t, i) for i, t in enumerate(req.tools or []))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
@@ -159,7 +153,13 @@ def template_supports_tools(template: str | None) -> bool:
 
 def template_messages(conversation: list[dict[str, Any]], messages: Sequence[ChatMessage], plan: ToolPlan,
                       native: bool) -> list[dict[str, Any]]:
-    """``conversation`` (role/content dicts from the messages) with tool calls and results added."""
+    """``conversation`` (role/content dicts from the messages) with tool calls and results added.
+
+    A ``native`` template gets assistant ``tool_calls`` with their arguments as objects (the Hugging Face
+    convention) and ``tool`` messages with their ``tool_call_id``. Any other gets the tools described in the
+    system message in the Hermes format, with past calls and results written as ``<tool_call>`` /
+    ``<tool_response>`` text.
+    """
     out: list[dict[str, Any]] = []
     for item, message in zip(conversation, messages, strict=True):
         item = dict(item)

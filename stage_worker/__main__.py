@@ -18,7 +18,7 @@ def main() -> int:
     from stage_worker import lean_mlx_lm
 
     lean_mlx_lm.install()  # before anything imports mlx_lm: a stage needs its models, not its tokenizer stack
-    from stage_worker.stage_process import serve  # MLX loads only now, after the BLAS preload
+    from stage_worker.stage_process import serve  # MLX loads only here, after the BLAS preload
 
     return serve(launch)
 

@@ -1,21 +1,13 @@
 """Which BLAS a stage's MLX uses on Linux, and how the launcher swaps in a fast one.
 
-MLX's Linux CPU wheel links the reference (netlib) BLAS: every float GEMM runs
-at a few GFLOP/s and batching gains nothing. Preloading an optimized BLAS that
-exports the standard CBLAS symbols replaces it for the whole process
-(docs/performance.md, "Linux CPU", has the gain). Candidates, best first:
-Debian's OpenBLAS (``libopenblas0-pthread``), then Intel MKL's ``libmkl_rt``
-from the PyPI ``mkl`` wheel. ``STAGEMESH_BLAS`` overrides: ``none`` keeps the
-reference BLAS, a path preloads that library.
-
-``LD_PRELOAD`` only takes effect when a process starts, so the stage entry
-point (``python -m stage_worker``) re-executes itself once with it set. macOS
-uses Accelerate and Metal; nothing is done there.
-
-Threads adapt to the pipeline's load (``AdaptiveBlasThreads``): while one
-micro-batch is in flight only one stage computes at a time, so it may use every
-core of its host; with several in flight, stages sharing a host compute at once
-and split the cores between them instead of fighting over them.
+MLX's Linux CPU wheel links the reference (netlib) BLAS, on which batching gains nothing. Preloading an
+optimized BLAS that exports the standard CBLAS symbols replaces it for the whole process (docs/performance.md,
+"Linux CPU", has the gain). ``find_optimized_blas`` picks one, best first: Debian's OpenBLAS
+(``libopenblas0-pthread``), then Intel MKL's ``libmkl_rt`` from the PyPI ``mkl`` wheel; ``STAGEMESH_BLAS``
+overrides (``none`` keeps the reference BLAS, a path preloads that library). ``reexec_with_optimized_blas``
+re-executes the stage entry point once with ``LD_PRELOAD`` set (it only takes effect when a process starts);
+``loaded_blas`` says which one a process uses. macOS uses Accelerate and Metal; nothing is done there.
+``AdaptiveBlasThreads`` sizes the BLAS's thread pool to the pipeline's load (``threads_for_load``).
 """
 
 from __future__ import annotations
@@ -58,7 +50,7 @@ def find_optimized_blas(env: Mapping[str, str] = os.environ) -> str | None:
 
 # OpenBLAS worker threads spin (sched_yield) for 2**28 cycles after each call before they
 # sleep; on a host shared with other stages that spinning takes the cores the stage that
-# computes next needs (PP=2 single stream on 2 cores: 0.83x of PP=1 spinning, 0.99x with 2**4).
+# computes next needs, so there they are told to sleep after 2**4.
 _IDLE_SPIN_ENV = "OPENBLAS_THREAD_TIMEOUT"
 _SHORT_IDLE_SPIN = "4"
 
@@ -121,8 +113,8 @@ def threads_for_load(in_flight: int, cores: int, stages_on_host: int) -> int:
     """BLAS threads for a batch computed while ``in_flight`` batches are in the pipeline (pure).
 
     One batch in flight: the other stages wait, so all ``cores`` are this stage's. Several: up to
-    ``min(in_flight, stages_on_host)`` stages of this host compute at once and share the cores.
-    ``in_flight`` 0 means unknown: assume the host is fully busy.
+    ``min(in_flight, stages_on_host)`` stages of this host compute at once and split the cores between
+    them instead of fighting over them. ``in_flight`` 0 means unknown: assume the host is fully busy.
     """
     busy_here = stages_on_host if in_flight <= 0 else min(in_flight, stages_on_host)
     return max(1, cores // max(1, busy_here))

@@ -1,25 +1,12 @@
 """Building a stage's graph before its input arrives: placeholders whose bytes are written in later.
 
-MLX builds graphs lazily, and building one is host work: for a decode step,
-a fraction of a millisecond of Python per decoder layer. In a pipeline every stage waits for its input, so a
-stage that builds only once the input is there puts that time on every token's
-path, once per stage. But a stage often knows a batch's shape before its data:
-
-* the FORWARD header (records, rows) can travel ahead of the hidden states, so
-  the next stage builds while this one computes;
-* a continued decode step's token ids are the ones the last stage is about to
-  return, so the entry stage builds the step while the others compute.
-
-Such a stage builds the batch's graph on a ``Placeholder`` (an array already in
-MLX memory), writes the data's bytes into that memory when they arrive, and
-only then evaluates. MLX reads an input's memory when it evaluates, not when a
-graph is built; the placeholder is held for the whole graph's life, so MLX
-never reuses its buffer for an output (donation needs the only reference).
-
-Writing into an array's memory relies on MLX handing out host-visible memory
-through the buffer protocol: unified memory on Apple silicon, managed memory on
-CUDA, host memory on the CPU. ``writes_reach_device`` checks that once per
-process; where it fails, stages build after the data arrives.
+MLX builds graphs lazily, and building one is host work; a stage that builds only once its input is there puts
+that work on every token's path, once per stage. Often a stage knows a batch's shape before its data: the
+FORWARD header (records, rows) can travel ahead of the hidden states, and a continued decode step's token ids
+are the ones the last stage is about to return. Such a stage builds the batch's graph on a ``Placeholder``
+(an array already in MLX memory), writes the data's bytes into it when they arrive, and only then evaluates.
+``writes_reach_device`` checks once per process that such writes reach what the device computes with;
+``build_ahead_enabled`` says whether stages build ahead (where it fails, they build after the data arrives).
 """
 
 from __future__ import annotations
@@ -37,7 +24,11 @@ log = logging.getLogger(__name__)
 
 
 class Placeholder:
-    """An array of ``shape`` and ``dtype`` for a graph to be built on, its bytes written in later."""
+    """An array of ``shape`` and ``dtype`` for a graph to be built on, its bytes written in later.
+
+    MLX reads an input's memory when it evaluates, not when a graph is built; the placeholder is held for the
+    whole graph's life, so MLX never reuses its buffer for an output (donation needs the only reference).
+    """
 
     def __init__(self, shape: Sequence[int], dtype: mx.Dtype) -> None:
         host_dtype, bits = wire.host_dtype(dtype)
@@ -62,7 +53,11 @@ class Placeholder:
 
 @functools.cache
 def writes_reach_device() -> bool:
-    """Whether bytes written into a ``Placeholder`` are what the device computes with (once per process)."""
+    """Whether bytes written into a ``Placeholder`` are what the device computes with (once per process).
+
+    Writing into an array's memory relies on MLX handing out host-visible memory through the buffer protocol:
+    unified memory on Apple silicon, managed memory on CUDA, host memory on the CPU.
+    """
     try:
         placeholder = Placeholder((64,), mx.int32)
         doubled = placeholder.array * 2

@@ -1,23 +1,12 @@
 """The device a stage computes on: MLX's backend, a name a person recognises, and its memory.
 
-Three backends: ``cpu`` (MLX's CPU backend: the Linux CPU wheel, or no GPU),
-``metal`` (Apple GPUs) and ``cuda`` (NVIDIA GPUs through the ``mlx-cuda``
-wheels, where the default device is ``gpu`` while ``mx.metal.is_available()``
-is False).
-
-Deciding is pure: ``describe`` turns raw ``DeviceFacts`` into a
-``StageDevice``, so every backend's rules are tested on any machine. ``probe``
-gathers the facts at the edge: MLX's own ``mx.device_info`` (Metal:
-``device_name``, ``architecture``, ``max_recommended_working_set_size``;
-CUDA: ``device_name``, ``total_memory``, ``free_memory``), ``nvidia-smi`` only
-when MLX does not say, and ``/proc/cpuinfo`` for the CPU's model.
-``apply_wired_limit`` keeps a Metal stage's working set resident, as
-``mlx_lm.server`` does; the CPU and CUDA skip it.
-
-A stage's memory budget comes from ``StageDevice.memory_bytes`` on a GPU
-(Metal: the recommended working set; CUDA: the device's memory) and from the
-host's memory on the CPU (``stage_worker.memory``). MLX is imported only by
-the functions that query it.
+Three backends: ``cpu`` (MLX's CPU backend: the Linux CPU wheel, or no GPU), ``metal`` (Apple GPUs) and
+``cuda`` (NVIDIA GPUs through the ``mlx-cuda`` wheels). Deciding is pure: ``describe`` turns raw
+``DeviceFacts`` into a ``StageDevice``, so every backend's rules are tested on any machine; ``probe`` gathers
+the facts at the edge and never raises for a missing GPU. A stage's memory budget comes from
+``StageDevice.memory_bytes`` on a GPU and from the host's memory on the CPU (``stage_worker.memory``).
+``apply_wired_limit`` keeps a Metal stage's working set resident, as ``mlx_lm.server`` does; the CPU and CUDA
+skip it. MLX is imported only by the functions that query it.
 """
 
 from __future__ import annotations
@@ -73,7 +62,8 @@ class StageDevice:
 
 
 def backend_of(default_device: str, metal_available: bool, cuda_available: bool) -> str:
-    """``cpu`` unless MLX computes on a GPU by default; a GPU that is not Metal is CUDA (MLX has no other)."""
+    """``cpu`` unless MLX computes on a GPU by default; a GPU that is not Metal is CUDA (MLX has no other: on the
+    ``mlx-cuda`` wheels the default device is ``gpu`` while ``mx.metal.is_available()`` is False)."""
     if default_device != "gpu":
         return "cpu"
     if cuda_available or not metal_available:
@@ -214,7 +204,12 @@ def current_backend() -> str:
 
 
 def probe(env: Mapping[str, str] | None = None) -> StageDevice:
-    """The device this process's MLX computes on (see the module docstring); never raises for a missing GPU."""
+    """The device this process's MLX computes on; never raises for a missing GPU.
+
+    The facts come from MLX's own ``mx.device_info`` (Metal: ``device_name``, ``architecture``,
+    ``max_recommended_working_set_size``; CUDA: ``device_name``, ``total_memory``, ``free_memory``),
+    ``nvidia-smi`` only when MLX does not say, and ``/proc/cpuinfo`` for the CPU's model.
+    """
     import os
 
     import mlx.core as mx

@@ -1,25 +1,15 @@
 """The draft model's KV for the sequences it proposes for: one batch that lasts across proposal rounds.
 
 Contract:
-- A ``DraftBatch`` holds, for each layer of the draft, keys and values ``[rows, kv_heads, columns, head_dim]``
-  of its sequences (one row each, ``seq_ids`` in row order) and, on the host, which columns of each row hold
-  one of its tokens (``valid``) and how many it holds (``lengths``). A forward writes every row at the same
-  new columns; a column a row does not use (the padding after a shorter feed, a rejected proposal dropped by
-  ``drop_last``) is a hole that its attention never sees (the mask comes from ``valid``), and a row's
-  positions (the RoPE offsets) count its tokens only. So a round moves none of the draft's KV: dropping a
-  row's last tokens is host bookkeeping, and rows fed unequal numbers of tokens need no shifting (mlx-lm's
-  ``BatchKVCache`` keeps rows right-aligned and rolls them after a right-padded feed, a copy of the batch).
-- ``caches`` are what an mlx-lm model takes as ``cache=`` (one per layer: ``offset``, ``update_and_fetch``,
-  ``make_mask``); ``forward(model, tokens, fed)`` runs ``tokens`` ``[rows, width]`` through the model, row b's
-  first ``fed[b]`` of them real, and returns the lazy logits.
-- Sequences join and leave by ``concat`` and ``take``: copies of their KV, as mlx-lm's ``BatchGenerator``
-  extends and filters its batch. ``take`` keeps only each row's tokens (holes dropped); a batch that runs out
-  of columns does the same to itself when holes are a large share of them, else grows.
-- ``pad_keys`` (the draft on CUDA): a forward that needs a mask (several tokens per row, or holes) attends over
-  every column the batch holds, the ones past this forward's masked, so the attention's shapes change only as
-  the batch grows: MLX's CUDA attention with a mask or several query rows is plain matmuls and a softmax,
-  planned per shape (``packed_forward``'s docstring says the same of the stage). A one-token forward without
-  holes keeps the unmasked vector kernel, which takes any length.
+- A ``DraftBatch`` holds, for each layer of the draft, the keys and values of its sequences (one row each,
+  ``seq_ids`` in row order) and, on the host, which columns of each row hold one of its tokens (``valid``) and
+  how many it holds (``lengths``). A round moves none of the draft's KV: a column a row does not use is a hole
+  its attention never sees, so dropping a row's last tokens (``drop_last``) is host bookkeeping.
+- ``caches`` are what an mlx-lm model takes as ``cache=``; ``forward(model, tokens, fed)`` runs ``tokens``
+  ``[rows, width]`` through the model, row b's first ``fed[b]`` of them real, and returns the lazy logits.
+- Sequences join and leave by ``concat`` and ``take``: copies of their KV.
+- ``pad_keys`` (the draft on CUDA): masked forwards attend over every column held, so their shapes change only
+  as the batch grows.
 - No device sync anywhere here: the caller evaluates (``arrays``) once per round.
 """
 
@@ -45,7 +35,8 @@ def _columns_for(needed: int) -> int:
 
 
 class _LayerCache:
-    """One layer's keys and values of a ``DraftBatch``, in the interface mlx-lm's attention calls."""
+    """One layer's keys and values of a ``DraftBatch``, in the interface mlx-lm's attention calls (``offset``,
+    ``update_and_fetch``, ``make_mask``)."""
 
     def __init__(self, batch: DraftBatch) -> None:
         self._batch = batch
@@ -88,7 +79,21 @@ class _LayerCache:
 
 
 class DraftBatch:
-    """The draft's KV of ``seq_ids``, one row each (see the module's contract)."""
+    """The draft's KV of ``seq_ids``, one row each: per layer, keys and values ``[rows, kv_heads, columns,
+    head_dim]``.
+
+    A forward writes every row at the same new columns; a column a row does not use (the padding after a
+    shorter feed, a rejected proposal dropped by ``drop_last``) is a hole that its attention never sees (the
+    mask comes from ``valid``), and a row's positions (the RoPE offsets) count its tokens only. So rows fed
+    unequal numbers of tokens need no shifting (mlx-lm's ``BatchKVCache`` keeps rows right-aligned and rolls
+    them after a right-padded feed, a copy of the batch).
+
+    With ``pad_keys`` (the draft on CUDA), a forward that needs a mask (several tokens per row, or holes)
+    attends over every column the batch holds, the ones past this forward's masked, so the attention's shapes
+    change only as the batch grows: MLX's CUDA attention with a mask or several query rows is plain matmuls and
+    a softmax, planned per shape (``packed_forward``'s docstring says the same of the stage). A one-token
+    forward without holes keeps the unmasked vector kernel, which takes any length.
+    """
 
     def __init__(self, seq_ids: Sequence[int], num_layers: int, pad_keys: bool = False) -> None:
         self.seq_ids = list(seq_ids)
@@ -172,7 +177,8 @@ class DraftBatch:
             self.end -= 1
 
     def take(self, rows: Sequence[int]) -> DraftBatch:
-        """A new batch of ``rows`` (in that order), each row's tokens moved to its first columns."""
+        """A new batch of ``rows`` (in that order), each row's tokens moved to its first columns (holes dropped):
+        a copy of their KV, as mlx-lm's ``BatchGenerator`` filters its batch."""
         out = DraftBatch([self.seq_ids[r] for r in rows], len(self.caches), pad_keys=self.pad_keys)
         lengths = self.lengths[list(rows)]
         width = int(lengths.max()) if len(rows) else 0
@@ -198,7 +204,8 @@ class DraftBatch:
 
     @classmethod
     def concat(cls, batches: Sequence[DraftBatch]) -> DraftBatch:
-        """One batch of every row of ``batches``, in order (holes kept; shorter batches padded with holes)."""
+        """One batch of every row of ``batches``, in order (holes kept; shorter batches padded with holes): a copy
+        of their KV, as mlx-lm's ``BatchGenerator`` extends its batch."""
         out = cls([s for b in batches for s in b.seq_ids], len(batches[0].caches), pad_keys=batches[0].pad_keys)
         end = max(b.end for b in batches)
         out.end = end

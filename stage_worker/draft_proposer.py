@@ -1,32 +1,16 @@
 """A draft model's proposals (vLLM's ``draft_model`` method): a small mlx-lm model on the entry stage.
 
 Contract:
-- ``check_draft_model(path, target)`` is the start check: ``path`` must be an mlx-lm model directory
-  (config.json, weights) whose ``vocab_size`` and tokenizer (every token's id) equal the target's, and whose
-  layers all keep plain KV (positions it can drop); anything else raises ``DraftModelError`` naming what to
-  change. ``load_draft_proposer(path, weights)`` loads it as ``mlx_lm.load`` does (any mlx-lm architecture,
-  quantized or not), in the stage's compute dtype, and runs a quantized draft with dense weights where the
-  stage would run its own so (``DraftWeights``: ``stage_model.choose_dense_weights`` with the stage's setting,
-  backend and BLAS), and logs what its weights hold and what a token of its KV costs.
-- ``DraftProposer`` is a ``speculation.Proposer``. The sequences of the last round keep their draft KV in one
-  ``draft_batch.DraftBatch`` that lasts from round to round; a sequence not asked in a round (plain steps, a
-  pause) leaves it for a batch of its own and joins again when asked. Per sequence it knows how many of the
-  sequence's tokens the draft holds and which proposals it fed after them. Asked for proposals, it first
-  brings each sequence in step: the proposals held are compared with the tokens the target kept after the
-  confirmed ones (only those: never the whole history), the positions after the shared part are dropped
-  (rejected proposals roll back: host bookkeeping, ``DraftBatch.drop_last``), and the tokens the draft never
-  saw (the prompt, the target's bonus token, tokens of plain steps) are fed (catch-up). The batch then runs
-  the catch-up but its last token as one right-padded forward (on a GPU of a few widths: ``catch_up_width``; a joiner
-  with more than ``JOIN_CATCH_UP`` tokens to catch up, a new sequence's prompt, runs them first on its own
-  batch), then one ``[B, 1]`` forward per proposal position, each row's input its previous argmax (greedy
-  drafts). The proposals and the KV are evaluated once at the end: one device sync per round, a long
-  prompt's slices apart. A round copies none of the draft's KV unless sequences join or leave.
-- ``take_timings`` says where the rounds' time went (``DraftTimings``: regroup, catch-up, steps, sync, host).
+- ``check_draft_model(path, target)`` is the start check: an mlx-lm model directory sharing the target's
+  vocabulary and tokenizer, its layers all keeping plain KV; anything else raises ``DraftModelError`` naming
+  what to change. ``load_draft_proposer(path, weights)`` loads it as ``mlx_lm.load`` does, in the stage's
+  compute dtype, its weights dense where the stage's own would be (``DraftWeights``).
+- ``DraftProposer`` is a ``speculation.Proposer``: greedy proposals batched across the sequences asked, one
+  device sync per round, the draft's KV kept from round to round in a ``draft_batch.DraftBatch``.
+  ``take_timings`` says where the rounds' time went (``DraftTimings``).
 - Greedy drafts make the last stage's acceptance exact for greedy and seeded requests alike
-  (``speculation.accept_proposals``). The draft has no prefix cache: a sequence's first proposal prefills
-  its whole prompt on the draft.
-- It runs on the thread that calls the scheduler, the entry stage's model thread (MLX streams are per thread),
-  inside the engine's lock as the scheduler does: a request submitted meanwhile waits for the draft's forwards.
+  (``speculation.accept_proposals``).
+- It runs on the entry stage's model thread, inside the engine's lock as the scheduler does.
 """
 
 from __future__ import annotations
@@ -63,7 +47,9 @@ class DraftModelError(UserError):
 
 
 def check_draft_model(path: str, target: ModelSpec, target_tokenizer: Any | None = None) -> ModelSpec:
-    """The draft at ``path`` as a spec, once it is an mlx-lm model directory sharing ``target``'s vocabulary."""
+    """The draft at ``path`` as a spec, once it is an mlx-lm model directory (config.json, weights) whose
+    ``vocab_size`` and tokenizer (every token's id) equal ``target``'s and whose layers all keep plain KV
+    (positions it can drop); ``DraftModelError`` names what to change otherwise."""
     from stage_worker.model_reader import ModelFormatError
     from stage_worker.tokenizer import load_tokenizer
 
@@ -119,8 +105,7 @@ class DraftWeights:
     def on_this_machine(cls, memory_budget: int) -> DraftWeights:
         """What an entry stage with ``--dequantize auto`` on this machine and this BLAS decides by: for a draft
         loaded outside a stage (the bench, the tests). On the CPU with an optimized BLAS a quantized draft runs
-        dense, as the stage's own weights; left quantized the default model's draft step takes three times as
-        long as its dense one."""
+        dense, as the stage's own weights, a quantized matmul being the slow path there."""
         from stage_worker.blas import loaded_blas
         from stage_worker.device import current_backend
         from stage_worker.stage_model import resolve_compute_dtype
@@ -130,8 +115,10 @@ class DraftWeights:
 
 
 def load_draft_proposer(path: str, weights: DraftWeights = DraftWeights()) -> DraftProposer:
-    """The draft model at ``path`` (checked by ``check_draft_model``), loaded as ``mlx_lm.load`` loads it, its
-    weights dense where the stage's would be: on the CPU and CUDA a quantized matmul is the slow path."""
+    """The draft model at ``path`` (checked by ``check_draft_model``), loaded as ``mlx_lm.load`` loads it (any
+    mlx-lm architecture, quantized or not), its weights dense where the stage's would be: on the CPU and CUDA a
+    quantized matmul is the slow path (``stage_model.choose_dense_weights`` with the stage's setting, backend
+    and BLAS). Logs what its weights hold and what a token of its KV costs."""
     from mlx_lm.utils import dequantize_model, load_model
 
     from stage_worker.stage_model import choose_dense_weights
@@ -240,7 +227,26 @@ class _Held:
 
 
 class DraftProposer:
-    """Greedy proposals of an mlx-lm ``model``, batched across the sequences asked (see the module's contract)."""
+    """Greedy proposals of an mlx-lm ``model``, batched across the sequences asked.
+
+    The sequences of the last round keep their draft KV in one ``DraftBatch`` that lasts from round to round;
+    a sequence not asked in a round (plain steps, a pause) leaves it for a batch of its own and joins again
+    when asked (``_regroup``). Per sequence it knows how many of the sequence's tokens the draft holds and which
+    proposals it fed after them (``_Held``). Asked for proposals, it first brings each sequence in step: the
+    proposals held are compared with the tokens the target kept after the confirmed ones (only those: never the
+    whole history), the positions after the shared part are dropped (rejected proposals roll back: host
+    bookkeeping, ``DraftBatch.drop_last``), and the tokens the draft never saw (the prompt, the target's bonus
+    token, tokens of plain steps) are fed (catch-up). The batch then runs the catch-up but its last token as
+    one right-padded forward (``_catch_up``; a joiner with more than ``JOIN_CATCH_UP`` tokens to catch up, a
+    new sequence's prompt, runs them first on its own batch), then one ``[B, 1]`` forward per proposal
+    position, each row's input its previous argmax. The proposals and the KV are evaluated once at the end:
+    one device sync per round, a long prompt's slices apart. A round copies none of the draft's KV unless
+    sequences join or leave.
+
+    The draft has no prefix cache: a sequence's first proposal prefills its whole prompt on the draft. It runs
+    on the thread that calls the scheduler, the entry stage's model thread (MLX streams are per thread), inside
+    the engine's lock as the scheduler does: a request submitted meanwhile waits for the draft's forwards.
+    """
 
     def __init__(self, model: nn.Module, few_shapes: bool = False, pad_keys: bool = False) -> None:
         self.model = model

@@ -1,26 +1,13 @@
 """Random weights for one stage's slice (``--load-format dummy``), so real model sizes run without their files.
 
-Contract: ``dummy_stage_weights(spec, layers, with_embedding, with_head, dtype)``
-returns what ``stage_weights.load_stage_weights`` would return for a checkpoint
-of ``spec``'s shapes (mlx-lm names with GLOBAL layer indices, only the slice's
-tensors, evaluated), except that the values are random:
-
-- The names and shapes are those of mlx-lm's own model for the architecture,
-  built lazily (nothing of it is allocated), so they match what
-  ``StageModel.load`` loads strictly.
-- Each tensor is a pure function of its global name, shape and dtype: its
-  random key is a hash of the name. A tensor is the same whichever stage makes
-  it, so every pipeline layout computes with the same model (PP=N's greedy
-  tokens equal PP=1's), and the tied embedding on the last stage equals the
-  first stage's.
-- Values follow a real initialisation so activations stay finite in float16 and
-  bfloat16: matrices (and expert stacks) are normal with std ``initializer_range`` (0.02 when the
-  config has none), norm scales are 1, biases are 0.
-- Tensors are generated directly in ``dtype`` (no float32 copy of the model);
-  a module the spec quantizes (``spec.quantization_for``) arrives as
-  ``mx.quantize`` of its random dense weight in the module's mode (``.weight``,
-  ``.scales`` and, affine only, ``.biases``). Each decoder layer is evaluated before the next is made, so
-  memory peaks at the slice plus a few of its largest tensors.
+Contract: ``dummy_stage_weights(spec, layers, with_embedding, with_head, dtype)`` returns what
+``stage_weights.load_stage_weights`` would return for a checkpoint of ``spec``'s shapes (mlx-lm names with
+GLOBAL layer indices, only the slice's tensors, evaluated, quantized where ``spec`` says), except that the
+values are random. The names and shapes are those of mlx-lm's own model for the architecture
+(``parameter_shapes``), so ``StageModel.load`` loads them strictly. Each tensor is a pure function of its
+global name, shape and dtype (``tensor_key``), so every pipeline layout computes with the same model (PP=N's
+greedy tokens equal PP=1's). Values follow a real initialisation (``random_tensor``), so activations stay
+finite in float16 and bfloat16.
 """
 
 from __future__ import annotations
@@ -39,17 +26,20 @@ DEFAULT_INIT_STD = 0.02  # Hugging Face's initializer_range default for llama, q
 
 
 def tensor_key(name: str) -> mx.array:
-    """The random key of one tensor: a hash of its global name, so no stage layout changes it."""
+    """The random key of one tensor: a hash of its global name, so no stage layout changes it (a tensor is the
+    same whichever stage makes it, and the tied embedding on the last stage equals the first stage's)."""
     seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
     return mx.random.key(seed)
 
 
 def init_std(spec: ModelSpec) -> float:
+    """The matrices' std: the config's ``initializer_range``, else ``DEFAULT_INIT_STD``."""
     return float(spec.args.get("initializer_range") or DEFAULT_INIT_STD)
 
 
 def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every parameter of mlx-lm's model for ``spec``, by global name (the model stays lazy: shapes only)."""
+    """Every parameter of mlx-lm's model for ``spec``, by global name (the model is built lazily: nothing of it
+    is allocated, shapes only)."""
     return _model_layout(spec)[0]
 
 
@@ -65,7 +55,7 @@ def _model_layout(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], frozense
 
 
 def random_tensor(name: str, shape: tuple[int, ...], dtype: mx.Dtype, std: float) -> mx.array:
-    """One dense tensor, lazily: biases 0, norm scales 1, matrices normal(0, std)."""
+    """One dense tensor, lazily: biases 0, norm scales 1, matrices (and expert stacks) normal(0, std)."""
     if name.endswith(".bias"):
         return mx.zeros(shape, dtype=dtype)
     if len(shape) == 1:
@@ -98,7 +88,13 @@ def _layer_order(name: str) -> tuple[int, str]:
 def dummy_stage_weights(
     spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, dtype: mx.Dtype
 ) -> dict[str, mx.array]:
-    """Random, evaluated weights for exactly the tensors this stage holds (see the module docstring)."""
+    """Random, evaluated weights for exactly the tensors this stage holds.
+
+    Tensors are generated directly in ``dtype`` (no float32 copy of the model); a module the spec quantizes
+    (``spec.quantization_for``) arrives as ``mx.quantize`` of its random dense weight in the module's mode
+    (``.weight``, ``.scales`` and, affine only, ``.biases``). Each decoder layer is evaluated before the next is
+    made, so memory peaks at the slice plus a few of its largest tensors.
+    """
     std = init_std(spec)
     shapes, quantizable = _model_layout(spec)
     kept = sorted((n for n in shapes if wanted(n, layers, with_embedding, with_head, spec.tie_word_embeddings)),

@@ -218,7 +218,7 @@ class EntryEngine:
             raise PipelineBroken(str(exc)) from exc
         except Exception as exc:
             # A fault of the stage itself (a bug, the device): every waiting request must hear it now, or its
-            # gRPC stream would wait on an engine that no longer runs; the stage then exits and is restarted.
+            # gRPC stream would wait on an engine that has stopped; the stage then exits and is restarted.
             self._fail_all(f"the entry stage failed: {type(exc).__name__}: {exc}")
             raise
         self._finish_all_aborted()

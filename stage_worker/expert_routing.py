@@ -1,31 +1,16 @@
 """Mixture-of-experts blocks computed the way that suits the rows of a step: per routed pair, or every expert.
 
 Contract:
-
 * mlx-lm's ``SwitchGLU`` (the experts of qwen3_moe, mixtral, gpt_oss, deepseek_v3, glm4_moe, olmoe, ...)
   computes each (row, expert) pair its router picked with gathered matmuls (``mx.gather_mm``).
   ``all_experts_glu(block, x, indices)`` computes the same block as every expert on every row and then takes
-  the picked pairs: the gate and up projections of all experts as one ``[rows, experts * hidden]`` matmul each,
-  the down projection as one matmul batched over the experts (gate and up as one matmul where
-  ``sibling_projections`` joined them). It returns what ``SwitchGLU.__call__`` returns,
-  in its shape (``[..., k, dims]``); each output element is the same dot product, which a GEMM library may
-  block differently, so values can differ from the gathered form in the last bits.
-* ``ExpertsPolicy(all_experts_max_rows)``: a block call runs every expert when it holds at most that many
-  rows and at least ``SORTED_PAIRS`` routed (row, expert) pairs, else gathered (0: always gathered, mlx-lm as
-  it is). ``policy_for(setting, backend)`` decides it from ``STAGEMESH_ALL_EXPERTS_ROWS`` (pure).
+  the picked pairs; it returns what ``SwitchGLU.__call__`` returns, in its shape, equal but for the last bits.
+* ``ExpertsPolicy(all_experts_max_rows)`` says which form a block call takes; ``policy_for(setting, backend)``
+  decides it from ``STAGEMESH_ALL_EXPERTS_ROWS`` (pure).
 * ``install(module, policy)`` makes every unquantized ``SwitchGLU`` in a loaded model follow ``policy`` and
   returns how many it changed. Its class becomes ``RoutedSwitchGLU``, a subclass whose ``__call__`` chooses;
-  its parameters, their names and its bytes are unchanged. Quantized experts stay gathered
-  (``gather_qmm``): the all-experts form is for dense weights only.
-
-Why: a gathered matmul reads only the experts the rows picked, the least memory a call can read. Below
-``SORTED_PAIRS`` pairs mlx-lm gathers them unsorted, and on CUDA that is fastest (a decode step of one to a
-few sequences). From there on mlx-lm sorts the pairs by expert first, and MLX's CUDA kernels for sorted
-gathers run far below the memory bandwidth, while one wide matmul over every expert runs near it: by then
-the rows pick most experts anyway (16 rows of 8 of 128 experts touch about 82; 16 rows of 4 of 32, about
-28), so reading all of them costs little more than reading the picked ones, and the compute it adds is
-small beside a GPU's. With many rows (a long prompt) that compute grows with the rows: hence a row limit,
-set where it was measured to win. docs/performance.md has the figures (``stagemesh bench experts``).
+  its parameters, their names and its bytes are unchanged. Quantized experts stay gathered (``gather_qmm``):
+  the all-experts form is for dense weights only.
 """
 
 from __future__ import annotations
@@ -41,17 +26,26 @@ from stagemesh.core import settings
 
 # mlx-lm's SwitchGLU sorts a call's (row, expert) pairs by expert from this many on (``do_sort``).
 SORTED_PAIRS = 64
-# On CUDA, the rows up to which every expert was measured to beat the sorted gathered form on an H200, for
-# Qwen3-30B-A3B's and gpt-oss-20b's blocks (1.5-1.7x at 512 rows, even at 1024; docs/performance.md,
-# ``stagemesh bench experts``): every decode step and, at the default 512-row budget, every prompt chunk.
-# Elsewhere unmeasured, so mlx-lm's gathered form.
+# On CUDA, the rows up to which every expert beats the sorted gathered form for Qwen3-30B-A3B's and gpt-oss-20b's
+# blocks (docs/performance.md has the figures, ``stagemesh bench experts``): every decode step and, at the
+# default 512-row budget, every prompt chunk. Elsewhere unmeasured, so mlx-lm's gathered form.
 CUDA_ALL_EXPERTS_MAX_ROWS = 512
 
 
 @dataclass(frozen=True)
 class ExpertsPolicy:
     """How a stage's expert blocks run: every expert on a call of at most ``all_experts_max_rows`` rows and at
-    least ``all_experts_min_pairs`` routed pairs (by default those mlx-lm would sort), else gathered."""
+    least ``all_experts_min_pairs`` routed pairs (by default those mlx-lm would sort), else gathered (0 rows:
+    always gathered, mlx-lm as it is).
+
+    A gathered matmul reads only the experts the rows picked, the least memory a call can read. Below
+    ``SORTED_PAIRS`` pairs mlx-lm gathers them unsorted, and on CUDA that is fastest (a decode step of one to a
+    few sequences). From there on mlx-lm sorts the pairs by expert first, and MLX's CUDA kernels for sorted
+    gathers run far below the memory bandwidth, while one wide matmul over every expert runs near it: by then
+    the rows pick most experts anyway (16 rows of 8 of 128 experts touch about 82; 16 rows of 4 of 32, about
+    28), so reading all of them costs little more than reading the picked ones, and the compute it adds is
+    small beside a GPU's. With many rows (a long prompt) that compute grows with the rows: hence a row limit.
+    """
 
     all_experts_max_rows: int
     all_experts_min_pairs: int = SORTED_PAIRS
@@ -112,7 +106,14 @@ def _dense(block: SwitchGLU) -> bool:
 
 
 def all_experts_glu(block: SwitchGLU, x: mx.array, indices: mx.array) -> mx.array:
-    """``block(x, indices)`` computed as every expert on every row, then the picked pairs (see the contract)."""
+    """``block(x, indices)`` computed as every expert on every row, then the picked pairs.
+
+    The gate and up projections of all experts run as one ``[rows, experts * hidden]`` matmul each (one for
+    both where ``sibling_projections`` joined them), the down projection as one matmul batched over the
+    experts. The result has ``SwitchGLU.__call__``'s shape (``[..., k, dims]``); each output element is the
+    same dot product, which a GEMM library may block differently, so values can differ from the gathered form
+    in the last bits.
+    """
     *lead, dims = x.shape
     k = indices.shape[-1]
     rows = x.reshape(-1, dims)

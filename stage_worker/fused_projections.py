@@ -1,33 +1,16 @@
 """Fused projections: a decoder layer's q/k/v as one matmul, and its MLP's gate/up as one.
 
 Contract:
-
-* ``fuse_layer_projections(layer)`` rewrites one loaded mlx-lm decoder layer
-  (llama, qwen2, qwen3) in place: ``self_attn.{q,k,v}_proj`` become one
-  ``self_attn.qkv_proj`` whose output is q's rows, then k's, then v's, and
-  ``mlp.{gate,up}_proj`` become one ``mlp.gate_up_proj`` (gate's rows, then
-  up's). Weights, quantization scales and biases are concatenated along the
-  output dimension, so the bytes held are the same. Projections that cannot
-  be joined (one quantized and one not, different bits or group sizes, a
-  bias on some only) stay as they are; the function says which it fused.
-* ``fusion_wanted(setting, backend)`` decides whether a stage joins them.
-* ``attention_projections(attn, x)`` and ``feed_forward(mlp, x)`` compute a
-  layer's projections whichever form it is in. Once fused, a layer runs only
-  through them (``packed_forward``); mlx-lm's own ``__call__`` would look for
-  the projections that are gone.
-
-Why: on a GPU a decode step is bound by the host, which builds its graph op by
-op in Python and launches a kernel per op. One projection instead of three, and
-one instead of two, removes three of a layer's seven matmuls, their launches
-and the Python that builds them, and hands the GPU wider matrices
-(docs/performance.md has the figures).
-
-Numerics: each output element is the same dot product as in the unfused layer,
-but a GEMM library may block a wider matrix differently, so results can differ
-from it in the last bits: on CUDA, and on the CPU with an optimized BLAS (what
-a stage preloads); MLX's own reference BLAS gives identical results.
-Every stage of a pipeline fuses alike, so a PP=N pipeline stays bit-identical
-to PP=1.
+* ``fuse_layer_projections(layer)`` rewrites one loaded mlx-lm decoder layer (llama, qwen2, qwen3) in place:
+  ``self_attn.{q,k,v}_proj`` become one ``self_attn.qkv_proj`` and ``mlp.{gate,up}_proj`` one
+  ``mlp.gate_up_proj``, holding the same bytes; projections that cannot be joined stay as they are, and it
+  says which it fused (``FusedLayer``).
+* ``fusion_wanted(setting, backend)`` decides whether a stage joins them (``STAGEMESH_FUSE_PROJECTIONS``).
+* ``attention_projections(attn, x)`` and ``feed_forward(mlp, x)`` compute a layer's projections whichever form
+  it is in. Once fused, a layer runs only through them (``packed_forward``); mlx-lm's own ``__call__`` would
+  look for the projections that are gone.
+* Results can differ from the unfused layer's in the last bits; every stage of a pipeline fuses alike, so a
+  PP=N pipeline stays bit-identical to PP=1.
 """
 
 from __future__ import annotations
@@ -45,10 +28,13 @@ from stagemesh.core import settings
 def fusion_wanted(setting: str, backend: str) -> bool:
     """``STAGEMESH_FUSE_PROJECTIONS`` (auto, on, off) on ``backend`` (pure): auto joins on GPU backends.
 
-    On the CPU backend the step is bound by the arithmetic, not the host, and the joined layers are
-    slower there: the strided q/k/v and gate/up views cost the CPU kernels more than three fewer GEMM
-    calls save (docs/performance.md). Metal, like CUDA, launches a kernel per op from the host; it is
-    joined there on the same reasoning, unmeasured.
+    On a GPU a decode step is bound by the host, which builds its graph op by op in Python and launches a
+    kernel per op. One projection instead of three, and one instead of two, removes three of a layer's seven
+    matmuls, their launches and the Python that builds them, and hands the GPU wider matrices
+    (docs/performance.md has the figures). On the CPU backend the step is bound by the arithmetic, not the
+    host, and the joined layers are slower there: the strided q/k/v and gate/up views cost the CPU kernels
+    more than three fewer GEMM calls save (docs/performance.md). Metal, like CUDA, launches a kernel per op
+    from the host; it is joined there on the same reasoning, unmeasured.
     """
     return settings.switched_on(setting, auto=backend != "cpu")
 
@@ -62,7 +48,17 @@ class FusedLayer:
 
 
 def fuse_layer_projections(layer: nn.Module) -> FusedLayer:
-    """Join ``layer``'s q/k/v and gate/up projections in place (see the module's contract)."""
+    """Join ``layer``'s q/k/v and gate/up projections in place.
+
+    ``qkv_proj``'s output is q's rows, then k's, then v's; ``gate_up_proj``'s is gate's rows, then up's.
+    Weights, quantization scales and biases are concatenated along the output dimension, so the bytes held are
+    the same. Projections that cannot be joined (one quantized and one not, different bits or group sizes, a
+    bias on some only) stay as they are.
+
+    Each output element is the same dot product as in the unfused layer, but a GEMM library may block a wider
+    matrix differently, so results can differ from it in the last bits: on CUDA, and on the CPU with an
+    optimized BLAS (what a stage preloads); MLX's own reference BLAS gives identical results.
+    """
     attn, mlp = layer.self_attn, layer.mlp
     qkv = joined_layer([attn.q_proj, attn.k_proj, attn.v_proj])
     if qkv is not None:

@@ -1,29 +1,14 @@
 """llama.cpp's GGUF architectures as mlx-lm models: one table per architecture.
 
 Contract:
-
-* ``gguf_architecture(name)`` is the ``GGUFArchitecture`` of a GGUF's
-  ``general.architecture`` (every name in ``model_spec.GGUF_ARCHITECTURES``),
-  or ``ModelFormatError`` naming it and the supported ones.
-* ``GGUFArchitecture.mlx_name(gguf_name)`` is the mlx-lm parameter name of a
-  GGUF tensor (``blk.3.ffn_up_exps.weight`` ->
-  ``model.layers.3.mlp.switch_mlp.up_proj.weight``), None for a tensor the
-  architecture's mlx-lm model has no counterpart of. Tensor shapes need no
-  change: llama.cpp stacks a layer's experts as mlx-lm does,
-  ``(experts, out, in)``.
-* ``GGUFArchitecture.model_args(md, facts)`` is the ``ModelArgs`` dict of the
-  architecture's mlx-lm model from the GGUF metadata (``md(key, default)``
-  reads ``{arch}.{key}``) and the facts every architecture shares
-  (``CommonFacts``), pure. What llama.cpp's loader fixes in code rather than
-  reading from the file is fixed the same way here (Gemma 3: one global layer
-  in six, local rope base 10000, the attention scale of the 27B), so a file
-  means what it means to llama.cpp; what mlx-lm's model cannot express (a
-  final logit soft-cap, rope scaling mlx-lm's Qwen3-MoE ignores) is refused.
-* The converter's quirks to undo on load: ``permuted_qk`` (llama.cpp permutes
-  llama's q/k rows for its interleaved rotary layout) and ``norm_shift``
-  (``convert_hf_to_gguf.py`` stores each Gemma 3 RMSNorm scale as
-  ``1 + weight``, the factor Gemma applies; mlx-lm's Gemma 3 norms add the 1
-  themselves).
+* ``gguf_architecture(name)`` is the ``GGUFArchitecture`` of a GGUF's ``general.architecture`` (every name in
+  ``model_spec.GGUF_ARCHITECTURES``), or ``ModelFormatError`` naming it and the supported ones.
+* ``GGUFArchitecture.mlx_name(gguf_name)`` is the mlx-lm parameter name of a GGUF tensor, None for a tensor the
+  architecture's mlx-lm model has no counterpart of; tensor shapes need no change.
+* ``GGUFArchitecture.model_args(md, facts)`` is the ``ModelArgs`` dict of the architecture's mlx-lm model from
+  the GGUF metadata and the facts every architecture shares (``CommonFacts``), pure: a file means what it means
+  to llama.cpp, and what mlx-lm's model cannot express is refused.
+* ``permuted_qk`` and ``norm_shift`` name the converter's quirks a loader undoes (``gguf_format``).
 """
 
 from __future__ import annotations
@@ -95,7 +80,12 @@ Metadata = Callable[..., Any]  # md(key) or md(key, default): ``{arch}.{key}`` o
 
 @dataclass(frozen=True)
 class GGUFArchitecture:
-    """How one llama.cpp architecture maps onto one mlx-lm model."""
+    """How one llama.cpp architecture maps onto one mlx-lm model.
+
+    The converter's quirks to undo on load: ``permuted_qk`` (llama.cpp permutes llama's q/k rows for its
+    interleaved rotary layout) and ``norm_shift`` (``convert_hf_to_gguf.py`` stores each Gemma 3 RMSNorm scale
+    as ``1 + weight``, the factor Gemma applies; mlx-lm's Gemma 3 norms add the 1 themselves).
+    """
 
     name: str  # general.architecture
     model_type: str  # the mlx_lm.models module
@@ -107,7 +97,9 @@ class GGUFArchitecture:
     norm_shift: float = 0.0
 
     def mlx_name(self, name: str) -> str | None:
-        """GGUF tensor name -> mlx-lm parameter name (None: not a parameter of this architecture's model)."""
+        """GGUF tensor name -> mlx-lm parameter name (None: not a parameter of this architecture's model), e.g.
+        ``blk.3.ffn_up_exps.weight`` -> ``model.layers.3.mlp.switch_mlp.up_proj.weight``. Tensor shapes need
+        no change: llama.cpp stacks a layer's experts as mlx-lm does, ``(experts, out, in)``."""
         if m := BLOCK_RE.match(name):
             module = self.layer_tensors.get(m.group(2))
             return None if module is None else f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
@@ -117,6 +109,11 @@ class GGUFArchitecture:
         return None
 
     def model_args(self, md: Metadata, facts: CommonFacts) -> dict[str, Any]:
+        """The mlx-lm ``ModelArgs`` entries of this architecture beyond the common ones (pure); ``md(key,
+        default)`` reads ``{arch}.{key}``. What llama.cpp's loader fixes in code rather than reading from the
+        file is fixed the same way here (Gemma 3: one global layer in six, local rope base 10000, the attention
+        scale of the 27B); what mlx-lm's model cannot express (a final logit soft-cap, rope scaling mlx-lm's
+        Qwen3-MoE ignores) raises ``ModelFormatError``."""
         return self.args(md, facts)
 
 

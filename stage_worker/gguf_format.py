@@ -1,32 +1,15 @@
 """GGUF files: spec from metadata, and a stage's tensors as mlx-lm weights.
 
 Contract:
-- ``read_gguf_spec(path)`` builds a ``ModelSpec`` from the GGUF header only
-  (the architectures of ``gguf_architectures``: llama, qwen2, qwen3, qwen3moe,
-  qwen2moe, gemma3; tensor types F32, F16, BF16 and the block types of ``gguf_quants``:
-  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K to Q6_K); anything else (an
-  architecture, a tensor type, a tensor the architecture's mlx-lm model has no
-  counterpart of), and a truncated or corrupt tensor table (data past the end
-  of the file, a misaligned offset, tensors that overlap, a row that does not
-  fill whole blocks), raises ``ModelFormatError`` naming the file and the
-  offset before any weight is read.
-- ``load_gguf_weights(spec, layers, with_embedding, with_head)`` reads the
-  bytes of only the tensors that slice needs (plain file reads, no mapping
-  kept) and returns them under mlx-lm's parameter names, layer indices global.
-  Quantized tensors come out in MLX's affine layout (group size 32, bits per
-  type and closeness to ``gguf.quants.dequantize`` as ``gguf_quants`` states:
-  bit-identical but for Q2_K and Q6_K), Q4_0/Q4_1/Q8_0 bit-identical to
-  ``mx.load(path)`` for the same GGUF tensor; the spec's quantization map says
-  the same bits. The converter's quirks are undone: llama q/k rows are
-  un-permuted back to the Hugging Face layout (so the model runs with
-  standard RoPE), and Gemma 3's norm scales, stored as ``1 + weight``, come
-  back as ``weight`` in float32.
-- ``convert_gguf_tensor(path, name)`` gives one tensor exactly as ``mx.load``
-  names and lays it out (no permutation undone); tests compare the two.
-
-The header is parsed here with ``struct`` rather than ``gguf.GGUFReader``
-(whose per-element numpy views are slow on a large vocabulary); the
-``gguf`` package still supplies the type tables and writes our test files.
+- ``read_gguf_spec(path)`` builds a ``ModelSpec`` from the GGUF header only; an architecture, a tensor type or
+  a tensor it cannot serve, and a truncated or corrupt tensor table, raise ``ModelFormatError`` naming the file
+  and the offset before any weight is read.
+- ``load_gguf_weights(spec, layers, with_embedding, with_head)`` reads the bytes of only the tensors that slice
+  needs and returns them under mlx-lm's parameter names, layer indices global, quantized tensors in MLX's
+  affine layout (as close to ``gguf.quants.dequantize`` as ``gguf_quants`` states), the converter's quirks
+  undone.
+- ``convert_gguf_tensor(path, name)`` gives one tensor exactly as ``mx.load`` names and lays it out (no
+  permutation undone); tests compare the two.
 """
 
 from __future__ import annotations
@@ -150,7 +133,11 @@ class _Cursor:
 
 
 def read_gguf_header(path: str) -> GGUFHeader:
-    """Parse metadata and tensor table of a GGUF file (cached per file version)."""
+    """Parse metadata and tensor table of a GGUF file (cached per file version).
+
+    Parsed here with ``struct`` rather than ``gguf.GGUFReader`` (whose per-element numpy views are slow on a
+    large vocabulary); the ``gguf`` package still supplies the type tables and writes our test files.
+    """
     st = os.stat(path)
     return _read_header_cached(os.path.abspath(path), st.st_mtime_ns, st.st_size)
 
@@ -364,6 +351,14 @@ def _check_tensors(header: GGUFHeader, num_layers: int) -> None:
 
 
 def read_gguf_spec(path: str) -> ModelSpec:
+    """The ``ModelSpec`` of the GGUF at ``path``, from its header alone.
+
+    It reads the architectures of ``gguf_architectures`` (llama, qwen2, qwen3, qwen3moe, qwen2moe, gemma3) and
+    tensor types F32, F16, BF16 and the block types of ``gguf_quants`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+    Q2_K to Q6_K). Anything else (an architecture, a tensor type, a tensor the architecture's mlx-lm model has
+    no counterpart of), and a truncated or corrupt tensor table (data past the end of the file, a misaligned
+    offset, tensors that overlap, a row that does not fill whole blocks), raises ``ModelFormatError``.
+    """
     header = read_gguf_header(path)
     md = header.metadata
     table = _architecture(header)
@@ -521,7 +516,15 @@ def needed_gguf_tensors(
 def load_gguf_weights(
     spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool
 ) -> dict[str, mx.array]:
-    """Read only the slice's tensors from a GGUF and return them under mlx-lm names, the converter's quirks undone."""
+    """Read only the slice's tensors from a GGUF and return them under mlx-lm names, the converter's quirks undone.
+
+    Plain file reads, no mapping kept. Quantized tensors come out in MLX's affine layout (group size 32, bits
+    per type and closeness to ``gguf.quants.dequantize`` as ``gguf_quants`` states: bit-identical but for Q2_K
+    and Q6_K), Q4_0/Q4_1/Q8_0 bit-identical to ``mx.load(path)`` for the same GGUF tensor; the spec's
+    quantization map says the same bits. llama q/k rows are un-permuted back to the Hugging Face layout (so the
+    model runs with standard RoPE), and Gemma 3's norm scales, stored as ``1 + weight``, come back as
+    ``weight`` in float32.
+    """
     header = read_gguf_header(spec.path)
     table = _architecture(header)
     names = needed_gguf_tensors(header, layers, with_embedding, with_head, spec.tie_word_embeddings)

@@ -2,25 +2,14 @@
 
 Contract:
 - ``AFFINE_BITS`` maps each GGML block type we read to the bits of the MLX affine layout (group size
-  ``GROUP_SIZE`` = 32) it lands in; ``EXACT_TYPES`` are those whose values land unchanged (below).
-- ``blocks_to_affine(raw, ggml_type, shape)`` turns a tensor's raw block bytes (``shape`` in numpy order,
-  rows first) into ``{"weight", "scales", "biases"}``: ``weight`` is ``(*rows, cols * bits / 32)`` uint32
-  (MLX's packing: element j at bits ``[bits*j, bits*(j+1))`` of the row's little-endian bit stream),
-  ``scales`` and ``biases`` are ``(*rows, cols / 32)``. A byte count that does not match ``shape`` raises
-  ``ValueError``. Decoding is vectorised numpy over chunks of blocks, on a few threads.
-
-How close the values MLX dequantizes (``scale * code + bias`` in float32) are to ``gguf.quants.dequantize``:
-- bit-identical: Q4_0, Q4_1, Q8_0 (float16 scales and biases, exactly ``mx.load``'s own layout); Q5_0,
-  Q5_1 (5-bit); Q4_K, Q5_K (4/5-bit, scale ``d*sc``, bias ``-dmin*m`` of each 32-element sub-block);
-  Q3_K (8-bit: every value of a Q3_K block is ``d`` times an integer in [-124, 128], so code ``128 - n``,
-  scale ``-d``, bias ``128*d``); IQ4_NL (8-bit: ``d`` times a table entry in [-127, 113], so code
-  ``128 + entry``, scale ``d``, bias ``-128*d``).
-- requantized: Q2_K and Q6_K scale 16-element sub-blocks, a group MLX does not have; each group of 32 of
-  their exact float32 values is requantized to 8 bits over its own [min, max], so no value moves by more
-  than ``(max - min) / 510`` of its group (for Q6_K, whose values lie within 32 steps of zero, an eighth of
-  the larger sub-block step) plus float32 rounding.
-Every type but the first three gives float32 scales and biases (``d*sc`` needs 17 bits of mantissa); a stage
-then casts them to its compute dtype, which rounds them like any dense weight in float16 or bfloat16.
+  ``GROUP_SIZE`` = 32) it lands in; ``EXACT_TYPES`` are those whose values land unchanged.
+- ``blocks_to_affine(raw, ggml_type, shape)`` turns a tensor's raw block bytes into ``{"weight", "scales",
+  "biases"}`` in MLX's layout; a byte count that does not match ``shape`` raises ``ValueError``.
+- The values MLX dequantizes (``scale * code + bias`` in float32) equal ``gguf.quants.dequantize``'s bit for
+  bit for ``EXACT_TYPES``. Q2_K and Q6_K, which scale 16-element sub-blocks, are requantized to 8 bits per
+  group of 32: no value moves by more than ``(max - min) / 510`` of its group, plus float32 rounding.
+- Every type but Q4_0, Q4_1 and Q8_0 gives float32 scales and biases; a stage casts them to its compute dtype,
+  which rounds them like any dense weight in float16 or bfloat16.
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ AFFINE_BITS: Mapping[int, int] = {
     T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8, T.Q5_0: 5, T.Q5_1: 5, T.IQ4_NL: 8,
     T.Q2_K: 8, T.Q3_K: 8, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 8,
 }
-# Types whose MLX values equal gguf's dequantized values exactly (the rest are requantized, see above).
+# Types whose MLX values equal gguf's dequantized values exactly (the rest are requantized: ``blocks_to_affine``).
 EXACT_TYPES = frozenset(AFFINE_BITS) - {T.Q2_K, T.Q6_K}
 
 _CHUNK_ELEMENTS = 1 << 19
@@ -52,7 +41,24 @@ Affine = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def blocks_to_affine(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """A tensor's GGML blocks as MLX affine ``weight``/``scales``/``biases`` (see the module docstring)."""
+    """A tensor's GGML blocks as MLX affine ``weight``/``scales``/``biases``.
+
+    ``shape`` is in numpy order, rows first. ``weight`` is ``(*rows, cols * bits / 32)`` uint32 (MLX's packing:
+    element j at bits ``[bits*j, bits*(j+1))`` of the row's little-endian bit stream), ``scales`` and
+    ``biases`` are ``(*rows, cols / 32)``. Decoding is vectorised numpy over chunks of blocks, on a few threads.
+
+    How close the values are to ``gguf.quants.dequantize``:
+    - bit-identical: Q4_0, Q4_1, Q8_0 (float16 scales and biases, exactly ``mx.load``'s own layout); Q5_0,
+      Q5_1 (5-bit); Q4_K, Q5_K (4/5-bit, scale ``d*sc``, bias ``-dmin*m`` of each 32-element sub-block);
+      Q3_K (8-bit: every value of a Q3_K block is ``d`` times an integer in [-124, 128], so code ``128 - n``,
+      scale ``-d``, bias ``128*d``); IQ4_NL (8-bit: ``d`` times a table entry in [-127, 113], so code
+      ``128 + entry``, scale ``d``, bias ``-128*d``).
+    - requantized: Q2_K and Q6_K scale 16-element sub-blocks, a group MLX does not have; each group of 32 of
+      their exact float32 values is requantized to 8 bits over its own [min, max] (``_requantize_8bit``), so no
+      value moves by more than ``(max - min) / 510`` of its group (for Q6_K, whose values lie within 32 steps
+      of zero, an eighth of the larger sub-block step) plus float32 rounding.
+    Every type but the first three gives float32 scales and biases (``d*sc`` needs 17 bits of mantissa).
+    """
     block_elements, block_bytes = GGML_QUANT_SIZES[T(ggml_type)]
     n_elements = math.prod(shape)
     if shape[-1] % block_elements or raw.size != n_elements // block_elements * block_bytes:

@@ -1,31 +1,15 @@
 """Constrained decoding on the last stage: one llguidance matcher per constrained sequence.
 
 Contract:
-- ``GrammarRows(spec)`` holds an ``llguidance.LLMatcher`` per sequence whose
-  ``RowOptions.sampling.grammar`` is set (an llguidance grammar: the gateway compiles
-  JSON schemas, regexes and Lark into it). The llguidance tokenizer is built
-  from the model's own tokenizer on the first constrained sequence (about a
-  second, once per stage process); stages that never see one never load it.
-- ``masks(seq_ids, vocab)`` computes the allowed tokens of every constrained
-  row at once, in llguidance's thread pool (``LLExecutor``: Rust, the GIL
-  released), as an ``int32[k, ceil(vocab/32)]`` bitmask; ``apply(logits, bitmask)``
-  sets every other token's logit to -inf on the device (bit unpacking is one
-  vectorized op; no per-row loop over the vocabulary on the host).
-- Where the grammar allows ending, the request's stop tokens are allowed too
-  (llguidance only knows the tokenizer's EOS); a matcher that finished or
-  failed allows only the stop tokens, so the sequence ends instead of
-  sampling from nothing (a request that ignores EOS has none: its rows then
-  allow only the tokenizer's EOS, until ``max_tokens``).
-- A verification's rows (speculative decoding): ``masks`` takes, per row, the proposals the sequence is
-  taken to have generated before it, and gives the mask after them: it advances each matcher through its
-  proposals, one mask per proposal prefix (every row of a depth in one parallel call), then rolls the
-  matcher back (``LLMatcher.rollback``), so the matcher is as it was. A proposal the mask before it does
-  not allow (or a stop token, which ends the sequence) ends the useful rows: the target's token there
-  differs from it, so no later row is ever kept; those rows get an all-allowed mask.
-- ``accept(seq_id, token)`` advances a matcher with a token the sequence
-  kept: the last stage reads the sampled ids back (it already does, to
-  send them), so constrained sequences cost one host step per token, and
-  nothing for the others.
+- ``GrammarRows(spec)`` holds an ``llguidance.LLMatcher`` per sequence whose ``RowOptions.sampling.grammar`` is
+  set (an llguidance grammar: the gateway compiles JSON schemas, regexes and Lark into it); stages that never
+  see a constrained sequence never load llguidance or the tokenizer.
+- ``masks(seq_ids, vocab)`` gives every constrained row's allowed tokens as an ``int32[k, ceil(vocab/32)]``
+  bitmask, a speculative verification's rows included, the matchers left as they were; ``apply(logits,
+  bitmask)`` sets every other token's logit to -inf on the device.
+- Where the grammar allows ending, the request's stop tokens are allowed too; a matcher that finished or failed
+  allows only the stop tokens, so the sequence ends instead of sampling from nothing.
+- ``accept(seq_id, token)`` advances a matcher with a token the sequence kept.
 """
 
 from __future__ import annotations
@@ -43,6 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class GrammarRows:
+    """The llguidance matchers of a last stage's constrained sequences, by sequence id."""
+
     def __init__(self, spec: ModelSpec) -> None:
         self._spec = spec
         self._tokenizer: Any = None
@@ -58,6 +44,7 @@ class GrammarRows:
         return seq_id in self._matchers
 
     def _load(self, vocab: int) -> None:
+        """Build the llguidance tokenizer from the model's own tokenizer, once per stage process."""
         if self._tokenizer is not None:
             return
         # llguidance and the tokenizer (transformers) load only for a stage's first constrained sequence.
@@ -91,7 +78,14 @@ class GrammarRows:
               preceding: Sequence[Sequence[int]] | None = None) -> np.ndarray:
         """``int32[len(seq_ids), words]`` allowed-token bitmask of each constrained row: after the proposals
         ``preceding[i]`` (a verification's row; none for any other row), the matchers left as they were.
-        A sequence's rows come in order of their proposals, each a prefix of the next."""
+        A sequence's rows come in order of their proposals, each a prefix of the next.
+
+        The masks are computed in llguidance's thread pool (``LLExecutor``: Rust, the GIL released). For a
+        verification it advances each matcher through its proposals, one mask per proposal prefix (every row
+        of a depth in one parallel call), then rolls the matcher back (``LLMatcher.rollback``). A proposal the
+        mask before it does not allow (or a stop token, which ends the sequence) ends the useful rows: the
+        target's token there differs from it, so no later row is ever kept; those rows get an all-allowed mask.
+        """
         bitmask = allocate_token_bitmask(len(seq_ids), vocab)  # all allowed: rows past a refused proposal
         preceding = preceding if preceding is not None else [()] * len(seq_ids)
         consumed: dict[int, int] = {}  # proposals each matcher went through, to roll back
@@ -127,7 +121,12 @@ class GrammarRows:
         return bool(matcher.consume_token(token))
 
     def _fill(self, bitmask: np.ndarray, seq_ids: Sequence[int], rows: Sequence[int]) -> None:
-        """Each row's mask from its sequence's matcher as it stands (one row per matcher)."""
+        """Each row's mask from its sequence's matcher as it stands (one row per matcher).
+
+        llguidance only knows the tokenizer's EOS: where it allows EOS, the request's stop tokens are allowed
+        too. A matcher that finished or failed allows only the stop tokens (a request that ignores EOS has
+        none: its rows then allow only the tokenizer's EOS, until ``max_tokens``).
+        """
         from llguidance.numpy import fill_next_token_bitmask_par
 
         live = [(self._matchers[s], i) for s, i in zip(seq_ids, rows, strict=True)
@@ -148,6 +147,9 @@ class GrammarRows:
                 _set_bits(bitmask[i], stops)  # the grammar may end here: so may the request's stop tokens
 
     def accept(self, seq_id: int, token: int) -> None:
+        """Advance ``seq_id``'s matcher with a token the sequence kept: the last stage reads the sampled ids
+        back anyway (to send them), so constrained sequences cost one host step per token, and nothing for the
+        others."""
         matcher = self._matchers.get(seq_id)
         if matcher is None or matcher.is_stopped() or matcher.is_error():
             return
@@ -174,7 +176,8 @@ def _set_bits(row: np.ndarray, tokens: Sequence[int]) -> None:
 
 
 def apply(logits: mx.array, bitmask: np.ndarray) -> mx.array:
-    """``logits[k, vocab]`` with the tokens ``bitmask`` does not allow at -inf (lazy, on the device)."""
+    """``logits[k, vocab]`` with the tokens ``bitmask`` does not allow at -inf (lazy, on the device): bit
+    unpacking is one vectorized op, no per-row loop over the vocabulary on the host."""
     vocab = logits.shape[-1]
     token = mx.arange(vocab, dtype=mx.uint32)
     words = mx.array(bitmask.view(np.uint32))[:, token // 32]

@@ -1,24 +1,13 @@
 """The gRPC face of a stage: ``stagemesh.v1.Stage``, standard health, and reflection.
 
-Every stage serves ``GetStageInfo`` and ``Drain``; only the entry stage has an
-engine and serves ``GenerateStream`` and ``Abort`` (others answer
-FAILED_PRECONDITION). A prompt's sampling is converted from the proto and
-checked here by the core's one ``stagemesh.core.sampling.check`` (the gateway
-ran it already; other callers, grpcurl or a benchmark, get the same named
-INVALID_ARGUMENT), and nothing past this boundary checks it again. Health (service ``""`` and ``stagemesh.v1.Stage``)
-mirrors the stage's state: SERVING only while the stage is serving. Every
-method but health, reflection and ``GetStageInfo`` requires the mesh token
-(``stage_worker.auth_interceptor``).
-
-The server is grpc.aio on an event loop of its own thread (``StageGrpcServer``),
-because the process's main thread runs the engine (MLX streams belong to the
-thread that made them). Why aio: on a GPU a step takes a few ms and every
-token of every stream is a gRPC message. grpcio's thread-pool server hands
-each message between a handler thread and its polling thread under
-conditions, three GIL hand-offs per token, all contending with the engine's
-thread for the one GIL. Here the engine wakes the loop once per step for every stream
-that got tokens (``StageServicer.on_delivered``), and each stream's handler
-sends from the loop itself. Handlers never touch MLX.
+Every stage serves ``GetStageInfo`` and ``Drain``; only the entry stage has an engine and serves
+``GenerateStream`` and ``Abort`` (others answer FAILED_PRECONDITION). A prompt's sampling is converted from the
+proto and checked here by the core's one ``stagemesh.core.sampling.check`` (the gateway ran it already; other
+callers, grpcurl or a benchmark, get the same named INVALID_ARGUMENT), and nothing past this boundary checks
+it again. Health (service ``""`` and ``stagemesh.v1.Stage``) is SERVING only while the stage is serving. Every
+method but health, reflection and ``GetStageInfo`` requires the mesh token (``stage_worker.auth_interceptor``).
+``start_grpc_server`` runs it all on grpc.aio, on an event loop of its own thread (``StageGrpcServer``);
+handlers never touch MLX.
 """
 
 from __future__ import annotations
@@ -58,8 +47,8 @@ _FINISH = {
 _START_TIMEOUT_S = 30.0
 # The gateway keeps one GenerateStream call open to each entry stage, idle between requests, and
 # pings it every 20 s (gateway.config) to notice a dead host. gRPC's server default answers pings
-# closer than 5 min apart without data with GOAWAY "too_many_pings" after two, which killed an
-# idle call (and any request waiting out a long prefill) after about a minute. Accept one every 10 s.
+# closer than 5 min apart without data with GOAWAY "too_many_pings" after two, which would end an
+# idle call (and any request waiting out a long prefill). Accept one every 10 s.
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -346,7 +335,15 @@ def _logprob_proto(token_id: int, logprob) -> stage_pb2.TokenLogprob:
 
 
 class StageGrpcServer:
-    """The stage's aio gRPC server and the thread whose event loop runs it."""
+    """The stage's aio gRPC server and the thread whose event loop runs it.
+
+    A thread of its own, because the process's main thread runs the engine (MLX streams belong to the thread
+    that made them). grpc.aio, because on a GPU a step is short and every token of every stream is a gRPC
+    message: grpcio's thread-pool server hands each message between a handler thread and its polling thread
+    under conditions, three GIL hand-offs per token, all contending with the engine's thread for the one GIL.
+    Here the engine wakes the loop once per step for every stream that got tokens
+    (``StageServicer.on_delivered``), and each stream's handler sends from the loop itself.
+    """
 
     def __init__(self, server: grpc.aio.Server, servicer: StageServicer, loop: asyncio.AbstractEventLoop,
                  thread: threading.Thread) -> None:

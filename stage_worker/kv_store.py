@@ -1,63 +1,14 @@
 """KV caches of one stage's own layers, per sequence and per decoding group.
 
-Every stage keeps the keys and values of its own layers only (never another
-stage's). A sequence starts *standalone*, one mlx-lm cache per layer of the kind
-the model asks for (``StageModel.new_caches``: ``KVCache``, a ``RotatingKVCache``
-for a sliding window, an ``ArraysCache`` for linear attention), while its prompt
-is prefilled (in one or several chunks). Sequences that decode together are kept
-in a *decode group*: one mlx-lm batch cache per layer holding all of them
-(``KVCache.merge`` -> ``BatchKVCache``, ``RotatingKVCache.merge`` ->
-``BatchRotatingKVCache``, ``ArraysCache.merge``: left-padded, per-row offsets),
-so a decode step appends to and attends over the whole group in a few ops
-instead of a few ops per sequence.
-
-Groups follow the batches: when a decode batch lists a different set of
-sequences than the group its first grouped sequence is in, the store filters
-out the ones that left (extracting them back to standalone caches first),
-extends the group with the newcomers' caches merged — the same way mlx-lm's
-BatchGenerator grows and shrinks its batch — and, if the batch lists them in
-another order, reorders the group with one gather per layer. Every stage sees the same records
-in the same order, so all stages make the same changes.
-
-A group step may feed several tokens per sequence (``for_decode``'s ``lengths``:
-speculative verifications, ``stage_worker.speculation``, beside one-token
-decodes). Every member then writes ``max(lengths)`` columns, the shorter ones
-right-padded; the padding becomes the member's *pending trim*.
-
-Positions are tracked here too: a chunk must continue its sequence exactly
-where this stage's cache ends, so a stage that missed a message fails loudly
-instead of attending to the wrong positions. The one exception is a rollback:
-a record starting *before* the cache's end (the positions after it held a
-verification's rejected proposals) drops the positions from its ``start_pos``
-on: mlx-lm's ``KVCache.trim`` on a standalone sequence's caches; for a grouped
-one, a pending trim as well. A group settles its pending trims before anyone
-reads or changes its columns (``_settle``): the group's end moves back by the
-smallest trim and each other member's row rolls right by the rest, the
-columns rolled round becoming left padding (mlx-lm's ``dynamic_roll``, as
-``BatchKVCache.finalize`` settles right padding), so a grouped sequence never
-leaves its group to roll back. Only models whose every layer holds a plain
-``KVCache`` speculate (the same ``exact_prefix_reuse`` as prefix caching);
-a rollback in other caches is refused.
-
-Shrinking a group of ``BatchKVCache`` never reads the device: mlx-lm's
-``BatchKVCache.filter`` reads the left padding back (``tolist``) to trim it, one
-device sync per layer per change, which on a GPU stalls the queued work every
-time a sequence ends. The store knows each member's token count, so ``_filter``
-trims by the same amount computed on the host, and ``extract_row`` takes a member
-out the same way (other cache kinds use mlx-lm's own ``filter`` and ``extract``);
-``stage_worker.layer_stack`` extracts the prompt chunks it batches with it too.
-Sequences released in one batch leave their group in one filter.
-
-Prefix caching (``stage_worker.prefix_cache`` decides, on the entry stage
-only): a RETAIN record keeps a finishing sequence's first positions as a
-*prefix entry* instead of freeing them; a NEW_SEQUENCE record starting at
-position K > 0 starts from a copy of its ``prefix_entry``'s first K positions
-(the copy is a slice: the sequence's first chunk writes into a new buffer, so
-the entry is never written); an EVICT record drops an entry. Every stage
-obeys the same records, so all stages hold the same entries. Only models whose
-every layer holds a plain ``KVCache`` get these records
-(``mlx_arch.ArchFacts.exact_prefix_reuse``): a sliding window or a recurrent
-state cannot be cut at a position.
+Contract: ``KVStore`` keeps the keys and values of this stage's layers only (never another stage's), for every
+sequence the batches' records name. ``for_chunk`` gives a sequence's own caches for a prompt chunk or a
+verification; ``for_decode`` gives per-layer batch caches holding exactly a decode batch's sequences, in its
+order; ``release_many`` frees sequences; ``retain`` and ``evict`` keep and drop prefix entries, which a new
+sequence starts from. A chunk must continue its sequence exactly where this stage's cache ends
+(``WireMismatchError`` otherwise), except a rollback of rejected proposals. Only models whose every layer
+holds a plain ``KVCache`` (``mlx_arch.ArchFacts.exact_prefix_reuse``) roll back or get prefix entries. Every
+stage obeys the same records in the same order, so all stages make the same changes and hold the same
+entries. ``extract_row`` takes one row of a batch cache out without reading the device.
 """
 
 from __future__ import annotations
@@ -85,7 +36,8 @@ class _Group:
 def extract_row(batch: Any, index: int, held: int) -> Any:
     """Row ``index`` of a batch cache as the sequence's own cache. A ``BatchKVCache`` row becomes a ``KVCache``
     of the ``held`` positions it holds, its last ``held`` columns before ``_idx``, without reading the device
-    (mlx-lm's ``extract`` reads the left padding back); other kinds use mlx-lm's ``extract``."""
+    (mlx-lm's ``extract`` reads the left padding back); other kinds use mlx-lm's ``extract``. ``KVStore`` takes
+    members out of a group with it, ``stage_worker.layer_stack`` the prompt chunks it batches."""
     if not isinstance(batch, BatchKVCache):
         return batch.extract(index)
     cache = KVCache()
@@ -98,6 +50,21 @@ def extract_row(batch: Any, index: int, held: int) -> Any:
 
 
 class KVStore:
+    """The KV of this stage's layers for every sequence it holds, standalone or in a decode group.
+
+    A sequence starts *standalone*, one mlx-lm cache per layer of the kind the model asks for
+    (``StageModel.new_caches``: ``KVCache``, a ``RotatingKVCache`` for a sliding window, an ``ArraysCache`` for
+    linear attention), while its prompt is prefilled (in one or several chunks). Sequences that decode together
+    are kept in a *decode group*: one mlx-lm batch cache per layer holding all of them (``KVCache.merge`` ->
+    ``BatchKVCache``, ``RotatingKVCache.merge`` -> ``BatchRotatingKVCache``, ``ArraysCache.merge``: left-padded,
+    per-row offsets), so a decode step appends to and attends over the whole group in a few ops instead of a
+    few ops per sequence. Groups follow the batches (``_regroup``).
+
+    Positions are tracked here too: a chunk must continue its sequence exactly where this stage's cache ends,
+    so a stage that missed a message fails loudly instead of attending to the wrong positions. The one
+    exception is a rollback (``_rewind``).
+    """
+
     def __init__(self, make_caches: Callable[[], list[Any]], max_sequences: int) -> None:
         self._make_caches = make_caches
         self._max_sequences = max_sequences
@@ -153,6 +120,12 @@ class KVStore:
         return caches
 
     # -- prefix entries ----------------------------------------------------------
+    # ``stage_worker.prefix_cache`` decides, on the entry stage only; every stage obeys the same records. A RETAIN
+    # record keeps a finishing sequence's first positions as a *prefix entry* instead of freeing them
+    # (``retain``); a NEW_SEQUENCE record starting at position K > 0 starts from a copy of its ``prefix_entry``'s
+    # first K positions (``_copy_prefix``); an EVICT record drops an entry (``evict``). A sliding window or a
+    # recurrent state cannot be cut at a position, so only models whose every layer holds a plain ``KVCache``
+    # get these records (``mlx_arch.ArchFacts.exact_prefix_reuse``).
     def prefix_counts(self) -> PrefixCacheCounts:
         return PrefixCacheCounts(self.prefix_queried_tokens, self.prefix_reused_tokens, self.prefix_cached_tokens,
                                  self.prefix_evicted_tokens)
@@ -214,6 +187,8 @@ class KVStore:
         self.tokens_held -= held
 
     def _copy_prefix(self, entry_id: int, tokens: int) -> list[KVCache]:
+        """A new sequence's caches: the first ``tokens`` positions of prefix entry ``entry_id``, as slices (the
+        sequence's first chunk writes into a new buffer, so the entry is never written)."""
         entry = self._prefixes.get(entry_id)
         if entry is None or (entry and entry[0].offset < tokens):
             raise WireMismatchError(f"a new sequence starts from {tokens} positions of prefix entry {entry_id}, "
@@ -235,8 +210,10 @@ class KVStore:
     def for_decode(self, seq_ids: Sequence[int], positions: Sequence[int],
                    lengths: Sequence[int] | None = None) -> list[BatchKVCache]:
         """Per-layer batch caches holding exactly ``seq_ids`` in that order, each ``lengths[i]`` tokens on (one
-        each by default). The step writes ``max(lengths)`` columns for every member: the caller right-pads the
-        shorter ones, and the store drops the padding before the group is next used."""
+        each by default). Several tokens are a speculative verification's (``stage_worker.speculation``), beside
+        one-token decodes. The step writes ``max(lengths)`` columns for every member: the caller right-pads the
+        shorter ones, and the padding becomes the member's pending trim, dropped before the group is next used
+        (``_settle``)."""
         lengths = [1] * len(seq_ids) if lengths is None else list(lengths)
         if len(lengths) != len(seq_ids) or min(lengths, default=1) < 1:
             raise WireMismatchError(f"a decode group of {len(seq_ids)} sequences with token counts {lengths}")
@@ -260,8 +237,13 @@ class KVStore:
         return group.caches
 
     def _settle(self, group: _Group) -> None:
-        """Drop the group's pending trims (see the module's contract): afterwards each member's positions are
-        again the last ``positions[member]`` columns before the caches' ``_idx``."""
+        """Drop the group's pending trims: afterwards each member's positions are again the last
+        ``positions[member]`` columns before the caches' ``_idx``.
+
+        A group settles before anyone reads or changes its columns. The group's end moves back by the smallest
+        trim and each other member's row rolls right by the rest, the columns rolled round becoming left padding
+        (mlx-lm's ``dynamic_roll``, as ``BatchKVCache.finalize`` settles right padding).
+        """
         if not group.trims:
             return
         trims = [group.trims.get(m, 0) for m in group.members]
@@ -289,8 +271,9 @@ class KVStore:
 
     def _regroup(self, wanted: list[int], group: _Group | None) -> _Group:
         """Make ``group`` (the first wanted member's, if any) hold exactly ``wanted``, in that order:
-        members not wanted go back to standalone caches, newcomers are merged in at the end, and a batch
-        that lists the members in another order costs one gather per layer, not a rebuild."""
+        members not wanted go back to standalone caches (extracted first, then filtered out), newcomers'
+        caches are merged in at the end (the same way mlx-lm's ``BatchGenerator`` grows and shrinks its batch),
+        and a batch that lists the members in another order costs one gather per layer, not a rebuild."""
         wanted_set = set(wanted)
         kept: list[int] = []
         if group is not None:
@@ -328,7 +311,7 @@ class KVStore:
         self.release_many([seq_id])
 
     def release_many(self, seq_ids: Sequence[int]) -> None:
-        """Free these sequences' KV; each group they leave shrinks once."""
+        """Free these sequences' KV; each group they leave shrinks once (one ``_filter``)."""
         leaving: dict[int, tuple[_Group, set[int]]] = {}
         for seq_id in seq_ids:
             if self._standalone.pop(seq_id, None) is None and seq_id in self._group_of:
@@ -346,8 +329,11 @@ class KVStore:
     def _filter(self, group: _Group, kept: list[int]) -> None:
         """Keep ``kept`` (in that order) in ``group``'s caches: ``BatchKVCache.filter`` without its device read.
 
-        A member's keys occupy the last ``positions[member]`` columns before ``_idx``, so the columns
-        every kept member leaves unused at the left are ``_idx - max(positions)``.
+        mlx-lm's ``BatchKVCache.filter`` reads the left padding back (``tolist``) to trim it, one device sync per
+        layer per change, which on a GPU stalls the queued work every time a sequence ends. A member's keys
+        occupy the last ``positions[member]`` columns before ``_idx``, so the columns every kept member leaves
+        unused at the left are ``_idx - max(positions)``, known on the host. Other cache kinds use mlx-lm's own
+        ``filter``.
         """
         self._settle(group)
         indices = mx.array([group.members.index(m) for m in kept])
@@ -399,7 +385,14 @@ class KVStore:
         return [extract_row(batch, index, held) for batch in group.caches]
 
     def _rewind(self, seq_id: int, start_pos: int) -> None:
-        """Drop ``seq_id``'s positions from ``start_pos`` on, if it holds more (see the module's contract)."""
+        """Drop ``seq_id``'s positions from ``start_pos`` on, if it holds more: a rollback.
+
+        A record starting *before* the cache's end (the positions after it held a verification's rejected
+        proposals) drops the positions from its ``start_pos`` on: mlx-lm's ``KVCache.trim`` on a standalone
+        sequence's caches; for a grouped one, a pending trim (``_settle``), so a grouped sequence never leaves
+        its group to roll back. Only a plain ``KVCache`` can drop positions (the same models speculate as get
+        prefix entries); a rollback in other caches raises ``WireMismatchError``.
+        """
         held = self._positions.get(seq_id)
         if held is None or held <= start_pos or start_pos < 0:
             return  # nothing to drop; ``_check_position`` judges the rest

@@ -1,41 +1,14 @@
 """A stage's slice of any mlx-lm model that is a stack of layers, run as mlx-lm runs it.
 
-Contract: ``stack_layers(layers, hidden, segments, decode, array_masks)`` takes the
-``[T, hidden]`` rows of a packed batch (the wire layout, as ``packed_forward``) and
-returns this stage's output rows, computed by mlx-lm's own decoder layers called as
-each model's ``__call__`` calls them: ``layer(h, mask, cache)`` on ``[B, L, hidden]``.
-
-* each prompt chunk (``Segment``) runs as one sequence, ``[1, n, hidden]``, against
-  its own per-layer caches: the caches the model's ``make_cache`` asks for (KV,
-  rotating KV for sliding windows, arrays for linear attention / SSM state, MLA's
-  latent KV), exactly as ``mlx_lm.generate_step`` runs it;
-* except chunks that can run together (``batch_groups``: chunks of nearly one
-  length on caches holding nearly as many positions, a first chunk holding none):
-  those run as one ``[B, L, hidden]`` batch, as mlx-lm's ``BatchGenerator``
-  processes prompts. The sequences' caches are merged into batch caches of the
-  same kinds (``merge``: left-padded to the longest history), the chunks right-padded
-  to the longest (``prepare(lengths, right_padding)``: causality keeps every real
-  position from seeing the padding after it, and a linear-attention state stops at
-  each row's length), the padding then rolled to the left (``finalize``) and each
-  sequence's caches extracted back into its own (the KV store keeps a prefilling
-  sequence alone; ``kv_store.extract_row``: a ``BatchKVCache`` row without reading
-  the device). Exactly mlx-lm's arithmetic per row: a merged row differs from
-  the sequence alone only by masked positions. Caches without such a batch form
-  (rotating caches keeping their first positions, chunked or quantized KV, cache
-  lists) keep their sequences one at a time;
-* the decode group (``DecodeRows``) runs as one ``[B, W, hidden]`` batch (one token
-  each, or a speculative verification's ``W`` with the others right-padded) against the
-  group's batch caches (``BatchKVCache``, ``BatchRotatingKVCache``, a batched
-  ``ArraysCache``: left-padded, per-row offsets), as mlx-lm's ``BatchGenerator``
-  decodes: every per-row part of a layer, the expert routing included, runs once for
-  the whole group.
-
-Which mask a layer gets is decided by its own cache, the way the models themselves
-decide (each builds one mask per kind of cache, from a cache of that kind): a layer
-with an ``ArraysCache`` gets ``create_ssm_mask`` from it, any other
-``create_attention_mask`` (a rotating cache applies its window). ``array_masks``: the
-model's attention needs the mask as an array, never the ``"causal"`` shortcut (MLA
-adds the mask to its rotary scores; ``mlx_arch.needs_array_masks``).
+Contract: ``stack_layers(layers, hidden, segments, decode, array_masks)`` takes the ``[T, hidden]`` rows of a
+packed batch (the wire layout, as ``packed_forward``) and returns this stage's output rows, computed by
+mlx-lm's own decoder layers called as each model's ``__call__`` calls them: ``layer(h, mask, cache)`` on
+``[B, L, hidden]``. Each prompt chunk (``Segment``) runs as one sequence against its own caches, as
+``mlx_lm.generate_step`` runs it, except chunks that can run together (``batch_groups``), which run as one
+batch, as mlx-lm's ``BatchGenerator`` processes prompts; the decode group (``DecodeRows``) runs as one batch
+against the group's batch caches, as ``BatchGenerator`` decodes. Every row gets exactly mlx-lm's arithmetic:
+a batched row differs from its sequence alone only by masked positions. Each layer's mask comes from its own
+cache, as the models decide (``layer_mask``).
 """
 
 from __future__ import annotations
@@ -57,7 +30,15 @@ MAX_PADDING = 0.1
 
 def stack_layers(layers: Sequence[nn.Module], hidden: mx.array, segments: Sequence[Segment],
                  decode: DecodeRows | None, array_masks: bool) -> mx.array:
-    """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); segments and decode rows cover the rows."""
+    """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); segments and decode rows cover the rows.
+
+    A prompt chunk alone runs as ``[1, n, hidden]`` against the caches the model's ``make_cache`` asks for (KV,
+    rotating KV for sliding windows, arrays for linear attention / SSM state, MLA's latent KV). The decode
+    group runs as one ``[B, W, hidden]`` batch (one token each, or a speculative verification's ``W`` with the
+    others right-padded) against the group's batch caches (``BatchKVCache``, ``BatchRotatingKVCache``, a
+    batched ``ArraysCache``: left-padded, per-row offsets): every per-row part of a layer, the expert routing
+    included, runs once for the whole group.
+    """
     outputs: list[mx.array] = []
     order: list[int] = []
     if decode is not None:
@@ -117,7 +98,8 @@ def _padding_fits(group: Sequence[Segment], max_padding: float) -> bool:
 def _batchable(caches: Sequence[Any]) -> bool:
     """Caches whose batch forms merge, continue and extract a sequence exactly (mlx-lm's ``merge``,
     ``prepare``/``finalize`` and ``extract``). A rotating cache that keeps its first positions (``keep``) has
-    a batch form that does not keep them; chunked, quantized and listed caches have none that continues."""
+    a batch form that does not keep them; chunked, quantized and listed caches have none that continues: their
+    sequences' chunks run one at a time."""
     return all(type(c) in (KVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
                for c in caches)
 
@@ -126,7 +108,15 @@ def _run_together(layers: Sequence[nn.Module], hidden: mx.array, group: Sequence
                   array_masks: bool) -> mx.array:
     """Several sequences' chunks as one right-padded ``[B, L, hidden]`` batch against their caches merged
     (as mlx-lm's ``BatchGenerator`` processes prompts), each sequence's caches then extracted back into its
-    own; the chunks' output rows, in ``group`` order."""
+    own; the chunks' output rows, in ``group`` order.
+
+    The caches are merged into batch caches of the same kinds (``merge``: left-padded to the longest history),
+    the chunks right-padded to the longest (``prepare(lengths, right_padding)``: causality keeps every real
+    position from seeing the padding after it, and a linear-attention state stops at each row's length), the
+    padding then rolled to the left (``finalize``). The KV store keeps a prefilling sequence alone, so each
+    sequence's caches are extracted back (``kv_store.extract_row``: a ``BatchKVCache`` row without reading the
+    device).
+    """
     lengths = [s.num_tokens for s in group]
     length = max(lengths)
     padding = [length - n for n in lengths]
@@ -165,7 +155,13 @@ def run_batch(layers: Sequence[nn.Module], h: mx.array, caches: Sequence[Any], a
 
 
 def layer_mask(h: mx.array, cache: Any, array_masks: bool) -> Any:
-    """The mask mlx-lm's models build for a layer holding ``cache``, for input ``h`` of ``[B, L, hidden]``."""
+    """The mask mlx-lm's models build for a layer holding ``cache``, for input ``h`` of ``[B, L, hidden]``.
+
+    As the models decide (each builds one mask per kind of cache, from a cache of that kind): a layer with an
+    ``ArraysCache`` gets ``create_ssm_mask`` from it, any other ``create_attention_mask`` (a rotating cache
+    applies its window). ``array_masks``: the model's attention needs the mask as an array, never the
+    ``"causal"`` shortcut (MLA adds the mask to its rotary scores; ``mlx_arch.needs_array_masks``).
+    """
     if isinstance(cache, ArraysCache):
         return create_ssm_mask(h, cache)
     return create_attention_mask(h, cache, return_array=array_masks)

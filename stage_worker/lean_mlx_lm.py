@@ -2,15 +2,14 @@
 
 Contract: ``install()``, called at the top of a stage process before anything imports ``mlx_lm``, registers the
 ``mlx_lm`` package without running its ``__init__``. Submodules (``mlx_lm.models.*``, ``mlx_lm.sample_utils``,
-and ``mlx_lm.utils`` where a stage asks for it) import exactly as before; only the package's top-level
-re-exports (``mlx_lm.load``, ``mlx_lm.generate``, ``mlx_lm.convert``) are absent in that process, and no stage
-code uses them. Anywhere else (the CLI, the gateway, tests, benchmarks) mlx-lm imports as usual.
+and ``mlx_lm.utils`` where a stage asks for it) import as usual; only the package's top-level re-exports
+(``mlx_lm.load``, ``mlx_lm.generate``, ``mlx_lm.convert``) are absent in that process, and no stage code uses
+them. Anywhere else (the CLI, the gateway, tests, benchmarks) mlx-lm imports as usual.
 
 Why: ``mlx_lm/__init__`` imports ``convert``, ``generate`` and ``utils``, and through them transformers and
-huggingface_hub. A stage computes on token ids and never tokenizes unless a request asks for structured output
-or speculative drafts (those import the tokenizer when first needed), yet that import alone was the largest part
-of every stage's start: about 1.1 s of CPU and 60 MB of memory on the embedded model (docs/performance.md,
-"A stage's start").
+huggingface_hub, a large part of a stage's start; a stage computes on token ids and imports a tokenizer only
+when a request asks for structured output or speculative drafts (docs/performance.md, "A stage's start", has
+the figures).
 """
 
 from __future__ import annotations

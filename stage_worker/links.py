@@ -1,25 +1,11 @@
 """Links between neighbouring stages: a TCP control lane, and the payload after it or on the MLX ring.
 
-Stage r owns one ``InboundLink`` (from stage r-1, or from the last stage on the
-first) and one ``OutboundLink`` (to stage r+1, or to the first stage on the
-last). A message is its header and records on the lane, then its payload: by
-default its raw bytes on the same lane (``hop_transport`` "lane"), or on MLX's
-ring ("ring"; layout and measurements in ``wire``). With the ring, the split
-between lane and ring exists because of three facts of the ring:
-
-* a posted ring receive spins a CPU core until data arrives, so a stage waits
-  for work in a blocking socket read on the lane and posts the ring receive only
-  once the header says a payload is on its way;
-* ring messages carry no tags, so the receiver sizes its receive from the
-  header and checks it against its own model first: no byte-count mismatch,
-  no deadlock;
-* a dead peer is invisible to an idle ring (sends then silently lose data), but
-  the kernel closes its lane socket, so the survivor learns at once.
-
-A payload transfer (ring operation, or a lane send blocked on a full socket
-buffer) that does not finish within ``ring_timeout`` (a frozen peer) cannot be
-interrupted from Python; ``RingWatchdog`` then ends the process so whatever
-supervises it restarts the pipeline.
+Stage r owns one ``InboundLink`` (from stage r-1, or from the last stage on the first) and one
+``OutboundLink`` (to stage r+1, or to the first stage on the last). A message is its header and records on
+the lane, then its payload: by default its raw bytes on the same lane (``hop_transport`` "lane"), or on MLX's
+ring (``Ring``, "ring"); ``wire`` gives the layout. A neighbour that is gone or refuses raises ``LinkError``.
+A payload transfer that outlives ``ring_timeout`` (a frozen peer) ends the process (``RingWatchdog``), so
+whatever supervises it restarts the pipeline.
 """
 
 from __future__ import annotations
@@ -47,7 +33,12 @@ class LinkError(RuntimeError):
 
 class RingWatchdog:
     """Ends the process when one ring operation outlives its deadline; ``close`` ends its thread (a stage's lives
-    as long as the process, a pipeline's in a test process ends with the pipeline)."""
+    as long as the process, a pipeline's in a test process ends with the pipeline).
+
+    A payload transfer (ring operation, or a lane send blocked on a full socket buffer) that does not finish
+    within ``ring_timeout`` (a frozen peer) cannot be interrupted from Python; exiting lets whatever supervises
+    the process restart the pipeline.
+    """
 
     def __init__(self, timeout_s: float, describe_stage: str) -> None:
         self._timeout_s = timeout_s
@@ -90,7 +81,17 @@ class RingWatchdog:
 
 
 class Ring:
-    """Evaluated point-to-point transfers on the MLX ring group, under the watchdog."""
+    """Evaluated point-to-point transfers on the MLX ring group, under the watchdog.
+
+    Headers and records travel on the lane even with the ring, because of three facts of the ring:
+
+    * a posted ring receive spins a CPU core until data arrives, so a stage waits for work in a blocking socket
+      read on the lane and posts the ring receive only once the header says a payload is on its way;
+    * ring messages carry no tags, so the receiver sizes its receive from the header and checks it against its
+      own model first: no byte-count mismatch, no deadlock;
+    * a dead peer is invisible to an idle ring (sends then silently lose data), but the kernel closes its lane
+      socket, so the survivor learns at once.
+    """
 
     def __init__(self, group: mx.distributed.Group, watchdog: RingWatchdog) -> None:
         self.group = group

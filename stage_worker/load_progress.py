@@ -1,20 +1,15 @@
 """How far a stage has got reading its weights: counted by the format readers, shown in the log and status.
 
 Contract:
-- ``WeightProgress`` counts the bytes a stage reads (or converts) from its
-  model files against the total it will read. ``expect(nbytes)`` adds to the
-  total before reading, ``read(nbytes)`` to what is done; both are cheap and
-  safe from any thread. ``snapshot()`` gives a frozen ``LoadCounts``.
-- ``reporting(progress)`` makes a ``WeightProgress`` the current one for the
-  block; the readers (``safetensors_format``, ``gguf_format``,
-  ``dummy_weights``) report through the module functions ``expect`` and
-  ``read``, which do nothing when no progress is current (tests, benchmarks,
-  conversion without a bar). A context variable rather than a parameter: the
-  readers sit several calls below the stage's load, behind mlx-lm's own code.
-- With a ``log`` it logs a line at most every ``interval_s`` (and one at the
-  end): ``reading weights: 31% (3.2 of 10.4 GB, 850 MB/s)``; ``on_change``
-  receives every update (the stage's status, a progress bar).
-- ``progress_text(counts, seconds)`` is the pure formatting of that line.
+- ``WeightProgress`` counts the bytes a stage reads (or converts) from its model files against the total it
+  will read: ``expect(nbytes)`` adds to the total before reading, ``read(nbytes)`` to what is done, both cheap
+  and safe from any thread; ``snapshot()`` gives a frozen ``LoadCounts``. With a ``log`` it logs a line at most
+  every ``interval_s`` (and one at the end); ``on_change`` receives every update (the stage's status, a
+  progress bar).
+- ``reporting(progress)`` makes a ``WeightProgress`` the current one for the block; the readers
+  (``safetensors_format``, ``gguf_format``, ``dummy_weights``) report through the module functions ``expect``
+  and ``read``, which do nothing when no progress is current.
+- ``progress_text(counts, seconds)`` is the pure formatting of the log line.
 """
 
 from __future__ import annotations
@@ -91,6 +86,8 @@ class WeightProgress:
             self._log.info("%s", progress_text(counts, now - self._started))
 
 
+# A context variable rather than a parameter: the readers sit several calls below the stage's load, behind
+# mlx-lm's own code. Unset (tests, benchmarks, conversion without a bar), ``expect`` and ``read`` do nothing.
 _CURRENT: contextvars.ContextVar[WeightProgress | None] = contextvars.ContextVar("weight_progress", default=None)
 
 

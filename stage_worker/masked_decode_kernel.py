@@ -1,19 +1,14 @@
 """Masked decode attention as one CUDA kernel: each row's one query over its own window of a batch KV buffer.
 
 A decode group's rows hold histories of different lengths, left-padded in one ``BatchKVCache`` buffer
-(``kv_store``), so their attention needs a mask. MLX's CUDA backend has no fused kernel for that (its vector
-attention takes no array mask), and falls back to two matmuls, a select and a softmax per layer: four kernels
-and their graph nodes where an unmasked decode has one. This module is that one kernel for the masked case.
+(``kv_store``), so their attention needs a mask, and MLX's CUDA backend has no fused kernel for that.
 
 Contract: ``attend(q, keys, values, starts, end, scale)`` with ``q`` ``[B, Hq, 1, D]`` and the cache's whole
 buffers ``keys`` / ``values`` ``[B, Hkv, capacity, D]`` (``Hq`` a multiple of ``Hkv``), returns ``[B, Hq, 1, D]``:
 row ``b``'s query attends to positions ``starts[b] <= j < end`` of its buffer row, exactly the positions
-``BatchKVCache.make_mask(1)`` leaves visible. Softmax in float32, online per warp, the warps combined at the end
-(the shape of MLX's own vector kernel). Results equal the unfused path's up to float rounding, not bit for bit.
-
-``supported`` says where it applies (a CUDA device, a head dimension that is a multiple of 32 up to 256, float
-dtypes); everywhere else the caller keeps mlx-lm's attention. Kernels are compiled once per (head dimension,
-query heads, key/value heads, dtype) by MLX's JIT and cached by it; the scale is an input, not a constant.
+``BatchKVCache.make_mask(1)`` leaves visible. Results equal the unfused path's up to float rounding, not bit for
+bit. ``supported`` says where it applies; everywhere else the caller keeps mlx-lm's attention.
+``decode_kernel_wanted`` reads the ``STAGEMESH_DECODE_KERNEL`` setting.
 """
 
 from __future__ import annotations
@@ -26,6 +21,9 @@ import mlx.core as mx
 
 _WARPS = 4  # warps per (row, query head); each takes every _WARPS-th key of the window
 
+# Without this kernel MLX's CUDA backend (its vector attention takes no array mask) falls back to two
+# matmuls, a select and a softmax per layer: four kernels and their graph nodes where an unmasked decode has
+# one. Softmax in float32, online per warp, the warps combined at the end (the shape of MLX's own vector kernel).
 _SOURCE = """
     constexpr int PER_LANE = D / 32;
     const float neg_inf = -__int_as_float(0x7f800000);  // MLX 0.32 defines no inf for custom kernels
@@ -100,7 +98,8 @@ def decode_kernel_wanted(setting: str, backend: str) -> bool:
 
 
 def supported(q: mx.array, keys: mx.array) -> bool:
-    """Whether ``attend`` applies: a CUDA device, one query per row, a head dimension MLX's layouts use."""
+    """Whether ``attend`` applies: a CUDA device, one query per row, a head dimension MLX's layouts use (a
+    multiple of 32 up to 256), float dtypes."""
     head_dim = q.shape[-1]
     return (q.ndim == 4 and q.shape[2] == 1 and head_dim % 32 == 0 and head_dim <= 256
             and keys.shape[-1] == head_dim and q.shape[1] % keys.shape[1] == 0
@@ -111,7 +110,9 @@ def supported(q: mx.array, keys: mx.array) -> bool:
 def attend(q: mx.array, keys: mx.array, values: mx.array, starts: mx.array, end: mx.array,
            scale: float) -> mx.array:
     """``[B, Hq, 1, D]``: each row's query over positions ``starts[b] <= j < end[0]`` of its buffers (module
-    docstring). ``starts`` int32 ``[B]``, ``end`` int32 ``[1]``: arrays, so a new step is no new kernel."""
+    docstring). ``starts`` int32 ``[B]``, ``end`` int32 ``[1]``: arrays, so a new step is no new kernel.
+    Kernels are compiled once per (head dimension, query heads, key/value heads, dtype) by MLX's JIT and cached
+    by it; the scale is an input, not a constant."""
     global _kernel
     if _kernel is None:
         _kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(

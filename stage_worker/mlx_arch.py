@@ -1,29 +1,15 @@
 """Which mlx-lm architectures a pipeline stage runs, and by which path; refused ones by name, with the reason.
 
-Contract:
-
-* ``mlx_model_type(config)`` is the ``mlx_lm.models`` module a Hugging Face
-  ``config.json`` is implemented by (mlx-lm's own remapping: ``mistral`` ->
-  ``llama``, ``kimi_k2`` -> ``deepseek_v3``, ...).
-* ``check_servable(model_type)`` raises ``ModelFormatError`` (exit 2, before any
-  stage loads) naming the model type, why it cannot be split across stages when
-  that is the reason, and what is served. Served: ``PACKED_ARCHITECTURES`` (llama,
-  qwen2, qwen3 with full attention: ``packed_forward``) and
-  ``STACK_ARCHITECTURES`` (``layer_stack``: mlx-lm's own layers and caches).
-  Each one of these is run in the test suite against mlx-lm's own generation
-  (``tests/architectures.py``); an mlx-lm architecture not among them is
-  refused rather than risked, since a model whose forward does more than
-  ``h = layer(h, mask, cache)`` between its embedding and its norm would give
-  wrong tokens silently.
-* ``describe(model_type, args)`` builds mlx-lm's model lazily (shapes only,
-  nothing allocated) and returns ``ArchFacts``: the kind of cache each layer
-  holds (from the model's ``make_cache``), whether its attention needs array
-  masks, the names of its head parameters, and whether the prefix cache can
-  restart a sequence from a copy of another's first positions
-  (``exact_prefix_reuse``: only when every layer holds plain keys and values per
-  position; a sliding window has dropped the positions a copy would need and a
-  recurrent state cannot be cut at a position, so those models are served
-  without prefix reuse).
+* ``mlx_model_type(config)`` is the ``mlx_lm.models`` module a Hugging Face ``config.json`` is implemented by
+  (mlx-lm's own remapping: ``mistral`` -> ``llama``, ``kimi_k2`` -> ``deepseek_v3``, ...).
+* ``check_servable(model_type)`` raises ``ModelFormatError`` (exit 2, before any stage loads) naming the model
+  type, why it cannot be split across stages when that is the reason, and what is served:
+  ``PACKED_ARCHITECTURES`` (``packed_forward``) and ``STACK_ARCHITECTURES`` (``layer_stack``: mlx-lm's own
+  layers and caches). An mlx-lm architecture not among them is refused rather than risked.
+* ``describe(model_type, args)`` builds mlx-lm's model lazily (shapes only, nothing allocated) and returns
+  ``ArchFacts``: the kind of cache each layer holds, whether its attention needs array masks, the names of its
+  head parameters, and whether the prefix cache can restart a sequence from a copy of another's first
+  positions (``exact_prefix_reuse``).
 """
 
 from __future__ import annotations
@@ -39,6 +25,7 @@ from typing import Any
 
 from stage_worker.model_spec import ModelFormatError, ModelSpec
 
+# Run by ``packed_forward`` (these with full attention); the stack ones by ``layer_stack``.
 PACKED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 STACK_ARCHITECTURES: tuple[str, ...] = (
     "deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "llama4_text", "mixtral", "olmoe", "phi3",
@@ -67,7 +54,8 @@ class ArchFacts:
     @property
     def exact_prefix_reuse(self) -> bool:
         """Every layer keeps plain keys and values per position, so a prefix copied from another sequence is
-        exactly what prefilling it would hold (a window or a recurrent state is not sliceable by position)."""
+        exactly what prefilling it would hold. A sliding window has dropped the positions a copy would need
+        and a recurrent state cannot be cut at a position, so those models are served without prefix reuse."""
         return all(kind == "kv" for kind in self.cache_kinds)
 
 
@@ -86,7 +74,11 @@ def served_architectures() -> tuple[str, ...]:
 
 
 def check_servable(model_type: str | None, where: str) -> None:
-    """Raise ``ModelFormatError`` unless a stage can run ``model_type`` (see the module docstring)."""
+    """Raise ``ModelFormatError`` unless a stage can run ``model_type`` (see the module docstring).
+
+    Each served architecture is run in the test suite against mlx-lm's own generation
+    (``tests/architectures.py``); any other is refused, since a model whose forward does more than
+    ``h = layer(h, mask, cache)`` between its embedding and its norm would give wrong tokens silently."""
     served = ", ".join(served_architectures())
     if model_type is not None and model_type in UNSPLITTABLE:
         raise ModelFormatError(

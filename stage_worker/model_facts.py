@@ -1,42 +1,16 @@
 """A model's size for the layer planner, from its spec alone (config and headers, never tensor data).
 
-``model_facts(spec, dense=False)`` -> ``stagemesh.core.memory.ModelFacts``: the
-bytes of one decoder layer, of the embedding and of the head, and the KV
-elements per token per layer, as a stage will hold them. It is computed from
-the architecture's shapes (``spec.args``) and the quantization map
-(``spec.quantization``), the same inputs ``stage_model`` loads by, so it works
-for ``--load-format dummy`` too and reads nothing but headers.
+``model_facts(spec, dense=False)`` -> ``stagemesh.core.memory.ModelFacts``: the bytes of one decoder layer
+(each layer at its own size where layers differ), of the embedding and of the head, and the KV per token per
+layer, as a stage will hold them, so the facts of a slice are the bytes its stage holds. It reads the
+architecture's shapes (``spec.args``) and the quantization map (``spec.quantization``), the same inputs
+``stage_model`` loads by, so it works for ``--load-format dummy`` too. ``draft_facts(config, target,
+max_num_seqs)`` -> ``stagemesh.core.memory.DraftFacts``: a draft model's weights and KV per position, counted
+the same way, for the entry stage that holds it.
 
-Why here and not in the coordinator: which module is quantized how, and what
-shapes an architecture has, are the stage worker's knowledge (``model_spec``,
-``stage_model``); the coordinator may not import ``stage_worker``, so the CLI
-(which may) computes the facts and hands the coordinator a core value.
-
-A quantized Linear or Embedding of shape (out, in) with ``bits`` and
-``group_size`` holds ``out * in * bits / 8`` bytes of codes (whatever the
-compute dtype) plus, per group, in the affine mode a scale and a bias stored in
-the compute dtype like every dense weight and norm, in the fp modes (mxfp4,
-nvfp4, mxfp8) one uint8 scale (``TensorBytes``: packed bytes and elements).
-With ``dense=True`` (``--dequantize on``) every weight counts as dense. Each
-layer is counted at its own size (``ModelFacts.layer_sizes`` where layers
-differ: a mixed recipe's 6-bit layers beside 4-bit ones), so the facts of a
-slice are the bytes its stage holds.
-
-``draft_facts(config, target, max_num_seqs)`` -> ``stagemesh.core.memory.DraftFacts``: a draft model's
-weights and KV per position, counted the same way, for the entry stage that holds it.
-
-Every other architecture (``mlx_arch.STACK_ARCHITECTURES``: experts, MLA,
-sliding windows, linear attention) is measured on mlx-lm's own model, built
-lazily (shapes only, nothing allocated) and quantized exactly as the stage
-quantizes it, so its bytes are the stage's by construction: each layer's
-parameters (routed and shared experts, routers, dense first layers:
-``ModelFacts.layer_sizes`` where layers differ), the embedding, the head. Each
-layer's KV (``ModelFacts.kv_layers`` where layers differ) is read from the
-caches of a one-token forward built (not evaluated) through every layer: keys
-plus values per position of a KV layer (MLA's latent and rotary key for
-DeepSeek V3), bounded by the window of a sliding-window layer, and the arrays a
-linear-attention layer keeps per sequence whatever its length (Qwen3-Next's
-convolution state in the compute dtype, its recurrent state in float32).
+It lives here because which module is quantized how, and what shapes an architecture has, are the stage
+worker's knowledge (``model_spec``, ``stage_model``); the coordinator may not import ``stage_worker``, so the
+CLI computes the facts and hands the coordinator a core value.
 """
 
 from __future__ import annotations
@@ -51,6 +25,10 @@ from stagemesh.core.speculative import SpeculativeConfig
 
 
 def _linear(spec: ModelSpec, path: str, out_features: int, in_features: int, dense: bool) -> TensorBytes:
+    """A Linear or Embedding of shape (out, in): quantized with ``bits`` and ``group_size``, it holds
+    ``out * in * bits / 8`` bytes of codes (whatever the compute dtype) plus, per group, in the affine mode a
+    scale and a bias stored in the compute dtype like every dense weight and norm, in the fp modes (mxfp4,
+    nvfp4, mxfp8) one uint8 scale (``TensorBytes``: packed bytes and elements)."""
     quant = None if dense else spec.quantization_for(path)
     if quant is None:
         return TensorBytes(0, out_features * in_features)
@@ -90,7 +68,10 @@ def _layer(spec: ModelSpec, index: int, dense: bool) -> TensorBytes:
 
 
 def model_facts(spec: ModelSpec, dense: bool = False) -> ModelFacts:
-    """The planner's view of ``spec`` (see the module docstring)."""
+    """The planner's view of ``spec`` (see the module docstring): ``PACKED_ARCHITECTURES`` counted from their
+    shapes, every other by ``_stack_facts``. With ``dense=True`` (``--dequantize on``) every weight counts as
+    dense. Each layer is counted at its own size (``ModelFacts.layer_sizes`` where layers differ: a mixed
+    recipe's 6-bit layers beside 4-bit ones)."""
     if spec.model_type not in PACKED_ARCHITECTURES:
         return _stack_facts(spec, dense)
     hidden, vocab = spec.hidden_size, spec.vocab_size
@@ -134,7 +115,12 @@ def _differing(layers: list[TensorBytes]) -> tuple[TensorBytes, ...]:
 
 
 def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
-    """``model_facts`` measured on mlx-lm's lazily built model (see the module docstring)."""
+    """``model_facts`` for every other architecture (``mlx_arch.STACK_ARCHITECTURES``: experts, MLA, sliding
+    windows, linear attention), measured on mlx-lm's own model, built lazily (shapes only, nothing allocated)
+    and quantized exactly as the stage quantizes it, so its bytes are the stage's by construction: each
+    layer's parameters (routed and shared experts, routers, dense first layers: ``ModelFacts.layer_sizes``
+    where layers differ), the embedding, the head; each layer's KV (``ModelFacts.kv_layers`` where layers
+    differ) by ``_measured_kv``."""
     import importlib
 
     import mlx.core as mx
@@ -177,8 +163,11 @@ def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
 
 def _measured_kv(model: Any, spec: ModelSpec, facts: ArchFacts) -> tuple[LayerKV, ...]:
     """Each layer's KV from the caches of a one-token forward built (not evaluated) through every layer, in
-    bfloat16: a cache array in the compute dtype counts as elements, one kept in float32 whatever the compute
-    dtype (linear attention's recurrent state) as fixed bytes."""
+    bfloat16: keys plus values per position of a KV layer (MLA's latent and rotary key for DeepSeek V3),
+    bounded by the window of a sliding-window layer, and the arrays a linear-attention layer keeps per sequence
+    whatever its length. A cache array in the compute dtype counts as elements, one kept in float32 whatever
+    the compute dtype (Qwen3-Next's recurrent state; its convolution state is in the compute dtype) as fixed
+    bytes."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 

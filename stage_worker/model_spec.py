@@ -1,23 +1,15 @@
 """What a model is, read from its metadata alone: the frozen ``ModelSpec`` every format reader returns.
 
-Contract:
-- ``stage_worker.model_reader.read_model_spec(path)`` reads one from a ``.gguf``
-  file (``gguf_format``) or a directory holding ``config.json`` (MLX / Hugging
-  Face layout, ``safetensors_format``); the readers share this module's types
-  and rules (supported architectures, quantization checks, the served name).
-- ``ModelSpec.args`` is a plain dict that ``mlx_lm.models.<model_type>.ModelArgs
-  .from_dict`` accepts; ``ModelSpec.quantization`` is in mlx-lm's config style
-  (top-level ``group_size``/``bits``/``mode``, per-module overrides that may carry
-  their own ``mode``, ``False`` for a module kept unquantized).
-- One module's quantization is resolved in one place: ``quantization_for`` gives
-  a frozen ``QuantParams`` (group_size, bits, mode), or None for a dense module.
-  ``check_quantization`` accepts exactly what ``mx.quantize`` serves
-  (``QUANT_MODES``): affine 1/2/3/4/5/6/8 bits in groups of 32/64/128, mxfp4 (4
-  bits, groups of 32), nvfp4 (4 bits, groups of 16), mxfp8 (8 bits, groups of 32).
-  The fp modes store uint8 scales and no biases.
-- Anything we cannot serve (architecture: ``mlx_arch`` says which and why,
-  tensor type, quantization mode, a missing file) raises ``ModelFormatError`` (a ``ValueError``) whose message
-  says what is supported and what the user should change.
+- ``stage_worker.model_reader.read_model_spec(path)`` reads one from a ``.gguf`` file (``gguf_format``) or a
+  directory holding ``config.json`` (MLX / Hugging Face layout, ``safetensors_format``); the readers share
+  this module's types and rules (supported architectures, quantization checks, the served name).
+- ``ModelSpec.args`` is a plain dict that ``mlx_lm.models.<model_type>.ModelArgs.from_dict`` accepts;
+  ``ModelSpec.quantization`` is in mlx-lm's config style.
+- One module's quantization is resolved in one place: ``quantization_for`` gives a frozen ``QuantParams``, or
+  None for a dense module; ``check_quantization`` accepts exactly what ``mx.quantize`` serves (``QUANT_MODES``).
+- Anything we cannot serve (architecture: ``mlx_arch`` says which and why, tensor type, quantization mode, a
+  missing file) raises ``ModelFormatError`` (a ``ValueError``) whose message says what is supported and what
+  the user should change.
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ from stagemesh.core.errors import UserError
 # safetensors directories of every architecture stage_worker.mlx_arch serves.
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3")
 # mx.quantize's modes: (bits, group sizes) each serves. The fp modes allow one pair each (their scale format
-# fixes it).
+# fixes it) and store uint8 scales and no biases.
 QUANT_MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "affine": ((1, 2, 3, 4, 5, 6, 8), (32, 64, 128)),
     "mxfp4": ((4,), (32,)),
@@ -63,7 +55,10 @@ def tensor_mismatch(missing: list[str], wrong_shapes: list[str], extra: list[str
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture, size and quantization of a model, without its weights."""
+    """Architecture, size and quantization of a model, without its weights.
+
+    ``quantization`` is in mlx-lm's config style: top-level ``group_size``/``bits``/``mode``, per-module
+    overrides that may carry their own ``mode``, ``False`` for a module kept unquantized."""
 
     path: str
     format: Literal["gguf", "mlx"]

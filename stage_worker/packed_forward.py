@@ -1,41 +1,15 @@
 """Packed forward: many sequences' rows through a stage's decoder layers in one pass.
 
-A batch arrives as ``[T, hidden]`` rows, sequence after sequence (the wire
-layout). Everything that is per-row — norms, the q/k/v and output projections,
-the MLP — runs once over all ``T`` rows, so a batch of 16 decodes costs one
-``[16, hidden]`` GEMM per projection instead of 16 GEMVs. Attention comes in
-three shapes, each as few MLX ops as its sequences allow:
+A batch arrives as ``[T, hidden]`` rows, sequence after sequence (the wire layout). ``packed_layers`` runs
+everything that is per row (norms, the q/k/v and output projections, the MLP) once over all ``T`` rows, and
+attention in three shapes, each as few MLX ops as its sequences allow: a decode group as one batch over its
+``BatchKVCache`` (``DecodeRows``, ``kv_store``), fresh prompts of similar length as one right-padded causal
+batch (``fresh_prompt_groups``), and any other chunk over its own mlx-lm ``KVCache`` (``Segment``).
 
-* a *decode group* (one token each, or a speculative verification's several
-  beside them) attends as one batch over its ``BatchKVCache`` (see
-  ``kv_store``): ``[B, heads, W, dim]`` queries, the sequences with fewer than
-  ``W`` tokens right-padded (causality keeps every real row from seeing the
-  padding after it; the store drops the padded columns afterwards);
-* *fresh prompts* (chunks starting a sequence) of similar length attend as one
-  right-padded ``[n, heads, L, dim]`` causal batch (they have no history;
-  causality keeps every real row from seeing the padding after it), and only
-  the writes of their real rows into their own caches are per sequence.
-  Without this, every fresh prompt would cost about ten small ops of its own
-  per layer;
-* any other chunk (continuing a long prompt, a lone verification) applies
-  RoPE at its own offset, appends to its own mlx-lm ``KVCache`` and
-  attends over its own history. With ``pad_keys`` (a stage on CUDA) a chunk of
-  several rows attends over the cache's whole buffer (mlx-lm grows it 256
-  positions at a time), the positions past its history masked: MLX's CUDA
-  attention for more than one query row is plain matmuls and a softmax, whose
-  kernels are planned per shape, and a history one longer every step would be
-  a new shape at every step of every layer; the buffer's length changes once
-  in 256 positions. Masked positions weigh exactly zero, so the rows' results
-  are those over the history alone. A decode group of several tokens each
-  does the same over its batch buffer.
-
-The modules are mlx-lm's own (``TransformerBlock`` of llama / qwen2 / qwen3,
-with ``self_attn.{q,k,v,o}_proj``, optional ``q_norm`` / ``k_norm``, ``rope``,
-``mlp`` and the two RMS norms), their projections possibly joined by
-``fused_projections``; this file only reorders their calls. Results
-depend on the batch's composition only through GEMM blocking, which is why
-parity compares runs with identical batches and batched-vs-unbatched checks
-compare greedy tokens.
+The modules are mlx-lm's own (``TransformerBlock`` of llama / qwen2 / qwen3), their projections possibly
+joined by ``fused_projections``; this file only reorders their calls. Results depend on the batch's
+composition only through GEMM blocking, which is why parity compares runs with identical batches and
+batched-vs-unbatched checks compare greedy tokens.
 """
 
 from __future__ import annotations
@@ -121,7 +95,15 @@ def packed_layers(
     pad_keys: bool = False, fused_decode: bool = False,
 ) -> mx.array:
     """``[T, hidden]`` -> ``[T, hidden]`` through ``layers`` (lazy); segments and decode rows cover the rows.
-    ``pad_keys``: chunks of several rows attend over their caches' whole buffers (module docstring).
+    ``layers`` are mlx-lm ``TransformerBlock``s: ``self_attn.{q,k,v,o}_proj``, optional ``q_norm`` /
+    ``k_norm``, ``rope``, ``mlp`` and the two RMS norms.
+
+    ``pad_keys`` (a stage on CUDA): a chunk of several rows attends over its cache's whole buffer (mlx-lm grows
+    it 256 positions at a time), the positions past its history masked. MLX's CUDA attention for more than one
+    query row is plain matmuls and a softmax, whose kernels are planned per shape, and a history one longer
+    every step would be a new shape at every step of every layer; the buffer's length changes once in 256
+    positions. Masked positions weigh exactly zero, so the rows' results are those over the history alone. A
+    decode group of several tokens each does the same over its batch buffer.
     ``fused_decode``: a one-token decode group attends through ``masked_decode_kernel`` where it applies."""
     fresh, others = fresh_prompt_groups(segments)
     # attention outputs come out unit by unit: decode group, fresh prompt groups, other chunks
@@ -255,7 +237,8 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], other
 def _fresh_prompts_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values: mx.array,
                              group: _FreshGroup, layer_index: int) -> mx.array:
     """``n`` fresh prompts right-padded to ``L`` rows: one causal attention over ``[n, heads, L, dim]``,
-    then each sequence's real keys and values written into its own cache; the real rows out."""
+    then each sequence's real keys and values written into its own cache; the real rows out. They have no
+    history, and causality keeps every real row from seeing the padding after it."""
     n, length = len(group.segments), group.length
     q = queries[group.gather].reshape(n, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
     k = keys[group.gather].reshape(n, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -276,7 +259,9 @@ def _decode_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values
                       decode: DecodeRows, layer_index: int, shared: _DecodeShared, pad_keys: bool) -> mx.array:
     """mlx-lm's own attention on ``[B, heads, W, dim]`` against the group's ``BatchKVCache``:
     per-row RoPE offsets, one append and one masked attention for the whole group; the real rows out.
-    ``pad_keys``: a step of several tokens attends over the whole buffer (the module docstring's chunks)."""
+    Sequences with fewer than ``W`` tokens are right-padded: causality keeps every real row from seeing the
+    padding after it, and the store drops the padded columns afterwards.
+    ``pad_keys``: a step of several tokens attends over the whole buffer (as ``packed_layers`` says)."""
     cache = decode.caches[layer_index]
     width = decode.width
     if width == 1:

@@ -1,32 +1,16 @@
 """Which token prefixes the pipeline keeps KV for: the entry stage's prefix-cache bookkeeping. Pure logic, no MLX.
 
-Blocks: a token sequence is cut into blocks of ``block_size`` tokens; block i
-is named by a chained hash of every token up to its end (and of a salt naming
-the model and compute dtype, the other things the KV depends on), so equal
-hashes mean equal prefixes. Only whole blocks are ever cached or reused.
+``PrefixCache`` names block i of a token sequence (``block_size`` tokens each) by a chained hash of every token
+up to its end and of a salt naming the model and compute dtype (``block_hashes``), so equal hashes mean equal
+prefixes; only whole blocks are ever cached or reused. A finished sequence's whole blocks are kept on every
+stage as one *entry* (``insert``), named by a small integer id that travels on the wire
+(``SequenceRecord.prefix_entry``). ``lookup`` (at admission only, never per decode step) finds the longest
+cached prefix of a prompt and takes a reference on its entry; a referenced entry is never evicted. Entries live
+in the stage's KV budget next to the running sequences' reservations: ``evict_to`` keeps them within what
+admission leaves free, so a cached block never takes a place a running sequence needs.
 
-Entries: when a sequence finishes, the KV of its whole blocks (prompt and
-generated tokens the stages fed) is kept on every stage as one *entry*, named
-by a small integer id that travels on the wire (``SequenceRecord.prefix_entry``).
-An entry whose blocks are all the first blocks of a newer one is dropped in its
-favour (the newer one answers every lookup the older could), and a sequence
-whose blocks an entry already covers adds nothing.
-
-Lookup (at admission only, never per decode step): the longest run of the
-prompt's leading blocks that some entry holds, leaving at least one prompt
-token to prefill (the last stage needs a row to sample the first token from).
-The new sequence then starts from a copy of that entry's first ``tokens``
-positions; it holds a *reference* on the entry until its first prompt chunk
-has been sent (the copy happens there, on every stage), and a referenced entry
-is never evicted.
-
-Budget: entries live in the stage's KV budget next to the running sequences'
-reservations. ``evict_to`` drops least recently used unreferenced entries until
-the cached tokens fit what admission leaves free, so a cached block never takes
-a place a running sequence needs.
-
-The entry stage is the only one that decides; every other stage does what the
-batch records say (``stage_worker.kv_store``).
+The entry stage is the only one that decides; every other stage does what the batch records say
+(``stage_worker.kv_store``).
 """
 
 from __future__ import annotations
@@ -122,7 +106,11 @@ class PrefixCache:
 
     # -- admission ----------------------------------------------------------
     def lookup(self, prompt: Sequence[int]) -> PrefixHit | None:
-        """The longest cached prefix of ``prompt`` that leaves a token to prefill; takes a reference on it."""
+        """The longest cached prefix of ``prompt`` that leaves a token to prefill; takes a reference on it.
+
+        At least one prompt token is left to prefill: the last stage needs a row to sample the first token
+        from. The new sequence starts from a copy of the entry's first ``tokens`` positions and holds the
+        reference until its first prompt chunk has been sent (the copy happens there, on every stage)."""
         self.stats.queries += len(prompt)
         usable = (len(prompt) - 1) // self.block_size
         holders: set[int] = set()
@@ -170,7 +158,10 @@ class PrefixCache:
 
     # -- a sequence finished ----------------------------------------------
     def insert(self, tokens: Sequence[int], kv_tokens: int) -> Retain:
-        """A finished sequence whose stages hold KV for its first ``kv_tokens`` of ``tokens``."""
+        """A finished sequence whose stages hold KV for its first ``kv_tokens`` of ``tokens`` (prompt and
+        generated tokens the stages fed). An entry whose blocks are all the first blocks of the new one is
+        dropped in its favour (the newer one answers every lookup the older could), and a sequence whose blocks
+        an entry already covers adds nothing."""
         hashes = block_hashes(tokens[:kv_tokens], self.block_size, self.salt)
         if not hashes:
             return Retain(None, 0)

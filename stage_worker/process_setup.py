@@ -1,31 +1,11 @@
 """What a stage process does before MLX loads: read its launch, pin its cores, take its GPU, preload a fast BLAS,
 and set MLX's CUDA backend the way serving wants it.
 
-Only the standard library and the core are imported here, because
-``LD_PRELOAD`` and ``CUDA_VISIBLE_DEVICES`` must be in place before MLX loads
-(see ``stage_worker.blas`` and ``stagemesh.core.gpus``). A stage the
-coordinator gave one GPU of a multi-GPU node sees only that one (unless
-``STAGEMESH_GPU_PER_STAGE=off``); ``prepare`` then re-executes the process
-(same pid) with the BLAS preloaded, sized
-to the cores this process may use (after ``STAGEMESH_PIN_CORES``); the stage
-later shrinks the pool while co-located stages compute at once
-(``STAGEMESH_BLAS_THREADS`` fixes it). A bad setting exits
-``ExitCode.CONFIG`` naming the variable.
-
-``serving_mlx_environment`` turns off two MLX CUDA features that suit a fixed
-batch shape but not serving, where every step's batch differs (unless the
-environment already sets them; they do nothing on Metal or the CPU):
-
-* ``MLX_CUDA_USE_CUDNN_SDPA=0``: cuDNN attention builds an execution plan for
-  every new (query, key) shape, and a prompt batch almost always has a new
-  one; MLX's own kernels need no plan. An LRU of 256 plans also aborts the
-  process once it has missed 512 times.
-* ``MLX_USE_CUDA_GRAPHS=0``: graphs are captured and cached by the order of a
-  batch's operations, which changes with its composition (fresh prompts, a
-  decode group, continued chunks), so serving mostly pays for capture and
-  instantiation without replaying.
-
-docs/performance.md ("MLX's CUDA settings") has the figures.
+Only the standard library and the core are imported here, because ``LD_PRELOAD`` and ``CUDA_VISIBLE_DEVICES``
+must be in place before MLX loads (see ``stage_worker.blas`` and ``stagemesh.core.gpus``). ``prepare`` does it
+all and re-executes the process (same pid) with the BLAS preloaded; ``pinned_cores``, ``gpu_environment``,
+``blas_threads`` and ``serving_mlx_environment`` are its pure parts. A bad setting exits ``ExitCode.CONFIG``
+naming the variable.
 """
 
 from __future__ import annotations
@@ -48,7 +28,15 @@ def blas_threads(env: Mapping[str, str], cores: int) -> int:
     return settings.read("BLAS_THREADS", env) or max(1, cores)
 
 
-# MLX CUDA settings for serving; the module docstring says why. A value already in the environment wins.
+# MLX CUDA settings for serving: two features that suit a fixed batch shape but not serving, where every
+# step's batch differs. A value already in the environment wins; they do nothing on Metal or the CPU.
+# - MLX_CUDA_USE_CUDNN_SDPA=0: cuDNN attention builds an execution plan for every new (query, key) shape, and
+#   a prompt batch almost always has a new one; MLX's own kernels need no plan. An LRU of 256 plans also
+#   aborts the process once it has missed 512 times.
+# - MLX_USE_CUDA_GRAPHS=0: graphs are captured and cached by the order of a batch's operations, which changes
+#   with its composition (fresh prompts, a decode group, continued chunks), so serving mostly pays for capture
+#   and instantiation without replaying.
+# docs/performance.md ("MLX's CUDA settings") has the figures.
 SERVING_MLX_CUDA_DEFAULTS: dict[str, str] = {"MLX_CUDA_USE_CUDNN_SDPA": "0", "MLX_USE_CUDA_GRAPHS": "0"}
 
 
@@ -94,6 +82,11 @@ def prepare(module: str, argv: Sequence[str], launch_path: str) -> StageLaunch:
 
     Returns the launch once this process is the one that should run (after the re-exec, or when
     there is nothing to preload); exits ``ExitCode.CONFIG`` on a bad setting or launch file.
+
+    A stage the coordinator gave one GPU of a multi-GPU node sees only that one (unless
+    ``STAGEMESH_GPU_PER_STAGE=off``). The BLAS pool is sized to the cores this process may use (after
+    ``STAGEMESH_PIN_CORES``); the stage later shrinks the pool while co-located stages compute at once
+    (``STAGEMESH_BLAS_THREADS`` fixes it).
     """
     try:
         launch = read_launch(launch_path)

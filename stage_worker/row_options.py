@@ -1,39 +1,16 @@
 """Per-sequence logits processing and logprobs on the last stage, batch-aware.
 
-Contract:
-- A sequence's ``RowOptions`` (``stage_worker.batch``: its ``SamplingParams``
-  and the context its processors need) travel **once**, as JSON in the body of
-  the FORWARD frame whose record starts the sequence (``rows_body`` /
-  ``rows_from_body``), and every stage but the last passes the body on
-  untouched. A request the processors leave alone sends nothing.
-- ``RowProcessors`` (one per last stage) keeps each such sequence's state on
-  the device until its RELEASE: the counts of the tokens it generated (the
-  last stage samples them, so it sees every one; nothing is re-sent per step),
-  the prompt's token set (repetition penalty), a dense bias vector (logit bias
-  and allowed tokens), the stop-token mask (min-tokens) and, for constrained
-  decoding, an llguidance matcher (``stage_worker.grammar``).
-- ``process(logits, seq_ids, positions, layout)`` returns the logits the sampler uses:
-  for the rows with state, in this order (mlx-lm's ``make_logits_processors``
-  order): bias (logit_bias, and -inf outside allowed_token_ids), the stop
-  tokens masked to -inf while fewer than ``min_tokens`` were generated, the
-  repetition penalty over prompt and output tokens, the presence penalty and
-  the frequency penalty over output tokens (OpenAI's and vLLM's semantics),
-  then the grammar's token mask. All rows with state are processed together as one ``[k, vocab]`` gather and
-  one scatter: a batch without such rows is returned untouched (no op, no
-  sync), and no per-row loop ever touches the vocabulary on the host.
-- A verification's rows (``speculation.VerifyLayout``): row i is processed as if the sequence had generated
-  its first i proposals: they add to the penalties' counts (one scatter-add of the proposals before each row),
-  the grammar's mask is the one after them (``GrammarRows.masks``), and min_tokens counts them (by position).
-- ``observe(seq_ids, tokens, layout)`` counts the sampled tokens, lazily on the device: of a
-  verification only the rows it keeps (``kept_rows``: known on the device from the tokens and the
-  proposals, no sync); ``pending()`` lists what the caller must evaluate with the tokens so the
-  graph never grows across steps. ``accept(seq_ids, token_ids)`` advances the
-  grammars with the kept ids once they are on the host (``has_grammar``
-  says whether any row needs that).
-- ``logprobs(logits, tokens, seq_ids)`` is a lazy ``LogprobRows`` for the rows
-  that asked (every row of a verification: each kept token reports its own row's): the log-softmax of the
-  processed logits (before temperature and the top-k / top-p / min-p filters) at the chosen token and the
-  top N. They travel back in the TOKENS body, one entry per token the reply holds, in order
+- A sequence's ``RowOptions`` (``stage_worker.batch``: its ``SamplingParams`` and the context its processors
+  need) travel **once**, as JSON in the body of the FORWARD frame whose record starts the sequence
+  (``rows_body`` / ``rows_from_body``); every stage but the last passes the body on untouched. A request the
+  processors leave alone sends nothing.
+- ``RowProcessors`` (one per last stage) keeps each such sequence's state on the device until its RELEASE:
+  ``process`` gives the logits the sampler uses (mlx-lm's processor order, OpenAI's and vLLM's semantics),
+  ``observe`` counts the sampled tokens, ``accept`` advances the grammars (``stage_worker.grammar``). A batch
+  without such rows is returned untouched, and no per-row loop ever touches the vocabulary on the host.
+- A verification's rows (``speculation.VerifyLayout``) are processed as if the sequence had generated the
+  proposals before each.
+- ``RowProcessors.logprobs`` is a lazy ``LogprobRows`` of the processed logits, sent back in the TOKENS body
   (``LogprobRows.to_body`` / ``logprobs_from_body``).
 """
 
@@ -152,7 +129,12 @@ class _RowState:
 
 
 class RowProcessors:
-    """The last stage's per-sequence logits processors (see the module contract)."""
+    """The last stage's per-sequence logits processors (see the module contract).
+
+    Each sequence with options keeps on the device until its RELEASE: the counts of the tokens it generated
+    (the last stage samples them, so it sees every one; nothing is re-sent per step), the prompt's token set
+    (repetition penalty), a dense bias vector (logit bias and allowed tokens), the stop-token mask
+    (min-tokens) and, for constrained decoding, an llguidance matcher (``stage_worker.grammar``)."""
 
     def __init__(self, spec: ModelSpec | None = None) -> None:
         self._spec = spec  # the model's, for the grammar's tokenizer
@@ -166,7 +148,8 @@ class RowProcessors:
         return self._grammars is not None and len(self._grammars) > 0
 
     def accept(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Advance the grammars of constrained rows with their kept tokens (host ids, in order)."""
+        """Advance the grammars of constrained rows with their kept tokens (host ids, in order), once they are
+        on the host (``has_grammar`` says whether any row needs that)."""
         if self._grammars is None:
             return
         for seq_id, token in zip(seq_ids, token_ids, strict=True):
@@ -215,7 +198,17 @@ class RowProcessors:
         """``float32[k, vocab]`` -> the processed logits (the same array when no row has state).
 
         ``positions``: the position each row's token takes; ``layout``: the proposals before each row (None:
-        no verification in the batch)."""
+        no verification in the batch).
+
+        For the rows with state, in this order (mlx-lm's ``make_logits_processors`` order): bias (logit_bias,
+        and -inf outside allowed_token_ids), the stop tokens masked to -inf while fewer than ``min_tokens``
+        were generated, the repetition penalty over prompt and output tokens, the presence penalty and the
+        frequency penalty over output tokens (OpenAI's and vLLM's semantics), then the grammar's token mask.
+        All rows with state are processed together as one ``[k, vocab]`` gather and one scatter (no op, no
+        sync without such rows). Row i of a verification is processed as if the sequence had generated its
+        first i proposals: they add to the penalties' counts (one scatter-add of the proposals before each
+        row), the grammar's mask is the one after them (``GrammarRows.masks``), and min_tokens counts them
+        (by position)."""
         if not self._options:
             return logits
         vocab = logits.shape[-1]
@@ -257,7 +250,8 @@ class RowProcessors:
 
     def observe(self, seq_ids: Sequence[int], tokens: mx.array, layout: VerifyLayout | None = None) -> None:
         """Count each penalized sequence's sampled tokens, of a verification only those it keeps (lazy;
-        ``pending`` holds what to evaluate)."""
+        ``pending`` holds what to evaluate). The kept rows (``kept_rows``) are known on the device from the
+        tokens and the proposals, no sync."""
         if not self._states:
             return
         rows_of: dict[int, list[int]] = {}
@@ -280,10 +274,15 @@ class RowProcessors:
             self._pending.append(state.counts)
 
     def pending(self) -> list[mx.array]:
+        """What the caller must evaluate with the tokens, so the graph never grows across steps."""
         out, self._pending = self._pending, []
         return out
 
     def logprobs(self, logits: mx.array, tokens: mx.array, seq_ids: Sequence[int]) -> LogprobRows | None:
+        """Lazy logprobs for the rows that asked (every row of a verification: each kept token reports its own
+        row's): the log-softmax of the processed logits (before temperature and the top-k / top-p / min-p
+        filters) at the chosen token and the top N. They travel back in the TOKENS body, one entry per token
+        the reply holds, in order."""
         if not self._options:
             return None
         rows, counts = [], []

@@ -1,30 +1,14 @@
 """MLX / Hugging Face model directories (config.json + *.safetensors).
 
-Contract:
-- ``read_safetensors_spec(path)`` builds a ``ModelSpec`` from config.json and
-  the tensor *names* (model.safetensors.index.json when present, else the
-  safetensors headers); no tensor data is read. The architectures
-  ``mlx_arch`` serves; unquantized (bf16/f16/f32) or quantized by MLX
-  (``quantization`` / ``quantization_config`` as mlx-lm's convert writes it: a
-  group_size, bits and mode at the top and per-module overrides, each with its
-  own mode): every mode and width ``model_spec.QUANT_MODES`` lists, so affine
-  1-8 bits and mixed recipes, mxfp4, nvfp4, mxfp8. An entry MLX cannot serve,
-  a per-expert nvfp4 global scale or quantized activations, and other
-  quantizers (AWQ, GPTQ, fp8 ``quant_method``) raise ``ModelFormatError``
-  naming the module and what is served; a ``quant_method`` of ``mxfp4`` (openai's
-  gpt-oss) reads as MLX's mxfp4, as mlx-lm reads it. The spec's quantization map is made
-  explicit: a quantizable module stored without ``.scales`` gets ``False``.
-  ``read_safetensors_spec(path, load_format="dummy")`` needs config.json only
-  (the weights will be random); tensor names are still read when there are
-  weight files, so a stored head or unquantized module is honoured.
-- ``load_safetensors_weights(spec, layers, with_embedding, with_head)`` opens
-  only the shard files that hold the slice's tensors (``mx.load`` is lazy, so
-  only the kept arrays are read; rotary ``inv_freq`` and a stored head that
-  the embeddings tie are left out), then applies the architecture's own
-  mlx-lm ``Model.sanitize`` to that slice (``sanitize_slice``), so a
-  checkpoint in Hugging Face's original layout (one tensor per expert) loads
-  as mlx-lm's layout does. A model whose mlx-lm ``Model`` has a head but whose
-  files do not is tied (Gemma 3's sanitize rule).
+- ``read_safetensors_spec(path)`` builds a ``ModelSpec`` from config.json and the tensor *names*
+  (model.safetensors.index.json when present, else the safetensors headers); no tensor data is read. It takes
+  the architectures ``mlx_arch`` serves, unquantized (bf16/f16/f32) or quantized by MLX in any mode and width
+  ``model_spec.QUANT_MODES`` lists; anything else raises ``ModelFormatError`` naming the module and what is
+  served. The spec's quantization map is explicit: a quantizable module stored without ``.scales`` gets
+  ``False``. With ``load_format="dummy"`` it needs config.json only (the weights will be random).
+- ``load_safetensors_weights(spec, layers, with_embedding, with_head)`` opens only the shard files that hold
+  the slice's tensors (``wanted``), then applies the architecture's own mlx-lm ``Model.sanitize`` to that
+  slice (``sanitize_slice``), so a checkpoint in Hugging Face's original layout loads as mlx-lm's layout does.
 """
 
 from __future__ import annotations
@@ -91,7 +75,13 @@ _MLX_EQUIVALENTS: dict[str, dict[str, Any]] = {"mxfp4": {"group_size": 32, "bits
 
 
 def _mlx_quantization(config: Mapping[str, Any], path: str) -> dict[str, Any] | None:
-    """The config's MLX quantization map, every entry checked against what MLX serves (module docstring)."""
+    """The config's MLX quantization map, every entry checked against what MLX serves.
+
+    ``quantization`` / ``quantization_config`` as mlx-lm's convert writes it: a group_size, bits and mode at the
+    top and per-module overrides, each with its own mode (affine 1-8 bits and mixed recipes, mxfp4, nvfp4,
+    mxfp8). An entry MLX cannot serve, a per-expert nvfp4 global scale or quantized activations, and other
+    quantizers (AWQ, GPTQ, fp8 ``quant_method``) raise ``ModelFormatError`` naming the module and what is
+    served; a ``quant_method`` of ``mxfp4`` (openai's gpt-oss) reads as MLX's mxfp4, as mlx-lm reads it."""
     quant = config.get("quantization")
     if quant is None:
         legacy = config.get("quantization_config")
@@ -144,6 +134,9 @@ def _has_weight_files(path: str) -> bool:
 
 
 def read_safetensors_spec(path: str, *, load_format: str = "auto", first_layers: int | None = None) -> ModelSpec:
+    """The directory's ``ModelSpec`` (see the module docstring). With ``load_format="dummy"`` tensor names are
+    still read when there are weight files, so a stored head or unquantized module is honoured. A model whose
+    mlx-lm ``Model`` has a head but whose files do not is tied (Gemma 3's sanitize rule)."""
     path = os.path.abspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
@@ -206,7 +199,9 @@ def wanted(name: str, layers: range, with_embedding: bool, with_head: bool, tied
 def load_safetensors_weights(
     spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool
 ) -> dict[str, mx.array]:
-    """Read only the shards holding the slice's tensors; return mlx-lm names."""
+    """Read only the shards holding the slice's tensors; return mlx-lm names. ``mx.load`` is lazy, so only
+    the kept arrays are read (``wanted``: rotary ``inv_freq`` and a stored head that the embeddings tie are left
+    out)."""
     names = spec.details.get("weight_map") or weight_map(spec.path)
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, file in names.items():

@@ -1,45 +1,14 @@
 """Entry-stage scheduling: which sequences go into the next batch. Pure logic, no threads, no MLX.
 
 It imports nothing of the runtime: it plans with the plain values of ``stage_worker.batch`` (records,
-chunks, sampled tokens) and the prefix cache's bookkeeping, and the caller runs the plan.
-
-Continuous batching: requests join (admitted from a bounded waiting queue while
-fewer than ``max_num_seqs`` run) and leave (finished, aborted) at every step.
-Each batch holds, in this order, one decode token for every running sequence
-whose last sampled token has not been fed yet (in the order their prompts
-finished, which is the order the stages' decode groups hold them), then prompt chunks of at most
-``prefill_chunk_tokens`` per sequence while the batch has fewer than
-``max_batch_tokens`` rows, so a long prompt is prefilled over several steps
-instead of stalling the running decodes. Only a prompt's last chunk asks the
-last stage to sample. A finished or aborted sequence that holds KV on the
-stages gets a zero-token RELEASE record in the next batch.
-
-With a ``PrefixCache`` (``stage_worker.prefix_cache``), admission looks the
-prompt up once: a hit starts the sequence's prefill at the cached length K
-(its first record is NEW_SEQUENCE at start_pos K, naming the entry to copy),
-least recently used entries are evicted (EVICT records) while the new
-reservation would not fit beside them, and a sequence that finishes (not one
-aborted) leaves its whole blocks behind (its RELEASE record gains RETAIN).
-The cache's tokens count against ``kv_token_capacity`` like reservations.
-
-The caller (``engine``) runs ``next_batch`` -> pipeline -> ``on_sampled`` and
-delivers the returned events to the waiting RPCs.
-
-A single-stage pipeline also asks for ``continuation(batch)`` right after
-submitting ``batch``: the next decode step of every sequence that batch samples
-and that may still continue, fed on the device with the token being sampled
-(``Chunk.carried``), so the device computes step N+1 while the host reads step
-N's tokens. A sequence that finishes at step N (a stop token) has its
-continued step's token discarded by ``on_sampled``; nothing else changes.
-
-With a ``SpeculativeConfig`` (``--speculative-config``), a decode step of a sequence that
-``speculation.speculative_tokens`` lets speculate feeds its last sampled token and up to k proposals
-(the ``speculation.Proposer``: prompt lookup, or a draft model the caller passes in, asked once per step for
-all of them) as one VERIFY record at its position; the last stage returns the 1..k+1 tokens it
-keeps, which ``on_sampled`` appends one by one, cutting the run where ``max_tokens``, the model length or a
-stop token would have ended the sequence without speculation. The sequence's next record starts right
-after the kept tokens, and every stage drops the rejected positions when it sees that record
-(``kv_store``). A VERIFY step is never continued (``continuation``): its next input is not one token.
+chunks, sampled tokens) and the prefix cache's bookkeeping, and the caller runs the plan. ``Scheduler`` does
+continuous batching: requests join (``add``, through a bounded waiting queue) and leave (finished,
+``abort``) at every step. The caller (``engine``) runs ``next_batch`` -> pipeline -> ``on_sampled`` and
+delivers the returned ``RequestEvent``s to the waiting RPCs; a single-stage pipeline also submits
+``continuation(batch)`` right after ``batch``. Every running sequence reserves prompt + max_tokens tokens of
+KV on every stage, so admitted work never runs the stages out of memory. With a ``PrefixCache`` admission
+starts a sequence from its longest cached prefix; with a ``SpeculativeConfig`` a decode step may verify
+proposals (``speculation``).
 """
 
 from __future__ import annotations
@@ -138,6 +107,25 @@ class Batch:
 
 
 class Scheduler:
+    """Continuous batching over ``stage_worker.batch`` values (see the module docstring).
+
+    Requests are admitted from the waiting queue while fewer than ``max_num_seqs`` run. A finished or
+    aborted sequence that holds KV on the stages gets a zero-token RELEASE record in the next batch.
+
+    With a ``PrefixCache`` (``stage_worker.prefix_cache``), admission looks the prompt up once: a hit starts
+    the sequence's prefill at the cached length K (its first record is NEW_SEQUENCE at start_pos K, naming the
+    entry to copy), least recently used entries are evicted (EVICT records) while the new reservation would
+    not fit beside them, and a sequence that finishes (not one aborted) leaves its whole blocks behind (its
+    RELEASE record gains RETAIN). The cache's tokens count against ``kv_token_capacity`` like reservations.
+
+    With a ``SpeculativeConfig`` (``--speculative-config``), a decode step of a sequence that
+    ``speculation.speculative_tokens`` lets speculate feeds its last sampled token and up to k proposals (the
+    ``speculation.Proposer``: prompt lookup, or a draft model the caller passes in, asked once per step for
+    all of them) as one VERIFY record at its position. The sequence's next record starts right after the
+    tokens the last stage keeps, and every stage drops the rejected positions when it sees that record
+    (``kv_store``).
+    """
+
     def __init__(
         self,
         *,
@@ -244,7 +232,14 @@ class Scheduler:
 
     def next_batch(self, micro_batches: int = 1) -> Batch:
         """The next batch; with ``micro_batches`` > 1 it takes at most 1/micro_batches of the
-        running sequences, so the rest can fill the other micro-batches in flight."""
+        running sequences, so the rest can fill the other micro-batches in flight.
+
+        After the RELEASE and EVICT records, a batch holds one decode token (or a verification) for every
+        running sequence whose last sampled token has not been fed yet, in the order their prompts finished
+        (the order the stages' decode groups hold them), then prompt chunks of at most
+        ``prefill_chunk_tokens`` per sequence while the batch has fewer than ``max_batch_tokens`` rows, so a
+        long prompt is prefilled over several steps instead of stalling the running decodes. Only a prompt's
+        last chunk asks the last stage to sample."""
         while self._waiting and len(self._running) < self.max_num_seqs and self._fits(self._waiting[0]):
             request = self._waiting.popleft()
             self._reserved_tokens += _reservation(request)
@@ -323,7 +318,9 @@ class Scheduler:
         return self.proposer.propose(asks)
 
     def continuation(self, batch: Batch) -> Batch:
-        """The next decode step of ``batch``'s sampling sequences, submitted before its tokens are read.
+        """The next decode step of ``batch``'s sampling sequences, submitted before its tokens are read: fed on
+        the device with the token being sampled (``Chunk.carried``), so the device computes step N+1 while the
+        host reads step N's tokens. A VERIFY step is never continued: its next input is not one token.
 
         A sequence continues only if its step in ``batch`` cannot be its last by length; whether that
         step's token is a stop token is known only later (``on_sampled`` then drops the extra token). A
@@ -353,7 +350,9 @@ class Scheduler:
         return Batch(tuple(chunks))
 
     def on_sampled(self, batch: Batch, sampled: Sequence[SampledToken]) -> list[RequestEvent]:
-        """Account for a finished batch; return the events to deliver."""
+        """Account for a finished batch; return the events to deliver. A verification's 1..k+1 kept tokens
+        are appended one by one, the run cut where ``max_tokens``, the model length or a stop token would have
+        ended the sequence without speculation."""
         by_seq: dict[int, list[SampledToken]] = {}
         for token in sampled:
             by_seq.setdefault(token.seq_id, []).append(token)

@@ -1,35 +1,16 @@
 """Sibling projections of mlx-lm's own layers, computed as one matmul where that saves kernels.
 
-Contract:
+``join_sibling_projections(layer)`` rewrites one loaded mlx-lm decoder layer in place, whatever its
+architecture: each group of projections the model's code feeds the same input (``QKV``: q/k/v of an
+attention; ``GATE_UP``: gate/up of an MLP, a shared expert or a ``SwitchGLU``'s experts) whose parts are all
+one kind of layer in one format becomes one joined child (``qkv_proj`` / ``gate_up_proj``, the same bytes),
+and each part a ``ProjectionPart`` the model's own code calls where it called the part; any other group stays
+as it is. ``joined_experts`` gives ``expert_routing`` a ``SwitchGLU``'s joined experts. It serves the layers
+mlx-lm runs as they are (``layer_stack``); ``packed_forward``'s own layers join through ``fused_projections``.
 
-* ``join_sibling_projections(layer)`` rewrites one loaded mlx-lm decoder layer in place, whatever its
-  architecture: in every submodule whose children include a group of projections the model's code feeds
-  the same input (``QKV``: q/k/v of an attention; ``GATE_UP``: gate/up of an MLP, a shared expert or a
-  ``SwitchGLU``'s experts) and which are all one kind of layer in one format (``nn.Linear``,
-  ``nn.QuantizedLinear``, mlx-lm's ``SwitchLinear`` or ``QuantizedSwitchLinear``), the group's weights become
-  one joined layer, a child named ``qkv_proj`` / ``gate_up_proj`` holding the parts' arrays concatenated
-  along the output (the same bytes), and each part becomes a ``ProjectionPart`` without parameters that the
-  model's own code calls where it called the part. It returns which groups it joined.
-* A part computes the joined layer once for its group and returns its own columns of that product: the
-  other parts of the group called on the same input arrays (the same objects) take theirs from the same
-  product. Expert parts always do; parts of plain linear layers do so for a single row (one sequence
-  decoding a token), and on more rows multiply by their own rows of the joined weights (views, no copies),
-  exactly as the separate layer did: there a column slice is strided across rows, and the model's reshapes
-  to heads and its norms could copy it back (unmeasured; ``packed_forward`` avoids it by splitting by heads).
-* A group that is not of one kind and format (a bias on some parts only, other bits or group sizes, a
-  per-expert global scale, another layer type such as LoRA) stays as it is.
-* ``SwitchGLU`` blocks that ``expert_routing`` runs as every expert read the joined experts directly
-  (``joined_experts``).
-
-Why: on a GPU one decoding sequence's step is bound by the host launching a kernel per op (on CUDA without
-graphs, as a stage runs). Joining q/k/v removes two matmuls of each attention layer, joining gate/up one
-of each MLP or expert block (two gathered matmuls become one). ``packed_forward``'s own layers join their
-projections for every row count (``fused_projections``); this module does it for the layers mlx-lm runs
-as they are (``layer_stack``). docs/performance.md has the figures.
-
-Numerics: every output element is the same dot product as in the separate layer; a GEMM library may block
-a wider matrix differently, so single-row and expert results can differ from the separate layers' in the
-last bits (on CUDA, and on the CPU with an optimized BLAS). Every stage of a pipeline joins alike.
+Every output element is the same dot product as in the separate layer; a GEMM library may block a wider
+matrix differently, so single-row and expert results can differ from the separate layers' in the last bits
+(on CUDA, and on the CPU with an optimized BLAS). Every stage of a pipeline joins alike.
 """
 
 from __future__ import annotations
@@ -93,7 +74,15 @@ class _SharedProduct:
 
 
 class ProjectionPart(nn.Module):
-    """One part of a joined group, called where the model calls the separate layer (module contract)."""
+    """One part of a joined group, called where the model calls the separate layer (module contract).
+
+    A part computes the joined layer once for its group and returns its own columns of that product: the
+    other parts of the group called on the same input arrays (the same objects) take theirs from the same
+    product. Expert parts always do; parts of plain linear layers do so for a single row (one sequence
+    decoding a token), and on more rows multiply by their own rows of the joined weights (views, no copies),
+    exactly as the separate layer did: there a column slice is strided across rows, and the model's reshapes
+    to heads and its norms could copy it back (unmeasured; ``packed_forward`` avoids it by splitting by
+    heads)."""
 
     def __init__(self, shared: _SharedProduct, index: int, always_joined: bool) -> None:
         super().__init__()
@@ -109,7 +98,16 @@ class ProjectionPart(nn.Module):
 
 
 def join_sibling_projections(layer: nn.Module) -> JoinedGroups:
-    """Join every group of sibling projections under ``layer`` in place (see the module's contract)."""
+    """Join every group of sibling projections under ``layer`` in place (see the module's contract); returns
+    which groups it joined.
+
+    A group joins where its parts are all one kind of layer in one format (``nn.Linear``,
+    ``nn.QuantizedLinear``, mlx-lm's ``SwitchLinear`` or ``QuantizedSwitchLinear``): the joined child holds
+    the parts' arrays concatenated along the output. A group that is not (a bias on some parts only, other
+    bits or group sizes, a per-expert global scale, another layer type such as LoRA) stays as it is. On a
+    GPU one decoding sequence's step is bound by the host launching a kernel per op (on CUDA without graphs,
+    as a stage runs): joining q/k/v removes two matmuls of each attention layer, joining gate/up one of each
+    MLP or expert block (two gathered matmuls become one). docs/performance.md has the figures."""
     counts = {QKV[0]: 0, GATE_UP[0]: 0}
     for _, module in list(layer.named_modules()):
         for joined_name, part_names in GROUPS:

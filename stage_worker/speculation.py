@@ -1,34 +1,13 @@
 """Speculative decoding's decisions and bookkeeping, as pure functions and plain values (no MLX, no I/O).
 
-Contract:
-- Which sequences speculate, per step: ``speculative_tokens`` is the one rule. Every request option is
-  honoured exactly (see the last stage's rule below), so a sequence proposes whenever no more than
-  ``disable_by_batch_size`` sequences run, its recent acceptance has not paused it (``Acceptance``), and it
-  may still produce at least two tokens; it then asks for at most as many proposals as leave room for the
-  bonus token within ``max_tokens``, the model length and the batch's token budget.
-- ``Acceptance`` is a sequence's recent record: its verifications and the proposed tokens they accepted,
-  halved at every verification so recent steps count most. Below ``MIN_ACCEPTED_PER_VERIFICATION`` accepted
-  tokens per verification (over at least two in a row) it pauses for ``PAUSE_STEPS`` decode steps, then
-  tries afresh.
-- ``accept_proposals(targets, drafts)`` is the last stage's rule: the target's token after each prefix of
-  the drafts, kept while it equals the next draft, plus the one after the last match (1..k+1 tokens). The
-  target's token at each row is what the sequence would have got there without speculation: the argmax, or a
-  draw keyed by the request's (seed, position) as every sampled row is (``sampling.sample_rows``). So the
-  output is the one without speculation, token for token, greedy or seeded. For a proposer as sure of its
-  proposal as prompt lookup, this is the standard rejection rule too: a proposal x is kept with probability
-  p(x) under the target's filtered distribution, and a rejected row's token is drawn from p without x.
-- Row i of a verification is processed as the sequence's row at that position would be without speculation:
-  as if its first i proposals had been generated (``VerifyLayout.preceding``): the penalties count them, the
-  grammar's mask is the one after them, min_tokens counts them by position; logprobs are each row's own.
-  Only the kept rows count afterwards (``VerifyLayout.kept_pairs``: row i is kept iff the target's tokens of
-  the rows before it equal the proposals).
-- The draft ids travel to the last stage in the FORWARD body (``drafts_body`` / ``drafts_from_body``), next
-  to the ``RowOptions`` the body announces; every stage in between passes the body on.
-- Who proposes: a ``Proposer``, asked once per step for every sequence the rule lets speculate
-  (``ProposalAsk``: its tokens so far and how many proposals it may have), returning up to that many per
-  sequence, and told when a sequence leaves (``release``) or every sequence does (``clear``). Prompt lookup
-  (``ngram_proposer.NgramProposer``) is pure; a draft model (``draft_proposer.DraftProposer``) runs on the
-  entry stage's model thread, which is the thread calling the scheduler.
+- ``speculative_tokens`` is the one rule for which sequences speculate in a step, and with how many
+  proposals; ``Acceptance`` is a sequence's recent record, which pauses it while its proposals do not pay.
+- ``accept_proposals`` is the last stage's rule for what a verification keeps: the output is the one without
+  speculation, token for token, greedy or seeded. ``VerifyLayout`` lays out a batch's verification rows so
+  each row is processed as the sequence's row at that position would be without speculation.
+- ``drafts_body`` / ``drafts_from_body`` carry the draft ids to the last stage in the FORWARD body.
+- A ``Proposer`` proposes, asked with a ``ProposalAsk`` per sequence: prompt lookup
+  (``ngram_proposer.NgramProposer``) or a draft model (``draft_proposer.DraftProposer``).
 - ``SpecDecodeCounter`` counts what vLLM's ``spec_decode_*`` metrics report: verifications (drafts), draft
   tokens, accepted tokens, and accepted tokens per position.
 """
@@ -41,9 +20,9 @@ from typing import Any, Protocol
 
 from stagemesh.core.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
-# A verification of k proposals costs about 1 + k/25 plain steps on a CPU (more rows through the same weights;
-# docs/performance.md) and yields its accepted tokens plus one: below half a token accepted per verification
-# it no longer pays there. Across stages the extra rows cost still less against the trip.
+# A verification costs more rows through the same weights than a plain step and yields its accepted tokens
+# plus one: on a CPU it does not pay below half a token accepted per verification (docs/performance.md,
+# "Speculative decoding", has the figures). Across stages the extra rows cost still less against the trip.
 MIN_ACCEPTED_PER_VERIFICATION = 0.5
 MIN_EVIDENCE_VERIFICATIONS = 1.5  # two verifications in a row, decayed, before the rate is trusted
 PAUSE_STEPS = 8  # decode steps a sequence below the rate runs without proposals
@@ -52,7 +31,11 @@ PAUSE_STEPS = 8  # decode steps a sequence below the rate runs without proposals
 @dataclass(frozen=True)
 class Acceptance:
     """A sequence's recent verifications and accepted tokens (decayed sums) and the plain steps it still
-    waits before proposing again."""
+    waits before proposing again.
+
+    Both sums are halved at every verification so recent steps count most. Below
+    ``MIN_ACCEPTED_PER_VERIFICATION`` accepted tokens per verification (over at least two in a row) the
+    sequence pauses for ``PAUSE_STEPS`` decode steps, then tries afresh."""
 
     verifications: float = 0.0
     accepted: float = 0.0
@@ -84,6 +67,11 @@ class ProposalAsk:
 
 
 class Proposer(Protocol):
+    """Who proposes: asked once per step for every sequence ``speculative_tokens`` lets speculate, told when
+    a sequence leaves (``release``) or every sequence does (``clear``). Prompt lookup
+    (``ngram_proposer.NgramProposer``) is pure; a draft model (``draft_proposer.DraftProposer``) runs on the
+    entry stage's model thread, which is the thread calling the scheduler."""
+
     def propose(self, asks: Sequence[ProposalAsk]) -> dict[int, tuple[int, ...]]:
         """Up to ``ask.k`` proposed next tokens for each ask's sequence, by seq_id (missing or empty: none)."""
         ...
@@ -101,6 +89,10 @@ def speculative_tokens(config: SpeculativeConfig | None, *, running: int, remain
                        acceptance: Acceptance) -> int:
     """How many proposals a sequence may have verified this step (0: a plain decode step).
 
+    Every request option is honoured exactly (``accept_proposals``), so a sequence proposes whenever no more
+    than ``disable_by_batch_size`` sequences run, its ``Acceptance`` has not paused it, and it may still
+    produce at least two tokens; it asks for at most as many proposals as leave room for the bonus token.
+
     ``remaining``: tokens it may still produce (by max_tokens and the model length); ``budget``: token rows
     left in the batch. A verification of k proposals yields up to k + 1 tokens and feeds k + 1 rows.
     """
@@ -110,7 +102,15 @@ def speculative_tokens(config: SpeculativeConfig | None, *, running: int, remain
 
 
 def accept_proposals(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int, ...]:
-    """The tokens a verification keeps: ``targets[i]`` is the target's token after the first i drafts."""
+    """The tokens a verification keeps: ``targets[i]`` is the target's token after the first i drafts.
+
+    The target's tokens are kept while each equals the next draft, plus the one after the last match (1..k+1
+    tokens). The target's token at each row is what the sequence would have got there without speculation:
+    the argmax, or a draw keyed by the request's (seed, position) as every sampled row is
+    (``sampling.sample_rows``), so the output is the one without speculation, token for token. For a proposer
+    as sure of its proposal as prompt lookup, this is the standard rejection rule too: a proposal x is kept
+    with probability p(x) under the target's filtered distribution, and a rejected row's token is drawn from
+    p without x."""
     if len(targets) != len(drafts) + 1:
         raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target tokens, got {len(targets)}")
     accepted: list[int] = []
@@ -126,7 +126,11 @@ def accept_proposals(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int
 class VerifyLayout:
     """A batch's sampled rows, in order, as a verification sees them: ``preceding[r]`` holds the proposals row
     r's sequence is taken to have generated before it (row i of a verification: its first i proposals; any other
-    sampled row: none)."""
+    sampled row: none).
+
+    Row i of a verification is processed as if its first i proposals had been generated: the penalties count
+    them, the grammar's mask is the one after them, min_tokens counts them by position; logprobs are each
+    row's own. Only the kept rows count afterwards (``kept_pairs``)."""
 
     preceding: tuple[tuple[int, ...], ...]
 
@@ -177,7 +181,8 @@ class VerifyLayout:
 
 
 def drafts_body(drafts: Mapping[int, Sequence[int]]) -> dict[str, Any] | None:
-    """The FORWARD body's share for verifying sequences (None: none verify)."""
+    """The FORWARD body's share for verifying sequences (None: none verify): the draft ids travel to the last
+    stage next to the ``RowOptions`` the body announces; every stage in between passes the body on."""
     if not drafts:
         return None
     return {"drafts": {str(seq_id): [int(t) for t in ids] for seq_id, ids in drafts.items()}}

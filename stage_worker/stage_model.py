@@ -1,29 +1,15 @@
 """One stage's slice of a model: mlx-lm's own layers, holding only what this stage owns.
 
-``StageModel.load`` builds mlx-lm's model for the architecture (lazily: nothing
-is allocated until evaluated), keeps the decoder layers ``[start, end)`` plus
-the embedding on the first stage and the final norm and head on the last (the
-embedding again when the head is tied), quantizes exactly the modules whose
-weights arrive quantized, loads those weights strictly, and casts the floating
-parameters to the compute dtype every stage of the pipeline agrees on. With
-``--load-format dummy`` the same slice gets random weights made in that dtype
-(``dummy_weights``); nothing else changes.
-
-Forward pieces are separate so a stage runs only its part: ``embed`` (first
-stage), ``run_packed`` (every stage: many sequences' rows at once), ``logits``
-(last stage, float32 for sampling). Two paths (``mlx_arch``):
-
-* llama, qwen2 and qwen3 with full attention only run through ``packed_forward``
-  (mlx-lm's layers with their calls reordered so every sequence's rows share each
-  matmul); a GPU stage then joins each layer's q/k/v and gate/up projections
-  (``fuse_projections``), after which its layers run only through ``run_packed``;
-* every other served architecture is a ``StackStageModel``: mlx-lm's whole model
-  built lazily and cut to the slice, its layers run by ``layer_stack`` with the
-  caches the model's ``make_cache`` asks for, and its two ends computed by
-  mlx-lm's own code (the inner model's ``__call__`` up to its first layer for the
-  embedding, scaling included; the outer model's ``__call__`` after its norm for
-  the head, tied or not). A GPU stage joins its layers' sibling projections where
-  mlx-lm's code still calls them as parts (``sibling_projections``).
+``StageModel.load`` builds mlx-lm's model for the architecture (lazily: nothing is allocated until evaluated),
+keeps the decoder layers ``[start, end)`` plus the embedding on the first stage and the final norm and head on
+the last (the embedding again when the head is tied), quantizes exactly the modules whose weights arrive
+quantized, loads those weights strictly, and casts the floating parameters to the compute dtype every stage
+of the pipeline agrees on. With ``--load-format dummy`` the same slice gets random weights made in that dtype
+(``dummy_weights``); nothing else changes. Forward pieces are separate so a stage runs only its part:
+``embed`` (first stage), ``run_packed`` (every stage: many sequences' rows at once), ``logits`` (last stage,
+float32 for sampling). Two paths (``mlx_arch``, ``runs_packed``): llama, qwen2 and qwen3 with full attention
+run through ``packed_forward``; every other served architecture is a ``StackStageModel``.
+``resolve_compute_dtype`` and ``choose_dense_weights`` decide the dtype and whether weights run dense.
 """
 
 from __future__ import annotations
@@ -94,8 +80,8 @@ def choose_dense_weights(
 
     ``auto`` weighs speed against memory, per ``backend`` (stage_worker.device): on
     Metal the quantized kernels are the fast path; on CUDA MLX compiles its
-    quantized kernels per new batch shape on first use, a 30-40 s stall each
-    (docs/performance.md, ``--dequantize``), and on the CPU only a tuned BLAS gains
+    quantized kernels per new batch shape on first use, a stall each
+    (docs/performance.md, ``--dequantize``, has the figures), and on the CPU only a tuned BLAS gains
     from batching; so on both, dense weights when they fit in half the stage's memory
     budget (and, on the CPU, when an optimized BLAS is loaded).
     """
@@ -150,7 +136,12 @@ class StageRole:
 
 
 class StageModel:
-    """The model slice of one stage, ready to compute."""
+    """The model slice of one stage, ready to compute.
+
+    This class is the packed path (llama, qwen2 and qwen3 with full attention only): ``packed_forward`` runs
+    mlx-lm's layers with their calls reordered so every sequence's rows share each matmul. A GPU stage then
+    joins each layer's q/k/v and gate/up projections (``fuse_projections``), after which its layers run only
+    through ``run_packed``."""
 
     _LAYERS_PREFIX = "layers."  # where the slice's decoder layers sit among its parameter names
 
@@ -161,7 +152,7 @@ class StageModel:
         self._module = module
         self.hidden_size = spec.hidden_size
         # Multi-row chunks attend over whole cache buffers where attention kernels are planned per shape
-        # (``packed_forward``'s docstring): MLX's CUDA backend.
+        # (``packed_forward.packed_layers``): MLX's CUDA backend.
         self.pad_keys = current_backend() == "cuda"
         # A one-token decode group's masked attention as one kernel (``masked_decode_kernel``, CUDA only); the
         # stage turns it on (``STAGEMESH_DECODE_KERNEL``).
@@ -214,7 +205,8 @@ class StageModel:
 
     @classmethod
     def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:
-        """The slice ``role`` of ``spec`` in ``dtype``, by the path its architecture takes (module docstring)."""
+        """The slice ``role`` of ``spec`` in ``dtype``, by the path its architecture takes (module docstring):
+        this class or ``StackStageModel``."""
         if not runs_packed(spec):
             return StackStageModel.load_stack(spec, role, dtype)
         arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
@@ -276,8 +268,13 @@ def runs_packed(spec: ModelSpec) -> bool:
 
 class StackStageModel(StageModel):
     """A slice of any served mlx-lm architecture: its layers through ``layer_stack``, its ends through mlx-lm's
-    own ``__call__`` code (see the module docstring). ``_module`` is mlx-lm's ``Model`` itself, cut to the
-    slice: ``model.layers`` holds this stage's layers only, and the ends it does not compute are removed."""
+    own ``__call__`` code. ``_module`` is mlx-lm's ``Model`` itself, built lazily and cut to the slice:
+    ``model.layers`` holds this stage's layers only, and the ends it does not compute are removed.
+
+    The layers run with the caches the model's ``make_cache`` asks for. The embedding is the inner model's
+    ``__call__`` up to its first layer (scaling included), the head the outer model's ``__call__`` after its
+    norm (tied or not). A GPU stage joins its layers' sibling projections where mlx-lm's code still calls them
+    as parts (``sibling_projections``)."""
 
     _LAYERS_PREFIX = "model.layers."
 

@@ -1,25 +1,14 @@
 """One serving stage as an operating-system process: load, connect, then run as entry or relay.
 
-``python -m stage_worker --launch LAUNCH.json`` (see ``stage_worker.__main__``)
-reads a ``StageLaunch`` (plan, rank, options) and runs ``serve``:
+``python -m stage_worker --launch LAUNCH.json`` (see ``stage_worker.__main__``) reads a ``StageLaunch``
+(plan, rank, options) and runs ``serve``: ``resolve`` the model's spec, dtype and context length (a bad value
+exits ``ExitCode.CONFIG`` before anything loads), start the gRPC server, ``load`` this rank's slice and warm
+its kernels, ``connect`` to both neighbours, then ``run_entry`` (rank 0: the scheduler and engine behind
+``GenerateStream``) or ``run_relay`` (every other rank, until SHUTDOWN has gone round the ring).
 
-1. ``resolve``: the model's spec, the compute dtype, the context length; a
-   bad value exits ``ExitCode.CONFIG`` before anything loads.
-2. The gRPC server (Stage, health, reflection) starts first, so health and
-   ``GetStageInfo`` show progress from the first second.
-3. ``load``: this rank's slice of the weights, dense or quantized, its KV
-   capacity within its memory budget (the host's memory on the CPU, the GPU's
-   on Metal and CUDA: ``stage_worker.device``), then a warm-up of its kernels
-   (``stage_worker.warmup``).
-4. ``connect``: lanes and handshake with both neighbours, then MLX's ring
-   (``stage_worker.handshake``); a single-stage pipeline has no links.
-5. ``run_entry`` (rank 0: the scheduler and engine behind ``GenerateStream``) or
-   ``run_relay`` (every other rank, until SHUTDOWN has gone round the ring).
-
-``run_stage`` is steps 3-5 with the error handling both the server and the
-test harness (``stage_worker.harness``) share. Exit codes are
-``stagemesh.core.states.ExitCode``: 0 done, 2 configuration, 3 a neighbour
-failed or refused us, 75 a ring operation outlived the ring timeout.
+``run_stage`` is load, connect and run, with the error handling both the server and the test harness
+(``stage_worker.harness``) share. Exit codes are ``stagemesh.core.states.ExitCode``: 0 done, 2 configuration,
+3 a neighbour failed or refused us, 75 a ring operation outlived the ring timeout.
 """
 
 from __future__ import annotations
@@ -179,7 +168,9 @@ def open_stage(launch: StageLaunch) -> StageContext | None:
 
 
 def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
-    """Load this rank's slice, choose dense or quantized weights, size the KV cache, warm the kernels."""
+    """Load this rank's slice, choose dense or quantized weights, size the KV cache within the stage's memory
+    budget (the host's memory on the CPU, the GPU's on Metal and CUDA: ``stage_worker.device``), warm the
+    kernels (``stage_worker.warmup``)."""
     launch, me, spec = ctx.launch, ctx.launch.me, ctx.spec
     log.info("loading layers %s of %s (%s) host=%s grpc_port=%d ring_port=%d lane_port=%d",
              me.layers, spec.model_type, launch.plan.model_path, me.host, me.grpc_port, me.ring_port, me.lane_port)
@@ -264,7 +255,8 @@ def _blas_threads(stages_on_host: int) -> AdaptiveBlasThreads:
 
 
 def connect(ctx: StageContext, loaded: LoadedStage) -> StageLinks:
-    """Handshake with both neighbours, then (``hop_transport`` "ring") join the ring; nothing to do alone."""
+    """Lanes and handshake with both neighbours (``stage_worker.handshake``), then (``hop_transport`` "ring")
+    join MLX's ring; nothing to do alone (a single-stage pipeline has no links)."""
     launch = ctx.launch
     plan, me = launch.plan, launch.me
     if plan.size == 1:
@@ -436,7 +428,8 @@ def describe(ctx: StageContext) -> StageDescription:
 
 
 def serve(launch: StageLaunch) -> int:
-    """The serving stage: gRPC first, then load, connect and run as entry or relay."""
+    """The serving stage: gRPC first (Stage, health, reflection), so health and ``GetStageInfo`` show progress
+    from the first second, then load, connect and run as entry or relay."""
     token = launch.mesh_token or (settings.read("MESH_TOKEN") or "").strip()
     if not token:
         log.error("no mesh token: the launch file has none and %s is unset; the stage will not serve an "

@@ -1,27 +1,15 @@
 """What a stage does with each message: compute its layers, pass on, sample at the end.
 
-``StageCompute`` is the per-batch work of any stage (embed on the first, own
-layers on all, norm + head + sampling on the last), independent of transport.
-``EntryPipeline`` is the first stage's view of the whole pipeline: it turns a
-batch of token chunks into sampled tokens, sending hidden states down the ring
-and waiting (in a lane read, not a spinning ring receive) for the token ids the
-last stage sends back. ``relay_loop`` is every other stage's life: receive,
-compute, send, until a SHUTDOWN has gone round the ring.
+``StageCompute`` is the per-batch work of any stage (embed on the first, own layers on all, norm + head +
+sampling on the last), independent of transport. ``EntryPipeline`` is the first stage's view of the whole
+pipeline: it turns a batch of token chunks into sampled tokens, sending hidden states down the ring and
+waiting (in a lane read, not a spinning ring receive) for the token ids the last stage sends back.
+``relay_loop`` is every other stage's life: receive, compute, send, until a SHUTDOWN has gone round the ring.
 
-Messages are consumed strictly in the order they were sent; with one batch in
-flight the entry checks each TOKENS reply against the batch it sent.
-
-A sequence's ``RowOptions`` (``stage_worker.batch``) ride the body of the
-FORWARD frame that starts it, once, and live on the last stage until its
-RELEASE (``row_options``); logprobs come back in the TOKENS frame's body.
-
-A VERIFY record (speculative decoding, ``stage_worker.speculation``) has the
-last stage process and sample every one of its rows as each would be without
-speculation (row i as if the first i proposals had been generated: ``VerifyLayout``) and keep the tokens
-``accept_proposals`` keeps against the proposals (their ids ride the FORWARD body); its TOKENS record holds
-that many ids, each with its own row's logprobs. Only the kept tokens advance the sequence's options' state
-(penalty counts, grammar). Every stage drops a sequence's rejected positions when its next record starts
-before them (``kv_store``).
+Messages are consumed strictly in the order they were sent; with one batch in flight the entry checks each
+TOKENS reply against the batch it sent. A sequence's ``RowOptions`` (``stage_worker.batch``) ride the body of
+the FORWARD frame that starts it, once, and live on the last stage until its RELEASE (``row_options``);
+logprobs, and a VERIFY record's kept tokens (``stage_worker.speculation``), come back in the TOKENS frame.
 """
 
 from __future__ import annotations
@@ -167,6 +155,13 @@ class StageCompute:
         Evaluates ``hidden`` (and so the batch's KV writes) together with the tokens: one sync.
         ``wait=False`` only starts that evaluation (``mx.async_eval``): the tokens are read later,
         while the device already runs what was queued after them.
+
+        A VERIFY record's rows are each processed and sampled as they would be without speculation (row i as
+        if the first i proposals had been generated: ``VerifyLayout``), and the record keeps the tokens
+        ``accept_proposals`` keeps against the proposals (their ids ride the FORWARD body); its TOKENS record
+        holds that many ids, each with its own row's logprobs. Only the kept tokens advance the sequence's
+        options' state (penalty counts, grammar). Every stage drops a sequence's rejected positions when its
+        next record starts before them (``kv_store``).
         """
         sampling = self.build_sample(records, hidden, drafts)
         self.evaluate_sample(sampling, wait)

@@ -1,18 +1,14 @@
 """The model's tokenizer, offline, from a GGUF's metadata or a model directory.
 
-Contract:
-- ``load_tokenizer(spec)`` returns a transformers ``PreTrainedTokenizerFast``
-  (``TokenizersBackend`` in transformers 5) with ``chat_template`` set. For a
-  GGUF it is rebuilt from ``tokenizer.ggml.*`` (tokens, merges, token types,
-  bos/eos/unk/pad ids, pre-tokenizer kind) and ``tokenizer.chat_template``; for a
-  directory it is read from the tokenizer files with ``local_files_only=True``.
-  It never contacts a hub and changes no global state. A model without a chat
-  template gets a plain ChatML one. A ``--load-format dummy`` directory without
-  tokenizer files gets the embedded default model's tokenizer (logged): random
-  weights give tokens no meaning, and ids it does not know decode to nothing.
-- ``eos_token_ids(spec, tokenizer)`` is the set of ids that end a generation:
-  the tokenizer's EOS, any eos/eot ids the model files list
-  (generation_config.json, GGUF eot/eom ids) and the end-of-turn marker the
+- ``load_tokenizer(spec)`` returns a transformers ``PreTrainedTokenizerFast`` (``TokenizersBackend`` in
+  transformers 5) with ``chat_template`` set. For a GGUF it is rebuilt from ``tokenizer.ggml.*`` (tokens,
+  merges, token types, bos/eos/unk/pad ids, pre-tokenizer kind) and ``tokenizer.chat_template``; for a
+  directory it is read from the tokenizer files with ``local_files_only=True``. It never contacts a hub and
+  changes no global state. A model without a chat template gets a plain ChatML one. A ``--load-format dummy``
+  directory without tokenizer files gets the embedded default model's tokenizer (logged): random weights give
+  tokens no meaning, and ids it does not know decode to nothing.
+- ``eos_token_ids(spec, tokenizer)`` is the set of ids that end a generation: the tokenizer's EOS, any
+  eos/eot ids the model files list (generation_config.json, GGUF eot/eom ids) and the end-of-turn marker the
   chat template writes (e.g. ``<|im_end|>``).
 """
 

@@ -1,29 +1,12 @@
 """Warm a stage's kernels at load, so the first users do not pay for compiling them.
 
-MLX builds a GPU kernel the first time it meets an operation at a dtype and
-shape class (Metal: a pipeline per kernel; CUDA: JIT-compiled kernels and
-cuBLAS plans per shape), which can make a fresh stage's first requests take
-seconds. So after its weights load and before it reports SERVING, a stage runs
-its own slice on throwaway data the way serving will: a prompt chunk of the
-largest size the scheduler sends, then for each of a few decode batch sizes
-that many short fresh prompts (batched as fresh prompts are) and one decode
-step of the group; the first stage starts from its embedding and the last ends
-with its norm, head and sampling, as in serving. The batches go through
-``StageCompute.forward`` / ``sample`` themselves, so the warm-up takes the
-paths serving takes (a lone decode on plain caches, a group on its batch
-cache), with a throwaway ``StageCompute``: the stage's real one does not
-exist yet, and nothing here touches it. A single-stage pipeline (first and
-last) runs its decode groups through a throwaway ``EntryPipeline`` instead,
-as the engine does: the prompts, then a decode step fed the tokens they
-sampled still on the device (``Chunk.carried``: its own gather kernel, which
-the first request would otherwise wait for NVRTC to compile), submitted
-before the first step is read.
-
-``warmup_plan`` (pure) chooses the sizes: on the CPU one tiny prompt and one
-decode step of it (nothing to compile there; tests and CI start many stages), on a
-GPU the full prompt chunk and decode batches of 1 and the largest a batch
-carries (``--max-num-seqs`` over the micro-batches in flight, as the
-scheduler splits them).
+MLX builds a GPU kernel the first time it meets an operation at a dtype and shape class (Metal: a pipeline per
+kernel; CUDA: JIT-compiled kernels and cuBLAS plans per shape). So after its weights load and before it
+reports SERVING, a stage runs its own slice on throwaway data the way serving will (``warm_up``): a prompt
+chunk of the largest size the scheduler sends, then for each of a few decode batch sizes that many short
+fresh prompts (batched as fresh prompts are) and one decode step of the group. It uses a throwaway
+``StageCompute``: the stage's real one does not exist yet, and nothing here touches it. ``warmup_plan``
+(pure) chooses the sizes (``WarmupPlan``).
 """
 
 from __future__ import annotations
@@ -60,7 +43,10 @@ def largest_decode_batch(max_num_seqs: int, micro_batches: int) -> int:
 
 def warmup_plan(backend: str, *, max_num_seqs: int, micro_batches: int, max_batch_tokens: int,
                 max_model_len: int) -> WarmupPlan:
-    """What to run at load (pure); see the module docstring."""
+    """What to run at load (pure); see the module docstring. On the CPU one tiny prompt and one decode step
+    of it (nothing to compile there; tests and CI start many stages); on a GPU the full prompt chunk and
+    decode batches of 1 and the largest a batch carries (``--max-num-seqs`` over the micro-batches in flight,
+    as the scheduler splits them)."""
     room = max(1, max_model_len - 1)  # a decode step needs one position after the prompt
     prompt = min(_DECODE_PROMPT_TOKENS, room)
     if backend == "cpu":
@@ -72,7 +58,13 @@ def warmup_plan(backend: str, *, max_num_seqs: int, micro_batches: int, max_batc
 
 
 def warm_up(model: StageModel, plan: WarmupPlan) -> None:
-    """Run ``plan`` through ``model``'s slice against throwaway caches; every result is discarded."""
+    """Run ``plan`` through ``model``'s slice against throwaway caches; every result is discarded.
+
+    The first stage starts from its embedding and the last ends with its norm, head and sampling, as in
+    serving. The batches go through ``StageCompute.forward`` / ``sample`` themselves, so the warm-up takes the
+    paths serving takes (a lone decode on plain caches, a group on its batch cache). A single-stage pipeline
+    (first and last) runs its decode groups through a throwaway ``EntryPipeline`` instead, as the engine
+    does (``_entry_decode``)."""
     compute = StageCompute(model, max(plan.decode_batches, default=1))
     seq_ids = itertools.count(1)
     fresh = RecordFlag.NEW_SEQUENCE | RecordFlag.SAMPLE
@@ -94,7 +86,9 @@ def warm_up(model: StageModel, plan: WarmupPlan) -> None:
 
 
 def _entry_decode(compute: StageCompute, group: list[int], prompt: int) -> None:
-    """A single-stage pipeline's way: prompts, then a carried decode step queued before they are read."""
+    """A single-stage pipeline's way: prompts, then a carried decode step queued before they are read: fed
+    the tokens they sampled still on the device (``Chunk.carried``: its own gather kernel, which the first
+    request would otherwise wait for NVRTC to compile)."""
     pipeline = EntryPipeline(compute, None, None, is_last=True)
     fresh = RecordFlag.NEW_SEQUENCE | RecordFlag.SAMPLE
     pipeline.submit([Chunk(SequenceRecord(seq, 0, prompt, fresh), (0,) * prompt) for seq in group])

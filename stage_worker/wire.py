@@ -1,41 +1,16 @@
 """Wire layout between neighbouring stages: the one home of every byte offset.
 
-Each hop from stage r to stage r+1 (and from the last stage back to the first)
-uses two lanes that carry messages in the same order:
+Each hop from stage r to stage r+1 (and from the last stage back to the first) carries messages in order on
+two lanes: the **control lane**, a TCP connection, carries a fixed-size ``FrameHeader`` (``HEADER_BYTES``),
+``num_records`` fixed-size ``SequenceRecord`` entries (``RECORD_BYTES``) and an optional JSON body; the
+**payload** the header announced (hidden states for ``FORWARD``, token ids for ``TOKENS``) travels by the
+pipeline's hop transport (``HOP_TRANSPORTS``). Because the receiver sizes its receive from the header,
+sender and receiver can never disagree on the byte count; a header that contradicts the receiver's own model
+(hidden size, dtype, a gap in the message sequence) is reported as a ``WireMismatchError`` instead.
 
-* the **control lane**, a TCP connection, carries a fixed 56-byte ``FrameHeader``
-  followed by ``num_records`` fixed 40-byte ``SequenceRecord`` entries. It says
-  what follows; a receiver blocks on it in the kernel (no spinning) and learns
-  the exact shape and dtype of the payload before it posts a ring receive;
-* the **payload** the header announced: hidden states ``[num_rows,
-  hidden_size]`` in the wire dtype for ``FORWARD``, token ids
-  ``int32[num_rows]`` for ``TOKENS`` (each record's ids in turn), nothing for ``SHUTDOWN``. It travels
-  by the pipeline's hop transport (``HOP_TRANSPORTS``): ``lane`` (the
-  default) sends its raw bytes on the same TCP connection right after the
-  header (``payload_bytes`` / ``payload_from_bytes``); ``ring`` hands it to
-  MLX's ring, which pays for its own thread hand-offs and synchronisation on
-  every hop (``stagemesh bench hop`` measures both). The lane also blocks in
-  the kernel where a waiting ring receive spins a core.
-
-Because the receiver sizes its receive from the header, sender and receiver
-can never disagree on the byte count (which would deadlock the tagless ring or
-desynchronise the lane); a header that contradicts the receiver's own model (hidden size,
-dtype, a gap in the message sequence) is reported as a ``WireMismatchError``
-instead.
-
-A ``FORWARD`` batch holds many sequences: record i owns the payload rows
-``[sum(n_0..n_{i-1}), +n_i)`` and says where its tokens sit in the sequence
-(``start_pos``), whether it starts the sequence (reset KV), whether the last
-stage must sample a token for it, whether the sequence ends after this batch
-(free its KV), and the temperature, top_p, top_k and seed of its sampling
-(the records themselves, ``SequenceRecord`` and ``RecordFlag``, are
-``stage_worker.batch``'s; their bytes are this module's). ``HELLO`` frames carry
-a JSON body (``body_bytes``) used once at start-up to check that neighbours
-agree; a ``FORWARD`` frame's body announces the ``RowOptions`` of the sequences
-it starts (``row_options.rows_body``: once per sequence, only when a request
-has any; relays pass it on) and the draft ids of its VERIFY records
-(``speculation.drafts_body``), a ``TOKENS`` frame's body the logprobs of the
-tokens whose requests asked for them, one per token in order (``LogprobRows.to_body``).
+``pack_header`` / ``unpack_header``, ``pack_records`` / ``unpack_records``, ``encode_body`` / ``decode_body``
+and ``payload_bytes`` / ``payload_from_bytes`` are the codecs. The records themselves (``SequenceRecord``,
+``RecordFlag``) are ``stage_worker.batch``'s; their bytes are this module's.
 """
 
 from __future__ import annotations
@@ -55,8 +30,11 @@ from stage_worker.batch import RecordFlag, SequenceRecord
 from stagemesh.core.sampling import SamplingParams
 
 MAGIC = b"SMW1"
-PROTOCOL_VERSION = 3  # 3: VERIFY records, TOKENS records of several ids
-# How a hop's payload travels: after the header on the TCP lane, or over MLX's ring.
+PROTOCOL_VERSION = 3  # every header carries it, and neighbours must speak the same one
+# How a hop's payload travels: ``lane`` (the default) sends its raw bytes on the same TCP connection right
+# after the header (``payload_bytes`` / ``payload_from_bytes``); ``ring`` hands it to MLX's ring, which pays
+# for its own thread hand-offs and synchronisation on every hop (``stagemesh bench hop`` measures both). The
+# lane also blocks in the kernel where a waiting ring receive spins a core.
 HOP_TRANSPORTS = ("lane", "ring")
 
 
@@ -140,9 +118,9 @@ def payload_from_bytes(data: bytearray | memoryview, header: FrameHeader) -> mx.
 
 
 # magic, version, kind, message_no, batch_id, num_records, num_rows, row_width,
-# dtype code, body_bytes, in_flight (was reserved: 0 from older senders means unknown)
+# dtype code, body_bytes, in_flight (0: unknown)
 _HEADER = struct.Struct("<4sHHQQIIIIII")
-# seq_id, start_pos, num_tokens, flags, temperature, top_p, top_k, seed, prefix_entry (was reserved, 0)
+# seq_id, start_pos, num_tokens, flags, temperature, top_p, top_k, seed, prefix_entry (0: none)
 _RECORD = struct.Struct("<QIIIffiqI")
 
 HEADER_BYTES = _HEADER.size
@@ -152,6 +130,12 @@ NO_SEED = -1  # a record's seed when its sampling has none
 
 @dataclass(frozen=True)
 class FrameHeader:
+    """What follows on the lane and the hop: a receiver blocks on the header in the kernel (no spinning) and
+    learns the exact shape and dtype of the payload before it posts a ring receive, so the byte counts always
+    agree (a disagreement would deadlock the tagless ring or desynchronise the lane). The payload: hidden
+    states ``[num_rows, hidden_size]`` in the wire dtype for ``FORWARD``, token ids ``int32[num_rows]`` for
+    ``TOKENS`` (each record's ids in turn), nothing for ``SHUTDOWN``."""
+
     kind: FrameKind
     message_no: int  # per-link counter: a gap means a lost or reordered message
     batch_id: int
@@ -220,6 +204,10 @@ def unpack_header(data: bytes) -> FrameHeader:
 
 
 def pack_records(records: Sequence[SequenceRecord]) -> bytes:
+    """A ``FORWARD`` batch holds many sequences: record i owns the payload rows ``[sum(n_0..n_{i-1}), +n_i)``
+    and says where its tokens sit in the sequence (``start_pos``), whether it starts the sequence (reset KV),
+    whether the last stage must sample a token for it, whether the sequence ends after this batch (free its
+    KV), and the temperature, top_p, top_k and seed of its sampling."""
     return b"".join(
         _RECORD.pack(
             r.seq_id,
@@ -263,7 +251,13 @@ def _record_sampling(temperature: float, top_p: float, top_k: int, seed: int) ->
 
 @dataclass(frozen=True)
 class Message:
-    """A whole message as a stage sees it: header, records, optional body and payload."""
+    """A whole message as a stage sees it: header, records, optional body and payload.
+
+    ``HELLO`` frames carry a JSON body used once at start-up to check that neighbours agree; a ``FORWARD``
+    frame's body announces the ``RowOptions`` of the sequences it starts (``row_options.rows_body``: once per
+    sequence, only when a request has any; relays pass it on) and the draft ids of its VERIFY records
+    (``speculation.drafts_body``); a ``TOKENS`` frame's body the logprobs of the tokens whose requests asked
+    for them, one per token in order (``LogprobRows.to_body``)."""
 
     header: FrameHeader
     records: tuple[SequenceRecord, ...] = ()

@@ -5,15 +5,13 @@ Writes (keys 0600, never overwriting an existing CA unless asked)::
     DIR/ca.pem  DIR/ca.key           the mesh's CA; keep ca.key on one machine, off the mesh
     DIR/NAME/ca.pem  node.pem  node.key   copy this directory to node NAME, pass it as --grpc-tls-dir
 
-Each node certificate names its addresses (IPs and DNS names, plus 127.0.0.1
-and localhost, which the gateway uses to reach the stages beside it) and is good
-for server and client authentication, since a node's gateway and coordinator
-call the other nodes' stages with it. With an existing ``DIR/ca.pem`` and
-``ca.key``, new nodes are signed by that CA. ECDSA P-256 keys; ``--days``
-validity (default 825, what Apple's TLS rules accept for server certificates).
+Each node certificate names its addresses (IPs and DNS names, plus 127.0.0.1 and localhost, which the gateway
+uses to reach the stages beside it) and is good for server and client authentication, since a node's gateway
+and coordinator call the other nodes' stages with it. With an existing ``DIR/ca.pem`` and ``ca.key``, new
+nodes are signed by that CA. ECDSA P-256 keys; ``--days`` validity (default 825, what Apple's TLS rules
+accept for server certificates).
 
-The pure part, ``make_ca`` / ``make_node_cert``, returns PEM bytes; ``run``
-writes files.
+The pure part, ``make_ca`` / ``make_node_cert``, returns PEM bytes; ``run`` writes files.
 """
 
 from __future__ import annotations

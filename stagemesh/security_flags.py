@@ -1,19 +1,15 @@
 """``stagemesh serve``'s security flags: who may call the gateway and the stages, and over what.
 
-One home for these flags, so ``serve.py`` only adds them and reads their
-values:
+One home for these flags, so ``serve.py`` only adds them (``add_arguments``) and reads their values:
 
-- the gateway: ``--api-key`` (``STAGEMESH_API_KEY``) and ``--api-key-file``
-  (one key per line; both may be given), ``--allowed-origins`` (CORS; off by
-  default), ``--max-request-bytes`` (413), ``--max-concurrent-requests`` and
-  ``--max-concurrent-requests-per-key`` (429 with ``Retry-After``),
+- the gateway: ``--api-key`` (``STAGEMESH_API_KEY``) and ``--api-key-file`` (one key per line; both may be
+  given), ``--allowed-origins`` (CORS; off by default), ``--max-request-bytes`` (413),
+  ``--max-concurrent-requests`` and ``--max-concurrent-requests-per-key`` (429 with ``Retry-After``),
   ``--ssl-keyfile`` / ``--ssl-certfile`` (HTTPS, vLLM's flags);
-- the control plane: ``--mesh-token`` (``STAGEMESH_MESH_TOKEN``, else
-  generated) and ``--grpc-tls-dir`` (``STAGEMESH_GRPC_TLS_DIR``: mutual TLS
-  with the mesh's CA, ``stagemesh.core.grpc_tls``).
+- the control plane: ``--mesh-token`` (``STAGEMESH_MESH_TOKEN``, else generated) and ``--grpc-tls-dir``
+  (``STAGEMESH_GRPC_TLS_DIR``: mutual TLS with the mesh's CA, ``stagemesh.core.grpc_tls``).
 
-Every value is checked before anything starts; a bad one raises ``UserError``
-naming the flag.
+Every value is checked before anything starts; a bad one raises ``UserError`` naming the flag.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from stage_worker.model_spec import ModelFormatError, ModelSpec
 from stagemesh import openai_flags, security_flags
 
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
-from stagemesh.bench.random_checkpoint import SHAPES_DIR, shape_names
+from stagemesh.bench.random_checkpoint import SHAPES_DIR, add_load_format_argument, shape_names
 from stagemesh.core import defaults, settings
 from stagemesh.core.errors import UserError
 from stagemesh.core.layer_split import plan_layer_split
@@ -96,13 +96,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the layer plan (as `stagemesh plan` does) and exit without starting a stage")
     security_flags.add_arguments(parser)
-
-
-def add_load_format_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                        help="auto reads the model's weights; dummy gives every stage random weights for its slice, "
-                             "to benchmark a model's size without its weights: MODEL is then a directory with a "
-                             "config.json, a .gguf file, or one of the shapes " + ", ".join(shape_names()))
 
 
 def resolve_model_argument(model: str | None, load_format: str) -> str:

@@ -1,19 +1,14 @@
 """``stagemesh status --watch``: the dashboard's live figures in a terminal, redrawn in place.
 
-For a Mac reached over SSH: the same document the web page polls
-(``GET /dashboard/live``, docs/api.md "Live mesh data (dashboard)") drawn
-with rich every ``--interval`` seconds: the model and overall figures (output
-tokens/s, TTFT and inter-token percentiles over the last minute, requests in
-flight, errors), one table per replica (titled with what the coordinator is
-doing about it while it does not serve: restarting, or backing off until its
-next restart) with a row per stage (host, layers,
-dtype, state, health, pid, uptime, restarts, running / waiting, batches/s,
-compute / wait / send shares, KV use) and the latest events with their times.
+For a Mac reached over SSH: the same document the web page polls (``GET /dashboard/live``, docs/api.md "Live
+mesh data (dashboard)") drawn with rich every ``--interval`` seconds: the model and overall figures (output
+tokens/s, TTFT and inter-token percentiles over the last minute, requests in flight, errors), one table per
+replica (titled with what the coordinator is doing about it while it does not serve) with a row per stage,
+and the latest events with their times.
 
-Contract: ``render(doc)`` is pure (a rich renderable from the JSON);
-``watch(...)`` loops until Ctrl-C or ``count`` redraws and returns the exit
-code: 0 when the last view had a healthy replica, 1 when none, 2 when the
-gateway could not be read (401 names ``--api-key``).
+Contract: ``render(doc)`` is pure (a rich renderable from the JSON); ``watch(...)`` loops until Ctrl-C or
+``count`` redraws and returns the exit code: 0 when the last view had a healthy replica, 1 when none, 2 when
+the gateway could not be read (401 names ``--api-key``).
 """
 
 from __future__ import annotations
@@ -72,6 +67,9 @@ def _supervision(replica: dict[str, Any], now: float) -> str:
 
 
 def _replica_table(replica: dict[str, Any], now: float) -> Table:
+    """One replica: a title with its figures and what the coordinator is doing about it (restarting, or backing
+    off until its next restart), and a row per stage (host, layers, dtype, state, health, pid, uptime, running /
+    waiting, batches/s, compute / wait / send shares, KV use)."""
     state = "[green]healthy[/]" if replica["healthy"] else "[bold red]UNHEALTHY[/]"
     title = (f"replica {replica['replica']}  {state}  {_num(replica['output_tokens_per_s'])} tok/s  "
              f"{replica['in_flight']} in flight  {replica['restarts']} restart(s)  {_supervision(replica, now)}"

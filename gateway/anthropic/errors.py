@@ -1,18 +1,13 @@
 """Anthropic's error envelope on the Anthropic routes, whichever part of the gateway refused the request.
 
 Contract:
-- ``error_body(status, message)`` is Anthropic's envelope
-  ``{"type": "error", "error": {"type", "message"}}``, its ``type`` by status:
-  400 ``invalid_request_error``, 401 ``authentication_error``, 403
-  ``permission_error``, 404 ``not_found_error``, 413 ``request_too_large``,
-  429 ``rate_limit_error``, 500 ``api_error``, 503 ``overloaded_error``, 504
-  ``timeout_error``. ``event(err)`` is the same as a stream's ``error`` event.
-- ``AnthropicErrorMiddleware(app, prefix)`` (pure ASGI, outside the key check
-  and the limits) rewrites every JSON error response under ``prefix`` from the
-  gateway's OpenAI envelope into Anthropic's, keeping its status and headers
-  (``Retry-After``, ``x-should-retry``): a 401 from the key check, a 429 from
-  the limits, a 400 from validation and a 404 for the model all read alike to
-  an Anthropic client. Streams (status 200) pass untouched.
+- ``error_body(status, message)`` is Anthropic's envelope ``{"type": "error", "error": {"type", "message"}}``,
+  its ``type`` chosen by status (``invalid_request_error``, ``rate_limit_error``, ``overloaded_error``, ...);
+  ``event(err)`` is the same as a stream's ``error`` event.
+- ``AnthropicErrorMiddleware(app, prefix)`` rewrites every JSON error response under ``prefix`` from the
+  gateway's OpenAI envelope into Anthropic's, keeping its status and headers: a 401 from the key check, a
+  429 from the limits, a 400 from validation and a 404 for the model all read alike to an Anthropic client.
+  Streams (status 200) pass untouched.
 - ``ERROR_SCHEMA`` is the envelope's JSON Schema (``/openapi.json``).
 """
 
@@ -39,6 +34,8 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's envelope; its ``type`` is ``_TYPES``'s for the status, else ``api_error`` for a 5xx and
+    ``invalid_request_error`` for a 4xx."""
     return {"type": "error", "error": {"type": error_type(status), "message": message}}
 
 
@@ -58,6 +55,12 @@ def _rewritten(status: int, body: bytes) -> bytes | None:
 
 
 class AnthropicErrorMiddleware:
+    """Pure ASGI, added outside the key check and the limits so their errors are rewritten too.
+
+    An error response keeps its status and headers (``Retry-After``, ``x-should-retry``); a body that is not
+    the OpenAI envelope passes unchanged.
+    """
+
     def __init__(self, app: Any, prefix: str = PREFIX) -> None:
         self.app = app
         self._prefix = prefix

@@ -1,24 +1,12 @@
 """``POST /v1/messages``: a Messages request run as the chat endpoint runs it, answered as Anthropic does.
 
 Contract: ``AnthropicServing(serving).messages(req)`` translates the request
-(``gateway.anthropic.translate``), has the chat endpoint check and render it
-(``OpenAIServing.plan_chat``) and run it (``run_chat``), and answers
-- unstreamed: a ``message`` object: ``content`` blocks in order (``thinking``
-  when the template reasons, ``text``, then one ``tool_use`` per call, its
-  ``input`` the parsed arguments), ``stop_reason`` (``end_turn``,
-  ``max_tokens``, ``stop_sequence`` with ``stop_sequence`` set, ``tool_use``)
-  and ``usage`` (``input_tokens``, ``output_tokens``);
-- streamed: Anthropic's events, each as ``event: <type>`` and its ``data:``:
-  ``message_start`` (the message with empty content and the input tokens),
-  ``ping``, then per block ``content_block_start``, ``content_block_delta``
-  (``thinking_delta``, ``text_delta``, ``input_json_delta`` whose
-  ``partial_json`` pieces add up to the call's input) and
-  ``content_block_stop``, then ``message_delta`` (``stop_reason``,
-  ``stop_sequence``, ``usage.output_tokens``) and ``message_stop``. A failure
-  after the stream started is an ``error`` event, and the stream ends.
-Every check fails before anything is generated, with Anthropic's envelope and
-the field named in this API's terms. ``count_tokens(req)`` is
-``{"input_tokens": n}``, the prompt as the same request would render it.
+(``gateway.anthropic.translate``), has the chat endpoint check and render it (``OpenAIServing.plan_chat``)
+and run it (``run_chat``), and answers a ``message`` object (``message_json``) or, streamed, Anthropic's
+server-sent events (``message_start``, ``ping``, the ``content_block_*`` events, ``message_delta``,
+``message_stop``). Every check fails before anything is generated, with Anthropic's envelope and the field
+named in this API's terms; a failure after the stream started is an ``error`` event, and the stream ends.
+``count_tokens(req)`` is ``{"input_tokens": n}``, the prompt as the same request would render it.
 """
 
 from __future__ import annotations
@@ -52,6 +40,9 @@ def sse_event(kind: str, data: dict[str, Any]) -> str:
 
 
 def message_json(message_id: str, model: str, turn: Turn) -> dict[str, Any]:
+    """The unstreamed ``message``: ``content`` blocks in order (``thinking`` when the template reasons, ``text``,
+    then one ``tool_use`` per call, its ``input`` the parsed arguments), ``stop_reason`` (``STOP_REASONS``;
+    ``stop_sequence`` set when a stop string ended the turn) and ``usage`` (``input_tokens``, ``output_tokens``)."""
     content: list[dict[str, Any]] = []
     if turn.reasoning is not None:
         content.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
@@ -66,7 +57,11 @@ def message_json(message_id: str, model: str, turn: Turn) -> dict[str, Any]:
 
 
 class _Blocks:
-    """The stream's content blocks: one open at a time, each opened by its first delta."""
+    """The stream's content blocks: one open at a time, each opened by its first delta.
+
+    A block is ``content_block_start``, its ``content_block_delta``s (``thinking_delta``, ``text_delta``, or
+    ``input_json_delta`` whose ``partial_json`` pieces add up to the call's input) and ``content_block_stop``.
+    """
 
     def __init__(self) -> None:
         self.index = -1
@@ -139,6 +134,9 @@ class AnthropicServing:
 
     async def _stream(self, message_id: str, plan: ChatPlan,
                       turn: AsyncGenerator[TurnEvent, None]) -> AsyncIterator[str]:
+        """Anthropic's events, each ``event: <type>`` and its ``data:``: ``message_start`` (the message with empty
+        content and the input tokens), ``ping``, the blocks (``_Blocks``), then ``message_delta``
+        (``stop_reason``, ``stop_sequence``, ``usage.output_tokens``) and ``message_stop``."""
         start: dict[str, Any] = {
             "id": message_id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(plan.prompt), "output_tokens": 0}}

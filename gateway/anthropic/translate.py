@@ -1,30 +1,12 @@
 """A Messages API request as the chat endpoint's request: one pure function, no I/O.
 
-Contract: ``to_chat(req, thinking_switch=...)`` returns a ``Translated`` (the
-``ChatCompletionRequest`` and the way back to this API's field names) or
-raises a 400 ``APIError`` naming the block or field:
-- ``system`` (a string or text blocks) is the first, system message; a
-  message of role ``system`` (text) is a system message where it stands;
-- a user message's text blocks are its content; each ``tool_result`` is a
-  ``tool`` message answering a ``tool_use`` of the assistant message just
-  before (any other id is a 400); an assistant message's text blocks are its
-  content and its ``tool_use`` blocks its ``tool_calls``; ``thinking`` and
-  ``redacted_thinking`` blocks are dropped (the templates that reason drop past
-  reasoning too); images, documents and any other block type are a 400;
-- a conversation ending with the assistant's text (and no tool_use) is
-  prefilled: the model continues that text (``continue_final_message``);
-- ``tools`` (``name``, ``description``, ``input_schema``) are function tools;
-  Anthropic's own server tools (a ``type`` other than ``custom``) are a 400;
-  ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` is chat's ``auto`` /
-  ``required`` / a named function / ``none``, and ``disable_parallel_tool_use``
-  is ``parallel_tool_calls: false``;
-- ``output_config.format`` (``json_schema``) is ``response_format``;
-  ``stop_sequences`` is ``stop``; ``max_tokens``, ``temperature``, ``top_p``,
-  ``top_k`` and ``stream`` keep their names;
-- ``thinking`` switches the template's ``enable_thinking`` when
-  ``thinking_switch`` says the template has one (disabled: false; otherwise
-  true); its budget and every field docs/api.md lists as ignored are not used;
-  ``mcp_servers`` and ``container`` are refused.
+Contract: ``to_chat(req, thinking_switch=...)`` returns a ``Translated`` (the ``ChatCompletionRequest`` and
+the way back to this API's field names) or raises a 400 ``APIError`` naming the block or field. ``system``
+and the messages become chat messages (``tool_use`` / ``tool_result`` blocks are ``tool_calls`` and ``tool``
+messages; a final assistant text is prefilled), ``tools`` and ``tool_choice`` become chat's function tools,
+and the sampling fields keep their meaning. What a text-only chat server cannot take (images, documents,
+Anthropic's server tools, ``mcp_servers``, ``container``) is refused, never dropped silently; ``thinking``
+blocks are dropped, as the templates that reason drop past reasoning.
 """
 
 from __future__ import annotations
@@ -122,7 +104,15 @@ class _Conversation:
 
 
 def _messages(req: CountTokensRequest, chat: _Conversation) -> bool:
-    """Adds the conversation; True when its last message is an assistant's text to continue (a prefill)."""
+    """Adds the conversation; True when its last message is an assistant's text to continue (a prefill).
+
+    A ``system`` message (text) is a system message where it stands. A user message's text blocks are its
+    content; each ``tool_result`` is a ``tool`` message answering a ``tool_use`` of the assistant message just
+    before (any other id is a 400). An assistant message's text blocks are its content and its ``tool_use``
+    blocks its ``tool_calls``; ``thinking`` and ``redacted_thinking`` blocks are dropped. Images, documents and
+    any other block type are a 400. A conversation ending with the assistant's text (and no tool_use) is
+    prefilled: the model continues that text (``continue_final_message``).
+    """
     answerable: set[str] = set()
     prefill = False
     for i, message in enumerate(req.messages):
@@ -182,6 +172,8 @@ def _messages(req: CountTokensRequest, chat: _Conversation) -> bool:
 
 
 def _tools(req: CountTokensRequest, names: dict[str, str]) -> list[dict[str, Any]] | None:
+    """``tools`` (``name``, ``description``, ``input_schema``) as function tools; Anthropic's own server tools
+    (a ``type`` other than ``custom``) are a 400."""
     if req.tools is None:
         return None
     tools = []
@@ -205,6 +197,8 @@ def _tools(req: CountTokensRequest, names: dict[str, str]) -> list[dict[str, Any
 
 
 def _tool_choice(choice: dict[str, Any] | None) -> tuple[str | dict[str, Any] | None, bool | None]:
+    """``auto`` / ``any`` / ``tool`` / ``none`` as chat's ``auto`` / ``required`` / a named function / ``none``,
+    and ``disable_parallel_tool_use`` as ``parallel_tool_calls: false``."""
     if choice is None:
         return None, None
     kind = choice.get("type")
@@ -230,12 +224,18 @@ def _response_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _thinking(thinking: dict[str, Any] | None, switch: bool) -> dict[str, Any] | None:
+    """``thinking`` as the template's ``enable_thinking`` (disabled: false; otherwise true), only when
+    ``switch`` says the template has one; its budget is not used."""
     if thinking is None or not switch:
         return None
     return {"enable_thinking": thinking.get("type") != "disabled"}
 
 
 def to_chat(req: CountTokensRequest, *, thinking_switch: bool = False) -> Translated:
+    """``req`` as the chat request. ``system`` (a string or text blocks) is the first, system message;
+    ``output_config.format`` (``json_schema``) is ``response_format``; ``stop_sequences`` is ``stop``;
+    ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` and ``stream`` keep their names; every field
+    docs/api.md lists as ignored is not used; ``mcp_servers`` and ``container`` are refused."""
     if req.mcp_servers:
         raise unsupported("mcp_servers", "The gateway connects to no MCP server; give the tools as tools.")
     chat = _Conversation()

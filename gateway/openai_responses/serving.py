@@ -1,29 +1,14 @@
 """``POST /v1/responses``: a Responses request run as the chat endpoint runs it, answered as OpenAI does.
 
 Contract: ``ResponsesServing(serving).create(req)`` translates the request
-(``gateway.openai_responses.translate``), has the chat endpoint check and
-render it (``OpenAIServing.plan_chat``) and run it (``run_chat``), and answers
-- unstreamed: a ``response`` object (``status`` ``completed``, or
-  ``incomplete`` with ``incomplete_details.reason: "max_output_tokens"``)
-  whose ``output`` holds, in order, a ``reasoning`` item (when the template
-  reasons; its text in ``content``), a ``message`` item with one
-  ``output_text`` part, and one ``function_call`` item per call (``call_id``,
-  ``name``, ``arguments``, and ``namespace`` for a namespaced tool); ``usage``
-  counts input and output tokens; the request's settings are echoed back;
-- streamed: server-sent events, each ``event: <type>`` and its ``data:``,
-  numbered by ``sequence_number``: ``response.created``,
-  ``response.in_progress``, then per item ``response.output_item.added``,
-  its deltas (``response.reasoning_text.delta``, ``response.output_text.delta``
-  inside ``response.content_part.added`` / ``.done``, or
-  ``response.function_call_arguments.delta`` whose pieces add up to the call's
-  ``arguments``), their ``.done`` events and ``response.output_item.done``,
-  and last ``response.completed`` (or ``response.incomplete``) with the whole
-  response. A failure after the stream started is an ``error`` event then
-  ``response.failed``.
-Nothing is stored: ``store`` is false in every response. Every check fails
-before anything is generated, with OpenAI's envelope and the field named in
-this API's terms. ``input_tokens(req)`` counts the prompt as the same request
-would render it.
+(``gateway.openai_responses.translate``), has the chat endpoint check and render it
+(``OpenAIServing.plan_chat``) and run it (``run_chat``), and answers a ``response`` object whose ``output``
+holds ``reasoning``, ``message`` and ``function_call`` items (``output_items``) or, streamed, OpenAI's
+numbered server-sent events from ``response.created`` to ``response.completed`` (or ``response.incomplete``).
+Nothing is stored: ``store`` is false in every response. Every check fails before anything is generated,
+with OpenAI's envelope and the field named in this API's terms; a failure after the stream started is an
+``error`` event then ``response.failed``. ``input_tokens(req)`` counts the prompt as the same request would
+render it.
 """
 
 from __future__ import annotations
@@ -63,7 +48,11 @@ def _usage(end: TurnEnd) -> dict[str, Any]:
 
 
 class _Response:
-    """What every snapshot of one response shares: its id and the request's settings, echoed."""
+    """What every snapshot of one response shares: its id and the request's settings, echoed.
+
+    A finished response's ``status`` is ``completed``, or ``incomplete`` with
+    ``incomplete_details.reason: "max_output_tokens"``; ``usage`` counts input and output tokens.
+    """
 
     def __init__(self, req: ResponsesRequest, plan: ChatPlan, translation: ResponsesTranslation) -> None:
         self.id = _id("resp")
@@ -121,6 +110,9 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]
 
 
 def output_items(response: _Response, turn: Turn) -> list[dict[str, Any]]:
+    """The unstreamed ``output``, in order: a ``reasoning`` item (when the template reasons; its text in
+    ``content``), a ``message`` item with one ``output_text`` part, and one ``function_call`` item per call
+    (``call_id``, ``name``, ``arguments``, and ``namespace`` for a namespaced tool)."""
     status = "incomplete" if turn.end.stop == "length" else "completed"
     items = []
     if turn.reasoning is not None:
@@ -132,7 +124,14 @@ def output_items(response: _Response, turn: Turn) -> list[dict[str, Any]]:
 
 
 class _Stream:
-    """The streamed output items: one open at a time, each opened by its first delta; events numbered."""
+    """The streamed output items: one open at a time, each opened by its first delta; events numbered.
+
+    Each event is ``event: <type>`` and its ``data:``, numbered by ``sequence_number``. Per item:
+    ``response.output_item.added``, its deltas (``response.reasoning_text.delta``,
+    ``response.output_text.delta`` inside ``response.content_part.added`` / ``.done``, or
+    ``response.function_call_arguments.delta`` whose pieces add up to the call's ``arguments``), their
+    ``.done`` events and ``response.output_item.done``.
+    """
 
     def __init__(self, response: _Response) -> None:
         self.response = response
@@ -254,6 +253,8 @@ class ResponsesServing:
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def _stream(self, response: _Response, turn: AsyncGenerator[TurnEvent, None]) -> AsyncIterator[str]:
+        """``response.created``, ``response.in_progress``, the items (``_Stream``), and last
+        ``response.completed`` (or ``response.incomplete``) with the whole response."""
         stream = _Stream(response)
         yield stream.event("response.created", response=response.snapshot("in_progress", []))
         yield stream.event("response.in_progress", response=response.snapshot("in_progress", []))

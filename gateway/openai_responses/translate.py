@@ -1,31 +1,13 @@
 """A Responses API request as the chat endpoint's request: pure functions, no I/O.
 
-Contract: ``to_chat(req, thinking_switch=...)`` returns a ``ResponsesTranslation``
-(the ``Translated`` chat request, and the namespaced tools' names) or raises a
-400 ``APIError`` naming the item or field:
-- ``instructions`` is the first, system message; ``input`` as a string is one
-  user message; as items: ``message`` items (roles user, system, developer,
-  assistant; text parts) are messages, ``function_call`` items are the
-  assistant's ``tool_calls`` (calls in a row, and the assistant message just
-  before them, make one assistant message), ``function_call_output`` items
-  are ``tool`` messages answering an earlier call's ``call_id`` (any other id
-  is a 400), ``reasoning`` items are dropped (the templates that reason drop
-  past reasoning too); any other item type is a 400;
-- ``tools``: ``function`` tools are chat's function tools; a ``namespace``'s
-  functions are offered as ``<namespace>__<name>`` and their calls come back
-  with ``namespace`` and ``name`` apart (``ResponsesTranslation.call_name``);
-  ``web_search`` tools are dropped (this server searches nothing); other tool
-  types are a 400; ``tool_choice`` and ``parallel_tool_calls`` keep chat's
-  meaning (``auto`` / ``none`` / ``parallel_tool_calls`` are dropped when no
-  function is left to call);
-- ``text.format`` is ``response_format``; ``max_output_tokens`` is
-  ``max_tokens``; ``temperature``, ``top_p`` and ``stream`` keep their names;
-  ``reasoning.effort: "none"`` switches the template's ``enable_thinking`` off
-  when ``thinking_switch`` says it has one;
-- ``store: true``, ``previous_response_id``, ``conversation``,
-  ``background: true``, ``truncation: "auto"``, ``top_logprobs`` above 0,
-  ``max_tool_calls``, ``prompt`` and ``include: ["message.output_text.logprobs"]``
-  are refused: a stateless server without logprobs here cannot honour them.
+Contract: ``to_chat(req, thinking_switch=...)`` returns a ``ResponsesTranslation`` (the ``Translated`` chat
+request, and the namespaced tools' names) or raises a 400 ``APIError`` naming the item or field.
+``instructions`` and ``input`` become chat messages (``function_call`` / ``function_call_output`` items are
+``tool_calls`` and ``tool`` messages), function tools and namespaces of them become chat's function tools
+(a namespaced call comes back with ``namespace`` and ``name`` apart: ``ResponsesTranslation.call_name``), and
+the sampling fields keep their meaning. What a stateless, text-only server cannot honour (``store: true``,
+``previous_response_id``, ``conversation``, ``background``, logprobs, images, other tool types) is refused,
+never dropped silently; ``reasoning`` items and ``web_search`` tools are dropped.
 """
 
 from __future__ import annotations
@@ -91,6 +73,12 @@ def _offered_name(item: dict[str, Any]) -> str:
 
 
 def _input(req: InputTokensRequest, chat: _Conversation) -> None:
+    """``input`` as messages. A string is one user message; as items: ``message`` items (roles user, system,
+    developer, assistant; text parts) are messages, ``function_call`` items are the assistant's ``tool_calls``
+    (calls in a row, and the assistant message just before them, make one assistant message),
+    ``function_call_output`` items are ``tool`` messages answering an earlier call's ``call_id`` (any other id
+    is a 400), ``reasoning`` items are dropped (the templates that reason drop past reasoning too); any other
+    item type is a 400."""
     if isinstance(req.input, str):
         chat.add({"role": "user", "content": req.input}, "input", "input")
         return
@@ -144,6 +132,9 @@ def _function(tool: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _tools(tools: list[dict[str, Any]] | None, names: dict[str, str]) -> tuple[list[dict[str, Any]],
                                                                               dict[str, tuple[str, str]]]:
+    """``function`` tools as chat's function tools; a ``namespace``'s functions offered as
+    ``<namespace>__<name>`` (and recorded, to name their calls back); ``web_search`` tools dropped (this server
+    searches nothing); other tool types a 400."""
     out: list[dict[str, Any]] = []
     namespaced: dict[str, tuple[str, str]] = {}
 
@@ -207,6 +198,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _refuse_state(req: InputTokensRequest) -> None:
+    """Refuses ``store: true``, ``previous_response_id``, ``conversation``, ``background: true``,
+    ``truncation: "auto"``, ``top_logprobs`` above 0, ``max_tool_calls``, ``prompt`` and
+    ``include: ["message.output_text.logprobs"]``: a stateless server without logprobs here cannot honour them."""
     stateless = "This server keeps no responses: send the whole conversation in input."
     if req.previous_response_id is not None:
         raise unsupported("previous_response_id", stateless)
@@ -231,6 +225,11 @@ def _refuse_state(req: InputTokensRequest) -> None:
 
 
 def to_chat(req: InputTokensRequest, *, thinking_switch: bool = False) -> ResponsesTranslation:
+    """``req`` as the chat request. ``instructions`` is the first, system message; ``tool_choice`` and
+    ``parallel_tool_calls`` keep chat's meaning (``auto`` / ``none`` / ``parallel_tool_calls`` are dropped when
+    no function is left to call); ``text.format`` is ``response_format``; ``max_output_tokens`` is
+    ``max_tokens``; ``temperature``, ``top_p`` and ``stream`` keep their names; ``reasoning.effort: "none"``
+    switches the template's ``enable_thinking`` off when ``thinking_switch`` says it has one."""
     _refuse_state(req)
     chat = _Conversation()
     if req.instructions:

@@ -45,7 +45,8 @@ KINDS: dict[str, tuple[str, str]] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from stagemesh.bench import flags
 
-    # Every kind's module imports only the standard library at the top, so building all of them is cheap.
+    # Every kind's module imports only the standard library and light stagemesh modules at the top (no
+    # third-party package: no grpc, MLX or httpx), so building all of them is cheap.
     kinds = parser.add_subparsers(dest="kind", metavar="KIND", title="kinds")
     for kind, (module_name, help_text) in KINDS.items():
         module = importlib.import_module(module_name)

@@ -1,52 +1,17 @@
 """``stagemesh bench compare``: the standing comparisons, each side by side in one ``stagemesh bench serve`` run.
 
-Starts every server of a comparison on loopback, lets ``stagemesh bench serve``
-load them alternately (same prompts, same concurrency levels), stops them, and
-writes its report (JSON) + PNG per comparison under ``--output-dir``:
-
-* ``stock``: stagemesh serve (defaults) vs stock ``mlx_lm.server`` on the same
-  checkpoint converted to an mlx-lm directory (4-bit layers, 8-bit embedding,
-  MLX's bundled reference BLAS): what a user gets out of the box;
-* ``matched``: the same two, but mlx_lm.server on the same dense float32
-  weights with the same optimized BLAS preloaded as our stages;
-* ``pp``: stagemesh PP=2 vs PP=1 on this host;
-* ``two-hosts``: PP=2 over two "hosts" (each stage pinned to its own core)
-  vs PP=1 pinned to one core: the throughput a second host adds;
-* ``mlx-lm``: stagemesh serve (defaults) vs ``mlx_lm.server`` on the same
-  checkpoint, nothing preloaded: the GPU comparison;
-* ``gpus``: on a host with two GPUs, PP=1 (one GPU) vs PP=2 and DP=2 (each
-  stage on its own GPU): what a second GPU adds as a stage or as a replica;
-* ``gpus-pp``: PP=1 vs PP=2 over two GPUs, and PP=2 again with
-  ``STAGEMESH_STEP_AHEAD=off`` (each stage builds a step only once its input
-  is there): what building ahead is worth;
-* ``fused``: stagemesh PP=1 with each layer's q/k/v and gate/up
-  projections joined (``STAGEMESH_FUSE_PROJECTIONS=on``) vs ``off``
-  (mlx-lm's layers as they are): what joining them is worth;
-* ``prefix``: stagemesh serve with the prefix cache off
-  (``--no-enable-prefix-caching``, the baseline), on (the default), and
-  ``mlx_lm.server`` with its prompt cache (on by default) on the same
-  weights (here dense float32 with our optimized BLAS preloaded, as for
-  ``matched``; the ``--shape`` checkpoint as it is on a GPU), on two
-  workloads: ``--conversations`` multi-turn chat conversations at once
-  (``stagemesh bench serve --workload multi-turn``: ``--system-len``,
-  ``--user-len``, ``--turns``) and as many streams of distinct prompts (what
-  the cache costs when it never hits). Writes ``prefix-multi-turn.json``,
-  ``prefix-distinct.json`` (+ PNG) and ``prefix-summary.json``: the three
-  ratios (TTFT p50 on / off and on / mlx_lm.server, distinct-prompt tok/s
-  on / off) against their targets, and the prefix-cache counters each
-  stagemesh server's ``/metrics`` reported after each workload.
-
-``--shape NAME`` serves a model of a real size with random weights instead of
-the embedded one (``random_checkpoint``: Llama 3.2 1B, Llama 3.1 8B, Qwen3 8B),
-written once and read by every server. MODEL may also be a model directory
-(an MLX checkpoint), served to both sides as it is; ``stock`` and ``matched``
-then refuse, as they convert a GGUF for mlx_lm. ``--bare`` adds the bare batched
-forward of the same weights at each concurrency (``stagemesh bench pipeline
---bare N,N``'s reference, the device's limit) to the results.
-
-The report (``--output``, ``--json``) lists every run with its report's path
-and whether every request succeeded; its ratios are every run's, each naming
-its run; for ``prefix`` it holds the summary too. Pinning uses ``taskset`` (Linux).
+Starts every server of a comparison on loopback, lets ``stagemesh bench serve`` load them alternately (same
+prompts, same concurrency levels), stops them, and writes its report (JSON) + PNG under ``--output-dir``.
+The comparisons (``--comparisons``): ``stock`` and ``matched``, stagemesh serve against ``mlx_lm.server`` on
+the GGUF converted for it (as it comes; then on the same dense float32 weights and optimized BLAS as our
+stages); ``mlx-lm``, the same on any checkpoint with nothing preloaded (the GPU comparison); ``pp`` (PP=2 vs
+PP=1); ``two-hosts`` (PP=2, each stage pinned to its own core, vs PP=1 on one core); ``gpus`` (PP=1 vs PP=2
+and DP=2 on two GPUs); ``gpus-pp`` (PP=2 with and without building steps ahead); ``fused`` (projections
+joined or not); ``prefix`` (prefix cache off, on, and ``mlx_lm.server``'s prompt cache, on multi-turn chat
+and on distinct prompts; ``prefix-summary.json`` checks its ratios against their targets). ``--shape NAME``
+serves a real-sized model with random weights; a model directory as MODEL is served as it is (``stock`` and
+``matched`` then refuse). ``--bare`` adds the bare batched forward (the device's limit). The report lists every
+run with its report's path, whether every request succeeded, and its ratios. Pinning uses ``taskset`` (Linux).
 """
 
 from __future__ import annotations
@@ -208,7 +173,8 @@ def format_compare(report: dict) -> str:
 
 
 def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
-    """The bare batched forward of the same weights at every concurrency level (the device's limit)."""
+    """The bare batched forward of the same weights at every concurrency level (the device's limit), as
+    ``stagemesh bench pipeline --bare N,N`` measures it."""
     from coordinator.stage_host import nvidia_smi_list
     from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
     from stagemesh.bench.pipeline import bare_forward
@@ -231,6 +197,25 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
 
 def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), as_is=False,
                       log_dir: Path | None = None) -> list[Endpoint]:
+    """The servers of comparison ``name``, started on ``stack``, the first the one every ratio is taken against:
+
+    - ``stock``: stagemesh serve (defaults) vs stock ``mlx_lm.server`` on the same checkpoint converted to an
+      mlx-lm directory (4-bit layers, 8-bit embedding, MLX's bundled reference BLAS): what a user gets out of
+      the box;
+    - ``matched``: the same two, but mlx_lm.server on the same dense float32 weights with the same optimized
+      BLAS preloaded as our stages;
+    - ``mlx-lm``: stagemesh serve (defaults) vs ``mlx_lm.server`` on the same checkpoint, nothing preloaded;
+    - ``pp``: PP=1 vs PP=2 on this host;
+    - ``two-hosts``: PP=1 pinned to one core vs PP=2 over two "hosts" (each stage pinned to its own core): the
+      throughput a second host adds;
+    - ``gpus``: on a host with two GPUs, PP=1 (one GPU) vs PP=2 and DP=2 (each stage on its own GPU): what a
+      second GPU adds as a stage or as a replica;
+    - ``gpus-pp``: PP=1 vs PP=2 over two GPUs, and PP=2 again with ``STAGEMESH_STEP_AHEAD=off`` (each stage
+      builds a step only once its input is there): what building ahead is worth;
+    - ``fused``: PP=1 with each layer's q/k/v and gate/up projections joined (``STAGEMESH_FUSE_PROJECTIONS=on``)
+      vs ``off`` (mlx-lm's layers as they are): what joining them is worth;
+    - ``prefix``: stagemesh with the prefix cache off (``--no-enable-prefix-caching``, the baseline), on (the
+      default), and ``mlx_lm.server`` with its prompt cache (on by default) on the same weights."""
     ncpu = os.cpu_count() or 1
     serve_args = list(serve_args)
     _stagemesh = functools.partial(_stagemesh_server, log_dir=log_dir)
@@ -238,8 +223,9 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
     if name == "prefix":
         # Cache off first: the baseline every ratio is taken against. mlx_lm.server reads an mlx-lm
         # directory: MODEL's or the --shape checkpoint itself; else, as for ``matched``, the same dense float32
-        # weights with the same BLAS as our stages (stock mlx_lm here is many times slower for reasons
-        # that have nothing to do with caching, which would make "no worse than mlx_lm" say nothing).
+        # weights with the same BLAS as our stages (stock mlx_lm here is far slower for reasons that have
+        # nothing to do with caching, which would make "no worse than mlx_lm" say nothing; docs/performance.md
+        # has the figures).
         if as_is:
             reference, env = model, {}
         else:
@@ -395,7 +381,7 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
         went_well = True
     finally:
         # SIGTERM to the server alone, as a service manager stops it: the whole group would also kill the local
-        # Ray daemons a stagemesh serve started, and its own orderly stop would then wait on them (13 s, not 3).
+        # Ray daemons a stagemesh serve started, and its own orderly stop would then wait on them.
         if process.poll() is None:
             process.terminate()
             try:
@@ -447,7 +433,12 @@ def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir:
 
 
 def _bench_prefix(args, endpoints: list[Endpoint], out: Path, tokenizer_dir: str) -> tuple[list[dict], dict | None]:
-    """The ``prefix`` comparison: multi-turn conversations, then distinct prompts, then the summary."""
+    """The ``prefix`` comparison: ``--conversations`` multi-turn chat conversations at once (``stagemesh bench
+    serve --workload multi-turn``: ``--system-len``, ``--user-len``, ``--turns``), then as many streams of
+    distinct prompts (what the cache costs when it never hits), then the summary. Writes
+    ``prefix-multi-turn.json``, ``prefix-distinct.json`` (+ PNG) and ``prefix-summary.json``
+    (``prefix_summary.summarize``: the ratios against their targets, and the prefix-cache counters each
+    stagemesh server's ``/metrics`` reported after each workload); returns the runs and that summary."""
     from stagemesh.bench.prefix_summary import summarize
 
     conversations = str(args.conversations)

@@ -1,26 +1,17 @@
 """``stagemesh bench engine``: the entry stage alone (engine, scheduler, model), no gRPC and no gateway.
 
-Loads a whole model as one stage (MODEL, the embedded default model, or ``--shape``:
-a real-sized random-weight checkpoint from ``random_checkpoint``) and drives
-its ``EntryEngine`` directly from a client thread, as the stage's gRPC
-handlers would: one stream of ``--output-len`` tokens (time per token, p50), then
-``--streams`` streams together (tokens/s). With ``--profile`` it also prints
-cProfile's top entries of the engine's thread for both runs: where a step's
-host time goes (graph building, kernel launches inside ``mx.async_eval``, KV
-bookkeeping). The engine runs on this process's main thread because MLX's
-CUDA streams belong to the thread that made them, as in a stage.
+Loads a whole model as one stage (MODEL, the embedded default model, or ``--shape``: a real-sized random-weight
+checkpoint from ``random_checkpoint``) and drives its ``EntryEngine`` directly from a client thread, as the
+stage's gRPC handlers would: one stream of ``--output-len`` tokens (time per token, p50), then ``--streams``
+streams together (tokens/s); ``--mixed N`` adds N requests of random lengths. With ``--profile`` it also prints
+cProfile's top entries of the engine's thread: where a step's host time goes (graph building, kernel launches
+inside ``mx.async_eval``, KV bookkeeping). ``--compare-projections N`` measures what joining each layer's
+projections is worth (``stage_worker.fused_projections``), ``--compare-launch N`` what a launch thread is
+worth: the two arms in turns for N rounds, with each round's ratios and their median.
 
-``--compare-projections N`` measures what joining each layer's projections
-is worth (``stage_worker.fused_projections``, ``sibling_projections``): two
-copies of the model, one with mlx-lm's separate projections and one joined
-(twice the weights' memory), run the same set in turns for N rounds, with the
-joined / separate ratio of each round and their median. On a GPU this one
-process is steadier than two servers sharing the device (docs/performance.md).
-
-It is a tool for GPU backends: the weights run as loaded (a quantized
-checkpoint stays quantized) and no BLAS is preloaded, so on the CPU backend it
-does not reproduce a stage's fast path (``stagemesh bench pipeline --bare 1,16``
-does); the report says which BLAS and weights it ran with.
+It is a tool for GPU backends: the weights run as loaded (a quantized checkpoint stays quantized) and no
+BLAS is preloaded, so on the CPU backend it does not reproduce a stage's fast path (``stagemesh bench pipeline
+--bare 1,16`` does); the report says which BLAS and weights it ran with.
 """
 
 from __future__ import annotations
@@ -151,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         comparison: list[dict[str, Any]] = []
         if args.compare_projections:
             # Two copies side by side, measured in turns (the order swapped each round): a GPU host's speed
-            # drifts by tens of percent within minutes, and turns make the drift hit both arms alike.
+            # drifts within minutes, and turns make the drift hit both arms alike. On a GPU this one process
+            # is steadier than two servers sharing the device (docs/performance.md).
             arms: dict[str, StageModel] = {}
             for arm in ("separate", "joined"):
                 model = load()

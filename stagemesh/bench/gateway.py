@@ -1,27 +1,15 @@
 """``stagemesh bench gateway``: the gateway alone, fed tokens as fast as a GPU mesh makes them.
 
-Does the one gateway process (FastAPI, SSE, detokenization, gRPC client) keep up
-with a mesh? On a GPU a replica makes 1000-3000 tokens a second, and the
-gateway has one Python event loop for all of them. This command answers it
-without a GPU: it runs
-
-* a **token source**: a gRPC server speaking ``stagemesh.v1.Stage`` that
-  answers like an entry stage whose steps take ``--step-ms`` (every stream
-  gets one token per step, as in a decode batch; 0: as fast as it can),
-  echoing the prompt's own tokens so detokenization does real work. It serves
-  ``GenerateStream`` as the stage does (one message a step for every request
-  of the call);
-* the **real gateway** (``gateway.app.create_app``, uvicorn, the model's
-  tokenizer) in front of it, in its own process;
-
-then loads the gateway with ``stagemesh bench serve`` (chat, streaming,
-usage) at each ``--concurrency`` level and reports what the gateway process
-spent: CPU seconds per output token and its share of one core, next to the
-tokens per second delivered; the ratios give the delivered rate over the
+Does the one gateway process (FastAPI, SSE, detokenization, gRPC client) keep up with a mesh? A GPU replica
+streams tokens fast (docs/performance.md has the figures), and the gateway has one Python event loop for all
+of them. This command answers it without a GPU: a **token source**, a gRPC server speaking
+``stagemesh.v1.Stage`` that answers like an entry stage whose steps take ``--step-ms`` (every stream one token
+per step, as in a decode batch; 0: as fast as it can), stands for the mesh in a process of its own, so its CPU
+is not the gateway's; the **real gateway** (``gateway.app.create_app``, uvicorn, the model's tokenizer) runs
+in front of it in another. ``stagemesh bench serve`` then loads the gateway (chat, streaming, usage) at each
+``--concurrency`` level. It reports what the gateway process spent, CPU seconds per output token and its
+share of one core, next to the tokens per second delivered; the ratios give the delivered rate over the
 offered one (below 1: the gateway caps the mesh).
-The token source runs in a third process, so its CPU is not the gateway's.
-The source is a benchmark instrument, not a model: it stands for the mesh so
-the gateway's own cost can be read alone.
 """
 
 from __future__ import annotations
@@ -161,7 +149,8 @@ def _table(rows: list[dict]) -> list[str]:
 
 async def _serve_source(port: int, step_ms: float) -> None:
     """A ``stagemesh.v1.Stage`` server that gives every request one token per step, over ``GenerateStream``
-    one message per step for every request of the call."""
+    one message per step for every request of the call, as the entry stage serves it. It echoes the prompt's
+    own tokens, so the gateway's detokenization does real work; it is a benchmark instrument, not a model."""
     import grpc.aio
 
     from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc

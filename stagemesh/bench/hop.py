@@ -1,22 +1,14 @@
 """``stagemesh bench hop``: where the time of one pipeline hop goes, on whatever device MLX runs.
 
-Starts two processes on loopback (MLX ring ranks 0 and 1, plus a plain TCP
-socket between them, as a stage's control lane is) and, for each payload
-shape, times round trips of a ``[rows, hidden]`` array of ``--dtype`` (auto:
-what a stage computes in on this backend) computed on the default device (GPU
-where there is one):
-
-* ``ring``: ``mx.distributed.send`` / ``recv`` as stages pass hidden states with ``--hop-transport ring``
-  (evaluate the array, hand it to MLX's ring, receive, evaluate);
-* ``lane``: the same bytes over the TCP socket instead (evaluate, copy to host,
-  ``sendall``; ``recv_into`` a buffer, ``mx.array`` on the device);
-
-and, on rank 0 alone, the parts: the ``[rows, hidden] @ [hidden, hidden]``
-product each side computes (``compute``; a round trip holds two), evaluating a
-small op on the device (``sync``), copying the array to host memory
-(``to_host``) and creating it on the device from host bytes (``from_host``).
-Each figure is the median of ``--iters`` after ``--warmup``; the report's
-ratios give the lane's round trip over the ring's for each shape.
+Starts two processes on loopback (MLX ring ranks 0 and 1, plus a plain TCP socket between them, as a stage's
+control lane is) and, for each ``--rows`` payload, times round trips of a ``[rows, hidden]`` array of
+``--dtype`` (auto: what a stage computes in on this backend) computed on the default device (GPU where there
+is one): ``ring``, over ``mx.distributed.send`` / ``recv`` as stages pass hidden states with
+``--hop-transport ring``, and ``lane``, the same bytes over the TCP socket through host memory. Rank 0 alone
+also times the parts: the ``[rows, hidden] @ [hidden, hidden]`` product each side computes (``compute``; a
+round trip holds two), evaluating a small op on the device (``sync``), copying the array to host memory
+(``to_host``) and creating it on the device from host bytes (``from_host``). Each figure is the median of
+``--iters`` after ``--warmup``; the report's ratios give the lane's round trip over the ring's for each shape.
 """
 
 from __future__ import annotations
@@ -108,6 +100,9 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def _rank_main(config: dict[str, Any]) -> None:
+    """One rank of the hop (``MLX_RANK``), run as ``python -m stagemesh.bench.hop CONFIG``; rank 0 writes the
+    result. ``ring``: evaluate the array, hand it to MLX's ring, receive, evaluate; ``lane``: evaluate, copy
+    to host, ``sendall``; ``recv_into`` a buffer, ``mx.array`` on the device."""
     import mlx.core as mx
 
     # The lane arm moves bytes exactly as a stage's OutboundLink / InboundLink do.

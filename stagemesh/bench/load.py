@@ -1,29 +1,11 @@
 """The async load runner of ``stagemesh bench serve``: sends streaming requests and times every chunk.
 
-Contract:
-- ``send(...)`` makes one streaming request and always returns a
-  ``RequestRecord``: a non-200 status, a transport error, the whole-request
-  timeout, an error event in the stream, a stream that ends before
-  ``[DONE]``/``finish_reason`` or without any text all become ``ok=False``
-  with the HTTP status and the server's message. Nothing is retried.
-- Output tokens come from the stream's ``usage`` when the server sends it,
-  otherwise from the number of chunks with text; prompt tokens likewise from
-  ``usage``, otherwise from the prompt's own estimate. Given a ``reply`` list,
-  ``send`` appends the streamed text to it (a conversation's next turn re-sends it).
-- ``closed_loop`` keeps N jobs in flight (each worker starts its next job as
-  soon as the last one ends; a job is one request, or one whole conversation
-  of the multi-turn workload); ``open_loop`` starts requests at Poisson
-  arrival times (seeded) and lets at most ``max_concurrency`` run at once.
-  Both stop after ``num_prompts`` jobs, or start no new one after
-  ``duration`` seconds, whichever comes first, and return records in send
-  order (by index, then turn).
-- ``converse(send_turn, system, users)`` runs one conversation: turn after
-  turn, each re-sending the system prompt, every earlier exchange with the
-  reply received, and the next user message; a failed turn ends it (later
-  turns would re-send a history the server never produced).
-- ``Progress`` prints a compact status line per run on stderr (requests done
-  and failed, chunks streamed per second): rewritten in place on a terminal,
-  every few seconds otherwise.
+Contract: ``send`` makes one streaming request and always returns a ``RequestRecord`` (any failure is
+``ok=False`` with the HTTP status and the server's message; nothing is retried). ``closed_loop`` keeps N jobs
+in flight and ``open_loop`` starts requests at seeded Poisson arrival times; both stop after ``num_prompts``
+jobs or ``duration`` seconds and return records in send order. ``converse`` runs one conversation of the
+multi-turn workload; ``Progress`` prints a status line per run on stderr. ``headers_for`` gives an
+endpoint's ``Authorization`` header, ``endpoint_path`` its URL path.
 """
 
 from __future__ import annotations
@@ -85,6 +67,13 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload
                timeout: float, *, level: str, round_: int, index: int, run_start: float,
                queued: float = 0.0, on_chunk: Callable[[], None] | None = None, turn: int = 0,
                reply: list[str] | None = None) -> RequestRecord:
+    """One streaming request, always as a ``RequestRecord``: a non-200 status, a transport error, the
+    whole-request ``timeout``, an error event in the stream, a stream that ends before ``[DONE]`` /
+    ``finish_reason`` or without any text all become ``ok=False`` with the HTTP status and the server's
+    message. Output tokens come from the stream's ``usage`` when the server sends it, otherwise from the
+    number of chunks with text; prompt tokens likewise from ``usage``, otherwise from the prompt's own
+    estimate. Given a ``reply`` list, the streamed text is appended to it (a conversation's next turn re-sends
+    it)."""
     assert endpoint.model is not None, "resolve the model name before sending"
     body = request_body(workload, endpoint.model, prompt)
     if endpoint.extra_body:
@@ -167,6 +156,10 @@ def _more(i: int, plan: RunPlan, deadline: float | None) -> bool:
 
 
 async def closed_loop(run_indexed: JobFn, concurrency: int, plan: RunPlan) -> list[RequestRecord]:
+    """Keep ``concurrency`` jobs in flight: each worker starts its next job as soon as its last one ends (a job
+    is one request, or one whole conversation of the multi-turn workload). No job starts after
+    ``plan.num_prompts`` jobs or ``plan.duration`` seconds, whichever comes first; records in send order (by
+    index, then turn)."""
     deadline = time.perf_counter() + plan.duration if plan.duration else None
     counter = itertools.count()
     records: list[RequestRecord] = []
@@ -180,6 +173,9 @@ async def closed_loop(run_indexed: JobFn, concurrency: int, plan: RunPlan) -> li
 
 
 async def converse(send_turn: TurnFn, system: Prompt, users: Sequence[Prompt]) -> list[RequestRecord]:
+    """One conversation, turn after turn, each re-sending the system prompt, every earlier exchange with the
+    reply received, and the next user message; a failed turn ends it (later turns would re-send a history
+    the server never produced)."""
     exchanges: list[Exchange] = []
     records = []
     for turn, user in enumerate(users, 1):
@@ -193,6 +189,8 @@ async def converse(send_turn: TurnFn, system: Prompt, users: Sequence[Prompt]) -
 
 
 async def open_loop(send_indexed: SendFn, rate: float, plan: RunPlan, rng: random.Random) -> list[RequestRecord]:
+    """Start requests at Poisson arrival times, ``rate`` a second (drawn from ``rng``, so seeded), at most
+    ``plan.max_concurrency`` running at once; stops as ``closed_loop`` does. Records in send order."""
     start = time.perf_counter()
     deadline = start + plan.duration if plan.duration else None
     cap = asyncio.Semaphore(plan.max_concurrency)
@@ -213,7 +211,8 @@ async def open_loop(send_indexed: SendFn, rate: float, plan: RunPlan, rng: rando
 
 
 class Progress:
-    """One status line per run on ``stream``; ``record`` is called as each request ends."""
+    """One status line per run on ``stream`` (requests done and failed, chunks streamed per second): rewritten
+    in place on a terminal, every few seconds otherwise. ``record`` is called as each request ends."""
 
     def __init__(self, title: str, total: int | None, stream: TextIO = sys.stderr) -> None:
         self.title, self.total, self.stream = title, total, stream

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stagemesh.bench import flags
+from stagemesh.bench import flags, random_checkpoint
 from stagemesh.core import settings
 from stagemesh.core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan
 
@@ -105,8 +105,6 @@ def compare(reference: RunRecord, candidate: RunRecord) -> ParityVerdict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stagemesh.serve import add_load_format_argument
-
     flags.add_model_argument(parser)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=2,
                         help="stages of the run compared with PP=1 (default %(default)s)")
@@ -122,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run (default %(default)s)")
     parser.add_argument("--hop-transport", default="lane", choices=("lane", "ring"),
                         help="how the PP=N run passes hidden states between stages (default %(default)s)")
-    add_load_format_argument(parser)
+    random_checkpoint.add_load_format_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

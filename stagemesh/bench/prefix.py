@@ -1,22 +1,18 @@
 """``stagemesh bench prefix``: what the prefix cache is worth, the entry stage alone, cache off against on.
 
-Loads MODEL (default: the embedded model) as one stage (as ``stagemesh bench engine`` does: no
-gRPC, no gateway), with what a stage would choose on this machine (the
-optimized BLAS preloaded, dense weights where ``choose_dense_weights`` says
-so), and runs two workloads twice in one invocation, with
+Loads MODEL (default: the embedded model) as one stage (as ``stagemesh bench engine`` does: no gRPC, no
+gateway), with what a stage would choose on this machine (the optimized BLAS preloaded, dense weights where
+``choose_dense_weights`` says so), and runs two workloads twice in one invocation, with
 ``--no-enable-prefix-caching`` and with the cache on:
 
-* **multi-turn chat**: ``--conversations`` conversations at once, each of
-  ``--turns`` turns; every turn's prompt is a shared system prompt of
-  ``--system-len`` tokens, the conversation's whole history (earlier user
-  turns and the replies generated for them) and a new user turn of
-  ``--user-len`` tokens; ``--output-len`` tokens are generated per turn.
-* **distinct prompts**: as many requests at once, prompts sharing nothing
-  (what the cache costs when it never hits).
+* **multi-turn chat**: ``--conversations`` conversations at once, each of ``--turns`` turns; every turn's
+  prompt is a shared system prompt of ``--system-len`` tokens, the conversation's whole history (earlier user
+  turns and the replies generated for them) and a new user turn of ``--user-len`` tokens;
+* **distinct prompts**: as many requests at once, prompts sharing nothing (what the cache costs when it
+  never hits).
 
-It reports time to first token (p50, per turn after the first of each
-conversation, and over all turns), tokens per second, the hit rate, and the
-on/off ratios. Greedy decoding; the token ids are random but fixed.
+It reports time to first token (p50, over all turns and over turns after the first of each conversation),
+tokens per second, the hit rate, and the on/off ratios. Greedy decoding; the token ids are random but fixed.
 """
 
 from __future__ import annotations

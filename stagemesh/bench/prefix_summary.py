@@ -1,19 +1,12 @@
 """The verdict of ``stagemesh bench compare --comparisons prefix``: the prefix cache's ratios from two reports. Pure.
 
-Contract: ``summarize(multi_turn_doc, distinct_doc, counters=..., baseline=, cached=, reference=)``
-reads two ``stagemesh bench serve`` reports (``--output``; the
-multi-turn and the distinct-prompt workload over the same three endpoints)
-and returns JSON-ready data:
-
-- ``multi_turn`` / ``distinct``: per endpoint and level, TTFT p50 (all turns,
-  turn by turn, and of turns 2 and later), output tok/s, completed/sent;
-- ``targets``: the three the prefix cache is held to, each with its value, the bound and
-  whether it is met (None when a figure is missing): multi-turn TTFT p50 of
-  ``cached`` over ``baseline`` (<= 0.4), of ``cached`` over ``reference``
-  (<= 1.0: no worse than mlx_lm.server), and distinct-prompt output tok/s of
-  ``cached`` over ``baseline`` (>= 0.97), all at the first level of each document;
-- ``prefix_cache_counters``: what the caller read from each stagemesh
-  server's ``/metrics`` after each workload, as given.
+Contract: ``summarize(multi_turn_doc, distinct_doc, counters=..., baseline=, cached=, reference=)`` reads two
+``stagemesh bench serve`` reports (``--output``; the multi-turn and the distinct-prompt workload over the same
+three endpoints) and returns JSON-ready data: ``multi_turn`` / ``distinct`` (per endpoint and level, TTFT p50
+of all turns, turn by turn and of turns 2 and later, output tok/s, completed/sent); ``targets``, the three the
+prefix cache is held to (``TTFT_ON_OVER_OFF``, ``TTFT_ON_OVER_REFERENCE``, ``DISTINCT_TOK_S_ON_OVER_OFF``),
+each with its value, the bound and whether it is met (None when a figure is missing); and
+``prefix_cache_counters``, what the caller read from each stagemesh server's ``/metrics``, as given.
 Nothing here does I/O.
 """
 
@@ -60,6 +53,10 @@ def _target(name: str, value: float | None, bound: float, at_most: bool) -> dict
 
 def summarize(multi_turn_doc: dict[str, Any], distinct_doc: dict[str, Any], *, counters: dict[str, Any],
               baseline: str, cached: str, reference: str) -> dict[str, Any]:
+    """The verdict (see the module docstring). The targets, all at the first level of each document:
+    multi-turn TTFT p50 of ``cached`` over ``baseline`` (at most ``TTFT_ON_OVER_OFF``), of ``cached`` over
+    ``reference`` (at most ``TTFT_ON_OVER_REFERENCE``: no worse than mlx_lm.server), and distinct-prompt
+    output tok/s of ``cached`` over ``baseline`` (at least ``DISTINCT_TOK_S_ON_OVER_OFF``)."""
     multi, distinct = _figures(multi_turn_doc), _figures(distinct_doc)
 
     def at(figures: dict[str, dict[str, Any]], doc: dict[str, Any], endpoint: str, key: str) -> float | None:

@@ -1,22 +1,12 @@
 """Where a stagemesh server's time goes under load, stage by stage.
 
-``profile_endpoint`` loads one stagemesh endpoint alone with one ``stagemesh
-bench serve`` level, and reads the stages' cumulative counters from the gateway's
-``/metrics`` before and after it, and the CPU time of the ``stagemesh serve``
-process (gateway, coordinator and Ray driver) over the same span. The pure
-``stage_profiles`` turns the two snapshots and the level's wall time into one
-row per stage:
-
-* **compute**: the stage's own layers (and embedding / head / sampling) on its batches;
-* **ring wait**: blocked on its inbound link (a relay stage waiting for work, or
-  the entry stage waiting for the sampled tokens of a batch it sent);
-* **send**: handing results to the next stage;
-* **other**: the rest of the wall time. On the entry stage this is scheduling,
-  delivering tokens to the gRPC streams and waiting for new requests; on a
-  relay it is only bookkeeping, since its idle time is ring wait.
-
-Counters come from ``stagemesh_stage_{compute,wait,send}_seconds_total`` and
-``stagemesh_stage_{batches,tokens}_total``.
+``profile_endpoint`` loads one stagemesh endpoint alone with one ``stagemesh bench serve`` level, and reads
+the stages' cumulative counters from the gateway's ``/metrics`` before and after it (``parse_stage_counters``:
+``stagemesh_stage_{compute,wait,send}_seconds_total`` and ``stagemesh_stage_{batches,tokens}_total``), and the
+CPU time of the ``stagemesh serve`` process (gateway, coordinator and Ray driver) over the same span
+(``process_cpu_seconds``). The pure ``stage_profiles`` turns the two snapshots and the level's wall time into
+one ``StageProfile`` per stage (compute, ring wait, send, other); ``format_profile`` shows them as shares of
+the wall time.
 """
 
 from __future__ import annotations
@@ -45,6 +35,16 @@ StageKey = tuple[int, int]  # (replica, rank)
 
 @dataclass(frozen=True)
 class StageProfile:
+    """One stage's time over a span:
+
+    - **compute**: the stage's own layers (and embedding / head / sampling) on its batches;
+    - **ring wait**: blocked on its inbound link (a relay stage waiting for work, or the entry stage waiting
+      for the sampled tokens of a batch it sent);
+    - **send**: handing results to the next stage;
+    - **other**: the rest of the wall time. On the entry stage this is scheduling, delivering tokens to the
+      gRPC streams and waiting for new requests; on a relay it is only bookkeeping, since its idle time is
+      ring wait."""
+
     replica: int
     rank: int
     wall_s: float

@@ -1,21 +1,15 @@
 """A real-sized model with random weights, written as an mlx-lm checkpoint both servers can load.
 
-``stagemesh bench compare --shape llama-3.2-1b`` compares stagemesh with
-``mlx_lm.server`` on a model of a real size without downloading one: the
-shape's ``config.json`` (``stagemesh/bench/model_configs/``), weights drawn
-by mlx-lm's own model class in the shape's dtype, and the embedded default
-model's tokenizer (or ``tokenizer_dir``'s) extended with reserved tokens up to
-the shape's vocabulary, so every id either server samples decodes (the extra
-ones as ``<|reserved_N|>`` text, which a benchmark counting streamed text
-sees). Both servers then read the same files, so neither gets a lighter model
-than the other. ``stagemesh serve --load-format dummy`` draws random weights
-inside each stage instead, without files. ``--shape-layers N`` cuts the shape to
-its first N decoder layers (``shape_config``), so part of a model too big for the
-machine can run. ``--shape-quantization NAME`` (``SHAPE_QUANTIZATIONS``) quantizes
-the random weights with mlx-lm's own ``quantize_model`` (and, for a mixed recipe,
-``mlx_lm.convert``'s predicate), as ``mlx_lm.convert -q`` would: the files and
-config.json's ``quantization`` are a genuine mlx-lm quantized checkpoint, which
-``mlx_lm.server`` and stagemesh both load.
+``stagemesh bench compare --shape llama-3.2-1b`` compares stagemesh with ``mlx_lm.server`` on a model of a real
+size without downloading one. ``write_shape_checkpoint`` writes the ``--shape`` (a shipped ``config.json`` under
+``SHAPES_DIR``, ``stagemesh/bench/model_configs/``; ``shape_names`` lists them), ``write_random_checkpoint`` any
+config: weights drawn by mlx-lm's own model class in the shape's dtype, and a tokenizer extended to the shape's
+vocabulary. Both servers then read the same files, so neither gets a lighter model than the other
+(``stagemesh serve --load-format dummy`` draws random weights inside each stage instead, without files).
+``shape_config`` cuts a shape to its first ``--shape-layers`` decoder layers, so part of a model too big for
+the machine can run; ``--shape-quantization NAME`` (``SHAPE_QUANTIZATIONS``) quantizes the random weights as
+``mlx_lm.convert -q`` would, into a genuine mlx-lm quantized checkpoint. ``check_shape_flags`` checks a kind's
+MODEL and shape flags together.
 """
 
 from __future__ import annotations
@@ -55,6 +49,16 @@ def shape_names() -> list[str]:
     if not SHAPES_DIR.is_dir():
         return []
     return sorted(p.name for p in SHAPES_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def add_load_format_argument(parser: argparse._ActionsContainer) -> None:
+    """``--load-format``, as ``stagemesh serve`` and ``stagemesh bench parity`` take it: ``dummy`` names a shape
+    of ``shape_names`` or a config. Here, beside the shapes, so a bench kind builds it without importing
+    ``stagemesh.serve`` (which pulls in grpc)."""
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="auto reads the model's weights; dummy gives every stage random weights for its slice, "
+                             "to benchmark a model's size without its weights: MODEL is then a directory with a "
+                             "config.json, a .gguf file, or one of the shapes " + ", ".join(shape_names()))
 
 
 def shape_config(name: str, layers: int | None = None) -> dict:
@@ -153,8 +157,9 @@ def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfl
 
 
 def _quantize(model: Any, config: dict, name: str) -> tuple[Any, dict]:
-    """mlx-lm's own quantization of ``model`` (lazily: each weight is drawn and quantized as its shard is
-    written) and the config it writes for it, the ``quantization`` block mlx-lm's loader reads."""
+    """mlx-lm's own quantization of ``model`` (``quantize_model``; for a mixed recipe with ``mlx_lm.convert``'s
+    predicate), lazily: each weight is drawn and quantized as its shard is written; and the config it writes
+    for it, the ``quantization`` block mlx-lm's loader reads, so ``mlx_lm.server`` and stagemesh both load it."""
     import contextlib
     import sys
 
@@ -188,6 +193,9 @@ def _shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
 
 
 def _write_tokenizer(out: Path, vocab_size: int, tokenizer_dir: str | None) -> None:
+    """The embedded default model's tokenizer (or ``tokenizer_dir``'s) extended with reserved tokens up to
+    ``vocab_size``, so every id either server samples decodes (the extra ones as ``<|reserved_N|>`` text,
+    which a benchmark counting streamed text sees)."""
     if tokenizer_dir is not None:
         from transformers import AutoTokenizer
 

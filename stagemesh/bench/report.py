@@ -1,20 +1,12 @@
 """The one report shape of every ``stagemesh bench`` kind, and where it goes.
 
-Contract:
-- ``build_report(kind, started_at=, config=, results=, ratios=)`` is the
-  only place a report is assembled. Every kind's report has the same keys:
-  ``schema`` (``SCHEMA``), ``kind``, ``command`` (argv, as ``stagemesh ...``),
-  ``started_at`` / ``finished_at`` (ISO 8601, UTC), ``environment``
-  (``environment()``), ``config`` (the settings the run used), ``results``
-  (the kind's own measurements) and ``ratios`` (a list of records, each
-  naming what it compares with what; empty where the kind compares nothing).
-- ``environment(local_mlx)``: the host, its CPU and memory, the versions of
-  Python, stagemesh, MLX and mlx-lm (from package metadata, importing
-  nothing), and, for a kind that runs a model on this host, MLX's backend.
-- ``flags_of(args)``: a kind's parsed flags as a ``config`` (without the
-  CLI's own entries and the report flags).
-- ``emit(report, args, text)``: writes ``--output`` and prints either
-  ``text`` (the kind's table) or, with ``--json``, the report itself.
+Contract: ``build_report(kind, started_at=, config=, results=, ratios=)`` is the only place a report is
+assembled. Every kind's report has the same keys (``ENVELOPE_KEYS``): ``schema`` (``SCHEMA``), ``kind``,
+``command`` (argv, as ``stagemesh ...``), ``started_at`` / ``finished_at`` (ISO 8601, UTC), ``environment``
+(``environment()``), ``config`` (the settings the run used), ``results`` (the kind's own measurements) and
+``ratios`` (a list of records, each naming what it compares with what; empty where the kind compares
+nothing). ``flags_of(args)`` turns a kind's parsed flags into its ``config``; ``emit(report, args, text)``
+writes ``--output`` and prints either ``text`` (the kind's table) or, with ``--json``, the report itself.
 Times inside ``results`` are whatever unit their keys say (``_s``, ``_ms``).
 """
 
@@ -50,7 +42,9 @@ def _version(package: str) -> str | None:
 
 
 def environment(local_mlx: bool = False) -> dict[str, Any]:
-    """This host as a report records it; ``local_mlx``: the kind ran a model here, so MLX's backend counts."""
+    """This host as a report records it: its name, CPU and memory, the versions of Python, stagemesh, MLX and
+    mlx-lm (from package metadata, importing nothing), and with ``local_mlx`` (the kind ran a model here)
+    MLX's backend."""
     import psutil
 
     backend = None
@@ -73,7 +67,8 @@ def environment(local_mlx: bool = False) -> dict[str, Any]:
 
 
 def flags_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags a run was given, for its report's ``config``."""
+    """The flags a run was given, for its report's ``config`` (without the CLI's own entries and the report
+    flags)."""
     skip = {"command", "kind", "output", "json"}
     return {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
 

@@ -1,41 +1,17 @@
 """``stagemesh bench serve``: load-test OpenAI-compatible endpoints, like ``vllm bench serve``.
 
-Streams synthetic prompts (``--input-len`` tokens in, up to ``--output-len``
-tokens out) to one or more endpoints (``--base-url``, repeatable: ours,
-``mlx_lm.server``, vLLM, anything speaking the OpenAI API) at each load level:
-``--concurrency 1,4,16`` (closed loop: N requests always in flight) and/or
-``--request-rate 2,8`` (open loop: Poisson arrivals, at most
-``--max-concurrency`` in flight). Reports per endpoint and level: TTFT,
-inter-token latency (ITL, every gap between streamed chunks), TPOT and
-end-to-end latency (mean/p50/p90/p99), output and total tokens/s and
-requests/s over the level's wall time, and completed/failed counts with every
-distinct error. With several endpoints, levels alternate between them
-(A level 1, B level 1, A level 2, ...; every other ``--round`` in reverse
-endpoint order) so machine noise hits all alike, and the report gives each
-endpoint's ratio to the first.
-
-``--workload multi-turn`` replaces the synthetic prompts with chat
-conversations (``stagemesh.bench.conversation``): a system prompt of
-``--system-len`` tokens shared by every conversation of a run, ``--turns``
-turns each adding a user message of ``--user-len`` tokens and re-sending the
-whole history with the replies actually streamed. At ``--concurrency N``, N
-conversations are in flight (``--num-conversations`` per level and round,
-default N: all start together); the report adds the TTFT p50 of every turn,
-which shows what a prefix cache saves. Each level and round has its own
-system prompt (the same for every endpoint), and the warmup sends synthetic
-prompts, so every run starts with nothing of its conversations cached.
-
-Output: a table on stdout, progress on stderr, ``--output results.json``
-(the report every kind writes; its ``results``: per-level and per-round
-metrics, every request's record; its ``ratios``: each endpoint's to the
-first) and ``--plot results.png``. Exits 0 when every request succeeded,
-1 when any failed (they are listed), 2 when the benchmark could not start.
-
-Examples:
-  stagemesh bench serve --concurrency 1,4,16 --num-prompts 64 --plot bench.png
-  stagemesh bench serve --base-url http://127.0.0.1:8000 --label stagemesh \\
-      --base-url http://127.0.0.1:8080 --label mlx_lm --rounds 3 --output cmp.json
-  stagemesh bench serve --workload multi-turn --concurrency 8 --system-len 128 --user-len 16 --turns 3
+Streams synthetic prompts (``--input-len`` tokens in, up to ``--output-len`` out) to one or more endpoints
+(``--base-url``, repeatable: ours, ``mlx_lm.server``, vLLM, anything speaking the OpenAI API) at each load
+level: ``--concurrency 1,4,16`` (closed loop: N requests always in flight) and/or ``--request-rate 2,8`` (open
+loop: Poisson arrivals, at most ``--max-concurrency`` in flight). ``--workload multi-turn`` sends chat
+conversations instead, every turn re-sending the whole history; the report then adds each turn's TTFT p50,
+which shows what a prefix cache saves. Per endpoint and level it reports TTFT, inter-token latency (every gap
+between streamed chunks), TPOT and end-to-end latency (mean/p50/p90/p99), output and total tokens/s,
+requests/s, and completed/failed counts with every distinct error. Several endpoints take turns level by level
+(every other round in reverse order), so machine noise hits all alike, and the ratios compare each to the
+first. Output: a table on stdout, progress on stderr, ``--output`` (JSON), ``--plot`` (PNG). Exits 0 when every
+request succeeded, 1 when any failed, 2 when the benchmark could not start. For example:
+``stagemesh bench serve --base-url http://127.0.0.1:8000 --base-url http://127.0.0.1:8080 --rounds 3``.
 """
 
 from __future__ import annotations

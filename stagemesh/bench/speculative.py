@@ -1,27 +1,17 @@
 """``stagemesh bench speculative``: what speculative decoding is worth, speculation off against on.
 
-Loads MODEL (default: the embedded model; or ``--shape``: a real-sized random-weight checkpoint written first)
-as one stage, as ``stagemesh bench prefix`` does (no gRPC, no gateway; the optimized BLAS preloaded and dense
-weights where a stage would choose them), and runs one workload without and with ``--speculative-config`` in
-one invocation: chat prompts that ask the model to repeat or edit a piece of code it is given (what prompt
-lookup is for), greedy, each until the model's end-of-sequence token or ``--output-len`` tokens. At each
-``--streams`` level that many requests run at once (the prompts in turn; one stream: every prompt once, one
-after the other). Every level runs ``--rounds`` times per arm, the arms alternating so machine noise hits
-both alike.
-
-The "on" arm proposes by prompt lookup unless a draft model is given: ``--draft-model PATH`` (an mlx-lm
-model directory; ``self``: the target's own weights, a GGUF converted first, the acceptance upper bound) or
-``--draft-shape NAME`` (a shipped shape with random weights, written as ``--shape`` writes one, with the same
-tokenizer: the cost of proposals that are rejected). ``--speculative-config`` then gives the rest of the
-draft's config (``num_speculative_tokens``, ``disable_by_batch_size``: raise it to speculate at more streams).
-
-It reports output tokens per second of each arm per level (all tokens over all the time, medians over
-rounds), the on / off ratio, whether the two arms' greedy tokens are identical (they must be), and the share
-of proposed tokens the model accepted. And where a step's time goes: per arm, the target's steps by kind
-(``target_steps``: verifications, plain decode steps, steps holding a prompt chunk; each kind's count and
-milliseconds from handing the batch to the stage until its tokens are read), and with a draft model the
-draft's share (``draft``: milliseconds per proposal round, split into its phases,
-``draft_proposer.DraftTimings``).
+Loads MODEL (default: the embedded model; or ``--shape``: a real-sized random-weight checkpoint) as one stage,
+as ``stagemesh bench prefix`` does, and runs one workload without and with ``--speculative-config``: chat
+prompts that ask the model to repeat or edit a piece of code it is given (what prompt lookup is for), greedy,
+each until end-of-sequence or ``--output-len`` tokens, at each ``--streams`` level (that many requests at
+once), ``--rounds`` times per arm, the arms alternating so machine noise hits both alike. ``--pp N`` runs it
+through two ``stagemesh serve -pp N`` servers instead. The "on" arm proposes by prompt lookup unless a draft
+model is given: ``--draft-model PATH`` (an mlx-lm model directory; ``self``: the target's own weights, the
+acceptance upper bound) or ``--draft-shape NAME`` (random weights: the cost of proposals that are rejected).
+It reports each arm's output tokens per second per level (medians over rounds), the on / off ratio, whether
+the two arms' greedy tokens are identical (they must be: exit 1 otherwise), the share of proposed tokens
+accepted, and where a step's time goes: the target's steps by kind (``target_steps``: verifications, plain
+decode steps, prompt chunks) and, with a draft model, the draft's rounds by phase (``draft``).
 """
 
 from __future__ import annotations
@@ -97,7 +87,8 @@ def _streams(text: str) -> list[int]:
 
 def speculative_config_text(config_text: str | None, draft_dir: str | None) -> str:
     """The 'on' arm's ``--speculative-config`` JSON: as given (or the default), with ``draft_dir`` as its
-    draft model when one is given (pure)."""
+    draft model when one is given (pure). With a draft model the flag gives the rest of the draft's config
+    (``num_speculative_tokens``, ``disable_by_batch_size``: raise it to speculate at more streams)."""
     if draft_dir is None:
         return config_text or DEFAULT_CONFIG
     raw = json.loads(config_text or DEFAULT_DRAFT_CONFIG)
@@ -231,7 +222,9 @@ def _as_served() -> Any:
 
 
 def _draft_dir(args: argparse.Namespace, spec: Any, tmp: Path) -> str | None:
-    """The directory of the 'on' arm's draft model, written or converted under ``tmp`` where needed."""
+    """The directory of the 'on' arm's draft model, written or converted under ``tmp`` where needed:
+    ``--draft-shape`` written as ``--shape`` writes one (``--shape-dtype``, ``--shape-tokenizer``),
+    ``--draft-model self`` the target's own weights (a GGUF target converted first)."""
     if args.draft_shape:
         from stagemesh.bench.random_checkpoint import shape_config, write_random_checkpoint
 
@@ -288,7 +281,8 @@ def _breakdown_lines(levels: list[dict[str, Any]]) -> list[str]:
 def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], output_len: int,
            speculative: Any, proposer: Any, streams: int) -> dict[str, Any]:
     """The prompts through a fresh engine, ``streams`` requests at once (at least every prompt once; request i
-    asks prompt i mod their number); tokens/s over the whole run."""
+    asks prompt i mod their number; one stream: every prompt once, one after the other); tokens/s over the
+    whole run (all tokens over all the time)."""
     from stage_worker.engine import EntryEngine, RequestFailed
     from stage_worker.scheduler import GenerationRequest, Scheduler
     from stage_worker.stage_runtime import StageCompute

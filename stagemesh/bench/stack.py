@@ -1,35 +1,16 @@
 """``stagemesh bench stack``: the same load at four depths of the stack, to say what each layer costs.
 
-One workload (``--input-len`` tokens in, ``--output-len`` out, greedy, no stop),
-at one stream and at ``--streams`` streams, measured
-
-0. **bare**: mlx-lm's layers on the same weights with nothing else, every
-   prompt prefilled together then decoded in lockstep (``stagemesh bench
-   pipeline``'s bare batched workload, MLX's default settings): the device's limit;
-1. **engine**: the entry stage's engine alone, no gRPC (``stagemesh bench engine``,
-   in its own process);
-2. **stage gRPC**: a PP=1 ``stagemesh serve`` of the same model, loaded straight
-   at its entry stage over ``GenerateStream``, every stream of a round on one
-   call as the gateway sends them (the mesh token from this command), the
-   client an asyncio gRPC client in this process;
-3. **gateway**: the same server through its OpenAI API: streaming
-   completions of the same token-id prompts, sent in the same waves as the
-   stage layer (every stream of a round at once), from an asyncio HTTP client
-   in this process; tokens counted from each response's usage, times from
-   its chunks.
-
-Tokens per second, the first token's and the inter-token time (p50) per layer,
-and each layer's throughput over the one below it. The drop from 0 to 1 is the
-engine (scheduling, continuous batching, sampling, MLX's serving settings);
-from 1 to 2, the stage's gRPC delivery of tokens (on the engine's process and
-GIL); from 2 to 3, the gateway (HTTP, tokenization, detokenization, SSE) and
-its own gRPC client. Every figure comes from the same invocation, so the ratios hold on any
-machine; on a GPU, where a step takes a few ms, they show which layer caps the
-mesh. (On the CPU backend the engine layer runs without the optimized BLAS a
-stage and the bare arm preload, as ``stagemesh bench engine`` says, so there the
-engine's ratios mean nothing.)
-
-MODEL, or ``--shape NAME``: a real-sized random-weight model (as ``stagemesh
+One workload (``--input-len`` tokens in, ``--output-len`` out, greedy, no stop), at one stream and at
+``--streams`` streams, measured at four layers: **bare**, mlx-lm's layers on the same weights with nothing else
+(``stagemesh bench pipeline``'s bare batched workload: the device's limit); **engine**, the entry stage's
+engine alone (``stagemesh bench engine``, in its own process); **stage gRPC**, a PP=1 ``stagemesh serve`` of
+the same model loaded straight at its entry stage over ``GenerateStream``; **gateway**, the same server
+through its OpenAI API. It reports tokens per second, the first token's and the inter-token time (p50) per
+layer, and each layer's throughput over the one below it: the engine's cost (scheduling, continuous batching,
+sampling, MLX's serving settings), then the stage's gRPC delivery of tokens, then the gateway's (HTTP,
+tokenization, detokenization, SSE). Every figure comes from one invocation, so the ratios hold on any machine;
+on the CPU backend the engine layer runs without the optimized BLAS (as ``stagemesh bench engine`` says), so
+there its ratios mean nothing. MODEL, or ``--shape NAME``: a real-sized random-weight model (as ``stagemesh
 bench compare``); by default the embedded model. Exits 1 when any request failed.
 """
 
@@ -108,6 +89,8 @@ def _model(args: argparse.Namespace, tmp: Path) -> str:
 
 
 def _bare_layer(args: argparse.Namespace, model: str, levels: list[int]) -> dict[int, dict[str, Any]]:
+    """``pipeline.bare_forward`` at each level: every prompt prefilled together, then decoded in lockstep, with
+    MLX's default settings (no stage's serving settings)."""
     from stagemesh.bench.pipeline import bare_forward
 
     layer = {}
@@ -138,7 +121,8 @@ Outcome = tuple[float, list[float], str | None]  # a stream's start, its tokens'
 
 async def _direct_level(target: str, token: str, streams: int, args: argparse.Namespace) -> dict[str, Any]:
     """``streams`` requests at once over one GenerateStream call, ``args.rounds`` times after one warm-up
-    round; pooled figures."""
+    round; pooled figures. Every stream of a round goes on one call as the gateway sends them, with this
+    command's mesh token, from an asyncio gRPC client in this process."""
     import grpc
 
     from stagemesh.core.mesh_token import call_metadata
@@ -261,7 +245,10 @@ def stack_results(bare: dict[int, dict], engine: dict[int, dict], direct: dict[i
 
 def stack_ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
     """At each level, each layer's tokens/s over the layer below it and the gateway's over the bare forward
-    and the engine (pure)."""
+    and the engine (pure). Bare to engine is the engine (scheduling, continuous batching, sampling, MLX's
+    serving settings); engine to stage gRPC the stage's delivery of tokens (on the engine's process and GIL);
+    stage gRPC to gateway the gateway (HTTP, tokenization, detokenization, SSE) and its own gRPC client. On a
+    GPU they show which layer caps the mesh."""
     pairs = [*zip(LAYERS[1:], LAYERS), ("gateway", "engine"), ("gateway", "bare")]
     return [{"streams": row["streams"], "compares": f"{upper} / {lower} tokens per second",
              "value": _ratio(row["layers"][upper], row["layers"][lower])}

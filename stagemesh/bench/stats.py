@@ -1,23 +1,11 @@
 """Statistics of ``stagemesh bench serve``: pure functions from request records to metrics.
 
-Contract:
-- ``percentile(values, q)`` interpolates linearly between closest ranks (numpy's
-  default), ``None`` for no values.
-- ``inter_token_latencies(chunk_times)`` are the gaps between consecutive
-  streamed chunks with text; the first chunk's time is the TTFT, not an ITL.
-- ``tpot(record)`` is (latency - TTFT) / (output tokens - 1), ``None`` below 2 tokens.
-- ``run_window(records)`` is the wall time of one run: first send to last end,
-  failed requests included (they occupied the server too).
-- ``level_metrics(records)`` pools records of one (endpoint, level), possibly
-  from several rounds: distributions pool every request (ITL: every gap), and
-  throughputs divide tokens of successful requests by the summed wall time of
-  the rounds. Failed requests are counted and sampled, never dropped. For
-  the multi-turn workload ``ttft_by_turn[t - 1]`` is the TTFT of turn t's
-  successful requests (empty otherwise): turn 1 finds at most the system
-  prompt cached, later turns their conversation's history.
-- ``ratios(metrics, labels)`` compares every endpoint to the first, level by
-  level (TTFT p50 per turn too).
-Nothing here does I/O or reads a clock.
+Contract: ``percentile(values, q)`` interpolates linearly between closest ranks (numpy's default), ``None``
+for no values. ``inter_token_latencies``, ``tpot`` and ``run_window`` are the per-request and per-run
+figures; ``level_metrics(records)`` pools the records of one (endpoint, level), possibly from several
+rounds, into a ``LevelMetrics``: distributions pool every request, throughputs divide tokens of successful
+requests by the summed wall time of the rounds, and failed requests are counted and sampled, never dropped.
+``ratios`` compares every endpoint to the first, level by level. Nothing here does I/O or reads a clock.
 """
 
 from __future__ import annotations
@@ -94,16 +82,20 @@ def distribution(values: Sequence[float]) -> Distribution:
 
 
 def inter_token_latencies(chunk_times: Sequence[float]) -> list[float]:
+    """The gaps between consecutive streamed chunks with text; the first chunk's time is the TTFT, not an ITL."""
     return [b - a for a, b in zip(chunk_times, chunk_times[1:])]
 
 
 def tpot(record: RequestRecord) -> float | None:
+    """(latency - TTFT) / (output tokens - 1); ``None`` below 2 tokens."""
     if record.ttft is None or record.output_tokens < 2:
         return None
     return (record.latency - record.ttft) / (record.output_tokens - 1)
 
 
 def run_window(records: Iterable[RequestRecord]) -> float:
+    """The wall time of one run: first send to last end, failed requests included (they occupied the server
+    too)."""
     records = list(records)
     if not records:
         return 0.0
@@ -120,7 +112,8 @@ def error_samples(records: Iterable[RequestRecord], limit: int = ERROR_SAMPLES) 
 
 
 def ttft_by_turn(records: Iterable[RequestRecord]) -> tuple[Distribution, ...]:
-    """TTFT of successful requests, turn by turn (1, 2, ...); empty when no record has a turn."""
+    """TTFT of successful requests, turn by turn (1, 2, ...); empty when no record has a turn. Turn 1 finds at
+    most the system prompt cached, later turns their conversation's history."""
     by_turn: dict[int, list[float]] = {}
     last = 0
     for r in records:
@@ -131,7 +124,10 @@ def ttft_by_turn(records: Iterable[RequestRecord]) -> tuple[Distribution, ...]:
 
 
 def level_metrics(records: Sequence[RequestRecord]) -> LevelMetrics:
-    """Metrics of one (endpoint, level) from all its records (every round)."""
+    """Metrics of one (endpoint, level) from all its records (every round): distributions pool every request
+    (ITL: every gap), throughputs divide tokens of successful requests by the summed wall time of the rounds;
+    failed requests are counted and sampled, never dropped. For the multi-turn workload ``ttft_by_turn[t - 1]``
+    is the TTFT of turn t's successful requests (empty otherwise)."""
     if not records:
         raise ValueError("level_metrics needs at least one record")
     by_round: dict[int, list[RequestRecord]] = {}
@@ -186,7 +182,8 @@ class Ratio:
 
 
 def ratios(pooled: Sequence[LevelMetrics], per_round: Sequence[LevelMetrics], labels: Sequence[str]) -> list[Ratio]:
-    """Each endpoint after the first against the first, per level; also the tok/s ratio of every round."""
+    """Each endpoint after the first against the first, per level (TTFT p50 per turn too); also the tok/s
+    ratio of every round."""
     if len(labels) < 2:
         return []
     baseline = labels[0]

@@ -1,27 +1,13 @@
 """Synthetic workload of ``stagemesh bench serve``: seeded prompts of a given length, and the request body.
 
-Contract:
-- ``make_prompt(key, input_tokens, tokenizer)`` is deterministic in (key,
-  input_tokens, tokenizer): filler words drawn from the fixed ``WORDS`` list by
-  a RNG seeded with ``key``, then ``COUNT_INSTRUCTION``, which asks the model to
-  count for longer than any sensible ``max_tokens`` so outputs run to the limit
-  without the non-portable ``ignore_eos``. With a tokenizer the prompt is
-  ``input_tokens`` long as that tokenizer counts it (special tokens included;
-  within a token or two where a word boundary re-merges); without one, words
-  approximate tokens. A target below the instruction's own length yields just
-  the instruction. ``min_input_tokens`` is the shortest length that still
-  leaves ``MIN_FILLER_TOKENS`` of filler; ``stagemesh bench serve`` refuses a shorter
-  ``--input-len``. Distinct keys give distinct prompts from the first word, so
-  a server's prefix cache cannot make one request cheaper than another.
-- ``sized_text(key, tokens, tokenizer, suffix)`` is that sizing alone: seeded
-  filler words, then ``suffix`` (``make_prompt``'s suffix is the instruction;
-  the multi-turn workload's user messages have none).
-- ``request_body(workload, model, prompt)`` is the JSON body for
-  ``/v1/completions`` or ``/v1/chat/completions`` (a prompt's ``messages``,
-  when it has them, else one user message), streaming; ``ignore_eos`` and
-  ``stream_options`` appear only when asked for (strict servers reject unknown
-  fields with a 400).
-- ``load_tokenizer(path)`` reads a GGUF file or a model/tokenizer directory, offline.
+Contract: ``make_prompt(key, input_tokens, tokenizer)`` is deterministic in its arguments: filler words drawn
+from ``WORDS`` with ``key``, then ``COUNT_INSTRUCTION``, so outputs run to ``max_tokens`` without the
+non-portable ``ignore_eos``. Distinct keys give distinct prompts from the first word, so a server's prefix
+cache cannot make one request cheaper than another; ``min_input_tokens`` is the shortest length that still
+leaves ``MIN_FILLER_TOKENS`` of filler, and ``stagemesh bench serve`` refuses a shorter ``--input-len``.
+``sized_text`` is that sizing alone (the multi-turn user messages); ``request_body`` is the JSON body for
+``/v1/completions`` or ``/v1/chat/completions``; ``load_tokenizer(path)`` reads a GGUF file or a
+model/tokenizer directory, offline.
 """
 
 from __future__ import annotations
@@ -78,6 +64,10 @@ def min_input_tokens(tokenizer: Tokenizer | None = None) -> int:
 
 
 def make_prompt(key: str, input_tokens: int, tokenizer: Tokenizer | None = None) -> Prompt:
+    """Filler words drawn with ``key``, then ``COUNT_INSTRUCTION``, which asks the model to count for longer
+    than any sensible ``max_tokens``. With a tokenizer the prompt is ``input_tokens`` long as that tokenizer
+    counts it (special tokens included; within a token or two where a word boundary re-merges); without one,
+    words approximate tokens. A target below the instruction's own length yields just the instruction."""
     return sized_text(key, input_tokens, tokenizer, COUNT_INSTRUCTION)
 
 
@@ -108,6 +98,9 @@ def sized_text(key: str, tokens: int, tokenizer: Tokenizer | None = None, suffix
 
 
 def request_body(workload: Workload, model: str, prompt: Prompt) -> dict[str, Any]:
+    """The streaming request's JSON body: a prompt's ``messages`` when it has them, else one user message
+    (chat) or the prompt text (completions). ``ignore_eos`` and ``stream_options`` appear only when asked for
+    (strict servers reject unknown fields with a 400)."""
     body: dict[str, Any] = {"model": model, "max_tokens": workload.output_tokens, "stream": True,
                             "temperature": workload.temperature}
     if prompt.messages is not None:

@@ -1,21 +1,15 @@
 """Which GPU a stage computes on, on a node with several: the rule the coordinator and a stage share.
 
-MLX computes on device 0 of the GPUs its process can see, so two stages on one
-NVIDIA host would both compute on GPU 0 while the others idle. The coordinator
-therefore gives each stage a ``gpu_index`` (``StageOptions``): an index into
-*the node's visible GPUs*, which are the entries of ``CUDA_VISIBLE_DEVICES``
-when the node's environment sets it, else every GPU ``nvidia-smi -L`` lists.
-The node's StageHost counts them (``node_gpu_count``); the stage, before MLX
-loads, narrows its own ``CUDA_VISIBLE_DEVICES`` to that one entry
-(``stage_gpu_environment``), so inside the stage its GPU is device 0. Metal
-and CPU nodes count 0 GPUs: nothing to assign (a Mac has one GPU, shared by
-its stages).
+MLX computes on device 0 of the GPUs its process can see, so two stages on one NVIDIA host would both compute
+on GPU 0 while the others idle. The coordinator therefore gives each stage a ``gpu_index`` (``StageOptions``):
+an index into *the node's visible GPUs*, the entries of ``CUDA_VISIBLE_DEVICES`` when the node's environment
+sets it, else every GPU ``nvidia-smi -L`` lists. The node's StageHost counts them (``node_gpu_count``); the
+stage, before MLX loads, narrows its own ``CUDA_VISIBLE_DEVICES`` to that one entry
+(``stage_gpu_environment``), so inside the stage its GPU is device 0. Metal and CPU nodes count 0 GPUs:
+nothing to assign (a Mac has one GPU, shared by its stages). ``STAGEMESH_GPU_PER_STAGE=off`` on a node leaves
+its stages' ``CUDA_VISIBLE_DEVICES`` as the node sets it (to pin GPUs by hand).
 
-``STAGEMESH_GPU_PER_STAGE=off`` on a node leaves its stages'
-``CUDA_VISIBLE_DEVICES`` as the node sets it (to pin GPUs by hand).
-
-Pure functions over plain values; the callers read the environment and run
-``nvidia-smi``.
+Pure functions over plain values; the callers read the environment and run ``nvidia-smi``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """Mutual TLS for the gRPC control plane: one directory per node, one home for its file names.
 
-A node's TLS directory (``--grpc-tls-dir`` / ``STAGEMESH_GRPC_TLS_DIR``) holds:
+A node's TLS directory (``--grpc-tls-dir`` / ``STAGEMESH_GRPC_TLS_DIR``) holds ``ca.pem`` (the mesh's CA, the
+same file on every node), ``node.pem`` (this node's certificate, signed by that CA, naming the addresses its
+stages advertise and good for both server and client authentication) and ``node.key`` (its private key, mode
+0600). ``stagemesh certs`` makes them; ``stagemesh doctor`` checks them.
 
-- ``ca.pem``: the mesh's certificate authority (the same file on every node);
-- ``node.pem``: this node's certificate, signed by that CA, naming the
-  addresses its stages advertise (subjectAltName IPs / DNS names) and good for
-  both server and client authentication;
-- ``node.key``: its private key (mode 0600).
-
-``stagemesh certs`` makes them (``stagemesh/certs.py``); ``stagemesh doctor``
-checks them. Contract:
-
-- ``read_tls_dir(path)`` -> ``TlsFiles`` (the three files' bytes; the key is
-  never in a repr), or ``UserError`` naming the missing or unreadable file.
-- ``server_credentials(files)``: a stage's port; it requires a client
-  certificate signed by ``ca.pem`` (``require_client_auth``), so a caller
-  without one (or with one from another CA) cannot even open a call.
-- ``channel_credentials(files)``: the gateway's and coordinator's channels:
-  they verify the stage's certificate against ``ca.pem`` and present
-  ``node.pem``.
-- ``open_channel(target, files, options)`` / ``open_aio_channel``: a secure
-  channel when ``files`` is given, else an insecure one (the default: TLS is
-  optional, the mesh token guards the calls either way).
+Contract: ``read_tls_dir(path)`` -> ``TlsFiles`` (the key is never in a repr) or ``UserError`` naming the
+file; ``server_credentials`` (a stage's port: callers must present a certificate signed by ``ca.pem``);
+``channel_credentials`` (the gateway's and coordinator's channels); ``open_channel`` / ``open_aio_channel``: a
+secure channel when files are given, else an insecure one (TLS is optional, the mesh token guards the calls
+either way).
 """
 
 from __future__ import annotations
@@ -49,6 +37,7 @@ class TlsFiles:
 
 
 def read_tls_dir(path: str, source: str = "--grpc-tls-dir") -> TlsFiles:
+    """The three files' bytes, or ``UserError`` naming ``source`` and the missing or unreadable file."""
     directory = Path(path).expanduser()
     contents = []
     for name in (CA_FILE, CERT_FILE, KEY_FILE):
@@ -62,11 +51,15 @@ def read_tls_dir(path: str, source: str = "--grpc-tls-dir") -> TlsFiles:
 
 
 def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
+    """A stage's port: it requires a client certificate signed by ``ca.pem`` (``require_client_auth``), so a
+    caller without one (or with one from another CA) cannot even open a call."""
     return grpc.ssl_server_credentials([(files.key, files.cert)], root_certificates=files.ca,
                                        require_client_auth=True)
 
 
 def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
+    """The gateway's and coordinator's channels: they verify the stage's certificate against ``ca.pem`` and
+    present ``node.pem``."""
     return grpc.ssl_channel_credentials(root_certificates=files.ca, private_key=files.key,
                                         certificate_chain=files.cert)
 

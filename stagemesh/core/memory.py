@@ -1,26 +1,15 @@
 """Memory facts and rules that the layer planner (coordinator) and every stage (stage_worker) share.
 
-One home for the rules both sides must apply identically, or a plan the
-coordinator thinks fits would be refused by the stage that loads it:
+One home for the rules both sides must apply identically, or a plan the coordinator thinks fits would be
+refused by the stage that loads it:
 
-- ``NodeMemory``: what a node says about itself, read where it runs (the
-  StageHost asks ``python -m stage_worker.node_probe`` on its own node): MLX's
-  backend, the device, the host's and the GPU's memory, the
-  ``STAGEMESH_NODE_MEMORY`` cap and the ``STAGEMESH_NODE_SPEED`` hint.
-- ``budget_for``: a stage's memory budget from those numbers (Metal: MLX's
-  recommended working set; CUDA: the GPU's memory; CPU: the host's), times
-  ``--memory-fraction``, split evenly between the stages sharing that memory.
-- ``RUNTIME_OVERHEAD_BYTES``: what a stage process needs beyond weights and KV.
-- ``ModelFacts``: a model's size as the planner needs it (bytes of each decoder
-  layer, the embedding, the head, each layer's KV: per position, bounded by a
-  sliding window, or a fixed state per sequence), kept as packed bytes plus
-  elements so each stage's compute dtype gives its bytes.
-- ``StageKV`` / ``kv_capacity_tokens``: a slice's KV and the token positions of
-  it a room of memory holds, counted the same way by the planner and the stage.
+- ``NodeMemory``: what a node says about itself (backend, device, memory, cap, speed), read where it runs.
+- ``budget_for`` / ``MemoryBudget``: a stage's budget, the memory it computes in times ``--memory-fraction``,
+  split evenly between the stages sharing it; ``RUNTIME_OVERHEAD_BYTES`` is what it needs beyond weights and KV.
+- ``ModelFacts`` and ``DraftFacts``: a model's and a draft model's size as the planner needs it, kept so
+  each stage's compute dtype gives its bytes (``TensorBytes``).
+- ``StageKV`` / ``kv_capacity_tokens``: a slice's KV and the token positions of it a room of memory holds.
 - ``AUTO_DTYPES`` / ``dtype_bytes``: the compute dtype ``--dtype auto`` picks per backend.
-- ``DraftFacts``: what a draft model (``--speculative-config`` ``"model"``) adds to the entry stage: its
-  weights, and KV for every sequence that may speculate at full length, spanning the columns its batch may
-  (``draft_kv_columns``, holes included); the planner and the stage subtract it from the entry stage's room.
 
 Pure standard library: the core must not load MLX, NumPy or Ray.
 """
@@ -34,7 +23,7 @@ from typing import Any
 from stagemesh.core.errors import UserError
 
 # What a stage process needs beyond weights and KV: Python, MLX, mlx-lm (which imports
-# transformers), gRPC, ring buffers, activations of one batch: about 120-200 MB on Linux.
+# transformers), gRPC, ring buffers, activations of one batch (docs/performance.md has the figures).
 RUNTIME_OVERHEAD_BYTES = 256 * 1024 * 1024
 
 # --dtype auto: the compute dtype each backend runs best (stage_worker.stage_model resolves names to MLX dtypes).
@@ -109,7 +98,9 @@ def stages_sharing_memory(backend: str, stages_on_host: int, stages_on_gpu: int,
 
 @dataclass(frozen=True)
 class NodeMemory:
-    """What one node says about its memory and backend, read on that node (see the module docstring)."""
+    """What one node says about its memory and backend, read on that node: the StageHost asks
+    ``python -m stage_worker.node_probe`` on its own node for MLX's backend, the device, the host's and the
+    GPU's memory, the ``STAGEMESH_NODE_MEMORY`` cap and the ``STAGEMESH_NODE_SPEED`` hint."""
 
     backend: str  # cpu, metal or cuda
     device: str  # the device's name
@@ -305,7 +296,10 @@ class DraftFacts:
     """A draft model on the entry stage: its weights, the KV elements one position of one sequence takes in all
     its layers, and how many sequences may hold draft KV at once (``--speculative-config``'s
     ``disable_by_batch_size``, at most ``--max-num-seqs``: a sequence gets draft KV only while no more run) with
-    how many proposals each feeds."""
+    how many proposals each feeds.
+
+    Its KV spans the columns its batch may (``draft_kv_columns``, holes included); the planner and the stage
+    both subtract ``reserved_bytes`` from the entry stage's room."""
 
     weights: TensorBytes
     kv_elements_per_token: int

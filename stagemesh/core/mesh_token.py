@@ -2,21 +2,12 @@
 
 Contract:
 
-- ``resolve_token(flag, env)``: ``--mesh-token`` wins, then ``STAGEMESH_MESH_TOKEN``,
-  else a fresh random token (``generate_token``): a single-machine mesh needs no
-  setup, a cluster whose nodes start stages for one coordinator gets the token
-  through each stage's ``StageLaunch``. A token that cannot travel as gRPC
-  metadata (non-printable ASCII, spaces, too short) raises ``UserError``.
-- ``METADATA_KEY`` / ``call_metadata(token)``: the metadata a client sends
-  (``authorization: Bearer <token>``, so ``grpcurl -H 'authorization: Bearer …'``
-  works as it does for any bearer-guarded gRPC service).
-- ``requires_token(method)``: default deny. Only the methods in ``OPEN_METHODS``
-  and the services in ``OPEN_SERVICES`` (health, reflection, ``GetStageInfo``:
-  what probes and ``grpcurl list`` need, none of which changes state) are open;
-  every other method, including any added later, needs the token.
-- ``token_matches(metadata, expected)``: constant-time comparison
-  (``hmac.compare_digest``) so the answer's timing says nothing about how much
-  of a guess was right.
+- ``resolve_token(flag, env)``: ``--mesh-token``, then ``STAGEMESH_MESH_TOKEN``, else a fresh random token
+  (``generate_token``); a token that cannot travel as gRPC metadata raises ``UserError`` (``check_token``).
+- ``METADATA_KEY`` / ``call_metadata(token)``: the metadata a client sends (``authorization: Bearer <token>``).
+- ``requires_token(method)``: default deny; only ``OPEN_METHODS`` and ``OPEN_SERVICES`` (health, reflection,
+  ``GetStageInfo``, none of which changes state) are open.
+- ``token_matches(metadata, expected)``: a constant-time comparison.
 
 The token is never logged: callers keep it in fields with ``repr=False``.
 """
@@ -62,7 +53,11 @@ def check_token(token: str, source: str) -> str:
 
 
 def resolve_token(flag: str | None, env: Mapping[str, str]) -> str:
-    """The mesh's token: ``--mesh-token``, else ``STAGEMESH_MESH_TOKEN``, else a generated one."""
+    """The mesh's token: ``--mesh-token``, else ``STAGEMESH_MESH_TOKEN``, else a generated one.
+
+    A single-machine mesh needs no setup; a cluster whose nodes start stages for one coordinator gets the
+    token through each stage's ``StageLaunch``. A token that cannot travel as gRPC metadata (non-printable
+    ASCII, spaces, too short) raises ``UserError``."""
     if flag:
         return check_token(flag, "--mesh-token")
     from_env = (settings.read("MESH_TOKEN", env) or "").strip()
@@ -72,12 +67,16 @@ def resolve_token(flag: str | None, env: Mapping[str, str]) -> str:
 
 
 def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """The metadata a client attaches to each call to a stage."""
+    """The metadata a client attaches to each call to a stage: ``authorization: Bearer <token>``, so
+    ``grpcurl -H 'authorization: Bearer …'`` works as it does for any bearer-guarded gRPC service."""
     return ((METADATA_KEY, SCHEME + token),)
 
 
 def requires_token(method: str) -> bool:
-    """Whether the full method name (``/package.Service/Method``) needs the token: all but the open ones."""
+    """Whether the full method name (``/package.Service/Method``) needs the token: all but the open ones.
+
+    Default deny: only ``OPEN_METHODS`` and ``OPEN_SERVICES`` (what probes and ``grpcurl list`` need, none of
+    which changes state) are open; every other method, including any added later, needs the token."""
     if method in OPEN_METHODS:
         return False
     service = method.lstrip("/").partition("/")[0]
@@ -85,7 +84,8 @@ def requires_token(method: str) -> bool:
 
 
 def token_matches(metadata: Iterable[tuple[str, str | bytes]], expected: str) -> bool:
-    """Whether ``metadata`` carries ``authorization: Bearer <expected>``; constant time in the token."""
+    """Whether ``metadata`` carries ``authorization: Bearer <expected>``; constant time in the token
+    (``hmac.compare_digest``), so the answer's timing says nothing about how much of a guess was right."""
     presented = b""
     for key, value in metadata:
         if key == METADATA_KEY:

@@ -1,20 +1,17 @@
 """The sampling contract: what a request may ask of the sampler, with its ranges and defaults, in one place.
 
 Contract:
-- ``SamplingParams`` is the one shape of a request's sampling from the gateway to the last stage
-  (frozen; OpenAI's and vLLM's defaults: ``SamplingParams()`` samples at temperature 1, ``GREEDY``
-  takes the argmax).
+- ``SamplingParams`` is the one shape of a request's sampling from the gateway to the last stage (frozen;
+  OpenAI's and vLLM's defaults: ``SamplingParams()`` samples at temperature 1, ``GREEDY`` takes the argmax).
 - ``RANGES`` holds every numeric field's range; ``MAX_LOGIT_BIAS`` and ``MAX_TOP_LOGPROBS`` the sizes.
-  ``check(params, vocab_size=, max_tokens=, name=)`` enforces them and raises ``SamplingError``,
-  a ``ValueError`` whose message names the field as the caller calls it (``name``: the gateway's
-  JSON field, the stage's ``sampling.<field>``) and whose ``name`` is that field.
-- Where the checks run: once, in the gateway's request validation (``gateway.sampling_params``).
-  The entry stage's gRPC boundary runs this same ``check`` for callers other than the gateway
-  (grpcurl, benchmarks, tests); past it nothing checks again: the scheduler, the wire and the
-  last stage trust what they receive.
-- ``to_proto`` / ``from_proto`` are the one conversion to and from ``stagemesh.v1.SamplingParams``
-  (proto3 cannot tell an unset float from 0: temperature 0 is greedy, and top_p or
-  repetition_penalty 0 mean their default); ``to_json`` / ``from_json`` the one as plain JSON.
+  ``check(params, vocab_size=, max_tokens=, name=)`` enforces them and raises ``SamplingError``, a
+  ``ValueError`` naming the field as the caller calls it (the gateway's JSON field, the stage's
+  ``sampling.<field>``).
+- The checks run once, in the gateway's request validation (``gateway.sampling_params``); the entry stage's
+  gRPC boundary runs the same ``check`` for other callers (grpcurl, benchmarks, tests). Past it nothing
+  checks again: the scheduler, the wire and the last stage trust what they receive.
+- ``to_proto`` / ``from_proto`` are the one conversion to and from ``stagemesh.v1.SamplingParams``;
+  ``to_json`` / ``from_json`` the one as plain JSON.
 """
 
 from __future__ import annotations
@@ -168,6 +165,8 @@ def check_token_ids(name: str, ids: Iterable[int], vocab_size: int | None) -> No
 
 
 def to_proto(params: SamplingParams) -> stage_pb2.SamplingParams:
+    """``params`` as ``stagemesh.v1.SamplingParams``. proto3 cannot tell an unset float from 0: temperature 0
+    is greedy, and top_p or repetition_penalty 0 mean their default (``from_proto``)."""
     message = stage_pb2.SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,

@@ -1,24 +1,13 @@
 """The mesh as the coordinator sees it, and a stage's counters: frozen snapshots everyone reads.
 
-``StageStats`` is the one shape of a stage's counters: the stage fills it, it
-travels as ``stagemesh.v1.StageStats`` (``to_proto`` / ``from_proto``), the
-coordinator keeps it in the snapshot and the benchmark's profile reads it back
-from ``/metrics``.
+``StageStats`` is the one shape of a stage's counters: the stage fills it, it travels as
+``stagemesh.v1.StageStats`` (``to_proto`` / ``from_proto``), the coordinator keeps it in the snapshot and the
+benchmark's profile reads it back from ``/metrics``.
 
-The coordinator produces a new ``MeshSnapshot`` whenever something changes
-(placement, health, stats); readers never mutate it. ``to_json`` is the
-contract of ``GET /mesh`` and ``stagemesh status --json``:
-``{"model", "replicas": [{"replica", "healthy", "restarts", "state",
-"consecutive_failures", "backoff_s", "next_restart_at", "stages": [{"rank", "layers":
-[start, end], "host", "grpc_port", "ring_port", "pid", "node_id",
-"compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...,
-"stats": {..., "kv_tokens", "kv_token_capacity"}}]}], "events": [...]}`` (each
-stage's KV in tokens: what its sequences hold now and what its budget allows;
-a replica's ``state`` is a ``ReplicaState``, ``consecutive_failures`` its
-failures since it last served a while in one go, ``backoff_s`` /
-``next_restart_at`` (Unix seconds) the wait before its pending restart while
-it backs off, else null; ``events``: the coordinator's recent ``MeshEvent``s,
-oldest first).
+The coordinator produces a new ``MeshSnapshot`` (of ``ReplicaSnapshot`` and ``StageSnapshot``) whenever
+something changes (placement, health, stats); readers never mutate it. ``MeshSnapshot.to_json`` is the
+contract of ``GET /mesh`` and ``stagemesh status --json``. ``MeshView`` is what the gateway needs from
+whoever runs the mesh.
 """
 
 from __future__ import annotations
@@ -176,6 +165,17 @@ class MeshSnapshot:
         return self.healthy_replicas or tuple(r for r in self.replicas if r.suspect)
 
     def to_json(self) -> dict[str, Any]:
+        """The contract of ``GET /mesh`` and ``stagemesh status --json``.
+
+        ``{"model", "replicas": [{"replica", "healthy", "restarts", "state", "consecutive_failures",
+        "backoff_s", "next_restart_at", "stages": [{"rank", "layers": [start, end], "host", "grpc_port",
+        "ring_port", "pid", "node_id", "compute_dtype", "quantized", "blas", "backend", "device", "healthy", ...,
+        "stats": {..., "kv_tokens", "kv_token_capacity"}}]}], "events": [...]}``: each stage's KV in tokens
+        (what its sequences hold now and what its budget allows); a replica's ``state`` is a ``ReplicaState``,
+        ``consecutive_failures`` its failures since it last served a while in one go, ``backoff_s`` /
+        ``next_restart_at`` (Unix seconds) the wait before its pending restart while it backs off, else null;
+        ``events``: the coordinator's recent ``MeshEvent``s, oldest first.
+        """
         return {"model": self.model, "replicas": [r.to_json() for r in self.replicas],
                 "events": [e.to_json() for e in self.events]}
 

@@ -2,17 +2,12 @@
 
 Contract:
 - ``SpeculativeConfig`` is the frozen, checked form. ``parse_speculative_config(text)`` reads the flag's JSON
-  (vLLM's keys) and raises ``SpeculativeConfigError`` (a ``UserError``) naming the key to change: an unknown
-  key or method, ``num_speculative_tokens`` outside 1..``MAX_SPECULATIVE_TOKENS``, a ``prompt_lookup_min``
-  above ``prompt_lookup_max``, a ``disable_by_batch_size`` below 1, a ``draft_model`` method without a
-  ``"model"`` or a ``"model"`` with another method.
+  (vLLM's keys and defaults) and raises ``SpeculativeConfigError`` (a ``UserError``) naming the key to change.
 - Two methods: ``ngram`` (prompt lookup) and ``draft_model`` (a small mlx-lm model at ``model``, a path; vLLM
   takes ``"model"`` alone to mean this method). Whether the path holds a model whose vocabulary is the
   target's is checked where both are read (``stage_worker.draft_proposer.check_draft_model``), not here.
-- vLLM's defaults for ngram: both lookup bounds 5 when neither is given, else the missing one equals the
-  other. ``disable_by_batch_size`` (vLLM's key): no sequence speculates while more than this many run;
-  unset, the entry stage's backend decides (``limit_for``: ``DEFAULT_DISABLE_BY_BATCH_SIZE``, on CUDA
-  ``CUDA_DISABLE_BY_BATCH_SIZE``).
+- ``disable_by_batch_size`` (vLLM's key): no sequence speculates while more than this many run; unset, the
+  entry stage's backend decides (``SpeculativeConfig.limit_for``).
 - ``to_json`` / ``from_json`` are the form the launch plan carries to every stage.
 """
 
@@ -31,10 +26,10 @@ METHODS = (NGRAM, DRAFT_MODEL)
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, for both bounds when neither is given
 # Above this many running sequences a step's extra verification rows cost more than the trips they save: the
-# batch is no longer bound by the walk through the stages but by its rows (docs/performance.md).
+# batch is bound by its rows rather than by the walk through the stages (docs/performance.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-# On an NVIDIA GPU a verification of several sequences costs more than the trips it saves (measured with prompt
-# lookup on an H200: 0.58x at 4 streams, 2.7x at one; docs/performance.md), so only a lone sequence speculates.
+# On an NVIDIA GPU a verification of several sequences costs more than the trips it saves, so only a lone
+# sequence speculates (docs/performance.md has the figures).
 CUDA_DISABLE_BY_BATCH_SIZE = 1
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size")
@@ -100,7 +95,12 @@ class SpeculativeConfig:
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
-    """The flag's JSON as a checked config (vLLM's keys and ngram defaults)."""
+    """The flag's JSON as a checked config (vLLM's keys and ngram defaults).
+
+    Raises ``SpeculativeConfigError`` naming the key: an unknown key or method, ``num_speculative_tokens``
+    outside 1..``MAX_SPECULATIVE_TOKENS``, a ``prompt_lookup_min`` above ``prompt_lookup_max``, a
+    ``disable_by_batch_size`` below 1, a ``draft_model`` method without a ``"model"`` or a ``"model"`` with
+    another method."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:

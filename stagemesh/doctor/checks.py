@@ -1,19 +1,16 @@
 """``stagemesh doctor``'s checks: pure functions from gathered facts to findings.
 
-Nothing here touches the machine: ``doctor_facts`` gathers ``NodeFacts`` (on
-this node, or on every Ray node through a pinned task) and these functions turn
-them into ``Finding`` values, each with a severity, what is wrong and how to
-fix it (an exact command or flag). Tests feed them plain values.
+Nothing here touches the machine: ``stagemesh.doctor.facts`` gathers ``NodeFacts`` (on this node, or on every
+Ray node through a pinned probe) and ``check_node``, ``check_cluster`` and ``check_join`` turn them into
+``Finding`` values, each with a severity, what is wrong and how to fix it (an exact command or flag). Tests
+feed them plain values.
 
-The pitfalls checked are the ones multi-Mac MLX serving is known for:
-no ``mlx`` resource on a node; the advertised address on loopback, on a VPN
-tunnel, not on this node, or differing from Ray's node address; ``*.local``
-resolving to loopback; ring / gRPC / gateway ports busy here or unreachable
-from a peer; Python / MLX / stagemesh / Ray versions differing across nodes;
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` missing on macOS; Ray's token
-authentication half set up; the Metal backend missing (Rosetta, the CPU wheel);
-MLX's CPU wheel on a node with NVIDIA GPUs. Each node's MLX backend, device
-and GPU count are reported too (``device``).
+The pitfalls checked are the ones multi-Mac MLX serving is known for: no ``mlx`` resource on a node; the
+advertised address on loopback, on a VPN tunnel, not on this node, or differing from Ray's node address;
+``*.local`` resolving to loopback; ring / gRPC / gateway ports busy here or unreachable from a peer; Python /
+MLX / stagemesh / Ray versions differing across nodes; ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` missing on macOS;
+Ray's token authentication half set up; the Metal backend missing (Rosetta, the CPU wheel); MLX's CPU wheel on
+a node with NVIDIA GPUs. Each node's MLX backend, device and GPU count are reported too (``device``).
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """``stagemesh doctor``: check this node, or every node of the cluster, for the known pitfalls; say how to fix each.
 
-Without ``RAY_ADDRESS`` (or ``--address``) it checks this machine: MLX's
-backend, the address its stages would advertise (``STAGEMESH_HOST_IP``: on
-this node, not loopback, not a VPN tunnel), how its names resolve (``*.local``
-to loopback), the ring / lane / gRPC / gateway ports, and, when
-``STAGEMESH_HOST_IP`` says it is meant for a cluster, Ray's macOS cluster
-switch and token authentication; with ``--grpc-tls-dir`` (or
-``STAGEMESH_GRPC_TLS_DIR``) this node's mesh certificates (``stagemesh.doctor.tls``).
+Without ``RAY_ADDRESS`` (or ``--address``) it checks this machine: MLX's backend, the address its stages would
+advertise (``STAGEMESH_HOST_IP``: on this node, not loopback, not a VPN tunnel), how its names resolve
+(``*.local`` to loopback), the ring / lane / gRPC / gateway ports, and, when ``STAGEMESH_HOST_IP`` says it is
+meant for a cluster, Ray's macOS cluster switch and token authentication; with ``--grpc-tls-dir`` (or
+``STAGEMESH_GRPC_TLS_DIR``) this node's mesh certificates.
 
-With ``RAY_ADDRESS`` it joins that cluster and runs a small probe pinned to
-every node (``NodeAffinitySchedulingStrategy``), so each node reports its own
-facts in the environment Ray gives its workers (the one the stages inherit);
-the probes also listen on each node's ports while the other nodes connect to
-them. On top of the per-node checks it reports nodes without an ``mlx`` unit,
-too few units for ``-pp`` x ``-dp``, versions that differ across nodes, two
-nodes advertising one address, and ports one node cannot reach on another.
+With ``RAY_ADDRESS`` it probes every node in the environment its stages inherit and also reports nodes
+without an ``mlx`` unit, too few units for ``-pp`` x ``-dp``, versions that differ across nodes, two nodes
+advertising one address, and ports one node cannot reach on another.
 
-Every finding has a severity (ok, info, warning, error), what is wrong and the
-fix. Exit status: 0 when nothing is wrong (warnings allowed unless
-``--strict``), 1 when something is, 2 for bad flags. ``--json`` prints the
-findings and the gathered facts.
+Every finding has a severity (ok, info, warning, error), what is wrong and the fix; ``--json`` prints the
+findings and the gathered facts. Exit status: 0 when nothing is wrong (warnings allowed unless ``--strict``),
+1 when something is, 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -186,6 +179,9 @@ def check_cluster_at(address: str, args: argparse.Namespace) -> Report:
 
 
 def _probe_cluster(ray, address: str, args: argparse.Namespace) -> Report:
+    """Run a small probe pinned to every node (``NodeAffinitySchedulingStrategy``), so each node reports its own
+    facts in the environment Ray gives its workers (the one the stages inherit); the probes also listen on each
+    node's ports while the other nodes connect to them."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from stagemesh.doctor.facts import NodeProbe

@@ -1,24 +1,17 @@
 """``stagemesh soak``: hold N streaming clients against a mesh for a while, injecting faults, and judge it.
 
-It starts ``stagemesh serve`` itself (the embedded default model unless
-``--model``; ``-pp``/``-dp``; anything after ``--`` goes to serve) on this
-machine, waits until it is healthy, runs ``--streams`` clients
-(``stagemesh.soak.clients``) for ``--duration`` seconds, and after a warm-up
-injects a fault (``stagemesh.soak.faults``: ``kill``, ``stop``, ``block``, in
-turn) at a random stage of each replica in turn, every ``--fault-interval`` seconds, one at a
-time: the next waits
-until the faulted replica is whole again. Resources (resident memory, open
-descriptors) of the serve process (gateway + coordinator) and of every stage
-are taken after the warm-up and after the load. Then it stops serve and prints
-the verdict (``stagemesh.soak.report``); ``--json`` writes it. Exit 0 when
-the run passed, 1 when not, 2 for bad flags.
+It starts ``stagemesh serve`` itself on this machine (the embedded default model unless ``--model``;
+``-pp``/``-dp``; anything after ``--`` goes to serve), waits until it is healthy, runs ``--streams`` clients
+for ``--duration`` seconds and, after a warm-up, injects a fault (``kill``, ``stop``, ``block``, in turn) at a
+random stage of each replica in turn every ``--fault-interval`` seconds, one at a time: the next waits until
+the faulted replica is whole again. Resident memory and open descriptors of serve (gateway + coordinator) and
+of every stage are taken after the warm-up and after the load. Then it stops serve and prints the verdict;
+``--json`` writes it. Exit 0 when the run passed, 1 when not, 2 for bad flags.
 
-The coordinator restarts a replica at once only when it has served
-``coordinator.supervision.STABLE_AFTER_S`` in one go since its last failure;
-faulted sooner, it waits out a growing backoff, which the recovery times would
-count. So the default interval gives each replica that long between faults, and
-the soak refuses a shorter ``--fault-interval`` than ``STABLE_AFTER_S / dp``
-unless ``--allow-backoff`` (also spelled ``--allow-give-up``).
+A replica faulted before it has served ``coordinator.supervision.STABLE_AFTER_S`` in one go since its last
+failure restarts only after a growing backoff, which the recovery times would count. So the default interval
+gives each replica that long between faults, and a ``--fault-interval`` shorter than ``STABLE_AFTER_S / dp``
+is refused unless ``--allow-backoff``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """The soak's verdict, pure: records in, figures and pass/fail out.
 
-Inputs are plain values the soak gathered: every request (``RequestRecord``),
-every fault (``FaultRecord``, with when the faulted replica was whole again),
-and each process's resources at start and end (``ProcessSample``).
-
-Rules:
-- a request is *hung* when it was silent (no byte) for the soak's stall limit
-  or outlived its deadline: never allowed;
-- a failed request is *excused* only when it was in flight during a fault's
-  window (injection to recovery) and carries a clear error message; any other
-  failure counts against the run. (The gateway does not say which replica
-  served a request, so with DP > 1 a failure on the healthy replica during a
-  fault's window is excused too: the report is an upper bound on what the
-  faults cost.)
-- recovery: seconds from injection until every stage of the replica served
-  again; the worst must stay under ``max_recovery_s``; a fault never recovered
-  fails the run;
-- resources: the gateway's resident memory and open descriptors at the end
-  within ``flat_within`` (10%) of the start, and likewise for each stage
-  process that ran from start to end (a restarted stage is a new process: its
-  figures are reported, not judged).
+Inputs are plain values the soak gathered: every request (``RequestRecord``), every fault (``FaultRecord``,
+with when the faulted replica was whole again), and each process's resources at start and end
+(``ProcessSample``). ``judge(...)`` returns a ``SoakReport`` (``passed``, ``to_json``); ``format_report``
+prints it. The run fails on any hung request, any failure outside a fault's window, a recovery slower than
+``max_recovery_s`` or never reached, or resources that grew beyond ``flat_within``.
 """
 
 from __future__ import annotations
@@ -111,6 +96,20 @@ def _error_class(record: RequestRecord) -> str:
 def judge(config: dict[str, Any], duration_s: float, records: Sequence[RequestRecord],
           faults: Sequence[FaultRecord], start: Sequence[ProcessSample], end: Sequence[ProcessSample], *,
           max_recovery_s: float = 60.0, flat_within: float = 0.10) -> SoakReport:
+    """The verdict on one soak run.
+
+    - A request is *hung* when it was silent (no byte) for the soak's stall limit or outlived its deadline:
+      never allowed.
+    - A failed request is *excused* only when it was in flight during a fault's window (injection to
+      recovery) and carries a clear error message; any other failure counts against the run. (The gateway
+      does not say which replica served a request, so with DP > 1 a failure on the healthy replica during a
+      fault's window is excused too: the report is an upper bound on what the faults cost.)
+    - Recovery: seconds from injection until every stage of the replica served again; the worst must stay
+      under ``max_recovery_s``; a fault never recovered fails the run.
+    - Resources: the gateway's resident memory and open descriptors at the end within ``flat_within`` of the
+      start, and likewise for each stage process that ran from start to end (a restarted stage is a new
+      process: its figures are reported, not judged).
+    """
     outcomes = Counter(r.outcome for r in records)
     counts = {"total": len(records), **{k: outcomes.get(k, 0) for k in ("ok", "abandoned", "rejected", "failed",
                                                                          "hung")},
