@@ -38,14 +38,12 @@ def _load_the_stages_blas() -> None:
 
 # The suite's workers run their tests' processes side by side on the same cores: every stage a test starts is on
 # a shared host, so its idle OpenBLAS threads sleep at once, as a stage's do where other stages share its host
-# (``stage_worker.blas``), instead of spinning for the next call on cores another test needs. Whole suite on the
-# 2-core VM, 2026-12-03, back to back: 974 s and 1841 busy CPU-seconds, against 1049 s and 2013 without.
+# (``stage_worker.blas``), instead of spinning for the next call on cores another test needs.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 # For the same reason each BLAS computes on one thread: two workers' stages and in-process models share two cores,
 # which is the product's own rule for stages sharing a host (``threads_for_load``: the cores split between them).
-# OpenBLAS splits a GEMM's rows and columns between threads, never its sums, so the numbers are the same. Three e2e
-# and in-process files side by side on the 2-core VM, 2026-12-03: 188 s and 364 busy CPU-seconds against 224 s
-# and 434 with a thread per core.
+# OpenBLAS splits a GEMM's rows and columns between threads, never its sums, so the numbers are the same. Both
+# settings cut the suite's busy CPU-seconds (README, "Contributing", has the figures).
 os.environ.setdefault("STAGEMESH_BLAS_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 _load_the_stages_blas()

@@ -97,8 +97,9 @@ def test_logprobs_penalties_and_a_json_schema_speculate_and_keep_their_meaning(s
                                               "arguments": {"type": "array", "items": {"type": "string"}}},
              "required": ["code", "name", "arguments"]}}}},
     ]
+    # The counters a poll brings with a request's finish hold all of its work: they are the next request's start.
+    before = _settled_entry_stats(speculating)
     for request in requests:
-        before = _settled_entry_stats(speculating)
         got, expected = (openai.OpenAI(base_url=f"{serve.url}/v1", api_key="none", max_retries=0).chat.completions
                          .create(model=MODEL, max_tokens=40, temperature=0, **request).choices[0]
                          for serve in (speculating, serve_pp1))
@@ -121,6 +122,7 @@ def test_logprobs_penalties_and_a_json_schema_speculate_and_keep_their_meaning(s
         assert after["spec_decode_num_drafts"] > before["spec_decode_num_drafts"], (request, before, after)
         assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"], \
             (got.message.content, after)
+        before = after
 
 
 def test_a_draft_model_that_is_not_there_is_refused_at_start_naming_it(tmp_path):
