@@ -66,3 +66,11 @@ def test_forward_header_check_names_widths_and_dtypes():
     with pytest.raises(wire.WireMismatchError, match="width 960 in float16.*width 576 in float32"):
         wire.check_forward_header(header, hidden_size=576, wire_dtype=mx.float32, sender="stage 0")
     wire.check_forward_header(header, hidden_size=960, wire_dtype=mx.float16, sender="stage 0")
+
+
+def test_the_architecture_doc_gives_the_frame_sizes_the_code_has():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    assert f"fixed {wire.HEADER_BYTES}-byte header and fixed {wire.RECORD_BYTES}-byte per-sequence" in \
+        " ".join(doc.split())
