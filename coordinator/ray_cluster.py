@@ -132,6 +132,9 @@ def connect_ray(mlx_units: int, *, address: str | None = None, num_cpus: int | N
                 raise
             log.warning("the local Ray did not start (%s); trying again", exc)
             bounded(ray.shutdown, 30.0, "stopping a local Ray that did not start")
+            # Ray never recorded a node that did not start, so ray.shutdown leaves its GCS, monitors and dashboard
+            # running beside the next attempt's: stop them here (our own children).
+            _kill_leftover_ray_processes()
     session = _session(local=True, owns=True, started=started)
     node_address = next(
         (n.address for n in cluster_nodes(session.driver_node_id) if n.node_id == session.driver_node_id), "?")
