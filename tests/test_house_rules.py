@@ -4,6 +4,7 @@ lines, with no measurements (they live in docs/performance.md, dated), and no te
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -25,10 +26,13 @@ def project_modules() -> list[Path]:
 
 
 def project_texts() -> list[Path]:
-    """The project's code, docs, scripts and settings: every such file outside hidden and generated folders."""
-    return sorted(path for path in ROOT.rglob("*") if path.suffix in {".py", ".md", ".sh", ".toml"}
-                  and not any(part.startswith(".") or part in {"__pycache__", "node_modules"}
-                              for part in path.relative_to(ROOT).parts[:-1]))
+    """The project's code, docs, scripts and settings: every such file outside hidden and generated folders
+    (pruned as the walk goes, so the virtual environment is never read)."""
+    found = []
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in {"__pycache__", "node_modules"}]
+        found += [Path(folder, name) for name in files if Path(name).suffix in {".py", ".md", ".sh", ".toml"}]
+    return sorted(found)
 
 
 def module_docstring(path: Path) -> str | None:
