@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from coordinator.health import StageChannel, StageProbe, Verdict
 from coordinator.replica import LiveReplica, LiveStage
-from stagemesh.core.snapshots import StageStats
-from stagemesh.core.states import StageState
+from stagemesh_core.snapshots import StageStats
+from stagemesh_core.states import StageState
 
 log = logging.getLogger("stagemesh.coordinator")
 

@@ -18,13 +18,13 @@ from coordinator.layer_planner import PlanRequest
 from coordinator.placement import PlacementError, check_port_ranges
 from coordinator.stage_host import DEFAULT_STAGE_COMMAND
 from coordinator.supervision import BackoffPolicy
-from stagemesh.core import defaults
-from stagemesh.core.grpc_tls import TlsFiles
-from stagemesh.core.layer_split import plan_layer_split
-from stagemesh.core.memory import DraftFacts, ModelFacts
-from stagemesh.core.plan import StageOptions
-from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
-from stagemesh.core.speculative import SpeculativeConfig
+from stagemesh_core import defaults
+from stagemesh_core.grpc_tls import TlsFiles
+from stagemesh_core.layer_split import plan_layer_split
+from stagemesh_core.memory import DraftFacts, ModelFacts
+from stagemesh_core.plan import StageOptions
+from stagemesh_core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT
+from stagemesh_core.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh.core.grpc_tls import TlsFiles, open_channel
-from stagemesh.core.mesh_token import call_metadata
-from stagemesh.core.snapshots import StageStats
-from stagemesh.core.states import StageState, UnknownStateError, describe_exit, state_from_proto
-from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh_core.grpc_tls import TlsFiles, open_channel
+from stagemesh_core.mesh_token import call_metadata
+from stagemesh_core.snapshots import StageStats
+from stagemesh_core.states import StageState, UnknownStateError, describe_exit, state_from_proto
+from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
 
 class Verdict(enum.Enum):

@@ -24,11 +24,11 @@ from coordinator.ray_cluster import RaySession, cluster_nodes, head_address, rel
 from coordinator.replica import LiveReplica, LiveStage
 from coordinator.stage_host import stage_host_actor
 from coordinator.supervision import ReplicaRecord
-from stagemesh.core import settings
-from stagemesh.core.gpus import stage_has_own_gpu
-from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.memory import NodeMemory, stages_sharing_memory
-from stagemesh.core.plan import StageOptions
+from stagemesh_core import settings
+from stagemesh_core.gpus import stage_has_own_gpu
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.memory import NodeMemory, stages_sharing_memory
+from stagemesh_core.plan import StageOptions
 
 log = logging.getLogger("stagemesh.coordinator")
 

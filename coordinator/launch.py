@@ -19,7 +19,7 @@ from coordinator.hosts import ACTOR_CALL_S
 from coordinator.placement import PlacementError
 from coordinator.ray_cluster import release_bundles
 from coordinator.replica import LiveReplica, LiveStage, Stopping
-from stagemesh.core.plan import StageLaunch, StageOptions
+from stagemesh_core.plan import StageLaunch, StageOptions
 
 log = logging.getLogger("stagemesh.coordinator")
 

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from stagemesh.core import defaults
-from stagemesh.core.errors import UserError
-from stagemesh.core.layer_split import LayerRange, even_split, parse_layer_split
-from stagemesh.core.memory import (
+from stagemesh_core import defaults
+from stagemesh_core.errors import UserError
+from stagemesh_core.layer_split import LayerRange, even_split, parse_layer_split
+from stagemesh_core.memory import (
     RUNTIME_OVERHEAD_BYTES,
     DraftFacts,
     ModelFacts,
@@ -31,7 +31,7 @@ from stagemesh.core.memory import (
     kv_capacity_tokens,
     resolved_dtype,
 )
-from stagemesh.core.settings import MLX_RESOURCE
+from stagemesh_core.settings import MLX_RESOURCE
 
 HEADROOM_FRACTION = 0.10  # of each stage's budget, left free beyond weights + one sequence + runtime
 _GB = 1e9
@@ -194,8 +194,8 @@ class _Cost:
     """One stage's seat under the request: what any slice of layers costs there.
 
     A slice fits when its weights, KV for one full-length sequence (counted as
-    ``stagemesh.core.memory.StageKV`` counts it) and the runtime allowance stay within ``allowed``: the
-    budget (``stagemesh.core.memory.budget_for``) less ``HEADROOM_FRACTION``, so that no stage is packed to
+    ``stagemesh_core.memory.StageKV`` counts it) and the runtime allowance stay within ``allowed``: the
+    budget (``stagemesh_core.memory.budget_for``) less ``HEADROOM_FRACTION``, so that no stage is packed to
     the brim and every stage holds KV beyond a single sequence. Whatever is left becomes the stage's KV
     capacity (``tokens``), computed exactly as the stage computes it.
     """

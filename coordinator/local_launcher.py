@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions
+from stagemesh_core.plan import PipelinePlan, StageLaunch, StageOptions
 
 _POLL_S = 0.05
 

@@ -43,9 +43,9 @@ from coordinator.supervision import (
     serving,
     stopped,
 )
-from stagemesh.core.mesh_token import generate_token
-from stagemesh.core.snapshots import MeshSnapshot
-from stagemesh.core.states import StageState, caused_by_neighbour
+from stagemesh_core.mesh_token import generate_token
+from stagemesh_core.snapshots import MeshSnapshot
+from stagemesh_core.states import StageState, caused_by_neighbour
 
 __all__ = ["MeshConfig", "MeshCoordinator", "MeshStartError"]  # MeshConfig: where serve and the tests find it
 

@@ -6,7 +6,7 @@ Pure functions over plain values (no Ray), so every decision is unit-tested with
   units raise ``PlacementError`` saying how many there are and how to add some.
 - ``assign_gpus(nodes, gpu_counts, held)`` gives each stage one GPU of its node.
 - ``pipeline_plan(replica, hosts, ...)`` builds one replica's ``PipelinePlan``: global stage index
-  ``g = replica * P + rank`` fixes its ports (``stagemesh.core.ports``), ``hosts[rank]`` is the address that
+  ``g = replica * P + rank`` fixes its ports (``stagemesh_core.ports``), ``hosts[rank]`` is the address that
   stage's node advertises.
 - ``without_lost_nodes`` and ``check_port_ranges`` serve placing again and the port flags.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from stagemesh.core.layer_split import LayerRange, plan_layer_split
-from stagemesh.core.plan import PipelinePlan, StagePlacement
-from stagemesh.core.ports import PortRangeError, stage_ports
-from stagemesh.core.settings import MLX_RESOURCE
+from stagemesh_core.layer_split import LayerRange, plan_layer_split
+from stagemesh_core.plan import PipelinePlan, StagePlacement
+from stagemesh_core.ports import PortRangeError, stage_ports
+from stagemesh_core.settings import MLX_RESOURCE
 
 
 class PlacementError(RuntimeError):

@@ -25,8 +25,8 @@ from coordinator.layer_planner import MemoryPlan, StageSeat, plan_mesh
 from coordinator.placement import Placement, place_stages
 from coordinator.ray_cluster import RAY_ADDRESS_ENV, cluster_nodes, connect_ray, disconnect, head_address
 from coordinator.stage_host import HostInfo, StageHost, node_probe_actor
-from stagemesh.core.memory import NodeMemory
-from stagemesh.core.settings import LOOPBACK
+from stagemesh_core.memory import NodeMemory
+from stagemesh_core.settings import LOOPBACK
 
 _PROBE_S = 120.0
 

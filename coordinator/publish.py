@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 from coordinator.replica import LiveReplica
 from coordinator.supervision import BackoffPolicy, failures_in_a_row, pending_restart, replica_state
-from stagemesh.core.events import EventJournal
-from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot
+from stagemesh_core.events import EventJournal
+from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot
 
 
 def replica_snapshot(replica: LiveReplica, now: float, wall_offset: float, policy: BackoffPolicy,

@@ -21,8 +21,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from coordinator.placement import ClusterNode, PlacementError, StageSlot
-from stagemesh.core import settings
-from stagemesh.core.settings import MLX_RESOURCE
+from stagemesh_core import settings
+from stagemesh_core.settings import MLX_RESOURCE
 
 log = logging.getLogger("stagemesh.coordinator")
 

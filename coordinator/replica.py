@@ -21,9 +21,9 @@ from coordinator.health import StageChannel
 from coordinator.placement import StageSlot
 from coordinator.stage_host import HostInfo
 from coordinator.supervision import ReplicaRecord
-from stagemesh.core.plan import PipelinePlan, StagePlacement
-from stagemesh.core.snapshots import StageStats
-from stagemesh.core.states import StageState
+from stagemesh_core.plan import PipelinePlan, StagePlacement
+from stagemesh_core.snapshots import StageStats
+from stagemesh_core.states import StageState
 
 
 @dataclass

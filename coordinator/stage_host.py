@@ -27,12 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagemesh.core import settings
-from stagemesh.core.gpus import CUDA_VISIBLE_DEVICES, node_gpu_count
-from stagemesh.core.memory import NodeMemory
-from stagemesh.core.ports import port_is_free
-from stagemesh.core.settings import MLX_RESOURCE
-from stagemesh.core.states import ExitCode
+from stagemesh_core import settings
+from stagemesh_core.gpus import CUDA_VISIBLE_DEVICES, node_gpu_count
+from stagemesh_core.memory import NodeMemory
+from stagemesh_core.ports import port_is_free
+from stagemesh_core.settings import MLX_RESOURCE
+from stagemesh_core.states import ExitCode
 
 HOST_IP_ENV = settings.env_name("HOST_IP")
 DEFAULT_STAGE_COMMAND = ("-m", "stage_worker")
@@ -139,7 +139,7 @@ class StageHost:
         The address is ``STAGEMESH_HOST_IP`` from this node's environment, else the address the node registered
         with Ray (``advertised_host``); never ``ray.util.get_node_ip_address()``, which names the outward
         interface even for a node started on 127.0.0.1. The GPUs are those its stages may be spread over
-        (``stagemesh.core.gpus``: the entries of ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``'s GPUs; 0 on
+        (``stagemesh_core.gpus``: the entries of ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``'s GPUs; 0 on
         a Mac or a CPU node)."""
         import ray  # only inside an actor; plain use (tests) goes through describe_local
 

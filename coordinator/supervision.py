@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from stagemesh.core.states import ReplicaState
+from stagemesh_core.states import ReplicaState
 
 BACKOFF_BASE_S = 1.0  # the second restart in a row waits this long, each later one twice the one before
 BACKOFF_CAP_S = 300.0  # the longest wait between two restarts

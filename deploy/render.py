@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
-    import stagemesh.core  # noqa: F401  (installed in the venv this script is run with)
+    import stagemesh_core  # noqa: F401  (installed in the venv this script is run with)
 except ModuleNotFoundError:
     # Run from a checkout with a Python that lacks the package: the core is standard library
     # only, so the checkout's own copy serves.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from stagemesh.core.settings import DEFAULT_GATEWAY_PORT, DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, MLX_RESOURCE
+from stagemesh_core.settings import DEFAULT_GATEWAY_PORT, DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, MLX_RESOURCE
 
 LABEL_PREFIX = "com.stagemesh"
 DEFAULT_RAY_PORT = 6379

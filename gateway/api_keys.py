@@ -11,7 +11,7 @@ in an ``Authorization`` header). A file with no key, or a bad line, raises
 
 from __future__ import annotations
 
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 
 def parse_api_keys(text: str, source: str) -> tuple[str, ...]:

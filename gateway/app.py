@@ -21,8 +21,8 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from stagemesh.core.settings import stagemesh_version
-from stagemesh.core.snapshots import MeshView
+from stagemesh_core.settings import stagemesh_version
+from stagemesh_core.snapshots import MeshView
 
 from . import errors
 from .anthropic import errors as anthropic_errors

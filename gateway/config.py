@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagemesh.core.grpc_tls import TlsFiles
+from stagemesh_core.grpc_tls import TlsFiles
 
 from .openai_defaults import OpenAIDefaults
 
@@ -36,9 +36,9 @@ class GatewayConfig:
     - ``max_request_bytes``: longer request bodies get 413 (0: no limit).
     - ``max_concurrent_requests`` / ``max_concurrent_requests_per_key``: requests in flight (in all / per API
       key) beyond which new ones get 429 with ``Retry-After`` (0: no cap). See ``gateway.limits``.
-    - ``grpc_tls``: the node's TLS files (``stagemesh.core.grpc_tls``) for mutual TLS to the stages; None:
+    - ``grpc_tls``: the node's TLS files (``stagemesh_core.grpc_tls``) for mutual TLS to the stages; None:
       plaintext.
-    - ``mesh_token``: sent as gRPC metadata on every call to a stage (``stagemesh.core.mesh_token``); never
+    - ``mesh_token``: sent as gRPC metadata on every call to a stage (``stagemesh_core.mesh_token``); never
       shown in the config's repr.
     - ``openai``: server-side defaults of the OpenAI surface (``gateway.openai_defaults``).
     """

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from stagemesh.core.snapshots import MeshView
+from stagemesh_core.snapshots import MeshView
 
 from . import errors
 from .auth import ApiKeyMiddleware

@@ -21,7 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.v1 import stage_pb2
 
 from . import errors
 from .detokenizer import IncrementalDetokenizer

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stagemesh.core.snapshots import MeshSnapshot, StageSnapshot, StageStats
+from stagemesh_core.snapshots import MeshSnapshot, StageSnapshot, StageStats
 
 from .metrics import GENERATION_PATHS, GatewayMetrics
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.v1 import stage_pb2
 
 MASKED_LOGPROB = -9999.0
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from stagemesh.core.snapshots import MeshView
+from stagemesh_core.snapshots import MeshView
 
 from .recent import RecentWindow
 

@@ -3,7 +3,7 @@
 Contract:
 - ``ReplicaClient(mesh, ...)`` keeps one ``grpc.aio`` channel per entry-stage target, created on first use in
   the running event loop; ``close()`` closes them all. Every call carries the mesh token
-  (``stagemesh.core.mesh_token``); with ``tls`` the channels are mutual TLS (``stagemesh.core.grpc_tls``).
+  (``stagemesh_core.mesh_token``); with ``tls`` the channels are mutual TLS (``stagemesh_core.grpc_tls``).
 - ``generate(request, affinity=None)`` is an async generator of ``GenerateResponse`` messages from one
   routable replica chosen by ``gateway.balancer``, under a per-request deadline, over the entry stage's shared
   ``GenerateStream`` call (``gateway.stage_streams``). Closing the generator or cancelling its consumer
@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from stagemesh.core.grpc_tls import TlsFiles, open_aio_channel
-from stagemesh.core.mesh_token import call_metadata
-from stagemesh.core.snapshots import MeshView, ReplicaSnapshot
-from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh_core.grpc_tls import TlsFiles, open_aio_channel
+from stagemesh_core.mesh_token import call_metadata
+from stagemesh_core.snapshots import MeshView, ReplicaSnapshot
+from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
 from . import errors
 from .balancer import LeastOutstandingBalancer

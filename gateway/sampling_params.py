@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from stagemesh.core import sampling
-from stagemesh.core.sampling import SamplingError, SamplingParams
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core import sampling
+from stagemesh_core.sampling import SamplingError, SamplingParams
+from stagemesh_core.v1 import stage_pb2
 
 from .errors import APIError, bad_request, unsupported
 from .openai_defaults import GenerationDefaults
@@ -118,7 +118,7 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
 def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
                           defaults: GenerationDefaults | None = None,
                           vocab_size: int | None = None) -> SamplingSettings:
-    """The sampling fields' ranges are the core's (``stagemesh.core.sampling``: its ``check`` runs here, with
+    """The sampling fields' ranges are the core's (``stagemesh_core.sampling``: its ``check`` runs here, with
     each field named as the request names it); the request's own limits (``n``, ``stop``, ``stop_token_ids``,
     ...) are the schema's (``gateway.schemas``). Unset fields take ``defaults`` (vLLM's
     ``--generation-config``), else the core's defaults (OpenAI's). Fields the stages cannot honour (beam

@@ -15,15 +15,15 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stagemesh.core import sampling
+from stagemesh_core import sampling
 
-# The request's own limits (the sampling fields' ranges are the core's: stagemesh.core.sampling.RANGES).
+# The request's own limits (the sampling fields' ranges are the core's: stagemesh_core.sampling.RANGES).
 MAX_N = 16  # choices per prompt
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
 
 
-# The documented ranges are the core's (stagemesh.core.sampling.RANGES, which gateway.sampling_params enforces)
+# The documented ranges are the core's (stagemesh_core.sampling.RANGES, which gateway.sampling_params enforces)
 # and the request limits above, only described here (json_schema_extra), so /openapi.json is as tight as the
 # validation while the 400s keep their own wording; gateway.openapi adds the served model's vocabulary and
 # context bounds. The rules between fields (stream_options needs stream, one output constraint at most, a
@@ -34,7 +34,7 @@ def _doc(**schema: Any) -> Any:
 
 
 def _bounds(field: str) -> dict[str, Any]:
-    """The JSON Schema bounds of a core sampling field's range (``stagemesh.core.sampling.RANGES``)."""
+    """The JSON Schema bounds of a core sampling field's range (``stagemesh_core.sampling.RANGES``)."""
     allowed = sampling.RANGES[field]
     return {"exclusiveMinimum" if allowed.low_open else "minimum": allowed.low, "maximum": allowed.high}
 

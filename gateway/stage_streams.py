@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 import grpc
 import grpc.aio
 
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.v1 import stage_pb2
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field
 
-from stagemesh.core.settings import stagemesh_version
+from stagemesh_core.settings import stagemesh_version
 
 from . import errors
 from .chat_template import ChatOptions, chat_options, render_chat

@@ -1,8 +1,8 @@
 """Regenerate the Python gRPC code from proto/ (one command: ``python proto/generate.py``).
 
-Writes ``stagemesh/core/v1/*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` next to
-the package so generated imports (``from stagemesh.core.v1 import stage_pb2``)
-resolve inside the core package (``stagemesh.core``). The proto package stays
+Writes ``stagemesh_core/v1/*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` next to
+the package so generated imports (``from stagemesh_core.v1 import stage_pb2``)
+resolve inside the core package (``stagemesh_core``). The proto package stays
 ``stagemesh.v1`` (the gRPC contract); only the file's place in the tree
 says where its Python code lives. ``--check`` regenerates
 into a temporary directory and exits 1 if the checked-in files differ (CI runs

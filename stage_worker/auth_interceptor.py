@@ -2,7 +2,7 @@
 
 Contract: ``MeshTokenInterceptor(token)`` is a ``grpc.aio.ServerInterceptor`` (the
 stage's server is grpc.aio, ``stage_worker.grpc_service``). A call
-to a method that ``stagemesh.core.mesh_token.requires_token`` names (every
+to a method that ``stagemesh_core.mesh_token.requires_token`` names (every
 method but health, reflection and ``GetStageInfo``; default deny, so a method
 added later is guarded without touching this file) goes to its handler only
 when its metadata carries the token; otherwise it ends ``UNAUTHENTICATED``
@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from stagemesh.core.mesh_token import METADATA_KEY, requires_token, token_matches
+from stagemesh_core.mesh_token import METADATA_KEY, requires_token, token_matches
 
 log = logging.getLogger(__name__)
 

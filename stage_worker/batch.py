@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stagemesh.core.sampling import DEFAULTS, GREEDY, SamplingParams
+from stagemesh_core.sampling import DEFAULTS, GREEDY, SamplingParams
 
 
 class RecordFlag(enum.IntFlag):

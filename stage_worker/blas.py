@@ -18,8 +18,8 @@ import os
 import sys
 from collections.abc import Mapping
 
-from stagemesh.core import settings
-from stagemesh.core.errors import UserError
+from stagemesh_core import settings
+from stagemesh_core.errors import UserError
 
 _REEXEC_MARK = "STAGEMESH_BLAS_REEXEC"
 

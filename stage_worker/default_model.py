@@ -24,7 +24,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from stagemesh.core import settings
+from stagemesh_core import settings
 
 from .model_spec import ModelFormatError
 

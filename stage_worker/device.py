@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from stagemesh.core.gpus import visible_devices
+from stagemesh_core.gpus import visible_devices
 
 BACKENDS = ("cpu", "metal", "cuda")
 _MIB = 1024 * 1024

@@ -21,12 +21,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from stagemesh.core.memory import DRAFT_COLUMN_STEP, DRAFT_HOLES_TO_COMPACT
+from stagemesh_core.memory import DRAFT_COLUMN_STEP, DRAFT_HOLES_TO_COMPACT
 
 # Columns are added in steps of this many (as mlx-lm's caches grow), so a growing batch reallocates rarely.
 COLUMN_STEP = DRAFT_COLUMN_STEP
 # A batch out of columns compacts itself rather than growing when holes are more than this share of them (the
-# planner bounds the draft's KV by both: stagemesh.core.memory.draft_kv_columns).
+# planner bounds the draft's KV by both: stagemesh_core.memory.draft_kv_columns).
 HOLES_TO_COMPACT = DRAFT_HOLES_TO_COMPACT
 
 

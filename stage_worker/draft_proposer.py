@@ -31,8 +31,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from stage_worker.draft_batch import DraftBatch
 from stage_worker.model_reader import ModelSpec, read_model_spec
 from stage_worker.speculation import ProposalAsk
-from stagemesh.core.errors import UserError
-from stagemesh.core.speculative import FLAG
+from stagemesh_core.errors import UserError
+from stagemesh_core.speculative import FLAG
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from stage_worker.scheduler import (
 )
 from stage_worker.stage_runtime import EntryPipeline
 from stage_worker.stage_status import StageStatus
-from stagemesh.core import settings
-from stagemesh.core.states import StageState
+from stagemesh_core import settings
+from stagemesh_core.states import StageState
 
 log = logging.getLogger(__name__)
 

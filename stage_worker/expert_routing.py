@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
 from stage_worker.sibling_projections import joined_experts
-from stagemesh.core import settings
+from stagemesh_core import settings
 
 # mlx-lm's SwitchGLU sorts a call's (row, expert) pairs by expert from this many on (``do_sort``).
 SORTED_PAIRS = 64

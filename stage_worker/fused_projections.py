@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from stage_worker.sibling_projections import joined_layer
-from stagemesh.core import settings
+from stagemesh_core import settings
 
 
 def fusion_wanted(setting: str, backend: str) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from stage_worker.batch import Chunk, RecordFlag, SequenceRecord
 from stage_worker.stage_runtime import EntryPipeline
-from stagemesh.core.sampling import GREEDY, SamplingParams
+from stagemesh_core.sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)

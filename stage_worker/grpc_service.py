@@ -2,7 +2,7 @@
 
 Every stage serves ``GetStageInfo`` and ``Drain``; only the entry stage has an engine and serves
 ``GenerateStream`` and ``Abort`` (others answer FAILED_PRECONDITION). A prompt's sampling is converted from the
-proto and checked here by the core's one ``stagemesh.core.sampling.check`` (the gateway ran it already; other
+proto and checked here by the core's one ``stagemesh_core.sampling.check`` (the gateway ran it already; other
 callers, grpcurl or a benchmark, get the same named INVALID_ARGUMENT), and nothing past this boundary checks
 it again. Health (service ``""`` and ``stagemesh.v1.Stage``) is SERVING only while the stage is serving. Every
 method but health, reflection and ``GetStageInfo`` requires the mesh token (``stage_worker.auth_interceptor``).
@@ -30,10 +30,10 @@ from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed, Reques
 from stage_worker.memory import peak_rss_bytes
 from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, RequestEvent
 from stage_worker.stage_status import StageStatus
-from stagemesh.core import sampling
-from stagemesh.core.grpc_tls import TlsFiles, server_credentials
-from stagemesh.core.states import StageState, state_to_proto
-from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh_core import sampling
+from stagemesh_core.grpc_tls import TlsFiles, server_credentials
+from stagemesh_core.states import StageState, state_to_proto
+from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 

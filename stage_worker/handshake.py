@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from stage_worker import wire
 from stage_worker.links import InboundLink, LinkError, OutboundLink, RingWatchdog
-from stagemesh.core.plan import PipelinePlan, StagePlacement
+from stagemesh_core.plan import PipelinePlan, StagePlacement
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stage_worker.process_setup import launch_parser, prepare
-from stagemesh.core.plan import StageLaunch
+from stagemesh_core.plan import StageLaunch
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def run(launch: StageLaunch, options: HarnessOptions) -> int:
     from stage_worker.stage_process import RunningStage, open_stage, run_relay, run_stage
     from stage_worker.stage_runtime import LogitRecorder
     from stage_worker.stage_status import StageStatus
-    from stagemesh.core.states import ExitCode, StageState
+    from stagemesh_core.states import ExitCode, StageState
 
     ctx = open_stage(launch)
     if ctx is None:

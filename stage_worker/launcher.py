@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from stagemesh.core import settings
+from stagemesh_core import settings
 
 
 class Launched:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import mlx.core as mx
 
 from stage_worker import wire
-from stagemesh.core.states import ExitCode
+from stagemesh_core.states import ExitCode
 
 log = logging.getLogger(__name__)
 

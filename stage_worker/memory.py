@@ -1,6 +1,6 @@
 """Memory of a stage: its peak resident set, its budget (host or GPU memory), and its KV capacity.
 
-The budget rule itself lives in ``stagemesh.core.memory``, shared with the layer planner.
+The budget rule itself lives in ``stagemesh_core.memory``, shared with the layer planner.
 
 Peak resident memory is measured the way that survives ``exec``.
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import resource
 import sys
 
-from stagemesh.core import settings
+from stagemesh_core import settings
 
 # The budget rule and the runtime allowance are the layer planner's too: one home, the core.
-from stagemesh.core.memory import (
+from stagemesh_core.memory import (
     RUNTIME_OVERHEAD_BYTES,
     MemoryBudget,
     MemoryBudgetError,

@@ -1,11 +1,11 @@
 """A model's size for the layer planner, from its spec alone (config and headers, never tensor data).
 
-``model_facts(spec, dense=False)`` -> ``stagemesh.core.memory.ModelFacts``: the bytes of one decoder layer
+``model_facts(spec, dense=False)`` -> ``stagemesh_core.memory.ModelFacts``: the bytes of one decoder layer
 (each layer at its own size where layers differ), of the embedding and of the head, and the KV per token per
 layer, as a stage will hold them, so the facts of a slice are the bytes its stage holds. It reads the
 architecture's shapes (``spec.args``) and the quantization map (``spec.quantization``), the same inputs
 ``stage_model`` loads by, so it works for ``--load-format dummy`` too. ``draft_facts(config, target,
-max_num_seqs)`` -> ``stagemesh.core.memory.DraftFacts``: a draft model's weights and KV per position, counted
+max_num_seqs)`` -> ``stagemesh_core.memory.DraftFacts``: a draft model's weights and KV per position, counted
 the same way, for the entry stage that holds it.
 
 It lives here because which module is quantized how, and what shapes an architecture has, are the stage
@@ -20,8 +20,8 @@ from typing import Any
 
 from stage_worker.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, exact_prefix_reuse
 from stage_worker.model_spec import ModelSpec
-from stagemesh.core.memory import DraftFacts, LayerKV, ModelFacts, TensorBytes
-from stagemesh.core.speculative import SpeculativeConfig
+from stagemesh_core.memory import DraftFacts, LayerKV, ModelFacts, TensorBytes
+from stagemesh_core.speculative import SpeculativeConfig
 
 
 def _linear(spec: ModelSpec, path: str, out_features: int, in_features: int, dense: bool) -> TensorBytes:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 # GGUF files of these llama.cpp architectures are read (gguf_format; one table each in gguf_architectures);
 # safetensors directories of every architecture stage_worker.mlx_arch serves.

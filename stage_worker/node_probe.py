@@ -15,8 +15,8 @@ import json
 import sys
 
 from stage_worker.device import probe
-from stagemesh.core import settings
-from stagemesh.core.memory import NodeMemory
+from stagemesh_core import settings
+from stagemesh_core.memory import NodeMemory
 
 
 def node_memory() -> NodeMemory:

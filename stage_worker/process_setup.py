@@ -2,7 +2,7 @@
 and set MLX's CUDA backend the way serving wants it.
 
 Only the standard library and the core are imported here, because ``LD_PRELOAD`` and ``CUDA_VISIBLE_DEVICES``
-must be in place before MLX loads (see ``stage_worker.blas`` and ``stagemesh.core.gpus``). ``prepare`` does it
+must be in place before MLX loads (see ``stage_worker.blas`` and ``stagemesh_core.gpus``). ``prepare`` does it
 all and re-executes the process (same pid) with the BLAS preloaded; ``pinned_cores``, ``gpu_environment``,
 ``blas_threads`` and ``serving_mlx_environment`` are its pure parts. A bad setting exits ``ExitCode.CONFIG``
 naming the variable.
@@ -16,11 +16,11 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from stage_worker.blas import reexec_with_optimized_blas, usable_cores
-from stagemesh.core import settings
-from stagemesh.core.errors import UserError
-from stagemesh.core.gpus import stage_gpu_environment
-from stagemesh.core.plan import StageLaunch
-from stagemesh.core.states import ExitCode
+from stagemesh_core import settings
+from stagemesh_core.errors import UserError
+from stagemesh_core.gpus import stage_gpu_environment
+from stagemesh_core.plan import StageLaunch
+from stagemesh_core.states import ExitCode
 
 
 def blas_threads(env: Mapping[str, str], cores: int) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from stagemesh.core.sampling import SamplingParams
+from stagemesh_core.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -28,9 +28,9 @@ from stage_worker.speculation import (
     SpecDecodeCounter,
     speculative_tokens,
 )
-from stagemesh.core import defaults
-from stagemesh.core.sampling import GREEDY, SamplingParams
-from stagemesh.core.speculative import NGRAM, SpeculativeConfig
+from stagemesh_core import defaults
+from stagemesh_core.sampling import GREEDY, SamplingParams
+from stagemesh_core.speculative import NGRAM, SpeculativeConfig
 
 
 class Finish(enum.Enum):

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from stagemesh.core.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from stagemesh_core.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 # A verification costs more rows through the same weights than a plain step and yields its accepted tokens
 # plus one: on a CPU it does not pay below half a token accepted per verification (docs/performance.md,

@@ -39,8 +39,8 @@ from stage_worker.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
 from stage_worker.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.sibling_projections import join_sibling_projections
 from stage_worker.stage_weights import load_stage_weights
-from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.memory import AUTO_DTYPES
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.memory import AUTO_DTYPES
 
 COMPUTE_DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -52,7 +52,7 @@ COMPUTE_DTYPES: dict[str, mx.Dtype] = {
 # What ``--dtype auto`` computes in, per backend (stage_worker.device): the CPU backend has no fast
 # half-precision kernels; Metal's are float16; NVIDIA's tensor cores take bfloat16 at the same speed,
 # with float32's range (no overflow in activations that float16 would clip). The table is the core's
-# (stagemesh.core.memory.AUTO_DTYPES), because the layer planner sizes each stage's weights by it.
+# (stagemesh_core.memory.AUTO_DTYPES), because the layer planner sizes each stage's weights by it.
 
 def resolve_compute_dtype(name: str, backend: str | None = None) -> mx.Dtype:
     """``--dtype NAME`` as an MLX dtype; ``auto`` follows ``backend`` (``AUTO_DTYPES``; None: this process's).

@@ -7,7 +7,7 @@ its kernels, ``connect`` to both neighbours, then ``run_entry`` (rank 0: the sch
 ``GenerateStream``) or ``run_relay`` (every other rank, until SHUTDOWN has gone round the ring).
 
 ``run_stage`` is load, connect and run, with the error handling both the server and the test harness
-(``stage_worker.harness``) share. Exit codes are ``stagemesh.core.states.ExitCode``: 0 done, 2 configuration,
+(``stage_worker.harness``) share. Exit codes are ``stagemesh_core.states.ExitCode``: 0 done, 2 configuration,
 3 a neighbour failed or refused us, 75 a ring operation outlived the ring timeout.
 """
 
@@ -63,13 +63,13 @@ from stage_worker.stage_model import (
 from stage_worker.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
 from stage_worker.stage_status import StageStatus
 from stage_worker.warmup import warm_up, warmup_plan
-from stagemesh.core import defaults, settings
-from stagemesh.core.gpus import stage_has_own_gpu
-from stagemesh.core.grpc_tls import read_tls_dir
-from stagemesh.core.plan import StageLaunch
-from stagemesh.core.settings import stagemesh_version
-from stagemesh.core.speculative import DRAFT_MODEL, SpeculativeConfig
-from stagemesh.core.states import ExitCode, StageState
+from stagemesh_core import defaults, settings
+from stagemesh_core.gpus import stage_has_own_gpu
+from stagemesh_core.grpc_tls import read_tls_dir
+from stagemesh_core.plan import StageLaunch
+from stagemesh_core.settings import stagemesh_version
+from stagemesh_core.speculative import DRAFT_MODEL, SpeculativeConfig
+from stagemesh_core.states import ExitCode, StageState
 
 log = logging.getLogger("stagemesh.stage")
 

@@ -14,8 +14,8 @@ from typing import Protocol
 
 from stage_worker.load_progress import LoadCounts
 from stage_worker.speculation import SpecDecodeCounts
-from stagemesh.core.snapshots import StageStats
-from stagemesh.core.states import StageState
+from stagemesh_core.snapshots import StageStats
+from stagemesh_core.states import StageState
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from stage_worker.batch import RecordFlag, SequenceRecord
-from stagemesh.core.sampling import SamplingParams
+from stagemesh_core.sampling import SamplingParams
 
 MAGIC = b"SMW1"
 PROTOCOL_VERSION = 3  # every header carries it, and neighbours must speak the same one

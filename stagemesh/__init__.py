@@ -1,2 +1,2 @@
 """stagemesh: serve language models across a handful of Macs; ``stagemesh.cli`` is the command line and
-``stagemesh.core`` the contracts every service shares."""
+``stagemesh_core`` the contracts every service shares."""

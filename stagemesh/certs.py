@@ -23,8 +23,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagemesh.core.errors import UserError
-from stagemesh.core.grpc_tls import CA_FILE, CERT_FILE, KEY_FILE
+from stagemesh_core.errors import UserError
+from stagemesh_core.grpc_tls import CA_FILE, CERT_FILE, KEY_FILE
 
 CA_KEY_FILE = "ca.key"
 DEFAULT_DAYS = 825

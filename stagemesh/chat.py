@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Iterator
 
-from stagemesh.core import settings
+from stagemesh_core import settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -73,7 +73,7 @@ def entry() -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    from stagemesh.core.errors import UserError
+    from stagemesh_core.errors import UserError
 
     try:
         return args._run(args)

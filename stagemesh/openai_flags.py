@@ -23,7 +23,7 @@ from gateway.openai_defaults import (
     model_generation_defaults,
 )
 from gateway.tool_parsers import PARSERS
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

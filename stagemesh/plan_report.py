@@ -15,9 +15,9 @@ from coordinator.layer_planner import StageSeat, format_plan, plan_mesh
 from coordinator.placement import PlacementError
 from coordinator.plan_preview import preview_plan
 from coordinator.ray_cluster import RayStartError
-from stagemesh.core.errors import UserError
-from stagemesh.core.memory import NodeMemory
-from stagemesh.core.settings import parse_size
+from stagemesh_core.errors import UserError
+from stagemesh_core.memory import NodeMemory
+from stagemesh_core.settings import parse_size
 
 
 def assumed_seats(specs: list[str], pp: int, dp: int) -> list[list]:

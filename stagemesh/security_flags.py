@@ -7,7 +7,7 @@ One home for these flags, so ``serve.py`` only adds them (``add_arguments``) and
   ``--max-concurrent-requests`` and ``--max-concurrent-requests-per-key`` (429 with ``Retry-After``),
   ``--ssl-keyfile`` / ``--ssl-certfile`` (HTTPS, vLLM's flags);
 - the control plane: ``--mesh-token`` (``STAGEMESH_MESH_TOKEN``, else generated) and ``--grpc-tls-dir``
-  (``STAGEMESH_GRPC_TLS_DIR``: mutual TLS with the mesh's CA, ``stagemesh.core.grpc_tls``).
+  (``STAGEMESH_GRPC_TLS_DIR``: mutual TLS with the mesh's CA, ``stagemesh_core.grpc_tls``).
 
 Every value is checked before anything starts; a bad one raises ``UserError`` naming the flag.
 """
@@ -20,10 +20,10 @@ import os
 from typing import Any
 
 from gateway.api_keys import read_api_key_file
-from stagemesh.core import settings
-from stagemesh.core.errors import UserError
-from stagemesh.core.grpc_tls import TlsFiles, read_tls_dir
-from stagemesh.core.mesh_token import resolve_token
+from stagemesh_core import settings
+from stagemesh_core.errors import UserError
+from stagemesh_core.grpc_tls import TlsFiles, read_tls_dir
+from stagemesh_core.mesh_token import resolve_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

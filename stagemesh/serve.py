@@ -23,11 +23,11 @@ from stagemesh import openai_flags, security_flags
 
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, add_load_format_argument, shape_names
-from stagemesh.core import defaults, settings
-from stagemesh.core.errors import UserError
-from stagemesh.core.layer_split import plan_layer_split
-from stagemesh.core.ports import check_port_base, port_is_free
-from stagemesh.core.speculative import parse_speculative_config
+from stagemesh_core import defaults, settings
+from stagemesh_core.errors import UserError
+from stagemesh_core.layer_split import plan_layer_split
+from stagemesh_core.ports import check_port_base, port_is_free
+from stagemesh_core.speculative import parse_speculative_config
 
 log = logging.getLogger("stagemesh.serve")
 

@@ -19,8 +19,8 @@ import json
 import sys
 import time
 
-from stagemesh.core import settings
-from stagemesh.core.errors import UserError
+from stagemesh_core import settings
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -59,7 +59,7 @@ def _compile_the_project() -> None:
     import compileall
 
     root = Path(__file__).resolve().parent.parent
-    for package in ("stagemesh", "stage_worker", "coordinator", "gateway"):
+    for package in ("stagemesh", "stagemesh_core", "stage_worker", "coordinator", "gateway"):
         compileall.compile_dir(root / package, quiet=1)
 
 

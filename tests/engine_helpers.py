@@ -138,7 +138,7 @@ class InProcessPipeline:
     def submit(self, prompt, max_tokens: int, sampling=None, stop_token_ids=frozenset()) -> RequestHandle:
         """A request (greedy unless ``sampling`` says otherwise; ignoring EOS unless ``stop_token_ids`` are given)."""
         from stage_worker.scheduler import GenerationRequest
-        from stagemesh.core.sampling import GREEDY
+        from stagemesh_core.sampling import GREEDY
 
         self._count += 1
         return self.engine.submit(GenerationRequest(f"r{self._count}", tuple(prompt), max_tokens, sampling or GREEDY,

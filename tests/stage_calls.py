@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.v1 import stage_pb2
 
 
 class PromptRefused(grpc.RpcError):

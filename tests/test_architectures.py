@@ -21,7 +21,7 @@ from stage_worker.model_reader import read_model_spec
 from stage_worker.packed_forward import Segment
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.stage_model import StackStageModel, StageModel, StageRole, runs_packed
-from stagemesh.core.layer_split import LayerRange, even_split
+from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import TINY_CONFIGS, mlx_lm_greedy, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 

@@ -16,7 +16,7 @@ from stage_worker.model_reader import read_model_spec
 from stage_worker.model_spec import ModelFormatError
 from stage_worker.stage_model import StageModel, StageRole
 from stagemesh.cli import main
-from stagemesh.core.layer_split import LayerRange, even_split
+from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import HF_EXPERTS, TINY_CONFIGS, hf_layout_checkpoint, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 

@@ -14,7 +14,7 @@ from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
 from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import EntryPipeline, StageCompute
 from stage_worker.stage_status import StageStatus
-from stagemesh.core.layer_split import LayerRange
+from stagemesh_core.layer_split import LayerRange
 from tests.engine_helpers import CountingPipeline, as_served, read_until_finished
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3], [504, 3575, 282, 4649, 314, 1018, 28, 2270, 253]]

@@ -7,9 +7,9 @@ from stage_worker.blas import AdaptiveBlasThreads, blas_environment, find_optimi
 from stage_worker.memory import MemoryBudget, MemoryBudgetError, kv_bytes_per_token, kv_token_capacity
 from stage_worker.process_setup import blas_threads, pinned_cores
 from stage_worker.stage_model import choose_dense_weights
-from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.memory import StageKV
-from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.memory import StageKV
+from stagemesh_core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
 
 GB = 1_000_000_000
 
@@ -44,7 +44,7 @@ def test_stages_on_host_come_from_the_options_or_the_plan():
 
 
 def test_a_launch_survives_its_json_and_refuses_a_rank_outside_the_plan():
-    from stagemesh.core.errors import UserError
+    from stagemesh_core.errors import UserError
 
     launch = StageLaunch(_plan("a", "b"), 1, StageOptions(node_id="n", max_model_len=256, ring_timeout_s=3))
     assert StageLaunch.from_json(launch.to_json()) == launch

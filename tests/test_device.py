@@ -19,8 +19,8 @@ from stage_worker.device import (
 from stage_worker.memory import MemoryBudgetError, budget_for, kv_token_capacity, stages_sharing_memory
 from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
 from stage_worker.warmup import WarmupPlan, largest_decode_batch, warm_up, warmup_plan
-from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.memory import StageKV
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.memory import StageKV
 
 GB = 1_000_000_000
 

@@ -126,7 +126,7 @@ def test_the_planners_figures_for_a_draft_are_what_it_loads(architecture, tiny_l
     """The bytes the planner and the entry stage set aside for a draft (``model_facts.draft_facts``) are the
     loaded draft's: its weights, and a position of its KV, in the compute dtype (float32 on this CPU)."""
     from stage_worker.model_facts import draft_facts
-    from stagemesh.core.speculative import DRAFT_MODEL, SpeculativeConfig
+    from stagemesh_core.speculative import DRAFT_MODEL, SpeculativeConfig
 
     path = tiny_checkpoint(architecture, root)
     config = SpeculativeConfig(4, method=DRAFT_MODEL, model=path, disable_by_batch_size=8)

@@ -14,8 +14,8 @@ from stage_worker.stage_weights import load_stage_weights
 from stage_worker.tokenizer import load_tokenizer
 from stagemesh.bench.random_checkpoint import SHAPES_DIR as DUMMY_SHAPES_DIR
 from stagemesh.bench.random_checkpoint import shape_names as dummy_shape_names
-from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.plan import PipelinePlan, StageLaunch, make_local_plan
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.plan import PipelinePlan, StageLaunch, make_local_plan
 from stagemesh.serve import ServeConfigError, check_dummy_vocabulary, resolve_model_argument
 from tests.conftest import tiny_config
 

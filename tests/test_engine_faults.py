@@ -9,7 +9,7 @@ import pytest
 from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed
 from stage_worker.scheduler import GenerationRequest, Scheduler
 from stage_worker.stage_status import StageStatus
-from stagemesh.core.states import StageState
+from stagemesh_core.states import StageState
 
 
 class _FailingPipeline:

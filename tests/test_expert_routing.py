@@ -25,7 +25,7 @@ from stage_worker.expert_routing import (
 )
 from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole
-from stagemesh.core.layer_split import LayerRange, even_split
+from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import mlx_lm_greedy, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 

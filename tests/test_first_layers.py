@@ -16,8 +16,8 @@ from stage_worker.mlx_arch import describe
 from stage_worker.model_reader import read_model_spec
 from stage_worker.model_spec import ModelFormatError
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, check_shape_flags, shape_config
-from stagemesh.core.errors import UserError
-from stagemesh.core.plan import PipelinePlan, StageLaunch, make_local_plan
+from stagemesh_core.errors import UserError
+from stagemesh_core.plan import PipelinePlan, StageLaunch, make_local_plan
 
 MOE_SHAPES = ("deepseek-v3", "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "mixtral-8x7b", "qwen3-235b-a22b",
               "qwen3-30b-a3b", "qwen3-next-80b-a3b")

@@ -26,7 +26,7 @@ from stage_worker.model_reader import read_model_spec
 from stage_worker.model_spec import ModelFormatError, QuantParams
 from stage_worker.stage_model import StackStageModel, StageModel, StageRole
 from stage_worker.stage_weights import load_stage_weights
-from stagemesh.core.layer_split import LayerRange, even_split
+from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import TINY_CONFIGS
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 from tests.llama_cpp_gguf import convert_checkpoint, reference_dir

@@ -23,7 +23,7 @@ from stage_worker.model_facts import model_facts
 from stage_worker.model_reader import read_model_spec
 from stage_worker.model_spec import ModelFormatError, QuantParams
 from stage_worker.stage_model import StageModel, StageRole
-from stagemesh.core.layer_split import LayerRange, even_split
+from stagemesh_core.layer_split import LayerRange, even_split
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 from tests.gguf_blocks import random_blocks
 

@@ -6,9 +6,9 @@ import pytest
 from coordinator.config import MeshConfig, stage_options
 from coordinator.placement import assign_gpus
 from stage_worker.process_setup import gpu_environment
-from stagemesh.core import settings
-from stagemesh.core.errors import UserError
-from stagemesh.core.gpus import (
+from stagemesh_core import settings
+from stagemesh_core.errors import UserError
+from stagemesh_core.gpus import (
     APPLIED_MARK,
     count_listed_gpus,
     node_gpu_count,
@@ -16,8 +16,8 @@ from stagemesh.core.gpus import (
     stage_has_own_gpu,
     visible_devices,
 )
-from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement
 
 SMI_L = """GPU 0: NVIDIA H200 (UUID: GPU-aaaa)
 GPU 1: NVIDIA H200 (UUID: GPU-bbbb)

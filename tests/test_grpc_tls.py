@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stage_worker.grpc_service import StageDescription, start_grpc_server
 from stage_worker.stage_status import StageStatus
 from stagemesh.certs import NodeSpec, make_ca, make_node_cert
-from stagemesh.core.grpc_tls import TlsFiles, channel_credentials, open_channel, read_tls_dir
-from stagemesh.core.mesh_token import call_metadata, generate_token
-from stagemesh.core.states import StageState
-from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh_core.grpc_tls import TlsFiles, channel_credentials, open_channel, read_tls_dir
+from stagemesh_core.mesh_token import call_metadata, generate_token
+from stagemesh_core.states import StageState
+from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 
 TOKEN = generate_token()

@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("coordinator", "deploy", "gateway", "proto", "stage_worker", "stagemesh")
-GENERATED = ROOT / "stagemesh" / "core" / "v1"  # protoc's output (proto/generate.py)
+PACKAGES = ("coordinator", "deploy", "gateway", "proto", "stage_worker", "stagemesh", "stagemesh_core")
+GENERATED = ROOT / "stagemesh_core" / "v1"  # protoc's output (proto/generate.py)
 MAX_DOCSTRING_LINES = 15
 
 # A figure with a unit of speed, time or size, a ratio, a run's date or a GPU's name: what a measurement looks like.

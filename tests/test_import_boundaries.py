@@ -22,18 +22,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FIRST_PARTY = ("stagemesh", "stage_worker", "coordinator", "gateway", "deploy", "tests")
+FIRST_PARTY = ("stagemesh", "stagemesh_core", "stage_worker", "coordinator", "gateway", "deploy", "tests")
 
 # package (a folder or file under ROOT) -> first-party modules it may import. Matches the table
 # in docs/architecture.md ("The folders say the architecture").
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "stagemesh/core": ("stagemesh.core",),
-    "stage_worker": ("stage_worker", "stagemesh.core"),
-    "coordinator": ("coordinator", "stagemesh.core"),
-    "gateway": ("gateway", "stagemesh.core"),
-    "deploy": ("stagemesh.core",),
+    "stagemesh_core": ("stagemesh_core",),
+    "stage_worker": ("stage_worker", "stagemesh_core"),
+    "coordinator": ("coordinator", "stagemesh_core"),
+    "gateway": ("gateway", "stagemesh_core"),
+    "deploy": ("stagemesh_core",),
     # the CLI sits on top: it may import every service, never the tests
-    "stagemesh": ("stagemesh", "stage_worker", "coordinator", "gateway"),
+    "stagemesh": ("stagemesh", "stagemesh_core", "stage_worker", "coordinator", "gateway"),
 }
 # The core's only third-party dependencies (the generated gRPC code needs them).
 CORE_THIRD_PARTY = ("google.protobuf", "grpc")
@@ -63,7 +63,7 @@ def _allows(allowed: tuple[str, ...], module: str) -> bool:
 
 
 def _sources() -> list[Path]:
-    return sorted(p for folder in ("stagemesh", "stage_worker", "coordinator", "gateway", "deploy")
+    return sorted(p for folder in ("stagemesh", "stagemesh_core", "stage_worker", "coordinator", "gateway", "deploy")
                   for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
 
 
@@ -85,7 +85,7 @@ def test_the_core_needs_only_the_standard_library_and_protobuf():
     for path in sorted((ROOT / "stagemesh" / "core").rglob("*.py")):
         for line, module in _imports(path):
             top = module.split(".")[0]
-            if top in sys.stdlib_module_names or top == "__future__" or _allows(("stagemesh.core",), module):
+            if top in sys.stdlib_module_names or top == "__future__" or _allows(("stagemesh_core",), module):
                 continue
             if not _allows(CORE_THIRD_PARTY, module):
                 violations.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
@@ -94,8 +94,8 @@ def test_the_core_needs_only_the_standard_library_and_protobuf():
 
 @pytest.mark.e2e
 def test_importing_the_core_loads_nothing_heavy():
-    code = ("import sys, json, stagemesh.core.plan, stagemesh.core.settings, stagemesh.core.snapshots, "
-            "stagemesh.core.states, stagemesh.core.v1.stage_pb2_grpc; print(json.dumps(sorted(sys.modules)))")
+    code = ("import sys, json, stagemesh_core.plan, stagemesh_core.settings, stagemesh_core.snapshots, "
+            "stagemesh_core.states, stagemesh_core.v1.stage_pb2_grpc; print(json.dumps(sorted(sys.modules)))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True, cwd=ROOT).stdout)
     heavy = [m for m in loaded if m.split(".")[0] in HEAVY]

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from stagemesh.core.memory import LayerKV, StageKV, TensorBytes, kv_capacity_tokens
+from stagemesh_core.memory import LayerKV, StageKV, TensorBytes, kv_capacity_tokens
 
 FULL = LayerKV(per_token=8)
 WINDOW = LayerKV(per_token=8, window=4)

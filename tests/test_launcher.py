@@ -20,8 +20,8 @@ from stage_worker.launcher import KernelLauncher, launcher_wanted, plain_kv_cach
 from stage_worker.model_reader import read_model_spec
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.stage_model import StageModel, StageRole
-from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.sampling import GREEDY
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.sampling import GREEDY
 from tests.architectures import mlx_lm_greedy, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished, read_with_logprobs
 

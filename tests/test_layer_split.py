@@ -3,7 +3,7 @@
 import pytest
 
 from stagemesh.cli import main
-from stagemesh.core.layer_split import LayerRange, LayerSplitError, even_split, parse_layer_split, plan_layer_split
+from stagemesh_core.layer_split import LayerRange, LayerSplitError, even_split, parse_layer_split, plan_layer_split
 
 
 def test_even_split_tiles_the_model_and_gives_the_remainder_to_early_stages():

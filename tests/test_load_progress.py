@@ -7,8 +7,8 @@ import logging
 from stage_worker import load_progress
 from stage_worker.load_progress import LoadCounts, WeightProgress, progress_text, reporting
 from stage_worker.stage_status import StageStatus
-from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
-from stagemesh.core.states import StageState
+from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
+from stagemesh_core.states import StageState
 from stagemesh.status import format_mesh
 
 

@@ -15,16 +15,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stage_worker.grpc_service import StageDescription, start_grpc_server
 from stage_worker.stage_status import StageStatus
-from stagemesh.core.errors import UserError
-from stagemesh.core.mesh_token import (
+from stagemesh_core.errors import UserError
+from stagemesh_core.mesh_token import (
     call_metadata,
     generate_token,
     requires_token,
     resolve_token,
     token_matches,
 )
-from stagemesh.core.states import StageState
-from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh_core.states import StageState
+from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 
 TOKEN = generate_token()

@@ -27,7 +27,7 @@ from stage_worker.model_reader import read_model_spec
 from stage_worker.model_spec import QUANT_MODES, ModelFormatError, QuantParams
 from stage_worker.stage_model import StageModel, StageRole
 from stagemesh.bench.random_checkpoint import SHAPE_QUANTIZATIONS
-from stagemesh.core.layer_split import LayerRange, even_split
+from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import TINY_CONFIGS, mlx_lm_greedy, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 

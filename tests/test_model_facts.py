@@ -8,7 +8,7 @@ import pytest
 from stage_worker.model_facts import model_facts
 from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole
-from stagemesh.core.layer_split import LayerRange
+from stagemesh_core.layer_split import LayerRange
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from stage_worker.default_model import default_model_path
 from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import StageCompute
-from stagemesh.core.layer_split import LayerRange
+from stagemesh_core.layer_split import LayerRange
 
 NEW = RecordFlag.NEW_SEQUENCE
 

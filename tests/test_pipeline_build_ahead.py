@@ -18,7 +18,7 @@ from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
 from stage_worker.stage_model import StageModel, StageRole
 from stage_worker.stage_runtime import EntryPipeline, StageCompute, relay_loop
 from stage_worker.stage_status import StageStatus
-from stagemesh.core.layer_split import LayerRange
+from stagemesh_core.layer_split import LayerRange
 from tests.engine_helpers import CountingPipeline, as_served, lane, read_until_finished
 
 pytestmark = pytest.mark.e2e

@@ -2,8 +2,8 @@
 
 import pytest
 
-from stagemesh.core.plan import PipelinePlan, make_local_plan
-from stagemesh.core.ports import PortRangeError, stage_ports
+from stagemesh_core.plan import PipelinePlan, make_local_plan
+from stagemesh_core.ports import PortRangeError, stage_ports
 
 
 def test_global_stage_g_binds_base_plus_g():
@@ -32,7 +32,7 @@ def test_the_default_model_is_found_in_each_stages_own_installation():
     from stage_worker.default_model import default_model_path
     from stage_worker.model_spec import ModelFormatError
     from stage_worker.stage_process import resolve
-    from stagemesh.core.plan import StageLaunch
+    from stagemesh_core.plan import StageLaunch
 
     plan = make_local_plan("/Users/someone-else/venv/SmolLM2.gguf", 30, 2, "auto")
     with pytest.raises(ModelFormatError, match="/Users/someone-else/venv/SmolLM2.gguf"):

@@ -30,7 +30,7 @@ def load_whole_model(path: str):
     from stage_worker.device import current_backend
     from stage_worker.model_reader import read_model_spec
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
-    from stagemesh.core.layer_split import LayerRange
+    from stagemesh_core.layer_split import LayerRange
 
     spec = read_model_spec(path)
     dtype = resolve_compute_dtype("auto", current_backend())

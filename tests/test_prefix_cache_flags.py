@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
-from stagemesh.core.errors import UserError
-from stagemesh.core.plan import StageOptions
+from stagemesh_core.errors import UserError
+from stagemesh_core.plan import StageOptions
 from stagemesh.serve import ServeConfigError, add_arguments, build_mesh_config
 
 

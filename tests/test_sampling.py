@@ -3,7 +3,7 @@
 import mlx.core as mx
 
 from stage_worker.sampling import sample_rows
-from stagemesh.core.sampling import GREEDY, SamplingParams
+from stagemesh_core.sampling import GREEDY, SamplingParams
 
 
 def _logits(rows=3, vocab=50, seed=0):

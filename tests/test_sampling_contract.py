@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from stagemesh.core import sampling
-from stagemesh.core.sampling import DEFAULTS, GREEDY, SamplingError, SamplingParams, check, from_proto, to_proto
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core import sampling
+from stagemesh_core.sampling import DEFAULTS, GREEDY, SamplingError, SamplingParams, check, from_proto, to_proto
+from stagemesh_core.v1 import stage_pb2
 
 EVERY_FIELD = SamplingParams(temperature=0.5, top_p=0.75, top_k=40, seed=7, presence_penalty=0.5,
                              frequency_penalty=-0.25, repetition_penalty=1.25, logit_bias=((3, -100.0), (9, 2.5)),

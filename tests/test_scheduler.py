@@ -216,7 +216,7 @@ def test_new_requests_join_a_batch_beside_continuations():
 
 
 def test_a_sequences_options_ride_its_first_chunk_only_and_its_sampling_every_record():
-    from stagemesh.core.sampling import SamplingParams
+    from stagemesh_core.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=0.5, seed=3, presence_penalty=0.5)
     s = _scheduler(max_batch_tokens=6, prefill_chunk_tokens=4)

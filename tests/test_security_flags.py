@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from stagemesh.cli import main
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 from stagemesh.security_flags import parse_origins
 
 

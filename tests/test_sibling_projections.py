@@ -18,7 +18,7 @@ from stage_worker.mlx_arch import STACK_ARCHITECTURES
 from stage_worker.model_reader import read_model_spec
 from stage_worker.sibling_projections import ProjectionPart, join_sibling_projections, joined_layer
 from stage_worker.stage_model import StageModel, StageRole
-from stagemesh.core.layer_split import LayerRange
+from stagemesh_core.layer_split import LayerRange
 from tests.architectures import tiny_checkpoint
 from tests.joined_outputs import assert_same_outputs, stage_outputs
 

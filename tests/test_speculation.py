@@ -23,9 +23,9 @@ from stage_worker.speculation import (
     speculative_tokens,
 )
 from stage_worker.wire import WireMismatchError
-from stagemesh.core.plan import StageOptions
-from stagemesh.core.sampling import SamplingParams
-from stagemesh.core.speculative import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
+from stagemesh_core.plan import StageOptions
+from stagemesh_core.sampling import SamplingParams
+from stagemesh_core.speculative import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
 

@@ -22,9 +22,9 @@ import pytest
 from stage_worker.model_reader import read_model_spec
 from stage_worker.prefix_cache import PrefixCache
 from stage_worker.stage_model import StageModel, StageRole, runs_packed
-from stagemesh.core.layer_split import LayerRange, even_split
-from stagemesh.core.sampling import GREEDY, SamplingParams
-from stagemesh.core.speculative import SpeculativeConfig
+from stagemesh_core.layer_split import LayerRange, even_split
+from stagemesh_core.sampling import GREEDY, SamplingParams
+from stagemesh_core.speculative import SpeculativeConfig
 from tests.architectures import tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, as_served, read_until_finished, read_with_logprobs
 

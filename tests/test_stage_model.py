@@ -10,12 +10,12 @@ import pytest
 from stage_worker.default_model import resolve_model_path
 from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
-from stagemesh.core.layer_split import LayerRange, even_split
+from stagemesh_core.layer_split import LayerRange, even_split
 
 _MEASURE = """
 import json, sys
 import mlx.core as mx
-from stagemesh.core.layer_split import LayerRange
+from stagemesh_core.layer_split import LayerRange
 from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole
 path, start, end, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"

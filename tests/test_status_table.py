@@ -3,8 +3,8 @@ that is not serving."""
 
 from dataclasses import replace
 
-from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
-from stagemesh.core.states import ReplicaState, StageState
+from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
+from stagemesh_core.states import ReplicaState, StageState
 from stagemesh.status import format_mesh
 
 

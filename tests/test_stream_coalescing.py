@@ -8,7 +8,7 @@ import threading
 from stage_worker.engine import RequestFailed
 from stage_worker.grpc_service import _coalesce, _StreamCall
 from stage_worker.scheduler import Finish, RequestEvent
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.v1 import stage_pb2
 
 
 def _take(q):

@@ -8,7 +8,7 @@ import pytest
 from stage_worker import wire
 from stage_worker.batch import RecordFlag, SequenceRecord
 from stage_worker.wire import FrameHeader, FrameKind
-from stagemesh.core.sampling import SamplingParams
+from stagemesh_core.sampling import SamplingParams
 
 
 def test_header_round_trip():

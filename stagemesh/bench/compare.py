@@ -34,7 +34,7 @@ from pathlib import Path
 
 from stagemesh.bench import flags
 from stagemesh.bench.random_checkpoint import check_shape_flags, shape_description, write_shape_checkpoint
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix")
 # Those that serve mlx_lm the GGUF converted to an mlx-lm directory: they need MODEL to be a .gguf file.
@@ -178,7 +178,7 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
     from coordinator.stage_host import nvidia_smi_list
     from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
     from stagemesh.bench.pipeline import bare_forward
-    from stagemesh.core.gpus import node_gpu_count
+    from stagemesh_core.gpus import node_gpu_count
 
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     input_len, output_len, _ = _sizes(args, "bare")

@@ -32,7 +32,7 @@ from typing import Any
 
 from stagemesh.bench import flags
 from stagemesh.bench.random_checkpoint import check_shape_flags, write_shape_checkpoint
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stage_worker.warmup import warm_up, warmup_plan
     from stagemesh.bench.report import build_report, emit, flags_of, now
-    from stagemesh.core import defaults, settings
-    from stagemesh.core.layer_split import LayerRange
+    from stagemesh_core import defaults, settings
+    from stagemesh_core.layer_split import LayerRange
 
     if min(args.output_len, args.streams, args.input_len, args.mixed_max_prompt) < 1 or args.mixed < 0:
         raise UserError("--output-len, --streams, --input-len and --mixed-max-prompt must be positive, "

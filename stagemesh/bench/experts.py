@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from stagemesh.bench import flags
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stagemesh.bench import flags
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +153,7 @@ async def _serve_source(port: int, step_ms: float) -> None:
     own tokens, so the gateway's detokenization does real work; it is a benchmark instrument, not a model."""
     import grpc.aio
 
-    from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+    from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
     step = _StepClock(step_ms / 1000.0)
 
@@ -232,8 +232,8 @@ def _serve_gateway(port: int, source_port: int, tokenizer_dir: str) -> None:
     from transformers import AutoTokenizer
 
     from gateway.app import GatewayConfig, create_app
-    from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot
-    from stagemesh.core.states import StageState
+    from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot
+    from stagemesh_core.states import StageState
 
     stage = StageSnapshot(rank=0, layers=(0, 1), host="127.0.0.1", grpc_port=source_port, ring_port=0, pid=None,
                           node_id="bench", compute_dtype="-", quantized=False, healthy=True,

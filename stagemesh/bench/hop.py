@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stagemesh.bench import flags
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

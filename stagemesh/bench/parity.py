@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stagemesh.bench import flags, random_checkpoint
-from stagemesh.core import settings
-from stagemesh.core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan
+from stagemesh_core import settings
+from stagemesh_core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan
 
 if TYPE_CHECKING:  # NumPy and the stage's job load only when a check runs
     import numpy as np
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from stage_worker.model_reader import read_model_spec
     from stage_worker.tokenizer import load_tokenizer
     from stagemesh.bench.report import build_report, emit, flags_of, now
-    from stagemesh.core.plan import make_local_plan
+    from stagemesh_core.plan import make_local_plan
     from stagemesh.serve import resolve_model_argument
 
     started_at = now()

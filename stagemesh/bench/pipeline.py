@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from stagemesh.bench import flags
-from stagemesh.core import settings
-from stagemesh.core.errors import UserError
+from stagemesh_core import settings
+from stagemesh_core.errors import UserError
 
 _MLX_LM_ARM = """
 import json, sys, time
@@ -50,7 +50,7 @@ print(json.dumps({"decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamp
 _BARE_ARM = """
 import json, sys, time
 import mlx.core as mx
-from stagemesh.core.layer_split import LayerRange
+from stagemesh_core.layer_split import LayerRange
 from stage_worker.blas import loaded_blas
 from stage_worker.model_reader import read_model_spec
 from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_pipeline_arm(model_path: str, num_layers: int, pp: int, dtype: str, prompt: list[int],
                       max_tokens: int, ring_base: int) -> dict:
     from coordinator.local_launcher import start_local_pipeline
-    from stagemesh.core.plan import make_local_plan
+    from stagemesh_core.plan import make_local_plan
 
     plan = make_local_plan(model_path, num_layers, pp, dtype, ring_base_port=ring_base)
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-") as workdir:

@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 from stagemesh.bench import flags
-from stagemesh.core import defaults
-from stagemesh.core.errors import UserError
+from stagemesh_core import defaults
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +85,8 @@ def load_stage_as_served(spec: Any) -> tuple[Any, bool]:
     from stage_worker.device import current_backend
     from stage_worker.fused_projections import fusion_wanted
     from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
-    from stagemesh.core import settings
-    from stagemesh.core.layer_split import LayerRange
+    from stagemesh_core import settings
+    from stagemesh_core.layer_split import LayerRange
 
     backend = current_backend()
     model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True),

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from stagemesh.core.snapshots import StageStats
+from stagemesh_core.snapshots import StageStats
 
 _COUNTERS = {
     "stagemesh_stage_compute_seconds_total": "compute_seconds",

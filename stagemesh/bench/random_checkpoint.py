@@ -66,7 +66,7 @@ def shape_config(name: str, layers: int | None = None) -> dict:
     kept (``stage_worker.first_layers``)."""
     path = SHAPES_DIR / name / "config.json"
     if not path.is_file():
-        from stagemesh.core.errors import UserError
+        from stagemesh_core.errors import UserError
 
         raise UserError(f"--shape {name!r} is not one of the shipped shapes: {', '.join(shape_names())}")
     config = json.loads(path.read_text())
@@ -79,7 +79,7 @@ def shape_config(name: str, layers: int | None = None) -> dict:
 
 def check_shape_flags(args: argparse.Namespace) -> None:
     """A bench kind's MODEL, ``--shape`` and ``--shape-layers`` together make sense, else ``UserError``."""
-    from stagemesh.core.errors import UserError
+    from stagemesh_core.errors import UserError
 
     if args.shape and args.model:
         raise UserError("give MODEL or --shape, not both")
@@ -167,7 +167,7 @@ def _quantize(model: Any, config: dict, name: str) -> tuple[Any, dict]:
     from mlx_lm.utils import quantize_model
 
     if name not in SHAPE_QUANTIZATIONS:
-        from stagemesh.core.errors import UserError
+        from stagemesh_core.errors import UserError
 
         raise UserError(f"--shape-quantization {name!r}: choose from {', '.join(SHAPE_QUANTIZATIONS)}")
     chosen = SHAPE_QUANTIZATIONS[name]

@@ -142,7 +142,7 @@ def _check_extra_body(extra: str | None) -> None:
 
 def endpoints_from_args(args: argparse.Namespace) -> list:
     from stagemesh.bench.types import Endpoint
-    from stagemesh.core import settings
+    from stagemesh_core import settings
 
     urls = [normalize_base_url(u) for u in (args.base_url or [DEFAULT_BASE_URL])]
     n = len(urls)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stagemesh.bench import flags
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 DEFAULT_CONFIG = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 # Code to repeat or edit: the answer quotes its input, as answers about code, documents and retrieval often do.
@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
     from stagemesh.bench.prefix import load_stage_as_served
     from stagemesh.bench.random_checkpoint import write_shape_checkpoint
     from stagemesh.bench.report import build_report, emit, flags_of, now
-    from stagemesh.core.speculative import parse_speculative_config
+    from stagemesh_core.speculative import parse_speculative_config
 
     started_at = now()
     path = write_shape_checkpoint(args, tmp) if args.shape else str(resolve_model_path(args.model))

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 SERVED_MODEL = "stagemesh-bench"
 

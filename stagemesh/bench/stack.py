@@ -31,7 +31,7 @@ from typing import Any
 from stagemesh.bench import flags
 from stagemesh.bench.random_checkpoint import check_shape_flags, write_shape_checkpoint
 from stagemesh.bench.stats import percentile
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     check_shape_flags(args)
     from stagemesh.bench.compare import server_process
     from stagemesh.bench.report import build_report, emit, flags_of, now
-    from stagemesh.core.mesh_token import generate_token
+    from stagemesh_core.mesh_token import generate_token
 
     started_at = now()
     levels = sorted({1, args.streams})
@@ -125,8 +125,8 @@ async def _direct_level(target: str, token: str, streams: int, args: argparse.Na
     command's mesh token, from an asyncio gRPC client in this process."""
     import grpc
 
-    from stagemesh.core.mesh_token import call_metadata
-    from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+    from stagemesh_core.mesh_token import call_metadata
+    from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
     metadata = call_metadata(token)
 

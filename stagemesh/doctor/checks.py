@@ -20,8 +20,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from stagemesh.core import settings
-from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, MLX_RESOURCE
+from stagemesh_core import settings
+from stagemesh_core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, MLX_RESOURCE
 
 OK, INFO, WARNING, ERROR = "ok", "info", "warning", "error"
 SEVERITIES = (OK, INFO, WARNING, ERROR)
@@ -91,7 +91,7 @@ class NodeFacts:
     mlx_backend: str | None = None  # cpu, metal, cuda (stage_worker.device)
     device_name: str | None = None  # "NVIDIA H200", "Apple M2 Max (applegpu_g14s)", the CPU's model
     device_memory_bytes: int | None = None  # the GPU memory a stage's budget comes from; None on the CPU
-    gpu_count: int | None = None  # NVIDIA GPUs the node's stages are spread over (stagemesh.core.gpus)
+    gpu_count: int | None = None  # NVIDIA GPUs the node's stages are spread over (stagemesh_core.gpus)
     env: dict[str, str] = field(default_factory=dict)  # the variables doctor cares about, as set
     interfaces: dict[str, list[str]] = field(default_factory=dict)  # name -> IPv4 addresses
     interfaces_down: list[str] = field(default_factory=list)

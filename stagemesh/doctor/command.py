@@ -25,8 +25,8 @@ import socket
 import sys
 from dataclasses import asdict, dataclass, field
 
-from stagemesh.core import settings
-from stagemesh.core.settings import MLX_RESOURCE
+from stagemesh_core import settings
+from stagemesh_core.settings import MLX_RESOURCE
 from stagemesh.doctor.checks import (
     ERROR,
     INFO,

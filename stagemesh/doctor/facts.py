@@ -7,7 +7,7 @@ mode ``NodeProbe`` runs as a small Ray actor pinned to each node, so every node
 reports its own facts, and the probes listen on each node's ports while the
 others connect to them (reachability between nodes, firewall included).
 MLX's backend and device come from ``stage_worker.device`` (what a stage
-reports), the node's GPU count from ``stagemesh.core.gpus`` (what its
+reports), the node's GPU count from ``stagemesh_core.gpus`` (what its
 StageHost reports), so doctor says what the stages will see.
 
 Only the addresses doctor is told about are ever contacted: the advertised
@@ -197,7 +197,7 @@ def mlx_facts() -> dict:
 def gpu_count() -> int:
     """NVIDIA GPUs this node's stages are spread over, counted as its StageHost counts them."""
     from coordinator.stage_host import nvidia_smi_list
-    from stagemesh.core.gpus import node_gpu_count
+    from stagemesh_core.gpus import node_gpu_count
 
     return node_gpu_count(os.environ, nvidia_smi_list(os.environ))
 

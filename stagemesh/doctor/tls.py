@@ -16,7 +16,7 @@ import ipaddress
 import os
 import stat
 
-from stagemesh.core.grpc_tls import CERT_FILE, KEY_FILE, TlsFiles, read_tls_dir
+from stagemesh_core.grpc_tls import CERT_FILE, KEY_FILE, TlsFiles, read_tls_dir
 from stagemesh.doctor.checks import ERROR, OK, WARNING, Finding
 
 EXPIRY_WARNING_DAYS = 30

@@ -1,7 +1,7 @@
 """The per-stage profile's arithmetic over real /metrics text."""
 
 from stagemesh.bench.profile import format_profile, parse_stage_counters, stage_profiles
-from stagemesh.core.snapshots import StageStats
+from stagemesh_core.snapshots import StageStats
 
 METRICS = """# HELP stagemesh_stage_compute_seconds_total Seconds computing
 # TYPE stagemesh_stage_compute_seconds_total counter

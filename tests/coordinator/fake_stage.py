@@ -23,8 +23,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stagemesh.core.plan import PipelinePlan, StageLaunch
-from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh_core.plan import PipelinePlan, StageLaunch
+from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
 
 class _Stage(stage_pb2_grpc.StageServicer):

@@ -12,7 +12,7 @@ import psutil
 
 from coordinator.ray_cluster import NO_PRESTART_ENV, is_startup_timeout, loopback_only
 from coordinator.stage_host import busy_ports
-from stagemesh.core.snapshots import MeshSnapshot
+from stagemesh_core.snapshots import MeshSnapshot
 
 
 def running(pid: int | None) -> bool:

@@ -7,11 +7,11 @@ import pytest
 from coordinator.config import MeshConfig, stage_options, validate_config
 from coordinator.health import StageInfoView, StageProbe, Verdict, info_view, judge
 from coordinator.placement import PlacementError
-from stagemesh.core.layer_split import LayerSplitError
-from stagemesh.core.plan import StageOptions
-from stagemesh.core.snapshots import StageStats
-from stagemesh.core.states import StageState, UnknownStateError, describe_exit, state_to_proto
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.layer_split import LayerSplitError
+from stagemesh_core.plan import StageOptions
+from stagemesh_core.snapshots import StageStats
+from stagemesh_core.states import StageState, UnknownStateError, describe_exit, state_to_proto
+from stagemesh_core.v1 import stage_pb2
 
 
 def _info(state: str, error: str = "") -> StageInfoView:

@@ -25,8 +25,8 @@ from stage_worker.memory import MemoryBudget, kv_token_capacity
 from stage_worker.model_facts import model_facts
 from stage_worker.model_reader import read_model_spec
 from stagemesh.bench.random_checkpoint import SHAPES_DIR
-from stagemesh.core.layer_split import LayerRange
-from stagemesh.core.memory import (
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.memory import (
     RUNTIME_OVERHEAD_BYTES,
     DraftFacts,
     LayerKV,

@@ -65,8 +65,8 @@ def _config(default_model_path: str, **changes) -> MeshConfig:
 def _generate(target: str, token: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
     import grpc
 
-    from stagemesh.core.mesh_token import call_metadata
-    from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+    from stagemesh_core.mesh_token import call_metadata
+    from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
     from tests.stage_calls import generate
 
     with grpc.insecure_channel(target) as channel:

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.e2e
 def _generate(target: str, token: str, max_tokens: int = 4) -> list[int]:
     import grpc
 
-    from stagemesh.core.mesh_token import call_metadata
-    from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+    from stagemesh_core.mesh_token import call_metadata
+    from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
     from tests.stage_calls import generate
 
     with grpc.insecure_channel(target) as channel:

@@ -29,7 +29,7 @@ from coordinator.supervision import (
     serving,
     stopped,
 )
-from stagemesh.core.states import ReplicaState
+from stagemesh_core.states import ReplicaState
 
 POLICY = BackoffPolicy(base_s=1.0, cap_s=30.0, stable_after_s=100.0)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh.core.plan import PipelinePlan, StageLaunch
+from stagemesh_core.plan import PipelinePlan, StageLaunch
 from tests.deploy.conftest import MESH_SH
 from tests.deploy.netns import ADDRESS_A, ADDRESS_B, NamespacesUnavailable, TwoHosts, make_two_hosts
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from stagemesh.core import ports
+from stagemesh_core import ports
 from tests.conftest import free_port_base
 
 

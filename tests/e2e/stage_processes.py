@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions
+from stagemesh_core.plan import PipelinePlan, StageLaunch, StageOptions
 
 
 def start_stages(plan: PipelinePlan, options: StageOptions, workdir: Path, token: str,

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from coordinator.local_launcher import start_local_pipeline
-from stagemesh.core.plan import make_local_plan
+from stagemesh_core.plan import make_local_plan
 from tests.conftest import free_port_base, tiny_config
 from tests.e2e.serve_process import start_serve
 

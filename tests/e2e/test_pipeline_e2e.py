@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.local_launcher import PipelineFailed, start_local_pipeline
-from stagemesh.core.plan import PipelinePlan, StageLaunch, StageOptions, make_local_plan
+from stagemesh_core.plan import PipelinePlan, StageLaunch, StageOptions, make_local_plan
 from tests.conftest import free_port_base
 
 pytestmark = pytest.mark.e2e

@@ -11,9 +11,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import pytest
 
-from stagemesh.core.mesh_token import call_metadata, generate_token
-from stagemesh.core.plan import StageOptions, make_local_plan
-from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh_core.mesh_token import call_metadata, generate_token
+from stagemesh_core.plan import StageOptions, make_local_plan
+from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 from tests.conftest import free_port_base
 from tests.e2e.stage_processes import start_stages
 from tests.stage_calls import generate

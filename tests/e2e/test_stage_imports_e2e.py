@@ -22,7 +22,7 @@ from stage_worker import lean_mlx_lm
 assert lean_mlx_lm.install()
 from stage_worker.stage_process import load, resolve
 from stage_worker.stage_status import StageStatus
-from stagemesh.core.plan import StageLaunch, StageOptions, make_local_plan
+from stagemesh_core.plan import StageLaunch, StageOptions, make_local_plan
 plan = make_local_plan(sys.argv[1], 30, 1, "auto", ring_base_port=30000, dequantize="on")
 ctx = resolve(StageLaunch(plan, 0, StageOptions()))
 loaded = load(ctx, StageStatus())

@@ -20,9 +20,9 @@ import grpc
 import grpc.aio
 import uvicorn
 
-from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
-from stagemesh.core.states import StageState
-from stagemesh.core.v1 import stage_pb2, stage_pb2_grpc
+from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
+from stagemesh_core.states import StageState
+from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
 
 def free_port() -> int:

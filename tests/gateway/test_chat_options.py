@@ -10,7 +10,7 @@ import pytest
 from gateway.chat_template import ChatOptions, render_chat
 from gateway.schemas import ChatMessage
 from stagemesh import openai_flags
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 from .conftest import MODEL
 

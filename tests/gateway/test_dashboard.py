@@ -11,8 +11,8 @@ import pytest
 from gateway.live import LiveSampler, stage_rates
 from gateway.metrics import GatewayMetrics
 from gateway.recent import RecentWindow, weighted_quantile
-from stagemesh.core.events import EventJournal
-from stagemesh.core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
+from stagemesh_core.events import EventJournal
+from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
 
 from .conftest import API_KEY
 

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.api_keys import parse_api_keys, read_api_key_file
 from gateway.app import GatewayConfig, create_app
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 from .conftest import MODEL
 from .fakes import AppServer, wait_for

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from stagemesh.core.states import ReplicaState
+from stagemesh_core.states import ReplicaState
 
 from .conftest import API_KEY, MODEL
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from stagemesh.core.settings import stagemesh_version
+from stagemesh_core.settings import stagemesh_version
 
 from .conftest import MODEL
 

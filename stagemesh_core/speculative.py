@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 FLAG = "--speculative-config"
 NGRAM = "ngram"

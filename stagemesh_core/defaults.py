@@ -1,7 +1,7 @@
 """Serving defaults every part shares, defined once: the CLI's flag defaults, ``StageOptions``, the layer
 planner's request, the scheduler and the benchmarks all read them from here.
 
-Environment variables and their defaults live in ``stagemesh.core.settings``; these are the values a flag
+Environment variables and their defaults live in ``stagemesh_core.settings``; these are the values a flag
 (or a ``StageOptions`` field) takes when it is left unset.
 """
 

@@ -18,8 +18,8 @@ import hmac
 import secrets
 from collections.abc import Iterable, Mapping
 
-from stagemesh.core import settings
-from stagemesh.core.errors import UserError
+from stagemesh_core import settings
+from stagemesh_core.errors import UserError
 
 METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 SCHEME = "Bearer "

@@ -19,12 +19,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagemesh.core import defaults
-from stagemesh.core.errors import UserError
-from stagemesh.core.layer_split import LayerRange, plan_layer_split
-from stagemesh.core.ports import stage_ports
-from stagemesh.core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, LOOPBACK
-from stagemesh.core.speculative import SpeculativeConfig
+from stagemesh_core import defaults
+from stagemesh_core.errors import UserError
+from stagemesh_core.layer_split import LayerRange, plan_layer_split
+from stagemesh_core.ports import stage_ports
+from stagemesh_core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, LOOPBACK
+from stagemesh_core.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -153,10 +153,10 @@ class StageOptions:
     prefix_cache_block_size: int = defaults.PREFIX_CACHE_BLOCK_SIZE
     connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S  # neighbours' lanes must be up by then
     ring_timeout_s: float | None = None  # None: STAGEMESH_RING_TIMEOUT where the stage runs
-    # The node's visible GPU this stage computes on (stagemesh.core.gpus); None: the node's default.
+    # The node's visible GPU this stage computes on (stagemesh_core.gpus); None: the node's default.
     gpu_index: int | None = None
     stages_on_gpu: int = 0  # stages sharing that GPU's memory; 0: unknown (the host's count applies)
-    # --speculative-config (stagemesh.core.speculative): the entry stage proposes, the last verifies; None: off.
+    # --speculative-config (stagemesh_core.speculative): the entry stage proposes, the last verifies; None: off.
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -191,11 +191,11 @@ class StageLaunch:
     plan: PipelinePlan
     rank: int
     options: StageOptions = field(default_factory=StageOptions)
-    # The secret its gRPC port requires on state-changing calls (stagemesh.core.mesh_token). It travels
+    # The secret its gRPC port requires on state-changing calls (stagemesh_core.mesh_token). It travels
     # in the launch file (written 0600 in a 0700 directory), never on a command line; "" here means the
     # stage takes STAGEMESH_MESH_TOKEN from its node's environment. repr=False: never in a log line.
     mesh_token: str = field(default="", repr=False)
-    # Mutual TLS for the stage's gRPC port: its node's TLS directory (stagemesh.core.grpc_tls); the node's
+    # Mutual TLS for the stage's gRPC port: its node's TLS directory (stagemesh_core.grpc_tls); the node's
     # own STAGEMESH_GRPC_TLS_DIR wins, since the head's path need not exist there. "": plaintext.
     grpc_tls_dir: str = ""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 MIN_PORT = 1024
 MAX_PORT = 65535

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from stagemesh.core.errors import UserError
-from stagemesh.core.gpus import GPU_PER_STAGE_CHOICES
+from stagemesh_core.errors import UserError
+from stagemesh_core.gpus import GPU_PER_STAGE_CHOICES
 
 DEFAULT_RING_BASE_PORT = 32323
 DEFAULT_GRPC_BASE_PORT = 50051

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from stagemesh.core.v1 import stage_pb2 as stagemesh_dot_core_dot_v1_dot_stage__pb2
+from stagemesh_core.v1 import stage_pb2 as stagemesh__core_dot_v1_dot_stage__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in stagemesh/core/v1/stage_pb2_grpc.py depends on'
+        + ' but the generated code in stagemesh_core/v1/stage_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class StageStub:
         """
         self.GetStageInfo = channel.unary_unary(
                 '/stagemesh.v1.Stage/GetStageInfo',
-                request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GetStageInfoRequest.SerializeToString,
-                response_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.StageInfo.FromString,
+                request_serializer=stagemesh__core_dot_v1_dot_stage__pb2.GetStageInfoRequest.SerializeToString,
+                response_deserializer=stagemesh__core_dot_v1_dot_stage__pb2.StageInfo.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.stream_stream(
                 '/stagemesh.v1.Stage/GenerateStream',
-                request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamRequest.SerializeToString,
-                response_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamResponse.FromString,
+                request_serializer=stagemesh__core_dot_v1_dot_stage__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=stagemesh__core_dot_v1_dot_stage__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/stagemesh.v1.Stage/Abort',
-                request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.AbortRequest.SerializeToString,
-                response_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.AbortResponse.FromString,
+                request_serializer=stagemesh__core_dot_v1_dot_stage__pb2.AbortRequest.SerializeToString,
+                response_deserializer=stagemesh__core_dot_v1_dot_stage__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/stagemesh.v1.Stage/Drain',
-                request_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.DrainRequest.SerializeToString,
-                response_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.DrainResponse.FromString,
+                request_serializer=stagemesh__core_dot_v1_dot_stage__pb2.DrainRequest.SerializeToString,
+                response_deserializer=stagemesh__core_dot_v1_dot_stage__pb2.DrainResponse.FromString,
                 _registered_method=True)
 
 
@@ -110,23 +110,23 @@ def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStageInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStageInfo,
-                    request_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GetStageInfoRequest.FromString,
-                    response_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+                    request_deserializer=stagemesh__core_dot_v1_dot_stage__pb2.GetStageInfoRequest.FromString,
+                    response_serializer=stagemesh__core_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
             ),
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamRequest.FromString,
-                    response_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamResponse.SerializeToString,
+                    request_deserializer=stagemesh__core_dot_v1_dot_stage__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=stagemesh__core_dot_v1_dot_stage__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.AbortRequest.FromString,
-                    response_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=stagemesh__core_dot_v1_dot_stage__pb2.AbortRequest.FromString,
+                    response_serializer=stagemesh__core_dot_v1_dot_stage__pb2.AbortResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.DrainRequest.FromString,
-                    response_serializer=stagemesh_dot_core_dot_v1_dot_stage__pb2.DrainResponse.SerializeToString,
+                    request_deserializer=stagemesh__core_dot_v1_dot_stage__pb2.DrainRequest.FromString,
+                    response_serializer=stagemesh__core_dot_v1_dot_stage__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -154,8 +154,8 @@ class Stage:
             request,
             target,
             '/stagemesh.v1.Stage/GetStageInfo',
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.GetStageInfoRequest.SerializeToString,
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.StageInfo.FromString,
+            stagemesh__core_dot_v1_dot_stage__pb2.GetStageInfoRequest.SerializeToString,
+            stagemesh__core_dot_v1_dot_stage__pb2.StageInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -181,8 +181,8 @@ class Stage:
             request_iterator,
             target,
             '/stagemesh.v1.Stage/GenerateStream',
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamRequest.SerializeToString,
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.GenerateStreamResponse.FromString,
+            stagemesh__core_dot_v1_dot_stage__pb2.GenerateStreamRequest.SerializeToString,
+            stagemesh__core_dot_v1_dot_stage__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -208,8 +208,8 @@ class Stage:
             request,
             target,
             '/stagemesh.v1.Stage/Abort',
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.AbortRequest.SerializeToString,
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.AbortResponse.FromString,
+            stagemesh__core_dot_v1_dot_stage__pb2.AbortRequest.SerializeToString,
+            stagemesh__core_dot_v1_dot_stage__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -235,8 +235,8 @@ class Stage:
             request,
             target,
             '/stagemesh.v1.Stage/Drain',
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.DrainRequest.SerializeToString,
-            stagemesh_dot_core_dot_v1_dot_stage__pb2.DrainResponse.FromString,
+            stagemesh__core_dot_v1_dot_stage__pb2.DrainRequest.SerializeToString,
+            stagemesh__core_dot_v1_dot_stage__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

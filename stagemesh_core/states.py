@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.v1 import stage_pb2
 
 
 class StageState(enum.StrEnum):  # compares equal to its JSON name ("serving")

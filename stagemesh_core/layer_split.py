@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 
 class LayerSplitError(UserError):

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 # What a stage process needs beyond weights and KV: Python, MLX, mlx-lm (which imports
 # transformers), gRPC, ring buffers, activations of one batch (docs/performance.md has the figures).

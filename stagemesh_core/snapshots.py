@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from stagemesh.core.events import MeshEvent
-from stagemesh.core.states import ReplicaState, StageState
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.events import MeshEvent
+from stagemesh_core.states import ReplicaState, StageState
+from stagemesh_core.v1 import stage_pb2
 
 
 @dataclass(frozen=True)

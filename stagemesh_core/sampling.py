@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from stagemesh.core.v1 import stage_pb2
+from stagemesh_core.v1 import stage_pb2
 
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs and completions' logprobs (OpenAI: 20 and 5; vLLM: 20 for both)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias

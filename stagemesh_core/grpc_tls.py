@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from stagemesh.core.errors import UserError
+from stagemesh_core.errors import UserError
 
 CA_FILE = "ca.pem"
 CERT_FILE = "node.pem"
