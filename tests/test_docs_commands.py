@@ -29,10 +29,10 @@ DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 # Command lines written as usage synopses, with placeholders argparse cannot take as values
 # (an int flag given N, a literal "..." or "[--flag VALUE]"). Each must still occur in the docs.
 SYNOPSES = {
-    "stagemesh plan [MODEL] -pp N ...",  # README: -pp takes an int
-    "stagemesh certs DIR --node NAME=ADDR ...",  # README: "..." is one more positional
-    "stagemesh bench KIND",  # README: KIND names the kinds listed after it
-    "stagemesh bench parity -pp N",  # README, architecture.md, distributed.md, performance.md: any N
+    "stagemesh plan [MODEL] -pp N ...",  # reference.md: -pp takes an int
+    "stagemesh certs DIR --node NAME=ADDR ...",  # reference.md: "..." is one more positional
+    "stagemesh bench KIND",  # reference.md: KIND names the kinds listed after it
+    "stagemesh bench parity -pp N",  # architecture.md, distributed.md, performance.md: any N
     "stagemesh status --watch [--url http://127.0.0.1:8000] [--interval 1] [--api-key KEY] [--count N]",  # api.md
 }
 
