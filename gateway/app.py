@@ -21,27 +21,27 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.anthropic.errors import AnthropicErrorMiddleware
+from gateway.anthropic.serving import AnthropicServing
+from gateway.chat.request import ChatCompletionRequest, CompletionRequest
+from gateway.http.auth import ApiKeyMiddleware
+from gateway.http.cancellation import until_disconnect
+from gateway.http.dashboard import dashboard_router
+from gateway.http.limits import RequestLimitsMiddleware, add_cors
+from gateway.http.metrics import GatewayMetrics, RequestMetricsMiddleware
+from gateway.http.openapi import install_openapi
+from gateway.mesh.replica_client import ReplicaClient, ReplicaKey
+from gateway.openai.serving import OpenAIServing
+from gateway.openai.tokenize import router as tokenize_router
+from gateway.openai_responses.serving import ResponsesServing
 from stagemesh_core.settings import stagemesh_version
 from stagemesh_core.snapshots import MeshView
 
-from . import errors
 from .anthropic import errors as anthropic_errors
 from .anthropic import routes as anthropic_routes
-from .anthropic.errors import AnthropicErrorMiddleware
-from .anthropic.serving import AnthropicServing
-from .auth import ApiKeyMiddleware
-from .cancellation import until_disconnect
 from .config import GatewayConfig
-from .dashboard import dashboard_router
-from .limits import RequestLimitsMiddleware, add_cors
-from .metrics import GatewayMetrics, RequestMetricsMiddleware
+from .http import errors
 from .openai_responses import routes as responses_routes
-from .openai_responses.serving import ResponsesServing
-from .openapi import install_openapi
-from .replica_client import ReplicaClient, ReplicaKey
-from .schemas import ChatCompletionRequest, CompletionRequest
-from .serving import OpenAIServing
-from .tokenize_routes import router as tokenize_router
 
 __all__ = ["GatewayConfig", "create_app"]
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.chat.defaults import OpenAIDefaults
 from stagemesh_core.grpc_tls import TlsFiles
-
-from .openai_defaults import OpenAIDefaults
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ import argparse
 import json
 import os
 
-from gateway.openai_defaults import (
+from gateway.chat.defaults import (
     GENERATION_CONFIG_FILE,
     GenerationDefaults,
     OpenAIDefaults,
     generation_defaults_from_file,
     model_generation_defaults,
 )
-from gateway.tool_parsers import PARSERS
+from gateway.parsing.tool_parsers import PARSERS
 from stagemesh_core.errors import UserError
 
 

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from gateway.api_keys import read_api_key_file
+from gateway.http.api_keys import read_api_key_file
 from stagemesh_core import settings
 from stagemesh_core.errors import UserError
 from stagemesh_core.grpc_tls import TlsFiles, read_tls_dir

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import APIError
+from gateway.http.errors import APIError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",

@@ -13,7 +13,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..cancellation import until_disconnect
+from gateway.http.cancellation import until_disconnect
+
 from .protocol import CountTokensRequest, MessagesRequest
 from .serving import AnthropicServing
 

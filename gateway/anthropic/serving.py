@@ -20,11 +20,12 @@ from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 
-from ..assistant_turn import ReasoningDelta, Turn, TurnEnd, TurnEvent, TurnReader, first_awaited
-from ..chat_translation import Translated
-from ..errors import APIError
-from ..serving import ChatPlan, OpenAIServing, SSEResponse
-from ..tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
+from gateway.chat.translation import Translated
+from gateway.chat.turn import ReasoningDelta, Turn, TurnEnd, TurnEvent, TurnReader, first_awaited
+from gateway.http.errors import APIError
+from gateway.openai.serving import ChatPlan, OpenAIServing, SSEResponse
+from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
+
 from . import errors
 from .protocol import CountTokensRequest, MessagesRequest
 from .translate import to_chat

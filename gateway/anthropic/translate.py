@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..chat_translation import FieldNames, Translated, chat_request
-from ..errors import APIError, bad_request, unsupported
+from gateway.chat.translation import FieldNames, Translated, chat_request
+from gateway.http.errors import APIError, bad_request, unsupported
+
 from .protocol import CountTokensRequest, MessagesRequest
 
 _MEDIA = ("image", "document", "search_result", "container_upload")

@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from ..chat_translation import chat_field_schema
-from ..schemas import TOOL_NAME_PATTERN, _doc, _either, _fields, _nullable, _set_to, _Strict, request_rules
+from gateway.chat.request import TOOL_NAME_PATTERN, _doc, _either, _fields, _nullable, _set_to, _Strict, request_rules
+from gateway.chat.translation import chat_field_schema
 
 _NULL = {"type": "null"}
 _STATUS = {"enum": ["in_progress", "completed", "incomplete", None]}

@@ -14,7 +14,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..cancellation import until_disconnect
+from gateway.http.cancellation import until_disconnect
+
 from .protocol import InputTokensRequest, ResponsesRequest
 from .serving import ResponsesServing
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..chat_translation import FieldNames, Translated, chat_request
-from ..errors import bad_request, unsupported
+from gateway.chat.translation import FieldNames, Translated, chat_request
+from gateway.http.errors import bad_request, unsupported
+
 from .protocol import WEB_SEARCH_TYPES, InputTokensRequest, ResponsesRequest
 
 NAMESPACE_SEPARATOR = "__"

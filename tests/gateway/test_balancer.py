@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.balancer import LeastOutstandingBalancer
+from gateway.mesh.balancer import LeastOutstandingBalancer
 
 
 def test_ties_take_turns():

@@ -7,8 +7,8 @@ import argparse
 import openai
 import pytest
 
-from gateway.chat_template import ChatOptions, render_chat
-from gateway.schemas import ChatMessage
+from gateway.chat.request import ChatMessage
+from gateway.chat.template import ChatOptions, render_chat
 from stagemesh import openai_flags
 from stagemesh_core.errors import UserError
 

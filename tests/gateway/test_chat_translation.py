@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.chat_translation import FieldNames
-from gateway.errors import APIError, bad_request
+from gateway.chat.translation import FieldNames
+from gateway.http.errors import APIError, bad_request
 
 NAMES = FieldNames({"stop": "stop_sequences", "messages[3]": "messages[1].content[2]", "messages": "input",
                     "tools[0].function.parameters": "tools[0].input_schema", "max_tokens": "max_output_tokens"})

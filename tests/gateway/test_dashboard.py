@@ -8,9 +8,9 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from gateway.live import LiveSampler, stage_rates
-from gateway.metrics import GatewayMetrics
-from gateway.recent import RecentWindow, weighted_quantile
+from gateway.http.live import LiveSampler, stage_rates
+from gateway.http.metrics import GatewayMetrics
+from gateway.http.recent import RecentWindow, weighted_quantile
 from stagemesh_core.events import EventJournal
 from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
 

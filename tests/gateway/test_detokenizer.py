@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.parsing.detokenizer import IncrementalDetokenizer
 
 TEXT = "héllo 世界 🙂 ok"
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.app import GatewayConfig, create_app
-from gateway.openai_defaults import OpenAIDefaults
+from gateway.chat.defaults import OpenAIDefaults
 
 from .conftest import API_KEY, MODEL
 from .fakes import AppServer

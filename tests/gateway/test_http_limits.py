@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.api_keys import parse_api_keys, read_api_key_file
 from gateway.app import GatewayConfig, create_app
+from gateway.http.api_keys import parse_api_keys, read_api_key_file
 from stagemesh_core.errors import UserError
 
 from .conftest import MODEL

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
 from gateway.anthropic.protocol import CountTokensRequest
+from gateway.chat.request import RUNTIME_RULES
 from gateway.openai_responses.protocol import InputTokensRequest
-from gateway.schemas import RUNTIME_RULES
 
 
 @pytest.fixture

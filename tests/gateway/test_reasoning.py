@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning, template_reasons
+from gateway.parsing.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning, template_reasons
 
 REPLIES = [
     ("<think>Paris is in France.</think>\n\nHello there!", False, ("Paris is in France.", "Hello there!")),

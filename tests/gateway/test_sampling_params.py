@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import APIError
-from gateway.sampling_params import settings_from_request
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.chat.request import ChatCompletionRequest, CompletionRequest
+from gateway.chat.sampling import settings_from_request
+from gateway.http.errors import APIError
 
 
 def chat(**kw):
@@ -130,7 +130,7 @@ def test_vllm_knobs_reach_the_stage_sampling():
 
 
 def test_generation_config_fills_only_unset_fields(tmp_path):
-    from gateway.openai_defaults import generation_defaults_from_file, model_generation_defaults
+    from gateway.chat.defaults import generation_defaults_from_file, model_generation_defaults
 
     (tmp_path / "generation_config.json").write_text(
         '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 64}')

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.stop_strings import StopStringMatcher
+from gateway.parsing.stop_strings import StopStringMatcher
 
 
 def run(stops, chunks):

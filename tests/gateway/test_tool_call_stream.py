@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from gateway.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta, ToolCallStream
-from gateway.tool_output import ToolStream
-from gateway.tool_parsers import FORCED, PARSERS, ToolFormat
-from gateway.tools import tool_plan
+from gateway.chat.tool_output import ToolStream
+from gateway.chat.tools import tool_plan
+from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta, ToolCallStream
+from gateway.parsing.tool_parsers import FORCED, PARSERS, ToolFormat
 
 from .test_tools import WEATHER, chat
 

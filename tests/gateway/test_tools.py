@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from gateway.errors import APIError
-from gateway.schemas import ChatCompletionRequest
-from gateway.tool_parsers import PARSERS, pick_parser
-from gateway.tools import tool_plan
+from gateway.chat.request import ChatCompletionRequest
+from gateway.chat.tools import tool_plan
+from gateway.http.errors import APIError
+from gateway.parsing.tool_parsers import PARSERS, pick_parser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "required": ["city"],

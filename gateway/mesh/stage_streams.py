@@ -9,7 +9,7 @@ Contract:
   ``GenerateResponse`` messages, ending after the one whose ``finish_reason`` is set; it raises
   ``grpc.aio.AioRpcError`` with the request's status code. ``cancel()`` is synchronous (safe in a ``finally``
   of a task being cancelled) and tells the stage to abort the request unless it ended.
-``gateway.replica_client`` keeps one ``StageStream`` per entry stage.
+``gateway.mesh.replica_client`` keeps one ``StageStream`` per entry stage.
 """
 
 from __future__ import annotations

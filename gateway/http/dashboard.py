@@ -7,7 +7,7 @@ a FastAPI router with
 - ``GET /dashboard/{dashboard.js,dashboard.css}``: its assets, shipped inside
   the package (no CDN, no network, no build step: Macs on a Thunderbolt
   bridge are often offline);
-- ``GET /dashboard/live``: the live document (``gateway.live``), built from
+- ``GET /dashboard/live``: the live document (``gateway.http.live``), built from
   the coordinator's snapshot and the gateway's own metrics. With API keys
   set it requires ``Authorization: Bearer <key>`` like ``/v1`` (401 in
   OpenAI's envelope otherwise).

@@ -4,9 +4,9 @@ Contract:
 - ``GatewayMetrics(mesh, outstanding, failures)`` owns a private ``CollectorRegistry`` (several apps can live in
   one process, e.g. tests) holding the request-level ``stagemesh_gateway_*`` series and a ``StageCollector``
   (per-stage ``stagemesh_stage_*`` series from ``mesh.snapshot()``, read at scrape time); ``render()`` is the
-  ``GET /metrics`` body. It is the ``TokenObserver`` of ``gateway.generation``.
+  ``GET /metrics`` body. It is the ``TokenObserver`` of ``gateway.chat.generation``.
 - The same TTFT and inter-token observations also go to ``recent_ttft``, ``recent_itl`` and the serving
-  replica's pair in ``recent_by_replica`` (``gateway.recent.RecentWindow``): the last minute, for the
+  replica's pair in ``recent_by_replica`` (``gateway.http.recent.RecentWindow``): the last minute, for the
   dashboard's live percentiles.
 - ``RequestMetricsMiddleware`` (pure ASGI) counts every response by route and status and times the generation
   endpoints end to end, including the stream.
@@ -153,7 +153,7 @@ class GatewayMetrics:
             windows = self.recent_by_replica[replica] = (RecentWindow(), RecentWindow())
         return windows
 
-    # TokenObserver (gateway.generation)
+    # TokenObserver (gateway.chat.generation)
     def first_token(self, seconds: float, replica: int | None = None) -> None:
         self.ttft.observe(seconds)
         self.recent_ttft.add(seconds)

@@ -48,7 +48,7 @@ class ResponseHeader:
     def full(self, texts: list[str | None], finish_reasons: list[str | None], use: dict[str, int],
              logprobs: list[dict[str, Any] | None] | None = None,
              tool_calls: list[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
-        """``logprobs``: each choice's ``logprobs`` object (``gateway.logprobs``), or None throughout;
+        """``logprobs``: each choice's ``logprobs`` object (``gateway.openai.logprobs``), or None throughout;
         ``tool_calls``: each chat choice's calls (``message.tool_calls``; left out when empty)."""
         lps = logprobs or [None] * len(texts)
         triples = list(enumerate(zip(texts, finish_reasons, lps, strict=True)))

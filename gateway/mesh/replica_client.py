@@ -5,8 +5,8 @@ Contract:
   the running event loop; ``close()`` closes them all. Every call carries the mesh token
   (``stagemesh_core.mesh_token``); with ``tls`` the channels are mutual TLS (``stagemesh_core.grpc_tls``).
 - ``generate(request, affinity=None)`` is an async generator of ``GenerateResponse`` messages from one
-  routable replica chosen by ``gateway.balancer``, under a per-request deadline, over the entry stage's shared
-  ``GenerateStream`` call (``gateway.stage_streams``). Closing the generator or cancelling its consumer
+  routable replica chosen by ``gateway.mesh.balancer``, under a per-request deadline, over the entry stage's shared
+  ``GenerateStream`` call (``gateway.mesh.stage_streams``). Closing the generator or cancelling its consumer
   cancels the request, so the stage aborts the sequence and frees its slot. A call refused before any token
   is tried on another replica (``failover_attempts``); gRPC failures become ``APIError``.
 - ``replica_of(request_id)`` names the replica serving a call while it runs; ``failures`` counts, per
@@ -21,12 +21,12 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from gateway.http import errors
 from stagemesh_core.grpc_tls import TlsFiles, open_aio_channel
 from stagemesh_core.mesh_token import call_metadata
 from stagemesh_core.snapshots import MeshView, ReplicaSnapshot
 from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
-from . import errors
 from .balancer import LeastOutstandingBalancer
 from .stage_streams import StageStream, StreamedGeneration
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from gateway.http.errors import APIError, bad_request, unsupported
 from stagemesh_core import sampling
 from stagemesh_core.sampling import SamplingError, SamplingParams
 from stagemesh_core.v1 import stage_pb2
 
-from .errors import APIError, bad_request, unsupported
-from .openai_defaults import GenerationDefaults
-from .schemas import (
+from .defaults import GenerationDefaults
+from .grammar import grammar_for
+from .request import (
     DEFAULT_ONLY,
     MAX_N,
     MAX_STOP_STRINGS,
@@ -30,7 +31,6 @@ from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from .structured_output import grammar_for
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _STAGE_SEED_MOD = sampling.SEED_MAX + 1  # the core's seeds are >= 0: request seeds are folded into its range
@@ -120,7 +120,7 @@ def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
                           vocab_size: int | None = None) -> SamplingSettings:
     """The sampling fields' ranges are the core's (``stagemesh_core.sampling``: its ``check`` runs here, with
     each field named as the request names it); the request's own limits (``n``, ``stop``, ``stop_token_ids``,
-    ...) are the schema's (``gateway.schemas``). Unset fields take ``defaults`` (vLLM's
+    ...) are the schema's (``gateway.chat.request``). Unset fields take ``defaults`` (vLLM's
     ``--generation-config``), else the core's defaults (OpenAI's). Fields the stages cannot honour (beam
     search, prompt logprobs, ...) are refused unless at their default. Token ids (``logit_bias`` keys,
     ``stop_token_ids``, ``allowed_token_ids``) must be below ``vocab_size``."""

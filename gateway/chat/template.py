@@ -16,9 +16,10 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from .errors import bad_request
-from .openai_defaults import OpenAIDefaults
-from .schemas import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, ChatMessage
+from gateway.http.errors import bad_request
+
+from .defaults import OpenAIDefaults
+from .request import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_messages, template_supports_tools
 
 _ROLES = ("system", "user", "assistant", "tool")

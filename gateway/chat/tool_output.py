@@ -9,15 +9,16 @@ Contract:
   OpenAI deltas to send now and ``finish(reason)`` the last ones and the finish reason (``tool_calls`` when
   calls were made whole). A streamed call's ``arguments`` pieces add up to the non-streamed call's.
   ``events`` / ``finish_events`` give the same as typed events (``ContentDelta``, ``CallStart``,
-  ``ArgumentsDelta``) for the APIs that shape them otherwise (``gateway.assistant_turn``).
+  ``ArgumentsDelta``) for the APIs that shape them otherwise (``gateway.chat.turn``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .tool_call_stream import ArgumentsDelta, CallStart, ContentDelta, Event, ToolCallStream
-from .tool_parsers import FORCED, ToolCall, ToolFormat, new_call_id
+from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta, Event, ToolCallStream
+from gateway.parsing.tool_parsers import FORCED, ToolCall, ToolFormat, new_call_id
+
 from .tools import ToolPlan
 
 
@@ -46,7 +47,7 @@ class ToolStream:
     """Every call streams: a first delta with its ``index``, ``id``, ``type``, ``function.name`` and
     ``arguments: ""``, then ``function.arguments`` pieces as the model writes them. A ``named`` call's
     arguments are the whole output; ``required`` output is read as the ``FORCED`` format and ``auto`` output
-    as ``fmt``, by ``gateway.tool_call_stream``, which streams the text before any call as content."""
+    as ``fmt``, by ``gateway.parsing.tool_call_stream``, which streams the text before any call as content."""
 
     def __init__(self, plan: ToolPlan, fmt: ToolFormat) -> None:
         self._plan = plan
@@ -66,7 +67,7 @@ class ToolStream:
         return [_delta(e) for e in events], reason
 
     def events(self, text: str) -> list[Event]:
-        """``feed``'s deltas as typed events (``gateway.tool_call_stream``), for the APIs shaped otherwise."""
+        """``feed``'s deltas as typed events (``gateway.parsing.tool_call_stream``), for the APIs shaped otherwise."""
         if not text:
             return []
         if self._parser is not None:

@@ -2,10 +2,10 @@
 
 Contract:
 - ``TurnReader(plan, serving)`` knows how a chat plan's reply reads: its tools (``ToolPlan``), the server's
-  tool-call format, and whether the chat template writes reasoning (``gateway.reasoning``).
+  tool-call format, and whether the chat template writes reasoning (``gateway.parsing.reasoning``).
 - ``reader.stream(events)`` turns one choice's ``ChoiceEvent``s into ``ReasoningDelta``, ``ContentDelta``,
   ``CallStart``, ``ArgumentsDelta`` as they come and ends with one ``TurnEnd``; ``reader.whole(events)``
-  collects a ``Turn``. Both read calls as the chat endpoint does (``gateway.tool_output``) and count usage in
+  collects a ``Turn``. Both read calls as the chat endpoint does (``gateway.chat.tool_output``) and count usage in
   the gateway's metrics once the turn has ended.
 - ``first_awaited(events)`` waits for the first event before a stream starts, so a mesh that cannot serve
   still gets a proper HTTP status.
@@ -18,12 +18,13 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.openai.serving import ChatPlan, OpenAIServing
+from gateway.parsing.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning, template_reasons
+from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
+from gateway.parsing.tool_parsers import ToolCall
+
 from .generation import ChoiceEvent
-from .reasoning import ReasoningSplitter, opens_reasoning, split_reasoning, template_reasons
-from .serving import ChatPlan, OpenAIServing
-from .tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
 from .tool_output import ToolStream, final_message
-from .tool_parsers import ToolCall
 
 Stop = Literal["end", "stop_string", "length", "tool_calls"]
 _PROMPT_TAIL_TOKENS = 8  # enough to hold a template's opening <think> and the newline after it

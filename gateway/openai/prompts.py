@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import bad_request
+from gateway.http.errors import bad_request
 
 MAX_PROMPTS = 32  # a batch of prompts times n choices are all concurrent calls
 

@@ -20,12 +20,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field
 
-from stagemesh_core.settings import stagemesh_version
-
-from . import errors
-from .chat_template import ChatOptions, chat_options, render_chat
-from .config import GatewayConfig
-from .schemas import (
+from gateway.chat.request import (
     CHAT_TEMPLATE_KWARGS_SCHEMA,
     CHAT_TEMPLATE_SCHEMA,
     CONTINUE_FINAL_RULE,
@@ -37,7 +32,11 @@ from .schemas import (
     _Strict,
     request_rules,
 )
-from .tools import tool_plan
+from gateway.chat.template import ChatOptions, chat_options, render_chat
+from gateway.chat.tools import tool_plan
+from gateway.config import GatewayConfig
+from gateway.http import errors
+from stagemesh_core.settings import stagemesh_version
 
 
 class TokenizeCompletionRequest(_Strict):

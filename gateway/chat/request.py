@@ -3,7 +3,7 @@
 Contract: these models only *type* the JSON (so FastAPI can turn a malformed body into a 400 and
 /openapi.json documents the API). Unknown top-level fields are rejected (OpenAI does the same), never silently
 ignored. Whether a value is in range, supported, or fits the context is decided in one place,
-``gateway.sampling_params`` (and the prompt modules), so every message about a field comes from there; here
+``gateway.chat.sampling`` (and the prompt modules), so every message about a field comes from there; here
 the ranges, limits and rules between fields are only *described*, in JSON Schema, so that a request the
 document calls valid is accepted. Fields we accept but cannot honour are declared with their OpenAI default
 (``DEFAULT_ONLY``) so that sending the default stays legal. ``RUNTIME_RULES`` names what JSON Schema cannot say.
@@ -23,9 +23,9 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
 
 
-# The documented ranges are the core's (stagemesh_core.sampling.RANGES, which gateway.sampling_params enforces)
+# The documented ranges are the core's (stagemesh_core.sampling.RANGES, which gateway.chat.sampling enforces)
 # and the request limits above, only described here (json_schema_extra), so /openapi.json is as tight as the
-# validation while the 400s keep their own wording; gateway.openapi adds the served model's vocabulary and
+# validation while the 400s keep their own wording; gateway.http.openapi adds the served model's vocabulary and
 # context bounds. The rules between fields (stream_options needs stream, one output constraint at most, a
 # message's content by role, ...) are said in JSON Schema too (``_either``).
 def _doc(**schema: Any) -> Any:
@@ -93,18 +93,18 @@ RUNTIME_RULES = {
 }
 _CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _JSON_SCHEMA = {"type": ["object", "boolean"]}
-TOOL_NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # gateway.tools checks it
+TOOL_NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # gateway.chat.tools checks it
 _TOOL_NAME = {"type": "string", "pattern": TOOL_NAME_PATTERN}
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": _TOOL_NAME, "description": {"type": ["string", "null"]}, "parameters": {"type": "object"}}}}}
-# Names apply_chat_template itself takes: a template variable of that name would be ambiguous (gateway.chat_template
+# Names apply_chat_template itself takes: a template variable of that name would be ambiguous (gateway.chat.template
 # refuses them in chat_template_kwargs).
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "tokenize",
                             "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict",
                             "padding", "truncation", "max_length", "tokenizer_kwargs")
-# vLLM fields accepted only at their default: field -> (default, why); gateway.sampling_params refuses the rest.
+# vLLM fields accepted only at their default: field -> (default, why); gateway.chat.sampling refuses the rest.
 DEFAULT_ONLY: dict[str, tuple[object, str]] = {
     "spaces_between_special_tokens": (True, "Special tokens are decoded without extra spaces."),
     "use_beam_search": (False, "Beam search is not implemented."),
@@ -122,8 +122,8 @@ def _default_only(field: str) -> Any:
 
 
 def _one_constraint_at_most(with_response_format: bool) -> dict[str, Any]:
-    """``gateway.structured_output``: one output constraint at most; ``gateway.sampling_params`` and
-    ``gateway.serving``: none with ``ignore_eos``, ``min_tokens`` >= 1 or a forced ``tool_choice``."""
+    """``gateway.chat.grammar``: one output constraint at most; ``gateway.chat.sampling`` and
+    ``gateway.openai.serving``: none with ``ignore_eos``, ``min_tokens`` >= 1 or a forced ``tool_choice``."""
     free: dict[str, dict[str, Any]] = {f: _NULL for f in _CONSTRAINTS}
     if with_response_format:
         free["response_format"] = {"anyOf": [_NULL, {"type": "object", "properties": {"type": {"const": "text"}}}]}
@@ -243,7 +243,7 @@ class ChatMessage(BaseModel):
             "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}}))
     tool_call_id: str | None = None
 
-    # gateway.chat_template: content may be left out only by the assistant, which alone makes tool calls.
+    # gateway.chat.template: content may be left out only by the assistant, which alone makes tool calls.
     model_config = ConfigDict(extra="ignore", json_schema_extra=_either(
         _fields(role={"const": "assistant"}),
         {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}, "tool_calls": {

@@ -4,7 +4,7 @@ Contract: ``IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=Tr
 the text the new ids complete (possibly ""), ``flush()`` returns what is still held when the sequence ends.
 The concatenation of every ``push`` and the final ``flush`` equals the text of all pushed ids decoded at once
 (special tokens skipped unless ``skip_special_tokens`` is false); a character split over several tokens is
-emitted only once complete. ``gateway.generation`` runs one per choice.
+emitted only once complete. ``gateway.chat.generation`` runs one per choice.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import APIError, bad_request
-from .schemas import ChatCompletionRequest
+from gateway.http.errors import APIError, bad_request
+
+from .request import ChatCompletionRequest
 
 
 def chat_request(fields: Mapping[str, Any]) -> ChatCompletionRequest:

@@ -21,20 +21,21 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from . import errors
-from .chat_template import chat_options, render_chat
-from .config import GatewayConfig
-from .generation import ChoiceEvent, ChoiceJob, Generator, RunContext, run_choices
+from gateway.chat.generation import ChoiceEvent, ChoiceJob, Generator, RunContext, run_choices
+from gateway.chat.grammar import json_schema_grammar
+from gateway.chat.request import ChatCompletionRequest, CompletionRequest
+from gateway.chat.sampling import SamplingSettings, settings_from_request
+from gateway.chat.template import chat_options, render_chat
+from gateway.chat.tool_output import ToolStream, final_message
+from gateway.chat.tools import ToolPlan, tool_plan
+from gateway.config import GatewayConfig
+from gateway.http import errors
+from gateway.http.metrics import GatewayMetrics
+from gateway.parsing.tool_parsers import PARSERS, ToolFormat, pick_parser
+
 from .logprobs import LogprobFormatter, TokenLogprobs
-from .metrics import GatewayMetrics
 from .prompts import completion_prompts, echo_texts
 from .responses import SSE_DONE, Kind, ResponseHeader, sse, usage
-from .sampling_params import SamplingSettings, settings_from_request
-from .schemas import ChatCompletionRequest, CompletionRequest
-from .structured_output import json_schema_grammar
-from .tool_output import ToolStream, final_message
-from .tool_parsers import PARSERS, ToolFormat, pick_parser
-from .tools import ToolPlan, tool_plan
 
 log = logging.getLogger("stagemesh.gateway")
 

@@ -2,10 +2,10 @@
 
 Contract:
 - ``ToolFormat`` is the one description of a format, read by both the whole-text parser here and the
-  streaming one (``gateway.tool_call_stream.ToolCallStream(fmt)``), so both agree on what a call is.
+  streaming one (``gateway.parsing.tool_call_stream.ToolCallStream(fmt)``), so both agree on what a call is.
 - ``PARSERS`` names the formats by vLLM's ``--tool-call-parser`` names (``hermes``, ``llama3_json``,
   ``mistral``); ``FORCED`` is the shape ``tool_choice: "required"`` constrains the output to
-  (``gateway.tools``): a JSON array of ``{"name", "parameters"}``.
+  (``gateway.chat.tools``): a JSON array of ``{"name", "parameters"}``.
 - ``fmt.parse(text)`` returns ``(content, calls)``: the text before the calls (trailing whitespace dropped;
   None when nothing is left) and each call as a ``ToolCall``, its ``arguments`` the model's own JSON text of
   the arguments object. Text that does not parse as calls is all content (no call is invented or lost

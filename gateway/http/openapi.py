@@ -1,12 +1,12 @@
 """``/openapi.json`` that tells the truth: the statuses the gateway really answers, and its limits.
 
 Contract: ``install_openapi(app, vocab_size=..., max_model_len=...)`` replaces FastAPI's generated document
-with one where no route documents FastAPI's 422 (the gateway answers 400, ``gateway.errors``), every route
+with one where no route documents FastAPI's 422 (the gateway answers 400, ``gateway.http.errors``), every route
 documents the error statuses it can answer with its error envelope (OpenAI's, or the one ``error_envelopes``
 names for a prefix: Anthropic's on ``/v1/messages``), streams and ``/metrics`` have their content types, and
 token ids and token budgets are bounded by the served model's vocabulary and context, on top of the ranges
-and cross-field rules the request models declare (``gateway.schemas``). What JSON Schema cannot say
-(``gateway.schemas.RUNTIME_RULES``) is named in each request schema's ``x-runtime-rules`` and checked at run
+and cross-field rules the request models declare (``gateway.chat.request``). What JSON Schema cannot say
+(``gateway.chat.request.RUNTIME_RULES``) is named in each request schema's ``x-runtime-rules`` and checked at run
 time with a 400 naming the field.
 """
 
@@ -46,7 +46,7 @@ def _statuses(path: str, method: str) -> list[int]:
     if path.startswith("/v1/") or path == "/dashboard/live":
         out.append(401)
     if path.startswith("/v1/") and method == "post":
-        out += [413, 429]  # gateway.limits guards POST /v1/*
+        out += [413, 429]  # gateway.http.limits guards POST /v1/*
     if path in _GENERATION:
         out += [503, 504]
     if path == "/health":

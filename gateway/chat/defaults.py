@@ -45,7 +45,7 @@ class OpenAIDefaults:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     chat_template: str | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    tool_call_parser: str | None = None  # None: picked from the chat template (gateway.tool_parsers)
+    tool_call_parser: str | None = None  # None: picked from the chat template (gateway.parsing.tool_parsers)
 
 
 def generation_defaults_from_file(path: str) -> GenerationDefaults:

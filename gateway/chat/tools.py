@@ -6,7 +6,7 @@ Contract:
   ``auto`` (the model may call; its text is parsed with the server's tool-call parser), ``required`` or
   ``named``.
 - ``ToolPlan.forced_schema()``: for ``required`` and ``named`` the JSON Schema the output is constrained to
-  (``gateway.structured_output`` compiles it), so the call and its arguments are valid even from a small
+  (``gateway.chat.grammar`` compiles it), so the call and its arguments are valid even from a small
   model; ``ToolPlan.forced_calls(text)`` turns that output back into ``ToolCall``s.
 - ``template_messages(conversation, messages, plan, native)`` are the messages as the chat template gets them,
   with their tool calls and results; a template that does not know tools (``template_supports_tools``) gets
@@ -21,9 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import bad_request
-from .schemas import TOOL_NAME_PATTERN, ChatCompletionRequest, ChatMessage
-from .tool_parsers import FORCED, ToolCall, new_call_id
+from gateway.http.errors import bad_request
+from gateway.parsing.tool_parsers import FORCED, ToolCall, new_call_id
+
+from .request import TOOL_NAME_PATTERN, ChatCompletionRequest, ChatMessage
 
 Mode = Literal["none", "auto", "required", "named"]
 _NAME = re.compile(TOOL_NAME_PATTERN)
@@ -55,7 +56,7 @@ class ToolPlan:
     def forced_schema(self) -> dict[str, Any] | None:
         """``named``: the function's arguments object; ``required``: a JSON array of ``{"name", "parameters"}``
         objects (one item unless ``parallel``), vLLM's shape, read back as the ``FORCED`` format of
-        ``gateway.tool_parsers`` (which a stream reads incrementally too); None otherwise."""
+        ``gateway.parsing.tool_parsers`` (which a stream reads incrementally too); None otherwise."""
         if self.mode == "named":
             return next(t.parameters for t in self.tools if t.name == self.name)
         if self.mode != "required":

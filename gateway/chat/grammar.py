@@ -6,7 +6,7 @@ Contract: ``grammar_for(req)`` returns the llguidance grammar (a string the stag
 ``guided_choice`` / ``guided_grammar`` (Lark) and their ``structured_outputs: {"json" | "regex" | "choice" |
 "grammar": ...}`` form, or None when the output is free. At most one constraint per request. A schema, regex
 or grammar that llguidance cannot compile is a 400 naming the field, before any stage is asked.
-``json_schema_grammar(schema, param)`` is the same for one JSON Schema (a forced tool call's, ``gateway.tools``).
+``json_schema_grammar(schema, param)`` is the same for one JSON Schema (a forced tool call's, ``gateway.chat.tools``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from .errors import bad_request
-from .schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http.errors import bad_request
+
+from .request import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

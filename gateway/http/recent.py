@@ -7,7 +7,7 @@ Contract:
 - ``summary(quantiles)`` -> ``{"count": n, "p50": seconds, …}`` over the window (weighted, nearest-rank);
   ``None`` values when it is empty.
 - Thread-safe (observations come from the event loop, reads from anywhere).
-``GatewayMetrics`` (``gateway.metrics``) feeds it; the dashboard (``gateway.live``) reads it.
+``GatewayMetrics`` (``gateway.http.metrics``) feeds it; the dashboard (``gateway.http.live``) reads it.
 """
 
 from __future__ import annotations

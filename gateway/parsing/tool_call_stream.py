@@ -1,6 +1,6 @@
 """Tool calls read from a streamed reply as it arrives: text deltas in, content and call deltas out.
 
-Contract: ``ToolCallStream(fmt)`` (``fmt`` a ``gateway.tool_parsers.ToolFormat``) is fed the reply's text
+Contract: ``ToolCallStream(fmt)`` (``fmt`` a ``gateway.parsing.tool_parsers.ToolFormat``) is fed the reply's text
 deltas (``feed(text)``) and returns, for each, the events to send now; ``finish()`` returns the last ones.
 Events: ``ContentDelta(text)`` (text before the calls), ``CallStart(index, id, name)`` (a call, as soon as its
 name is complete; indexes 0, 1, ... in order) and ``ArgumentsDelta(index, text)`` (the next piece of that

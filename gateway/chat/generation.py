@@ -21,12 +21,11 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gateway.http import errors
+from gateway.openai.logprobs import TokenLogprobs, from_proto
+from gateway.parsing.detokenizer import IncrementalDetokenizer
+from gateway.parsing.stop_strings import StopStringMatcher
 from stagemesh_core.v1 import stage_pb2
-
-from . import errors
-from .detokenizer import IncrementalDetokenizer
-from .logprobs import TokenLogprobs, from_proto
-from .stop_strings import StopStringMatcher
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -77,7 +76,7 @@ class RunContext:
     arrived: float | None = None  # time.monotonic() when the HTTP request arrived (TTFT starts there)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    affinity: str | None = None  # a client's cache key: the replica choice follows it (gateway.balancer)
+    affinity: str | None = None  # a client's cache key: the replica choice follows it (gateway.mesh.balancer)
 
 
 async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGenerator[ChoiceEvent, None]:
