@@ -59,10 +59,10 @@ class MeshConfig:
     stop_grace_s: float = 5.0
     backoff: BackoffPolicy = BackoffPolicy()  # how long a replica that keeps dying waits between restarts
     stage_command: tuple[str, ...] = DEFAULT_STAGE_COMMAND  # after `python`; `--launch FILE` follows
-    # The model's size (stage_worker.model_facts): the layer planner splits by each node's memory. None: even
+    # The model's size (stage_worker.model.model_facts): the layer planner splits by each node's memory. None: even
     # split / --pp-layer-split, unchecked (the fake stages of the coordinator's tests have no model).
     model_facts: ModelFacts | None = None
-    # The draft model's size (stage_worker.model_facts.draft_facts), held beside the entry stage's slice.
+    # The draft model's size (stage_worker.model.model_facts.draft_facts), held beside the entry stage's slice.
     draft_facts: DraftFacts | None = None
     # Every stage's gRPC port requires it on state-changing calls; "" makes the coordinator generate one
     # (``MeshCoordinator.mesh_token``). repr=False: never in a log line.

@@ -6,7 +6,7 @@ request (``PlanRequest``). ``format_plan`` prints a plan; ``largest_max_model_le
 that fits. ``coordinator.hosts`` plans before launching; ``coordinator.plan_preview`` serves ``stagemesh plan``.
 
 A stage must fit its weights, KV for one ``--max-model-len`` sequence and the runtime in its budget, as the
-stage itself counts them (``stage_worker.memory``), and keep ``HEADROOM_FRACTION`` free; the rest is its KV
+stage itself counts them (``stage_worker.service.memory``), and keep ``HEADROOM_FRACTION`` free; the rest is its KV
 capacity. Among the splits that fit, the planner picks the one whose slowest stage is fastest;
 ``--pp-layer-split`` overrides the choice and is checked by the same rule. A request that cannot fit raises
 ``PlanError`` before anything loads, with the numbers and the ways out.
@@ -228,7 +228,7 @@ class _Cost:
         return self.need(start, end, max_model_len) <= self.allowed
 
     def tokens(self, start: int, end: int, max_model_len: int) -> int:
-        """Exactly what the stage will compute (``stage_worker.memory.kv_token_capacity``)."""
+        """Exactly what the stage will compute (``stage_worker.service.memory.kv_token_capacity``)."""
         room = self.budget - self.weights(start, end) - RUNTIME_OVERHEAD_BYTES - self.draft_bytes
         return kv_capacity_tokens(room, self.layers.kv(start, end), self.element_bytes, self.max_sequences,
                                   max_model_len)

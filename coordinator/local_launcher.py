@@ -1,6 +1,6 @@
 """Run one pipeline as local processes on this machine, supervised.
 
-Starts every rank of a ``PipelinePlan`` as ``python -m stage_worker.harness``
+Starts every rank of a ``PipelinePlan`` as ``python -m stage_worker.service.harness``
 (a stage that runs a fixed job instead of serving) at once (the ring needs all
 ranks to come up together), each logging to its own file. If any rank exits
 with an error, the others are stopped within a second and ``PipelineFailed``
@@ -127,7 +127,7 @@ def start_local_pipeline(
     for stage in plan.stages:
         launch_path = root / f"launch-{stage.rank}.json"
         launch_path.write_text(StageLaunch(plan, stage.rank, per_rank[stage.rank]).to_json())
-        args = [sys.executable, "-m", "stage_worker.harness", "--launch", str(launch_path)]
+        args = [sys.executable, "-m", "stage_worker.service.harness", "--launch", str(launch_path)]
         if stage.rank == 0 and job is not None:
             args += ["--job", str(root / "job.json"), "--job-result", str(root / "result.json")]
         if record_logits and stage.rank == plan.size - 1:

@@ -36,7 +36,7 @@ from stagemesh_core.states import ExitCode
 
 HOST_IP_ENV = settings.env_name("HOST_IP")
 DEFAULT_STAGE_COMMAND = ("-m", "stage_worker")
-NODE_PROBE_COMMAND = ("-m", "stage_worker.node_probe")
+NODE_PROBE_COMMAND = ("-m", "stage_worker.service.node_probe")
 _NODE_PROBE_S = 60.0  # importing MLX; a GPU's first query may take a few seconds
 ACTOR_NUM_CPUS = 0.01  # Ray bookkeeping only; actors ask for 1 CPU unless told
 
@@ -161,7 +161,7 @@ class StageHost:
         """This node's memory and backend as a stage here sees them, for the layer planner.
 
         MLX's recommended working set on Metal, the GPU's memory on CUDA, the host's on the CPU, and
-        ``STAGEMESH_NODE_MEMORY`` / ``STAGEMESH_NODE_SPEED``. Read by ``python -m stage_worker.node_probe`` in a
+        ``STAGEMESH_NODE_MEMORY`` / ``STAGEMESH_NODE_SPEED``. Read by ``python -m stage_worker.service.node_probe`` in a
         subprocess: the coordinator may not import the stage worker, and the subprocess has the environment and
         MLX a stage started here has. Asked once, then cached."""
         if self._memory is None:

@@ -2,7 +2,7 @@
 
 Contract:
 - ``SequenceRecord`` is one sequence's share of a batch, ``RecordFlag`` what the batch does with it
-  (``stage_worker.wire`` packs both; every stage reads them).
+  (``stage_worker.transport.wire`` packs both; every stage reads them).
 - ``Chunk`` is a record with the token ids it feeds (the scheduler's output, the pipeline's input);
   ``SampledToken`` one token the last stage sampled (the pipeline's output), with its
   ``TokenLogprob`` when the request asked for logprobs.
@@ -11,6 +11,8 @@ Contract:
   ``min_tokens``, the prompt's length and, for a repetition penalty, its tokens).
   ``RowOptions.for_sequence`` gives None for a request the processors leave alone, so such a
   request sends nothing beyond its records.
+- ``WireMismatchError`` is a message that contradicts what this stage holds: every room that reads the
+  messages (the wire codecs, the KV store, the runtime) raises it, and the pipeline restarts on it.
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ from typing import Any
 from stagemesh_core.sampling import DEFAULTS, GREEDY, SamplingParams
 
 
+class WireMismatchError(RuntimeError):
+    """A neighbour sent something this stage cannot consume; the pipeline must restart."""
+
+
 class RecordFlag(enum.IntFlag):
     NONE = 0
     NEW_SEQUENCE = 1  # start_pos must be 0; drop any KV held under this id
     SAMPLE = 2  # the last stage samples a token from this record's last row
     RELEASE = 4  # free this sequence's KV cache after the batch
-    # Prefix caching (stage_worker.prefix_cache decides on the entry stage; every stage obeys):
+    # Prefix caching (stage_worker.cache.prefix_cache decides on the entry stage; every stage obeys):
     RETAIN = 8  # with RELEASE: keep the first start_pos positions as prefix entry ``prefix_entry``
     EVICT = 16  # drop prefix entry ``prefix_entry`` (zero tokens; seq_id unused)
-    # Speculative decoding (stage_worker.speculation): with SAMPLE, the record's tokens are the last sampled one
+    # Speculative decoding (stage_worker.speculation.rules): with SAMPLE, the record's tokens are the last sampled one
     # and proposals (their ids in the FORWARD body); the last stage keeps the longest prefix its argmax agrees
     # with plus one token, and replies with a TOKENS record of that many tokens.
     VERIFY = 32

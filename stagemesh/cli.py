@@ -56,7 +56,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 # Commands whose process uses mlx-lm's model modules but never its package front door (``mlx_lm.load``,
 # ``mlx_lm.generate``): as a stage does, they skip the tokenizer stack mlx-lm's ``__init__`` imports
-# (``stage_worker.lean_mlx_lm``), which is most of a failed flag check's second.
+# (``stage_worker.model.lean_mlx_lm``), which is most of a failed flag check's second.
 LEAN_MLX_LM_COMMANDS = frozenset({"serve", "plan"})
 
 
@@ -64,7 +64,7 @@ def entry() -> int:
     """The ``stagemesh`` program: ``main`` in a process of its own, which it may set up for the command."""
     argv = sys.argv[1:]
     if _selected(argv) in LEAN_MLX_LM_COMMANDS:
-        from stage_worker import lean_mlx_lm
+        from stage_worker.model import lean_mlx_lm
 
         lean_mlx_lm.install()
     return main(argv)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stage_worker.load_progress import LoadCounts, WeightProgress
+    from stage_worker.checkpoint.load_progress import LoadCounts, WeightProgress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def _progress_bar() -> Iterator[WeightProgress]:
-    """A rich bar on stderr, fed by the reader's byte counts (``stage_worker.load_progress``)."""
+    """A rich bar on stderr, fed by the reader's byte counts (``stage_worker.checkpoint.load_progress``)."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from stage_worker.load_progress import WeightProgress
+    from stage_worker.checkpoint.load_progress import WeightProgress
 
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
@@ -44,9 +44,9 @@ def _progress_bar() -> Iterator[WeightProgress]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stage_worker.convert import convert_gguf_to_mlx_dir
-    from stage_worker.default_model import resolve_model_path
-    from stage_worker.load_progress import reporting
+    from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.checkpoint.load_progress import reporting
 
     source = resolve_model_path(args.gguf)
     max_bytes = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None

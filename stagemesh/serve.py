@@ -17,8 +17,8 @@ import signal
 import sys
 from typing import Any
 
-from stage_worker.default_model import resolve_model_path
-from stage_worker.model_spec import ModelFormatError, ModelSpec
+from stage_worker.checkpoint.default_model import resolve_model_path
+from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec
 from stagemesh import openai_flags, security_flags
 
 # The model shapes shipped with the benchmarks are also the names --load-format dummy knows.
@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_argument(model: str | None, load_format: str) -> str:
-    """MODEL as a local path, as ``stage_worker.default_model.resolve_model_path`` finds it; with
+    """MODEL as a local path, as ``stage_worker.checkpoint.default_model.resolve_model_path`` finds it; with
     ``--load-format dummy`` also the name of a shipped shape (a local path of that name wins)."""
     if load_format != "dummy" or model is None:
         return resolve_model_path(model)
@@ -128,12 +128,12 @@ def check_dummy_vocabulary(spec: ModelSpec, tokenizer: Any) -> None:
 
 def checked_draft(speculative: Any, spec: ModelSpec) -> Any:
     """``--speculative-config`` with its draft model (if any) checked against the target ``spec``
-    (``stage_worker.draft_proposer.check_draft_model``) and its path made absolute for the stages."""
+    (``stage_worker.speculation.draft_proposer.check_draft_model``) and its path made absolute for the stages."""
     if speculative is None or speculative.model is None:
         return speculative
     from dataclasses import replace
 
-    from stage_worker.draft_proposer import check_draft_model
+    from stage_worker.speculation.draft_proposer import check_draft_model
 
     check_draft_model(speculative.model, spec)
     return replace(speculative, model=os.path.abspath(speculative.model))
@@ -153,10 +153,10 @@ def build_mesh_config(args: argparse.Namespace):
     """Validate every flag against the model and return the coordinator's config (no side effects)."""
     # Lazily: the model readers and the stage's model code bring MLX, the coordinator its Ray glue.
     from coordinator.mesh import MeshConfig
-    from stage_worker.checkpoint_check import check_checkpoint
-    from stage_worker.model_facts import draft_facts, model_facts
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.stage_model import resolve_compute_dtype
+    from stage_worker.checkpoint.checkpoint_check import check_checkpoint
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.model.model_facts import draft_facts, model_facts
+    from stage_worker.model.stage_model import resolve_compute_dtype
 
     for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs),
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
     from coordinator.mesh import MeshCoordinator, MeshStartError
     from gateway.app import GatewayConfig, create_app
-    from stage_worker.tokenizer import eos_token_ids, load_tokenizer
+    from stage_worker.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 
     try:
         spec, config = build_mesh_config(args)

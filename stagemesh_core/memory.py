@@ -26,7 +26,7 @@ from stagemesh_core.errors import UserError
 # transformers), gRPC, ring buffers, activations of one batch (docs/performance.md has the figures).
 RUNTIME_OVERHEAD_BYTES = 256 * 1024 * 1024
 
-# --dtype auto: the compute dtype each backend runs best (stage_worker.stage_model resolves names to MLX dtypes).
+# --dtype auto: the compute dtype each backend runs best (stage_worker.model.stage_model resolves names to MLX dtypes).
 AUTO_DTYPES: Mapping[str, str] = {"cpu": "float32", "metal": "float16", "cuda": "bfloat16"}
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -99,7 +99,7 @@ def stages_sharing_memory(backend: str, stages_on_host: int, stages_on_gpu: int,
 @dataclass(frozen=True)
 class NodeMemory:
     """What one node says about its memory and backend, read on that node: the StageHost asks
-    ``python -m stage_worker.node_probe`` on its own node for MLX's backend, the device, the host's and the
+    ``python -m stage_worker.service.node_probe`` on its own node for MLX's backend, the device, the host's and the
     GPU's memory, the ``STAGEMESH_NODE_MEMORY`` cap and the ``STAGEMESH_NODE_SPEED`` hint."""
 
     backend: str  # cpu, metal or cuda
@@ -277,7 +277,7 @@ class ModelFacts:
         return asdict(self)
 
 
-# The draft's batch (stage_worker.draft_batch): columns are added in steps of DRAFT_COLUMN_STEP, and a batch out
+# The draft's batch (stage_worker.speculation.draft_batch): columns are added in steps of DRAFT_COLUMN_STEP, and a batch out
 # of columns compacts its holes away (rejected proposals, padding) only once they exceed DRAFT_HOLES_TO_COMPACT
 # of its columns; until then it grows.
 DRAFT_COLUMN_STEP = 256

@@ -57,7 +57,7 @@ class PipelinePlan:
     # (model_path then needs only the config), to benchmark a model's size without its weights.
     load_format: str = "auto"
     # --shape-layers (with load_format dummy): the model is its config's first N decoder layers, its layer
-    # pattern kept (stage_worker.first_layers); None: all of them.
+    # pattern kept (stage_worker.checkpoint.first_layers); None: all of them.
     first_layers: int | None = None
     # How hidden states travel between stages: "lane" (their bytes after the header on the stage's
     # TCP lane) or "ring" (MLX's ring). Every stage of a pipeline must use the same.
@@ -147,7 +147,7 @@ class StageOptions:
     stages_on_host: int = 0  # stages sharing the host's memory and cores; 0: this pipeline's on it
     micro_batches: int = 0  # batches in flight at once; 0: one per stage
     max_batch_tokens: int = defaults.MAX_BATCH_TOKENS  # token rows per batch (long prompts are prefilled in chunks)
-    # Keep finished sequences' KV for prompts that start alike (stage_worker.prefix_cache), in blocks of
+    # Keep finished sequences' KV for prompts that start alike (stage_worker.cache.prefix_cache), in blocks of
     # this many tokens (vLLM's --enable-prefix-caching and --block-size).
     enable_prefix_caching: bool = defaults.ENABLE_PREFIX_CACHING
     prefix_cache_block_size: int = defaults.PREFIX_CACHE_BLOCK_SIZE

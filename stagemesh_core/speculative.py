@@ -5,7 +5,7 @@ Contract:
   (vLLM's keys and defaults) and raises ``SpeculativeConfigError`` (a ``UserError``) naming the key to change.
 - Two methods: ``ngram`` (prompt lookup) and ``draft_model`` (a small mlx-lm model at ``model``, a path; vLLM
   takes ``"model"`` alone to mean this method). Whether the path holds a model whose vocabulary is the
-  target's is checked where both are read (``stage_worker.draft_proposer.check_draft_model``), not here.
+  target's is checked where both are read (``stage_worker.speculation.draft_proposer.check_draft_model``), not here.
 - ``disable_by_batch_size`` (vLLM's key): no sequence speculates while more than this many run; unset, the
   entry stage's backend decides (``SpeculativeConfig.limit_for``).
 - ``to_json`` / ``from_json`` are the form the launch plan carries to every stage.

@@ -19,7 +19,7 @@ import pytest
 
 
 def _load_the_stages_blas() -> None:
-    """Load the optimized BLAS a stage preloads (``stage_worker.blas``) into this test process, before MLX.
+    """Load the optimized BLAS a stage preloads (``stage_worker.model.blas``) into this test process, before MLX.
 
     Tests that compute with the real model in this process (engines, pipelines on threads, mlx-lm's own
     generation as the reference) would otherwise run on MLX's reference BLAS, several times slower than the
@@ -28,7 +28,7 @@ def _load_the_stages_blas() -> None:
     """
     if "mlx.core" in sys.modules:
         return  # too late to take MLX's BLAS calls
-    from stage_worker.blas import find_optimized_blas
+    from stage_worker.model.blas import find_optimized_blas
 
     library = find_optimized_blas()
     if library is None:
@@ -38,7 +38,7 @@ def _load_the_stages_blas() -> None:
 
 # The suite's workers run their tests' processes side by side on the same cores: every stage a test starts is on
 # a shared host, so its idle OpenBLAS threads sleep at once, as a stage's do where other stages share its host
-# (``stage_worker.blas``), instead of spinning for the next call on cores another test needs.
+# (``stage_worker.model.blas``), instead of spinning for the next call on cores another test needs.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 # For the same reason each BLAS computes on one thread: two workers' stages and in-process models share two cores,
 # which is the product's own rule for stages sharing a host (``threads_for_load``: the cores split between them).
@@ -124,7 +124,7 @@ def free_port_base(count: int) -> int:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from stage_worker.default_model import resolve_model_path
+    from stage_worker.checkpoint.default_model import resolve_model_path
 
     return resolve_model_path(None)
 

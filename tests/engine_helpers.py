@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from stage_worker.engine import RequestFailed, RequestHandle
-from stage_worker.scheduler import Finish
-from stage_worker.stage_runtime import EntryPipeline
+from stage_worker.engine.entry_engine import RequestFailed, RequestHandle
+from stage_worker.engine.scheduler import Finish
+from stage_worker.engine.stage_runtime import EntryPipeline
 
 Model = TypeVar("Model")
 
@@ -16,9 +16,9 @@ def as_served(model: Model) -> Model:
     """``model`` (a loaded ``StageModel``) with the weights a stage on this machine would run: dense where
     ``--dequantize auto`` makes them dense (the CPU with an optimized BLAS, which tests/conftest.py loads into
     this process; quantized on the CPU the default model's forward is some twenty times slower)."""
-    from stage_worker.blas import loaded_blas
-    from stage_worker.device import current_backend
-    from stage_worker.stage_model import choose_dense_weights
+    from stage_worker.model.blas import loaded_blas
+    from stage_worker.model.device import current_backend
+    from stage_worker.model.stage_model import choose_dense_weights
 
     dense, _ = choose_dense_weights("auto", backend=current_backend(), blas=loaded_blas(),
                                     quantized=model.quantized, dense_bytes=model.dense_bytes(),
@@ -78,7 +78,7 @@ def lane(name_in: str, name_out: str):
     import socket
     import threading
 
-    from stage_worker.links import InboundLink, OutboundLink, RingWatchdog
+    from stage_worker.transport.links import InboundLink, OutboundLink, RingWatchdog
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,10 +105,10 @@ class InProcessPipeline:
                  launcher: bool = False) -> None:
         import threading
 
-        from stage_worker.engine import EntryEngine
-        from stage_worker.scheduler import Scheduler
-        from stage_worker.stage_runtime import StageCompute, relay_loop
-        from stage_worker.stage_status import StageStatus
+        from stage_worker.engine.entry_engine import EntryEngine
+        from stage_worker.engine.scheduler import Scheduler
+        from stage_worker.engine.stage_runtime import StageCompute, relay_loop
+        from stage_worker.engine.stage_status import StageStatus
 
         depth = len(stages)
         # lanes[g]: from stage g to stage g+1 (the last one wraps round to the entry stage)
@@ -121,7 +121,7 @@ class InProcessPipeline:
             relay.start()
         entry = StageCompute(stages[0], max_num_seqs)
         if depth == 1:
-            from stage_worker.launcher import KernelLauncher
+            from stage_worker.engine.launcher import KernelLauncher
 
             pipeline = EntryPipeline(entry, None, None, is_last=True, launcher=KernelLauncher() if launcher else None)
         else:
@@ -137,7 +137,7 @@ class InProcessPipeline:
 
     def submit(self, prompt, max_tokens: int, sampling=None, stop_token_ids=frozenset()) -> RequestHandle:
         """A request (greedy unless ``sampling`` says otherwise; ignoring EOS unless ``stop_token_ids`` are given)."""
-        from stage_worker.scheduler import GenerationRequest
+        from stage_worker.engine.scheduler import GenerationRequest
         from stagemesh_core.sampling import GREEDY
 
         self._count += 1

@@ -97,9 +97,9 @@ def _guarded(original: Callable[..., Any], what: Callable[..., str | None]) -> C
 def _install_model_guard() -> None:
     import mlx.core as mx
 
-    from stage_worker import gguf_format
-    from stage_worker.default_model import default_model_path
-    from stage_worker.model_spec import ModelFormatError
+    from stage_worker.checkpoint.default_model import default_model_path
+    from stage_worker.checkpoint.gguf import format as gguf_format
+    from stage_worker.checkpoint.model_spec import ModelFormatError
 
     try:
         default = os.path.realpath(default_model_path())
@@ -114,7 +114,7 @@ def _install_model_guard() -> None:
     # _read_bytes is the one place stagemesh reads GGUF tensor data (a slice's weights, one tensor,
     # a conversion); mx.load is what reference checks use.
     if not hasattr(gguf_format, "_read_bytes"):
-        raise RuntimeError("tests/fast_tier.py guards stage_worker.gguf_format._read_bytes, which is gone; "
+        raise RuntimeError("tests/fast_tier.py guards stage_worker.checkpoint.gguf.format._read_bytes, which is gone; "
                            "point the guard at the function that now reads GGUF tensor data")
     gguf_format._read_bytes = _guarded(gguf_format._read_bytes, reads_default)  # type: ignore[attr-defined]
     mx.load = _guarded(mx.load, reads_default)

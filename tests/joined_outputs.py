@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from stage_worker.batch import RecordFlag, SequenceRecord
-from stage_worker.stage_runtime import StageCompute
+from stage_worker.engine.stage_runtime import StageCompute
 
 NEW = RecordFlag.NEW_SEQUENCE
 
@@ -44,7 +44,7 @@ def assert_same_outputs(joined: list[np.ndarray], separate: list[np.ndarray],
                         steps: Sequence[Sequence[tuple[int, int, int, int]]] = STEPS) -> None:
     """The same dot products: identical with MLX's reference BLAS; an optimized BLAS (the one tests/conftest.py
     loads, as a stage does) may block a wider matrix differently, so the last bits may move."""
-    from stage_worker.blas import loaded_blas
+    from stage_worker.model.blas import loaded_blas
 
     exact = loaded_blas() == "reference"
     for step, (a, b) in enumerate(zip(joined, separate, strict=True)):

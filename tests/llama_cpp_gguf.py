@@ -80,8 +80,8 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
 
 
 def _tokenizer(writer: gguf.GGUFWriter) -> None:
-    from stage_worker.default_model import default_model_path
-    from stage_worker.gguf_format import read_gguf_header
+    from stage_worker.checkpoint.default_model import default_model_path
+    from stage_worker.checkpoint.gguf.format import read_gguf_header
 
     md = read_gguf_header(default_model_path()).metadata
     writer.add_tokenizer_model(md["tokenizer.ggml.model"])

@@ -15,12 +15,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from stage_worker.layer_stack import batch_groups, held_positions
-from stage_worker.mlx_arch import describe, exact_prefix_reuse
-from stage_worker.model_reader import read_model_spec
-from stage_worker.packed_forward import Segment
-from stage_worker.prefix_cache import PrefixCache
-from stage_worker.stage_model import StackStageModel, StageModel, StageRole, runs_packed
+from stage_worker.cache.prefix_cache import PrefixCache
+from stage_worker.checkpoint.mlx_arch import describe, exact_prefix_reuse
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.layer_stack import batch_groups, held_positions
+from stage_worker.model.packed_forward import Segment
+from stage_worker.model.stage_model import StackStageModel, StageModel, StageRole, runs_packed
 from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import TINY_CONFIGS, mlx_lm_greedy, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished
@@ -65,7 +65,7 @@ def _stages(spec, depth: int) -> list[StageModel]:
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_pipelines_equal_mlx_lm_generation(checkpoints, name, monkeypatch):
-    import stage_worker.layer_stack as layer_stack
+    import stage_worker.model.layer_stack as layer_stack
 
     continued: list[list[int]] = []  # the positions held by each batch of chunks that continued sequences
 
@@ -194,7 +194,7 @@ def _run_sequence(model: StageModel, hidden_size: int, prompt: int, decoded: int
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_planner_facts_equal_the_bytes_each_stage_loads_and_holds(checkpoints, name):
-    from stage_worker.model_facts import model_facts
+    from stage_worker.model.model_facts import model_facts
 
     spec = read_model_spec(tiny_checkpoint(name, checkpoints))
     facts = model_facts(spec)
@@ -222,7 +222,7 @@ def test_planner_facts_equal_the_bytes_each_stage_loads_and_holds(checkpoints, n
 def test_kv_facts_equal_what_a_bfloat16_stage_holds(checkpoints, name):
     """In a half-precision stage, keys, values and convolution state take 2 bytes an element and the linear
     attention's recurrent state, kept in float32 whatever the compute dtype, 4."""
-    from stage_worker.model_facts import model_facts
+    from stage_worker.model.model_facts import model_facts
 
     spec = read_model_spec(tiny_checkpoint(name, checkpoints))
     model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.bfloat16)
@@ -234,7 +234,7 @@ def test_kv_facts_equal_what_a_bfloat16_stage_holds(checkpoints, name):
 def test_quantized_dummy_experts_load_as_the_planner_counts(tmp_path, name):
     import json
 
-    from stage_worker.model_facts import model_facts
+    from stage_worker.model.model_facts import model_facts
 
     config = {**TINY_CONFIGS[name], "quantization": {"group_size": 32, "bits": 4}}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -254,7 +254,7 @@ PUBLISHED_SIZES = {"qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.1, "gpt-oss-20b
 
 @pytest.mark.parametrize("shape", sorted(PUBLISHED_SIZES))
 def test_shipped_shapes_have_their_published_sizes(shape):
-    from stage_worker.model_facts import model_facts
+    from stage_worker.model.model_facts import model_facts
     from stagemesh.bench.random_checkpoint import SHAPES_DIR
 
     facts = model_facts(read_model_spec(str(SHAPES_DIR / shape), "dummy"))

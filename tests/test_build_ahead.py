@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from stage_worker.build_ahead import Placeholder, writes_reach_device
+from stage_worker.transport.build_ahead import Placeholder, writes_reach_device
 
 
 def test_writes_into_mlx_memory_reach_the_computation_on_this_backend():

@@ -11,10 +11,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from stage_worker.checkpoint_check import check_checkpoint
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.checkpoint.checkpoint_check import check_checkpoint
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh.cli import main
 from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import HF_EXPERTS, TINY_CONFIGS, hf_layout_checkpoint, tiny_checkpoint

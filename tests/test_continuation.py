@@ -6,14 +6,14 @@ import threading
 import mlx.core as mx
 import pytest
 
-from stage_worker.default_model import default_model_path
-from stage_worker.engine import EntryEngine
-from stage_worker.generation_job import GenerationJob, run_generation
-from stage_worker.model_reader import read_model_spec
-from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
-from stage_worker.stage_model import StageModel, StageRole
-from stage_worker.stage_runtime import EntryPipeline, StageCompute
-from stage_worker.stage_status import StageStatus
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.engine.entry_engine import EntryEngine
+from stage_worker.engine.generation_job import GenerationJob, run_generation
+from stage_worker.engine.scheduler import Finish, GenerationRequest, Scheduler
+from stage_worker.engine.stage_runtime import EntryPipeline, StageCompute
+from stage_worker.engine.stage_status import StageStatus
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange
 from tests.engine_helpers import CountingPipeline, as_served, read_until_finished
 
@@ -68,14 +68,14 @@ def test_a_stop_token_ends_the_request_where_step_by_step_generation_would(model
 
 
 def test_steps_run_ahead_only_where_the_device_is_not_the_hosts_own_cores():
-    from stage_worker.engine import step_ahead_pays
+    from stage_worker.engine.entry_engine import step_ahead_pays
 
     assert step_ahead_pays("cuda") and step_ahead_pays("metal")
     assert not step_ahead_pays("cpu")
 
 
 def test_a_longer_pipeline_continues_only_where_a_micro_batch_slot_would_stay_empty():
-    from stage_worker.engine import continue_oldest
+    from stage_worker.engine.entry_engine import continue_oldest
 
     assert not continue_oldest(0, 2, False, single_stage=False)
     assert continue_oldest(1, 2, has_work=False, single_stage=False)  # one stream on two stages

@@ -11,11 +11,11 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.utils import load
 
-from stage_worker.convert import convert_gguf_to_mlx_dir
-from stage_worker.default_model import default_model_path
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_weights import load_stage_weights
-from stage_worker.tokenizer import load_tokenizer
+from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.stage_weights import load_stage_weights
+from stage_worker.checkpoint.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -94,7 +94,7 @@ def test_the_command_shows_a_progress_bar_of_the_bytes_converted(tmp_path):
     import subprocess
     import sys
 
-    from stage_worker.gguf_format import read_gguf_header
+    from stage_worker.checkpoint.gguf.format import read_gguf_header
 
     total = sum(info.nbytes for info in read_gguf_header(DEFAULT).tensors.values())
     env = {**os.environ, "COLUMNS": "120"}

@@ -3,10 +3,10 @@ weights, and the memory budget's verdicts."""
 
 import pytest
 
-from stage_worker.blas import AdaptiveBlasThreads, blas_environment, find_optimized_blas, threads_for_load
-from stage_worker.memory import MemoryBudget, MemoryBudgetError, kv_bytes_per_token, kv_token_capacity
-from stage_worker.process_setup import blas_threads, pinned_cores
-from stage_worker.stage_model import choose_dense_weights
+from stage_worker.model.blas import AdaptiveBlasThreads, blas_environment, find_optimized_blas, threads_for_load
+from stage_worker.model.stage_model import choose_dense_weights
+from stage_worker.service.memory import MemoryBudget, MemoryBudgetError, kv_bytes_per_token, kv_token_capacity
+from stage_worker.service.process_setup import blas_threads, pinned_cores
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.memory import StageKV
 from stagemesh_core.plan import PipelinePlan, StageLaunch, StageOptions, StagePlacement

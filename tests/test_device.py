@@ -4,7 +4,8 @@ warm-up that follow from it. Pure functions fed made-up facts, so Metal and CUDA
 import mlx.core as mx
 import pytest
 
-from stage_worker.device import (
+from stage_worker.engine.warmup import WarmupPlan, largest_decode_batch, warm_up, warmup_plan
+from stage_worker.model.device import (
     DeviceFacts,
     StageDevice,
     backend_of,
@@ -16,9 +17,8 @@ from stage_worker.device import (
     smi_device_id,
     wired_limit,
 )
-from stage_worker.memory import MemoryBudgetError, budget_for, kv_token_capacity, stages_sharing_memory
-from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
-from stage_worker.warmup import WarmupPlan, largest_decode_batch, warm_up, warmup_plan
+from stage_worker.model.stage_model import StageModel, StageRole, resolve_compute_dtype
+from stage_worker.service.memory import MemoryBudgetError, budget_for, kv_token_capacity, stages_sharing_memory
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.memory import StageKV
 
@@ -138,7 +138,7 @@ def test_the_warm_up_is_tiny_on_the_cpu_and_covers_serving_sizes_on_a_gpu():
 @pytest.mark.e2e
 @pytest.mark.parametrize("first,last", [(True, False), (False, True), (True, True)])
 def test_the_warm_up_runs_a_slice_and_leaves_no_trace(default_model_path, first, last):
-    from stage_worker.model_reader import read_model_spec
+    from stage_worker.checkpoint.model_reader import read_model_spec
 
     model = StageModel.load(read_model_spec(default_model_path), StageRole(LayerRange(0, 2), first, last),
                             mx.float32)

@@ -12,9 +12,14 @@ import shutil
 
 import pytest
 
-from stage_worker.draft_proposer import DraftModelError, DraftProposer, check_draft_model, load_draft_proposer
-from stage_worker.model_reader import read_model_spec
-from stage_worker.speculation import ProposalAsk
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.speculation.draft_proposer import (
+    DraftModelError,
+    DraftProposer,
+    check_draft_model,
+    load_draft_proposer,
+)
+from stage_worker.speculation.rules import ProposalAsk
 from stagemesh.bench.random_checkpoint import write_random_checkpoint
 from tests.architectures import TINY_CONFIGS, mlx_lm_greedy, tiny_checkpoint
 
@@ -71,7 +76,7 @@ def test_sequences_joining_pausing_and_leaving_keep_the_drafts_greedy_continuati
     compacted away), catch-ups run at their own widths or padded to a few, and masked forwards attend over every
     column the batch holds (both as on CUDA). Every round's proposals are still the draft's own greedy
     continuation."""
-    from stage_worker import draft_batch, draft_proposer
+    from stage_worker.speculation import draft_batch, draft_proposer
 
     monkeypatch.setattr(draft_batch, "COLUMN_STEP", 16)  # columns run out every few rounds
     monkeypatch.setattr(draft_proposer, "CATCH_UP_STEP", 8)  # a long prompt's catch-up runs in slices
@@ -105,7 +110,7 @@ def test_rejected_proposals_columns_are_compacted_away(tiny_llama, monkeypatch):
     """Each round writes four columns per row and keeps one token (the first proposal's, fed again as the
     sequence's last): three holes a round. Once the batch's columns run out it compacts instead of growing,
     and the proposals stay the draft's greedy continuation."""
-    from stage_worker import draft_batch
+    from stage_worker.speculation import draft_batch
 
     monkeypatch.setattr(draft_batch, "COLUMN_STEP", 16)
     proposer = load_draft_proposer(tiny_llama)
@@ -125,7 +130,7 @@ def test_rejected_proposals_columns_are_compacted_away(tiny_llama, monkeypatch):
 def test_the_planners_figures_for_a_draft_are_what_it_loads(architecture, tiny_llama, root):
     """The bytes the planner and the entry stage set aside for a draft (``model_facts.draft_facts``) are the
     loaded draft's: its weights, and a position of its KV, in the compute dtype (float32 on this CPU)."""
-    from stage_worker.model_facts import draft_facts
+    from stage_worker.model.model_facts import draft_facts
     from stagemesh_core.speculative import DRAFT_MODEL, SpeculativeConfig
 
     path = tiny_checkpoint(architecture, root)

@@ -5,18 +5,18 @@ import logging
 import mlx.core as mx
 import pytest
 
-from stage_worker.default_model import resolve_model_path
-from stage_worker.dummy_weights import dummy_stage_weights, parameter_shapes
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError
-from stage_worker.stage_model import StageModel, StageRole
-from stage_worker.stage_weights import load_stage_weights
-from stage_worker.tokenizer import load_tokenizer
+from stage_worker.checkpoint.default_model import resolve_model_path
+from stage_worker.checkpoint.dummy_weights import dummy_stage_weights, parameter_shapes
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError
+from stage_worker.checkpoint.stage_weights import load_stage_weights
+from stage_worker.checkpoint.tokenizer import load_tokenizer
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh.bench.random_checkpoint import SHAPES_DIR as DUMMY_SHAPES_DIR
 from stagemesh.bench.random_checkpoint import shape_names as dummy_shape_names
+from stagemesh.serve import ServeConfigError, check_dummy_vocabulary, resolve_model_argument
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.plan import PipelinePlan, StageLaunch, make_local_plan
-from stagemesh.serve import ServeConfigError, check_dummy_vocabulary, resolve_model_argument
 from tests.conftest import tiny_config
 
 

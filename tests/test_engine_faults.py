@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from stage_worker.engine import EntryEngine, NotAccepting, RequestFailed
-from stage_worker.scheduler import GenerationRequest, Scheduler
-from stage_worker.stage_status import StageStatus
+from stage_worker.engine.entry_engine import EntryEngine, NotAccepting, RequestFailed
+from stage_worker.engine.scheduler import GenerationRequest, Scheduler
+from stage_worker.engine.stage_status import StageStatus
 from stagemesh_core.states import StageState
 
 

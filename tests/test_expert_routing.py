@@ -1,6 +1,6 @@
 """Expert blocks run as every expert on every row compute what mlx-lm's gathered experts compute.
 
-``stage_worker.expert_routing``: the all-experts form of a ``SwitchGLU`` against mlx-lm's own call on the same
+``stage_worker.model.expert_routing``: the all-experts form of a ``SwitchGLU`` against mlx-lm's own call on the same
 block (plain SwiGLU, and gpt-oss's clamped activation with biases), row counts on both sides of the policy's
 limit, the policy's setting, and the MoE architectures of the suite served at PP=2 with every expert block
 routed, batched, equal to mlx-lm's greedy generation.
@@ -14,7 +14,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.gpt_oss import SwigluOAI
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from stage_worker.expert_routing import (
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.expert_routing import (
     CUDA_ALL_EXPERTS_MAX_ROWS,
     GATHERED,
     SORTED_PAIRS,
@@ -23,8 +24,7 @@ from stage_worker.expert_routing import (
     all_experts_glu,
     policy_for,
 )
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import mlx_lm_greedy, tiny_checkpoint
 from tests.engine_helpers import InProcessPipeline, read_until_finished
@@ -61,7 +61,7 @@ def test_a_routed_block_runs_every_expert_only_up_to_its_row_limit(monkeypatch):
     block.__class__ = RoutedSwitchGLU
     block._experts_policy = ExpertsPolicy(all_experts_max_rows=40)
     calls: list[int] = []
-    import stage_worker.expert_routing as routing
+    import stage_worker.model.expert_routing as routing
 
     real = routing.all_experts_glu
     monkeypatch.setattr(routing, "all_experts_glu", lambda b, x, i: calls.append(x.shape[0]) or real(b, x, i))
@@ -99,7 +99,7 @@ def test_routed_moe_models_equal_mlx_lm_generation(tmp_path, monkeypatch, name):
         assert [n for n, _ in tree_flatten(stage._module.parameters())] == names
         stages.append(stage)
     calls = []
-    import stage_worker.expert_routing as routing
+    import stage_worker.model.expert_routing as routing
 
     real = routing.all_experts_glu
     monkeypatch.setattr(routing, "all_experts_glu", lambda b, x, i: calls.append(x.shape) or real(b, x, i))

@@ -21,9 +21,9 @@ import subprocess
 import pytest
 import ray
 
-from stage_worker.default_model import default_model_path
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_weights import load_stage_weights
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.stage_weights import load_stage_weights
 
 
 def test_unmarked_runs_a_command():

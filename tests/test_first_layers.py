@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from stage_worker.first_layers import first_layers_config, least_layers
-from stage_worker.mlx_arch import describe
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError
+from stage_worker.checkpoint.first_layers import first_layers_config, least_layers
+from stage_worker.checkpoint.mlx_arch import describe
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, check_shape_flags, shape_config
 from stagemesh_core.errors import UserError
 from stagemesh_core.plan import PipelinePlan, StageLaunch, make_local_plan

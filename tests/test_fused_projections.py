@@ -7,10 +7,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from stage_worker.default_model import default_model_path
-from stage_worker.fused_projections import FusedLayer, fusion_wanted
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.fused_projections import FusedLayer, fusion_wanted
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange
 from tests.conftest import tiny_config
 from tests.joined_outputs import assert_same_outputs, stage_outputs

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from stage_worker.gguf_format import needed_gguf_tensors, read_gguf_header
-from stage_worker.model_facts import model_facts
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError, QuantParams
-from stage_worker.stage_model import StackStageModel, StageModel, StageRole
-from stage_worker.stage_weights import load_stage_weights
+from stage_worker.checkpoint.gguf.format import needed_gguf_tensors, read_gguf_header
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError, QuantParams
+from stage_worker.checkpoint.stage_weights import load_stage_weights
+from stage_worker.model.model_facts import model_facts
+from stage_worker.model.stage_model import StackStageModel, StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import TINY_CONFIGS
 from tests.engine_helpers import InProcessPipeline, read_until_finished
@@ -184,7 +184,7 @@ def test_planner_facts_equal_the_bytes_each_stage_loads(root, arch, qtype):
 
 
 def test_convert_writes_a_directory_mlx_lm_generates_the_same_tokens_from(root, tmp_path):
-    from stage_worker.convert import convert_gguf_to_mlx_dir
+    from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
 
     for arch in sorted(CONFIGS):
         path, reference = _gguf(arch, Q.Q8_0, root, quantized_reference=True)
@@ -193,8 +193,8 @@ def test_convert_writes_a_directory_mlx_lm_generates_the_same_tokens_from(root, 
 
 
 def test_the_gguf_tokenizer_is_the_one_it_carries(root):
-    from stage_worker.default_model import default_model_path
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.default_model import default_model_path
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
 
     default = load_tokenizer(read_model_spec(default_model_path()))
     for arch in sorted(CONFIGS):
@@ -211,7 +211,7 @@ def test_a_gemma3_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
 
     import sentencepiece as spm
 
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
 
     text = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello stagemesh!",
             "Pipelines split layers across machines.", "Numbers like 12345 and 678 appear too."] * 50

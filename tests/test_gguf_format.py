@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from stage_worker.default_model import default_model_path
-from stage_worker.gguf_format import (
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.gguf.format import (
     convert_gguf_tensor,
     gguf_to_mlx_name,
     load_gguf_weights,
     read_gguf_header,
 )
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError, QuantParams
-from stage_worker.stage_weights import load_stage_weights
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError, QuantParams
+from stage_worker.checkpoint.stage_weights import load_stage_weights
 
 DEFAULT = default_model_path()
 

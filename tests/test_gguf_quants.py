@@ -17,12 +17,12 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from stage_worker.gguf_format import convert_gguf_tensor, gguf_to_mlx_name, read_gguf_header
-from stage_worker.gguf_quants import AFFINE_BITS, EXACT_TYPES, GROUP_SIZE
-from stage_worker.model_facts import model_facts
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError, QuantParams
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.checkpoint.gguf.format import convert_gguf_tensor, gguf_to_mlx_name, read_gguf_header
+from stage_worker.checkpoint.gguf.quants import AFFINE_BITS, EXACT_TYPES, GROUP_SIZE
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError, QuantParams
+from stage_worker.model.model_facts import model_facts
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange, even_split
 from tests.engine_helpers import InProcessPipeline, read_until_finished
 from tests.gguf_blocks import random_blocks
@@ -161,7 +161,7 @@ def mixed(tmp_path_factory):
 
 def test_every_stage_weight_is_gguf_dequantized_value_in_hf_layout(mixed):
     """Every tensor of the model as the stages load it (q/k rows un-permuted) against gguf's dequantizer."""
-    from stage_worker.stage_weights import load_stage_weights
+    from stage_worker.checkpoint.stage_weights import load_stage_weights
 
     path, reference_dir = mixed
     spec = read_model_spec(path)

@@ -5,7 +5,7 @@ import pytest
 
 from coordinator.config import MeshConfig, stage_options
 from coordinator.placement import assign_gpus
-from stage_worker.process_setup import gpu_environment
+from stage_worker.service.process_setup import gpu_environment
 from stagemesh_core import settings
 from stagemesh_core.errors import UserError
 from stagemesh_core.gpus import (
@@ -94,7 +94,7 @@ def test_own_gpu_needs_an_index_and_the_setting():
 
 
 def test_stages_turn_off_mlx_cuda_graphs_and_cudnn_attention_unless_the_environment_sets_them():
-    from stage_worker.process_setup import serving_mlx_environment
+    from stage_worker.service.process_setup import serving_mlx_environment
 
     assert serving_mlx_environment({}) == {"MLX_CUDA_USE_CUDNN_SDPA": "0", "MLX_USE_CUDA_GRAPHS": "0"}
     # A user who measured otherwise keeps their choice.
@@ -113,7 +113,7 @@ def test_a_stage_process_runs_with_the_serving_mlx_settings(tmp_path):
     path.write_text(_launch(StageOptions()).to_json())
     (tmp_path / "envprobe.py").write_text(
         "import os, sys\n"
-        "from stage_worker.process_setup import prepare\n"
+        "from stage_worker.service.process_setup import prepare\n"
         "prepare('envprobe', sys.argv[1:], sys.argv[1])\n"
         "print(os.environ['MLX_USE_CUDA_GRAPHS'], os.environ['MLX_CUDA_USE_CUDNN_SDPA'])\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}

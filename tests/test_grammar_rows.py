@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stage_worker.grammar import GrammarRows
-from stage_worker.model_reader import read_model_spec
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.sampling.grammar import GrammarRows
 from tests.architectures import tiny_checkpoint
 
 
@@ -14,7 +14,7 @@ from tests.architectures import tiny_checkpoint
 def rows_and_tokens(tmp_path_factory):
     from llguidance import LLMatcher
 
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
 
     spec = read_model_spec(tiny_checkpoint("llama", tmp_path_factory.mktemp("grammar")))
     tokens = load_tokenizer(spec).encode("red.", add_special_tokens=False)

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stage_worker.grpc_service import StageDescription, start_grpc_server
-from stage_worker.stage_status import StageStatus
+from stage_worker.engine.stage_status import StageStatus
+from stage_worker.service.grpc_service import StageDescription, start_grpc_server
 from stagemesh.certs import NodeSpec, make_ca, make_node_cert
 from stagemesh_core.grpc_tls import TlsFiles, channel_credentials, open_channel, read_tls_dir
 from stagemesh_core.mesh_token import call_metadata, generate_token

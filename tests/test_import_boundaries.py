@@ -7,8 +7,8 @@ check imports the core in a fresh interpreter and asserts nothing heavy (MLX,
 NumPy, Ray, FastAPI) came with it. The project's modules import each other
 without a cycle (a function-level import may keep a heavy dependency lazy, never
 hide a cycle), and the entry stage's scheduler reaches nothing of the runtime:
-no MLX, only ``stage_worker.batch``, ``stage_worker.prefix_cache`` and speculation's pure rules
-(``stage_worker.speculation``, ``stage_worker.ngram_proposer``).
+no MLX, only ``stage_worker.batch``, ``stage_worker.cache.prefix_cache`` and speculation's pure rules
+(``stage_worker.speculation.rules``, ``stage_worker.speculation.ngram_proposer``).
 """
 
 from __future__ import annotations
@@ -196,30 +196,85 @@ def test_the_cycle_check_sees_a_cycle_a_function_level_import_hides(tmp_path, mo
     assert _cycle_through(graph, "gateway.one") == ["gateway.one", "gateway.two", "gateway.one"]
 
 
+# -- stage_worker's rooms ----------------------------------------------------------------------------------
+
+# Room -> the rooms it may import, bottom to top (docs/architecture.md, "Inside a stage"). ``batch`` is the
+# messages every room speaks; ``__main__`` and the rooms' own modules are the only other inhabitants.
+STAGE_ROOMS: dict[str, tuple[str, ...]] = {
+    "batch": (),
+    "checkpoint": (),
+    "cache": ("batch",),
+    "transport": ("batch",),
+    "model": ("batch", "checkpoint", "cache"),
+    "speculation": ("batch", "checkpoint", "cache", "model"),
+    "sampling": ("batch", "checkpoint", "speculation"),
+    "engine": ("batch", "checkpoint", "cache", "transport", "model", "speculation", "sampling"),
+    "service": ("batch", "checkpoint", "cache", "transport", "model", "speculation", "sampling", "engine"),
+    "__main__": ("model", "service"),
+}
+MAX_ROOM_MODULES = 12  # a room a newcomer reads in one look; a format's own folder (checkpoint/gguf/) counts apart
+
+
+def _stage_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "stage_worker" and len(parts) > 1 else None
+
+
+def test_stage_worker_rooms_import_only_the_rooms_below():
+    graph = _first_party_graph()
+    violations = []
+    for module, targets in sorted(graph.items()):
+        room = _stage_room(module)
+        if module.startswith("stage_worker.") and room not in STAGE_ROOMS:
+            violations.append(f"{module} lives in no room of STAGE_ROOMS: move it into one")
+            continue
+        for target in sorted(targets):
+            other = _stage_room(target)
+            if room and other and other != room and other not in STAGE_ROOMS[room]:
+                violations.append(f"{module} imports {target}; stage_worker/{room}/ may import only "
+                                  f"{', '.join(STAGE_ROOMS[room]) or 'stagemesh_core'}")
+    assert not violations, "\n".join(violations)
+
+
+def test_every_stage_worker_room_states_its_contract_and_stays_small():
+    for folder in sorted(p for p in (ROOT / "stage_worker").rglob("__init__.py") if p.parent != ROOT / "stage_worker"):
+        assert ast.get_docstring(ast.parse(folder.read_text())), f"{folder.relative_to(ROOT)} has no contract"
+        # the docstring is the whole file: importing a pure module of a room must not bring the room's MLX
+        assert len(ast.parse(folder.read_text()).body) == 1, f"{folder.relative_to(ROOT)} holds more than a docstring"
+        modules = [p for p in folder.parent.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= MAX_ROOM_MODULES, f"{folder.parent.relative_to(ROOT)} holds {len(modules)} modules"
+
+
+def test_the_room_check_sees_an_upward_import():
+    assert _stage_room("stage_worker.cache.kv_store") == "cache" and "engine" not in STAGE_ROOMS["cache"]
+    assert "service" not in STAGE_ROOMS["engine"] and "engine" in STAGE_ROOMS["service"]
+
+
 # -- the scheduler is pure ---------------------------------------------------------------------------------
 
 # The stage_worker modules the entry stage's scheduler may import: plain values and bookkeeping, no runtime.
-SCHEDULER_MAY_IMPORT = ("stage_worker.batch", "stage_worker.prefix_cache", "stage_worker.speculation",
-                        "stage_worker.ngram_proposer")
+SCHEDULER_MAY_IMPORT = ("stage_worker.batch", "stage_worker.cache.prefix_cache", "stage_worker.speculation.rules",
+                        "stage_worker.speculation.ngram_proposer")
 
 
 def test_the_scheduler_imports_nothing_of_the_runtime():
     graph = _first_party_graph()
-    reached, queue = set(), ["stage_worker.scheduler"]
+    reached, queue = set(), ["stage_worker.engine.scheduler"]
     while queue:
         for target in graph[queue.pop()]:
             if target not in reached:
                 reached.add(target)
                 queue.append(target)
     runtime = sorted(m for m in reached if m.startswith("stage_worker.") and m not in SCHEDULER_MAY_IMPORT)
-    assert not runtime, f"stage_worker/scheduler.py reaches {runtime}; pass what it needs in instead"
+    assert not runtime, f"stage_worker/engine/scheduler.py reaches {runtime}; pass what it needs in instead"
 
 
 @pytest.mark.e2e  # a fresh interpreter: a process
 def test_importing_the_scheduler_loads_no_mlx():
-    code = "import sys, json, stage_worker.scheduler; print(json.dumps(sorted(sys.modules)))"
+    code = "import sys, json, stage_worker.engine.scheduler; print(json.dumps(sorted(sys.modules)))"
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True, cwd=ROOT).stdout)
     assert not [m for m in loaded if m.split(".")[0] in ("mlx", "mlx_lm", "numpy")]
+    rooms = {f"stage_worker.{room}" for room in STAGE_ROOMS}  # their __init__ is a docstring (checked above)
     assert not [m for m in loaded if m.startswith("stage_worker.") and m not in
-                ("stage_worker.scheduler", *SCHEDULER_MAY_IMPORT)]
+                ("stage_worker.engine.scheduler", *SCHEDULER_MAY_IMPORT, *rooms)]

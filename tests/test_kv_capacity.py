@@ -53,7 +53,7 @@ def test_full_context_layers_alone_count_as_before():
 
 
 def test_a_stage_short_of_its_sequences_states_names_max_num_seqs():
-    from stage_worker.memory import MemoryBudget, MemoryBudgetError, kv_token_capacity
+    from stage_worker.service.memory import MemoryBudget, MemoryBudgetError, kv_token_capacity
 
     budget = MemoryBudget(total_bytes=2_000_000_000, available_bytes=2_000_000_000, fraction=0.5, stages_on_host=1)
     kv = StageKV.of_layers([FULL, LayerKV(state=TensorBytes(packed=10_000_000))])

@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from stage_worker.kv_store import KVStore
-from stage_worker.wire import WireMismatchError
+from stage_worker.cache.kv_store import KVStore
+from stage_worker.transport.wire import WireMismatchError
 
 LAYERS, HEADS, DIM = 2, 3, 4
 
@@ -144,7 +144,7 @@ def test_tokens_held_counts_every_position_and_drops_with_release():
 
 
 def test_the_held_count_reaches_the_stage_stats():
-    from stage_worker.stage_status import StageStatus
+    from stage_worker.engine.stage_status import StageStatus
 
     store, status = _store(), StageStatus()
     status.watch_kv(store, 1000)

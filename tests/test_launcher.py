@@ -16,10 +16,10 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from stage_worker.launcher import KernelLauncher, launcher_wanted, plain_kv_caches
-from stage_worker.model_reader import read_model_spec
-from stage_worker.prefix_cache import PrefixCache
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.cache.prefix_cache import PrefixCache
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.engine.launcher import KernelLauncher, launcher_wanted, plain_kv_caches
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.sampling import GREEDY
 from tests.architectures import mlx_lm_greedy, tiny_checkpoint
@@ -64,7 +64,7 @@ def test_the_engine_thread_evaluates_nothing_while_prompts_run_together(tmp_path
 
     from mlx_lm.utils import load
 
-    from stage_worker import layer_stack
+    from stage_worker.model import layer_stack
 
     prompts = (PROMPTS[0][:11], PROMPTS[2], PROMPTS[0][5:16])  # one length: their first chunks run together
     path = tiny_checkpoint("qwen3_moe", tmp_path)

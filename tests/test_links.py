@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from stage_worker import wire
 from stage_worker.batch import RecordFlag, SequenceRecord
-from stage_worker.handshake import StageIdentity, check_predecessor
-from stage_worker.links import InboundLink, LinkError, OutboundLink, RingWatchdog
-from stage_worker.wire import FrameKind
+from stage_worker.transport import wire
+from stage_worker.transport.handshake import StageIdentity, check_predecessor
+from stage_worker.transport.links import InboundLink, LinkError, OutboundLink, RingWatchdog
+from stage_worker.transport.wire import FrameKind
 
 
 def _free_port() -> int:
@@ -87,7 +87,7 @@ def test_messages_arrive_in_order_with_their_records():
 def test_lane_payloads_arrive_bit_exact_after_their_header(dtype):
     import mlx.core as mx
 
-    from stage_worker.links import RingWatchdog
+    from stage_worker.transport.links import RingWatchdog
 
     inbound, outbound, thread, result = _pair()
     outbound.handshake({"hello": 1}, 5)
@@ -169,8 +169,8 @@ def test_an_announced_header_arrives_before_its_payload_which_lands_in_the_given
     import mlx.core as mx
     import numpy as np
 
-    from stage_worker.build_ahead import Placeholder
-    from stage_worker.links import RingWatchdog
+    from stage_worker.transport.build_ahead import Placeholder
+    from stage_worker.transport.links import RingWatchdog
 
     inbound, outbound, thread, _ = _pair()
     outbound.handshake({"hello": 1}, 5)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from stage_worker import load_progress
-from stage_worker.load_progress import LoadCounts, WeightProgress, progress_text, reporting
-from stage_worker.stage_status import StageStatus
+from stage_worker.checkpoint import load_progress
+from stage_worker.checkpoint.load_progress import LoadCounts, WeightProgress, progress_text, reporting
+from stage_worker.engine.stage_status import StageStatus
+from stagemesh.status import format_mesh
 from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
 from stagemesh_core.states import StageState
-from stagemesh.status import format_mesh
 
 
 class Clock:
@@ -62,8 +62,8 @@ def test_status_carries_the_counts_and_the_table_shows_them():
 
 
 def test_both_readers_count_exactly_the_bytes_of_the_slice_they_read(tmp_path):
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.stage_weights import load_stage_weights
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.stage_weights import load_stage_weights
     from tests.architectures import tiny_checkpoint
     from tests.test_gguf_format import write_tiny_gguf
 

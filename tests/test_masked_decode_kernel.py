@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 
-from stage_worker.masked_decode_kernel import attend, decode_kernel_wanted, supported
+from stage_worker.model.masked_decode_kernel import attend, decode_kernel_wanted, supported
 
 
 def test_the_kernel_is_wanted_only_on_cuda_unless_turned_off():

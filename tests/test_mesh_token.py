@@ -13,8 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stage_worker.grpc_service import StageDescription, start_grpc_server
-from stage_worker.stage_status import StageStatus
+from stage_worker.engine.stage_status import StageStatus
+from stage_worker.service.grpc_service import StageDescription, start_grpc_server
 from stagemesh_core.errors import UserError
 from stagemesh_core.mesh_token import (
     call_metadata,

@@ -21,11 +21,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from stage_worker.checkpoint_check import check_checkpoint
-from stage_worker.model_facts import model_facts
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import QUANT_MODES, ModelFormatError, QuantParams
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.checkpoint.checkpoint_check import check_checkpoint
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import QUANT_MODES, ModelFormatError, QuantParams
+from stage_worker.model.model_facts import model_facts
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh.bench.random_checkpoint import SHAPE_QUANTIZATIONS
 from stagemesh_core.layer_split import LayerRange, even_split
 from tests.architectures import TINY_CONFIGS, mlx_lm_greedy, tiny_checkpoint

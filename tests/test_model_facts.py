@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from stage_worker.model_facts import model_facts
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.model_facts import model_facts
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange
 
 

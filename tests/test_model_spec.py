@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 from mlx_lm.models import llama
 
-from stage_worker import default_model
-from stage_worker.default_model import (
+from stage_worker.checkpoint import default_model
+from stage_worker.checkpoint.default_model import (
     DEFAULT_GGUF_NAME,
     DEFAULT_SERVED_NAME,
     default_model_path,
     resolve_model_path,
 )
-from stage_worker.gguf_format import read_gguf_header
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError, ModelSpec, QuantParams, served_name_from_path
+from stage_worker.checkpoint.gguf.format import read_gguf_header
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, QuantParams, served_name_from_path
 
 DEFAULT = default_model_path()
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from stage_worker.batch import RecordFlag, SequenceRecord
-from stage_worker.default_model import default_model_path
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_model import StageModel, StageRole
-from stage_worker.stage_runtime import StageCompute
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.engine.stage_runtime import StageCompute
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange
 
 NEW = RecordFlag.NEW_SEQUENCE
@@ -37,7 +37,7 @@ def _run(compute, model, batch):
 
 
 def test_fresh_prompts_group_by_similar_length():
-    from stage_worker.packed_forward import Segment, fresh_prompt_groups
+    from stage_worker.model.packed_forward import Segment, fresh_prompt_groups
 
     class Empty:
         offset = 0

@@ -10,14 +10,14 @@ import threading
 import mlx.core as mx
 import pytest
 
-from stage_worker.default_model import default_model_path
-from stage_worker.engine import EntryEngine
-from stage_worker.generation_job import GenerationJob, run_generation
-from stage_worker.model_reader import read_model_spec
-from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
-from stage_worker.stage_model import StageModel, StageRole
-from stage_worker.stage_runtime import EntryPipeline, StageCompute, relay_loop
-from stage_worker.stage_status import StageStatus
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.engine.entry_engine import EntryEngine
+from stage_worker.engine.generation_job import GenerationJob, run_generation
+from stage_worker.engine.scheduler import Finish, GenerationRequest, Scheduler
+from stage_worker.engine.stage_runtime import EntryPipeline, StageCompute, relay_loop
+from stage_worker.engine.stage_status import StageStatus
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange
 from tests.engine_helpers import CountingPipeline, as_served, lane, read_until_finished
 

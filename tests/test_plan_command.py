@@ -1,7 +1,7 @@
 """``stagemesh plan`` and ``serve --dry-run`` on this machine (no RAY_ADDRESS): the table, JSON, refusals.
 
 Through the CLI's entry point in this process (``python -m stagemesh.cli`` exits with what ``main`` returns).
-A plan for this machine probes its memory in a process of its own (``stage_worker.node_probe``), so those tests
+A plan for this machine probes its memory in a process of its own (``stage_worker.service.node_probe``), so those tests
 are marked e2e; the others are not, and tests/fast_tier.py fails them if their command starts a process or Ray."""
 
 from __future__ import annotations

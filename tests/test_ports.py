@@ -29,9 +29,9 @@ def test_local_plan_round_trips_through_json_and_writes_the_ring_hostfile():
 def test_the_default_model_is_found_in_each_stages_own_installation():
     import pytest
 
-    from stage_worker.default_model import default_model_path
-    from stage_worker.model_spec import ModelFormatError
-    from stage_worker.stage_process import resolve
+    from stage_worker.checkpoint.default_model import default_model_path
+    from stage_worker.checkpoint.model_spec import ModelFormatError
+    from stage_worker.service.stage_process import resolve
     from stagemesh_core.plan import StageLaunch
 
     plan = make_local_plan("/Users/someone-else/venv/SmolLM2.gguf", 30, 2, "auto")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from stage_worker.prefix_cache import PrefixCache, PrefixHit, block_hashes
+from stage_worker.cache.prefix_cache import PrefixCache, PrefixHit, block_hashes
 
 
 def test_block_hashes_chain_every_token_before_them_and_the_salt():

@@ -10,11 +10,11 @@ import threading
 
 import pytest
 
-from stage_worker.engine import EntryEngine
-from stage_worker.prefix_cache import PrefixCache
-from stage_worker.scheduler import GenerationRequest, Scheduler
-from stage_worker.stage_runtime import EntryPipeline, StageCompute
-from stage_worker.stage_status import StageStatus
+from stage_worker.cache.prefix_cache import PrefixCache
+from stage_worker.engine.entry_engine import EntryEngine
+from stage_worker.engine.scheduler import GenerationRequest, Scheduler
+from stage_worker.engine.stage_runtime import EntryPipeline, StageCompute
+from stage_worker.engine.stage_status import StageStatus
 from tests.engine_helpers import as_served
 
 pytestmark = pytest.mark.e2e
@@ -27,9 +27,9 @@ OTHER = tuple(_rng.randrange(300, 20000) for _ in range(9))
 
 def load_whole_model(path: str):
     """The default model's every layer as one stage, in the backend's default dtype."""
-    from stage_worker.device import current_backend
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.model.device import current_backend
+    from stage_worker.model.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stagemesh_core.layer_split import LayerRange
 
     spec = read_model_spec(path)

@@ -4,9 +4,9 @@ import argparse
 
 import pytest
 
+from stagemesh.serve import ServeConfigError, add_arguments, build_mesh_config
 from stagemesh_core.errors import UserError
 from stagemesh_core.plan import StageOptions
-from stagemesh.serve import ServeConfigError, add_arguments, build_mesh_config
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 from stage_worker.batch import RowOptions
-from stage_worker.row_options import RowProcessors, logprobs_from_body, rows_body, rows_from_body
-from stage_worker.sampling import sample_rows
+from stage_worker.sampling.row_options import RowProcessors, logprobs_from_body, rows_body, rows_from_body
+from stage_worker.sampling.sampler import sample_rows
 from stagemesh_core.sampling import GREEDY, SamplingParams
 
 VOCAB = 64

@@ -14,11 +14,11 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from stage_worker.convert import convert_gguf_to_mlx_dir
-from stage_worker.default_model import default_model_path
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError, QuantParams
-from stage_worker.stage_weights import load_stage_weights
+from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError, QuantParams
+from stage_worker.checkpoint.stage_weights import load_stage_weights
 
 QWEN3 = {
     "model_type": "qwen3",

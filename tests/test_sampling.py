@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 
-from stage_worker.sampling import sample_rows
+from stage_worker.sampling.sampler import sample_rows
 from stagemesh_core.sampling import GREEDY, SamplingParams
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from stage_worker.batch import RecordFlag, SampledToken
-from stage_worker.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, Scheduler
+from stage_worker.engine.scheduler import Finish, GenerationRequest, QueueFullError, RequestError, Scheduler
 
 
 def _scheduler(**overrides):

@@ -1,8 +1,8 @@
 """The entry stage's prefix-cache decisions in the batches it builds: hits, retains, evictions, budget."""
 
 from stage_worker.batch import RecordFlag, SampledToken
-from stage_worker.prefix_cache import PrefixCache
-from stage_worker.scheduler import GenerationRequest, Scheduler
+from stage_worker.cache.prefix_cache import PrefixCache
+from stage_worker.engine.scheduler import GenerationRequest, Scheduler
 
 
 def _scheduler(capacity=None, block_size=4):

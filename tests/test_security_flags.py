@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from stagemesh.cli import main
-from stagemesh_core.errors import UserError
 from stagemesh.security_flags import parse_origins
+from stagemesh_core.errors import UserError
 
 
 def test_allowed_origins_take_vllms_json_list_or_a_comma_list():

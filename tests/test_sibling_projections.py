@@ -1,6 +1,6 @@
 """Sibling projections joined in mlx-lm's own layers compute what the separate ones do.
 
-``stage_worker.sibling_projections`` on every architecture the layer-stack path serves (tiny random checkpoints
+``stage_worker.model.sibling_projections`` on every architecture the layer-stack path serves (tiny random checkpoints
 of the suite), through every shape of batch a stage runs: fresh prompts together, a continued prompt, a decode
 group, a lone decode (the one-row case that takes the joined product). Also quantized experts, the all-experts
 routing reading the joined experts, groups left apart because their formats differ, and the bytes held.
@@ -13,11 +13,11 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from stage_worker.expert_routing import ExpertsPolicy, RoutedSwitchGLU
-from stage_worker.mlx_arch import STACK_ARCHITECTURES
-from stage_worker.model_reader import read_model_spec
-from stage_worker.sibling_projections import ProjectionPart, join_sibling_projections, joined_layer
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.checkpoint.mlx_arch import STACK_ARCHITECTURES
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.expert_routing import ExpertsPolicy, RoutedSwitchGLU
+from stage_worker.model.sibling_projections import ProjectionPart, join_sibling_projections, joined_layer
+from stage_worker.model.stage_model import StageModel, StageRole
 from stagemesh_core.layer_split import LayerRange
 from tests.architectures import tiny_checkpoint
 from tests.joined_outputs import assert_same_outputs, stage_outputs

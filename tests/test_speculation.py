@@ -9,10 +9,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from stage_worker.batch import RecordFlag, SampledToken
-from stage_worker.kv_store import KVStore
-from stage_worker.ngram_proposer import propose_ngram
-from stage_worker.scheduler import Finish, GenerationRequest, Scheduler
-from stage_worker.speculation import (
+from stage_worker.cache.kv_store import KVStore
+from stage_worker.engine.scheduler import Finish, GenerationRequest, Scheduler
+from stage_worker.speculation.ngram_proposer import propose_ngram
+from stage_worker.speculation.rules import (
     PAUSE_STEPS,
     Acceptance,
     SpecDecodeCounter,
@@ -22,7 +22,7 @@ from stage_worker.speculation import (
     drafts_from_body,
     speculative_tokens,
 )
-from stage_worker.wire import WireMismatchError
+from stage_worker.transport.wire import WireMismatchError
 from stagemesh_core.plan import StageOptions
 from stagemesh_core.sampling import SamplingParams
 from stagemesh_core.speculative import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
@@ -152,7 +152,7 @@ def test_a_verifications_rows_are_laid_out_as_if_its_proposals_were_generated():
 def test_the_kept_rows_on_the_device_are_the_ones_the_acceptance_rule_keeps(seed):
     import random
 
-    from stage_worker.row_options import kept_rows
+    from stage_worker.sampling.row_options import kept_rows
 
     rng = random.Random(seed)
     runs = [None if rng.random() < 0.3 else tuple(rng.randrange(3) for _ in range(rng.randrange(1, 5)))

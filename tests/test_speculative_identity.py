@@ -19,9 +19,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from stage_worker.model_reader import read_model_spec
-from stage_worker.prefix_cache import PrefixCache
-from stage_worker.stage_model import StageModel, StageRole, runs_packed
+from stage_worker.cache.prefix_cache import PrefixCache
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.stage_model import StageModel, StageRole, runs_packed
 from stagemesh_core.layer_split import LayerRange, even_split
 from stagemesh_core.sampling import GREEDY, SamplingParams
 from stagemesh_core.speculative import SpeculativeConfig
@@ -185,7 +185,7 @@ def _check_options_identity(path: str, depths, max_tokens: int, each_accepted: b
         expected_alone, expected_batched, _ = _options_workload(plain, options, REPEATING, max_tokens)
     if each_accepted:
         # The options work: each changes what plain greedy decoding gives; the constrained output follows the regex.
-        from stage_worker.tokenizer import load_tokenizer
+        from stage_worker.checkpoint.tokenizer import load_tokenizer
 
         greedy = expected_batched[len(options)][0]
         assert all(expected_alone[name][0] != greedy for name in ("penalties", "logit_bias", "min_p")), greedy
@@ -216,8 +216,8 @@ def test_every_request_option_speculates_on_the_layer_stack_path(checkpoints):
 
 @pytest.mark.e2e
 def test_speculation_keeps_greedy_tokens_on_the_default_model():
-    from stage_worker.default_model import default_model_path
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.default_model import default_model_path
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
 
     path = str(default_model_path())
     # Text the model goes on repeating once it has seen it a few times, and not from its first token.
@@ -251,7 +251,7 @@ def _check_draft_identity(path: str, draft_path: str, depths, max_tokens: int, *
     (requests taking the argmax of the target's logits as they are only: a sampled row may draw another token
     than the draft's argmax, a penalized one prefer another), with another model
     most are rejected (the target's and the draft's KV both roll back)."""
-    from stage_worker.draft_proposer import DraftWeights, load_draft_proposer
+    from stage_worker.speculation.draft_proposer import DraftWeights, load_draft_proposer
 
     with InProcessPipeline(_stages(path, 1), prefix_cache=PrefixCache(8, b"test")) as plain:
         expected = _workload(plain, repeating, max_tokens, small, all_options=not own_weights)
@@ -286,10 +286,10 @@ def test_a_different_draft_model_keeps_greedy_tokens_through_its_rejections(tiny
 @pytest.mark.e2e
 def test_the_default_model_as_its_own_draft_keeps_greedy_tokens(tmp_path):
     """The stages read the package's GGUF; the draft, loaded as mlx-lm loads a model, its conversion."""
-    from stage_worker.convert import convert_gguf_to_mlx_dir
-    from stage_worker.default_model import default_model_path
-    from stage_worker.draft_proposer import check_draft_model
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
+    from stage_worker.checkpoint.default_model import default_model_path
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
+    from stage_worker.speculation.draft_proposer import check_draft_model
 
     path = str(default_model_path())
     draft = convert_gguf_to_mlx_dir(path, str(tmp_path / "draft"))

@@ -7,17 +7,17 @@ import sys
 import mlx.core as mx
 import pytest
 
-from stage_worker.default_model import resolve_model_path
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
+from stage_worker.checkpoint.default_model import resolve_model_path
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.stage_model import StageModel, StageRole, resolve_compute_dtype
 from stagemesh_core.layer_split import LayerRange, even_split
 
 _MEASURE = """
 import json, sys
 import mlx.core as mx
 from stagemesh_core.layer_split import LayerRange
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_model import StageModel, StageRole
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.stage_model import StageModel, StageRole
 path, start, end, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
 model = StageModel.load(read_model_spec(path), StageRole(LayerRange(start, end), first, last), mx.float32)
 print(json.dumps({"weight_bytes": model.weight_bytes, "layer_bytes": model.layer_bytes,

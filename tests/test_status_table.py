@@ -3,9 +3,9 @@ that is not serving."""
 
 from dataclasses import replace
 
+from stagemesh.status import format_mesh
 from stagemesh_core.snapshots import MeshSnapshot, ReplicaSnapshot, StageSnapshot, StageStats
 from stagemesh_core.states import ReplicaState, StageState
-from stagemesh.status import format_mesh
 
 
 def test_the_table_shows_each_stages_backend_and_device():

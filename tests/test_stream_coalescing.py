@@ -5,9 +5,9 @@ import asyncio
 import queue
 import threading
 
-from stage_worker.engine import RequestFailed
-from stage_worker.grpc_service import _coalesce, _StreamCall
-from stage_worker.scheduler import Finish, RequestEvent
+from stage_worker.engine.entry_engine import RequestFailed
+from stage_worker.engine.scheduler import Finish, RequestEvent
+from stage_worker.service.grpc_service import _coalesce, _StreamCall
 from stagemesh_core.v1 import stage_pb2
 
 
@@ -57,7 +57,7 @@ class _OneHandle:
     """The engine's side a GenerateStream call uses (submit, abort), handing out one request's handle."""
 
     def __init__(self) -> None:
-        from stage_worker.engine import RequestHandle
+        from stage_worker.engine.entry_engine import RequestHandle
 
         self.handle = RequestHandle("r")
         self.aborted: list[str] = []

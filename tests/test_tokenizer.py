@@ -8,11 +8,11 @@ import json
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from stage_worker.default_model import default_model_path
-from stage_worker.gguf_format import read_gguf_header
-from stage_worker.model_reader import read_model_spec
-from stage_worker.model_spec import ModelFormatError
-from stage_worker.tokenizer import CHATML_TEMPLATE, eos_token_ids, load_tokenizer
+from stage_worker.checkpoint.default_model import default_model_path
+from stage_worker.checkpoint.gguf.format import read_gguf_header
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.checkpoint.model_spec import ModelFormatError
+from stage_worker.checkpoint.tokenizer import CHATML_TEMPLATE, eos_token_ids, load_tokenizer
 
 DEFAULT = default_model_path()
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -5,9 +5,9 @@ import struct
 import mlx.core as mx
 import pytest
 
-from stage_worker import wire
 from stage_worker.batch import RecordFlag, SequenceRecord
-from stage_worker.wire import FrameHeader, FrameKind
+from stage_worker.transport import wire
+from stage_worker.transport.wire import FrameHeader, FrameKind
 from stagemesh_core.sampling import SamplingParams
 
 

@@ -91,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stage_worker.blas import find_optimized_blas
-    from stage_worker.convert import convert_gguf_to_mlx_dir
-    from stage_worker.default_model import resolve_model_path
+    from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.model.blas import find_optimized_blas
     from stagemesh.bench.report import build_report, emit, flags_of, now
 
     started_at = now()
@@ -176,7 +176,7 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
     """The bare batched forward of the same weights at every concurrency level (the device's limit), as
     ``stagemesh bench pipeline --bare N,N`` measures it."""
     from coordinator.stage_host import nvidia_smi_list
-    from stage_worker.process_setup import SERVING_MLX_CUDA_DEFAULTS
+    from stage_worker.service.process_setup import SERVING_MLX_CUDA_DEFAULTS
     from stagemesh.bench.pipeline import bare_forward
     from stagemesh_core.gpus import node_gpu_count
 

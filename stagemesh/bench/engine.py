@@ -6,7 +6,7 @@ stage's gRPC handlers would: one stream of ``--output-len`` tokens (time per tok
 streams together (tokens/s); ``--mixed N`` adds N requests of random lengths. With ``--profile`` it also prints
 cProfile's top entries of the engine's thread: where a step's host time goes (graph building, kernel launches
 inside ``mx.async_eval``, KV bookkeeping). ``--compare-projections N`` measures what joining each layer's
-projections is worth (``stage_worker.fused_projections``), ``--compare-launch N`` what a launch thread is
+projections is worth (``stage_worker.model.fused_projections``), ``--compare-launch N`` what a launch thread is
 worth: the two arms in turns for N rounds, with each round's ratios and their median.
 
 It is a tool for GPU backends: the weights run as loaded (a quantized checkpoint stays quantized) and no
@@ -62,22 +62,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from stage_worker.process_setup import serving_mlx_environment
+    from stage_worker.service.process_setup import serving_mlx_environment
 
     # As a stage sets MLX's CUDA backend (before its first GPU work); a variable already set wins.
     os.environ.update(serving_mlx_environment(os.environ))
     import mlx.core as mx
 
-    from stage_worker.default_model import resolve_model_path
-    from stage_worker.device import current_backend
-    from stage_worker.engine import step_ahead_pays
-    from stage_worker.expert_routing import policy_for
-    from stage_worker.fused_projections import fusion_wanted
-    from stage_worker.launcher import launcher_wanted, plain_kv_caches
-    from stage_worker.masked_decode_kernel import decode_kernel_wanted
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
-    from stage_worker.warmup import warm_up, warmup_plan
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.engine.entry_engine import step_ahead_pays
+    from stage_worker.engine.launcher import launcher_wanted, plain_kv_caches
+    from stage_worker.engine.warmup import warm_up, warmup_plan
+    from stage_worker.model.device import current_backend
+    from stage_worker.model.expert_routing import policy_for
+    from stage_worker.model.fused_projections import fusion_wanted
+    from stage_worker.model.masked_decode_kernel import decode_kernel_wanted
+    from stage_worker.model.stage_model import StageModel, StageRole, resolve_compute_dtype
     from stagemesh.bench.report import build_report, emit, flags_of, now
     from stagemesh_core import defaults, settings
     from stagemesh_core.layer_split import LayerRange
@@ -172,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
         if not comparison and not launch_turns:
             model, fused = load_as_a_stage()
             runs = measure(model)
-    from stage_worker.blas import loaded_blas
-    from stage_worker.wire import dtype_name
+    from stage_worker.model.blas import loaded_blas
+    from stage_worker.transport.wire import dtype_name
 
     config = {**flags_of(args), "model": args.shape or spec.default_served_name, "dtype": dtype_name(dtype),
               "blas": loaded_blas(), "step_ahead": step_ahead}
@@ -258,11 +258,11 @@ def _median_round(ratios: list[dict[str, Any]], compares: str) -> dict[str, Any]
 
 
 def _engine(model: Any, seats: int, max_model_len: int, step_ahead: bool, launch: bool) -> Any:
-    from stage_worker.engine import EntryEngine
-    from stage_worker.launcher import KernelLauncher
-    from stage_worker.scheduler import Scheduler
-    from stage_worker.stage_runtime import EntryPipeline, StageCompute
-    from stage_worker.stage_status import StageStatus
+    from stage_worker.engine.entry_engine import EntryEngine
+    from stage_worker.engine.launcher import KernelLauncher
+    from stage_worker.engine.scheduler import Scheduler
+    from stage_worker.engine.stage_runtime import EntryPipeline, StageCompute
+    from stage_worker.engine.stage_status import StageStatus
 
     # Made on this thread, which runs the engine: its graphs are then evaluated on the launcher's thread.
     launcher = KernelLauncher() if launch else None
@@ -276,8 +276,8 @@ def _drive_mixed(model: Any, requests: int, streams: int, max_prompt: int, max_t
     """``requests`` of seeded random lengths, ``streams`` in flight, one submitted as one ends."""
     import random
 
-    from stage_worker.engine import RequestFailed
-    from stage_worker.scheduler import GenerationRequest
+    from stage_worker.engine.entry_engine import RequestFailed
+    from stage_worker.engine.scheduler import GenerationRequest
 
     rng = random.Random(seed)
     lengths = [(rng.randint(1, max_prompt), rng.randint(1, max_tokens)) for _ in range(requests)]
@@ -332,7 +332,7 @@ def _drive_mixed(model: Any, requests: int, streams: int, max_prompt: int, max_t
 
 def _drive(model: Any, streams: int, tokens: int, prompt_len: int, step_ahead: bool, launch: bool,
            profile: bool) -> dict:
-    from stage_worker.scheduler import GenerationRequest
+    from stage_worker.engine.scheduler import GenerationRequest
 
     engine = _engine(model, max(64, streams), prompt_len + tokens + 1, step_ahead, launch)
     stamps: list[float] = []

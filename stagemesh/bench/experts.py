@@ -3,7 +3,7 @@
 Builds the first expert block (mlx-lm's ``SwitchGLU``, with the model's own activation and biases) of a
 shipped ``--shape`` with random weights of ``--dtype`` on the default device (the GPU where there is one), and
 for each row count in ``--rows`` (the rows of one call: a decode step of that many sequences) times the
-block both ways a stage can run it (``stage_worker.expert_routing``): ``gathered`` as mlx-lm runs it
+block both ways a stage can run it (``stage_worker.model.expert_routing``): ``gathered`` as mlx-lm runs it
 (``gather_mm`` over the pairs the router picked) and ``all_experts`` (every expert on every row, then the
 picked pairs). Each row's experts are drawn uniformly without repeats, as a router of random weights picks
 them. Each figure is the median of ``--iters`` evaluations after ``--warmup``; the report's ratios give the
@@ -57,8 +57,8 @@ def _first_expert_block(shape_name: str, dtype_name: str) -> tuple[Any, dict[str
     import mlx.core as mx
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from stage_worker.mlx_arch import mlx_model_type
-    from stage_worker.stage_model import resolve_compute_dtype
+    from stage_worker.checkpoint.mlx_arch import mlx_model_type
+    from stage_worker.model.stage_model import resolve_compute_dtype
     from stagemesh.bench.random_checkpoint import shape_config
 
     config = shape_config(shape_name)
@@ -85,7 +85,7 @@ def _time_rows(block: Any, rows: int, top_k: int, iters: int, warmup: int) -> di
     import numpy as np
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from stage_worker.expert_routing import all_experts_glu
+    from stage_worker.model.expert_routing import all_experts_glu
 
     experts, _, dims = block.gate_proj["weight"].shape
     x = mx.random.normal((rows, 1, dims)).astype(block.gate_proj["weight"].dtype)

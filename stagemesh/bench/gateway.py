@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-gateway-") as tmp:
         tokenizer_dir = args.tokenizer
         if tokenizer_dir is None:
-            from stage_worker.tokenizer import default_model_tokenizer
+            from stage_worker.checkpoint.tokenizer import default_model_tokenizer
 
             tokenizer_dir = str(Path(tmp) / "tokenizer")
             default_model_tokenizer().save_pretrained(tokenizer_dir)

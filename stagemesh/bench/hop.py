@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     if not rows or min(rows) < 1 or args.hidden < 1 or args.iters < 1 or args.warmup < 0:
         raise UserError("--rows, --hidden and --iters must be positive, --warmup not negative")
-    from stage_worker.stage_model import resolve_compute_dtype
-    from stage_worker.wire import dtype_name
+    from stage_worker.model.stage_model import resolve_compute_dtype
+    from stage_worker.transport.wire import dtype_name
 
     try:  # the hidden states a stage would pass on this backend
         dtype = dtype_name(resolve_compute_dtype(args.dtype))
@@ -106,8 +106,8 @@ def _rank_main(config: dict[str, Any]) -> None:
     import mlx.core as mx
 
     # The lane arm moves bytes exactly as a stage's OutboundLink / InboundLink do.
-    from stage_worker.links import recv_exactly_into
-    from stage_worker.wire import FrameHeader, FrameKind, payload_bytes, payload_from_bytes
+    from stage_worker.transport.links import recv_exactly_into
+    from stage_worker.transport.wire import FrameHeader, FrameKind, payload_bytes, payload_from_bytes
 
     group = mx.distributed.init(backend="ring", strict=True)
     rank = group.rank()

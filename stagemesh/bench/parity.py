@@ -28,7 +28,7 @@ from stagemesh_core.plan import DEFAULT_RING_BASE_PORT, PipelinePlan
 if TYPE_CHECKING:  # NumPy and the stage's job load only when a check runs
     import numpy as np
 
-    from stage_worker.generation_job import GenerationJob
+    from stage_worker.engine.generation_job import GenerationJob
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -125,12 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from coordinator.local_launcher import PipelineFailed
-    from stage_worker.generation_job import GenerationJob
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
+    from stage_worker.engine.generation_job import GenerationJob
     from stagemesh.bench.report import build_report, emit, flags_of, now
-    from stagemesh_core.plan import make_local_plan
     from stagemesh.serve import resolve_model_argument
+    from stagemesh_core.plan import make_local_plan
 
     started_at = now()
     model_path = resolve_model_argument(args.model, args.load_format)

@@ -33,7 +33,7 @@ from stagemesh_core.errors import UserError
 _MLX_LM_ARM = """
 import json, sys, time
 import mlx.core as mx
-from stage_worker.memory import peak_rss_bytes
+from stage_worker.service.memory import peak_rss_bytes
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 model, tokenizer = load(sys.argv[1])
@@ -51,9 +51,9 @@ _BARE_ARM = """
 import json, sys, time
 import mlx.core as mx
 from stagemesh_core.layer_split import LayerRange
-from stage_worker.blas import loaded_blas
-from stage_worker.model_reader import read_model_spec
-from stage_worker.stage_model import StageModel, StageRole, resolve_compute_dtype
+from stage_worker.model.blas import loaded_blas
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.stage_model import StageModel, StageRole, resolve_compute_dtype
 from mlx_lm.models.cache import KVCache
 spec = read_model_spec(sys.argv[1])
 batch, steps, dense = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -116,7 +116,7 @@ def bare_forward(model_path: str, batch: int, steps: int, dtype: str = "auto", i
     the serving benchmark's whole workload (``input_len`` prompts prefilled together, ``output_len``
     tokens each). MLX runs with its defaults unless ``mlx_environment`` sets its variables (e.g. a stage's
     ``process_setup.SERVING_MLX_CUDA_DEFAULTS``)."""
-    from stage_worker.blas import blas_environment, find_optimized_blas
+    from stage_worker.model.blas import blas_environment, find_optimized_blas
 
     library = find_optimized_blas()
     env = {**blas_environment(os.environ, library, os.cpu_count()), **(mlx_environment or {})}
@@ -167,10 +167,10 @@ def _run_mlx_lm_arm(mlx_dir: str, prompt: list[int], max_tokens: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stage_worker.convert import convert_gguf_to_mlx_dir
-    from stage_worker.default_model import resolve_model_path
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
     from stagemesh.bench.report import build_report, emit, flags_of, now
 
     if min(args.max_pp, args.output_len, args.rounds) < 1:

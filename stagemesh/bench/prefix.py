@@ -48,13 +48,13 @@ def run(args: argparse.Namespace) -> int:
     if min(args.conversations, args.turns, args.system_len, args.user_len, args.output_len, args.block_size) < 1:
         raise UserError("--conversations, --turns, --system-len, --user-len, --output-len and --block-size "
                         "must be positive")
-    from stage_worker.blas import reexec_with_optimized_blas
+    from stage_worker.model.blas import reexec_with_optimized_blas
 
-    # As a stage does (stage_worker.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
+    # As a stage does (stage_worker.service.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
     reexec_with_optimized_blas(["-m", "stagemesh.cli", *sys.argv[1:]], None)
-    from stage_worker.blas import loaded_blas
-    from stage_worker.default_model import resolve_model_path
-    from stage_worker.model_reader import read_model_spec
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.model.blas import loaded_blas
     from stagemesh.bench.report import build_report, emit, flags_of, now
 
     started_at = now()
@@ -81,10 +81,10 @@ def load_stage_as_served(spec: Any) -> tuple[Any, bool]:
     ``choose_dense_weights`` says so, joined projections where ``fusion_wanted`` does); and whether dense."""
     import psutil
 
-    from stage_worker.blas import loaded_blas
-    from stage_worker.device import current_backend
-    from stage_worker.fused_projections import fusion_wanted
-    from stage_worker.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
+    from stage_worker.model.blas import loaded_blas
+    from stage_worker.model.device import current_backend
+    from stage_worker.model.fused_projections import fusion_wanted
+    from stage_worker.model.stage_model import StageModel, StageRole, choose_dense_weights, resolve_compute_dtype
     from stagemesh_core import settings
     from stagemesh_core.layer_split import LayerRange
 
@@ -120,11 +120,11 @@ def _cell(value: float | None) -> str:
 
 
 def _drive(model: Any, args: argparse.Namespace, *, cache: bool, workload: str, conversations: int) -> dict:
-    from stage_worker.engine import EntryEngine, RequestFailed
-    from stage_worker.prefix_cache import PrefixCache
-    from stage_worker.scheduler import GenerationRequest, Scheduler
-    from stage_worker.stage_runtime import EntryPipeline, StageCompute
-    from stage_worker.stage_status import StageStatus
+    from stage_worker.cache.prefix_cache import PrefixCache
+    from stage_worker.engine.entry_engine import EntryEngine, RequestFailed
+    from stage_worker.engine.scheduler import GenerationRequest, Scheduler
+    from stage_worker.engine.stage_runtime import EntryPipeline, StageCompute
+    from stage_worker.engine.stage_status import StageStatus
     from stagemesh.bench.engine import drive_engine, run_threads
 
     turns = args.turns if workload == "multi_turn" else 1

@@ -63,7 +63,7 @@ def add_load_format_argument(parser: argparse._ActionsContainer) -> None:
 
 def shape_config(name: str, layers: int | None = None) -> dict:
     """The shape's config.json; with ``layers``, cut to its first ``layers`` decoder layers, its layer pattern
-    kept (``stage_worker.first_layers``)."""
+    kept (``stage_worker.checkpoint.first_layers``)."""
     path = SHAPES_DIR / name / "config.json"
     if not path.is_file():
         from stagemesh_core.errors import UserError
@@ -72,7 +72,7 @@ def shape_config(name: str, layers: int | None = None) -> dict:
     config = json.loads(path.read_text())
     if layers is None:
         return config
-    from stage_worker.first_layers import first_layers_config
+    from stage_worker.checkpoint.first_layers import first_layers_config
 
     return first_layers_config(config, layers)
 
@@ -201,7 +201,7 @@ def _write_tokenizer(out: Path, vocab_size: int, tokenizer_dir: str | None) -> N
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
-        from stage_worker.tokenizer import default_model_tokenizer
+        from stage_worker.checkpoint.tokenizer import default_model_tokenizer
 
         tokenizer = default_model_tokenizer()
     missing = vocab_size - len(tokenizer)

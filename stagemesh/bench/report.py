@@ -49,7 +49,7 @@ def environment(local_mlx: bool = False) -> dict[str, Any]:
 
     backend = None
     if local_mlx:
-        from stage_worker.device import current_backend
+        from stage_worker.model.device import current_backend
 
         backend = current_backend()
     return {

@@ -418,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         levels = levels_from_args(args)
         tokenizer = None
         if args.tokenizer:
-            from stage_worker.model_spec import ModelFormatError
+            from stage_worker.checkpoint.model_spec import ModelFormatError
             from stagemesh.bench.workload import load_tokenizer
             try:
                 tokenizer = load_tokenizer(args.tokenizer)

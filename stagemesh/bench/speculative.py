@@ -108,21 +108,21 @@ def run(args: argparse.Namespace) -> int:
     if args.draft_shape:
         shape_config(args.draft_shape)  # an unknown shape, named before anything is written
     streams = _streams(args.streams)
-    from stage_worker.blas import reexec_with_optimized_blas
+    from stage_worker.model.blas import reexec_with_optimized_blas
 
-    # As a stage does (stage_worker.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
+    # As a stage does (stage_worker.service.process_setup): MLX's CPU kernels with the optimized BLAS, if any.
     reexec_with_optimized_blas(["-m", "stagemesh.cli", *sys.argv[1:]], None)
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-speculative-") as tmp:
         return _run(args, streams, Path(tmp))
 
 
 def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
-    from stage_worker.blas import loaded_blas
-    from stage_worker.default_model import resolve_model_path
-    from stage_worker.draft_proposer import check_draft_model, load_draft_proposer
-    from stage_worker.mlx_arch import exact_prefix_reuse
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.tokenizer import eos_token_ids, load_tokenizer
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.checkpoint.mlx_arch import exact_prefix_reuse
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.tokenizer import eos_token_ids, load_tokenizer
+    from stage_worker.model.blas import loaded_blas
+    from stage_worker.speculation.draft_proposer import check_draft_model, load_draft_proposer
     from stagemesh.bench.prefix import load_stage_as_served
     from stagemesh.bench.random_checkpoint import write_shape_checkpoint
     from stagemesh.bench.report import build_report, emit, flags_of, now
@@ -216,7 +216,7 @@ def _as_served() -> Any:
     """What a stage on this machine decides its weights by (``load_stage_as_served``), for the draft."""
     import psutil
 
-    from stage_worker.draft_proposer import DraftWeights
+    from stage_worker.speculation.draft_proposer import DraftWeights
 
     return DraftWeights.on_this_machine(int(psutil.virtual_memory().total * 0.8))
 
@@ -233,7 +233,7 @@ def _draft_dir(args: argparse.Namespace, spec: Any, tmp: Path) -> str | None:
     if args.draft_model != SELF:
         return args.draft_model
     if spec.format == "gguf":
-        from stage_worker.convert import convert_gguf_to_mlx_dir
+        from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
 
         return convert_gguf_to_mlx_dir(spec.path, str(tmp / "draft-self"))
     return str(spec.path)
@@ -283,10 +283,10 @@ def _drive(model: Any, prompts: list[tuple[int, ...]], stops: frozenset[int], ou
     """The prompts through a fresh engine, ``streams`` requests at once (at least every prompt once; request i
     asks prompt i mod their number; one stream: every prompt once, one after the other); tokens/s over the
     whole run (all tokens over all the time)."""
-    from stage_worker.engine import EntryEngine, RequestFailed
-    from stage_worker.scheduler import GenerationRequest, Scheduler
-    from stage_worker.stage_runtime import StageCompute
-    from stage_worker.stage_status import StageStatus
+    from stage_worker.engine.entry_engine import EntryEngine, RequestFailed
+    from stage_worker.engine.scheduler import GenerationRequest, Scheduler
+    from stage_worker.engine.stage_runtime import StageCompute
+    from stage_worker.engine.stage_status import StageStatus
     from stagemesh.bench.engine import drive_engine
     from stagemesh.bench.speculative_served import timed_streams
 
@@ -393,7 +393,7 @@ class StepTimes:
 def _timed_pipeline(compute: Any) -> Any:
     """A single-stage ``EntryPipeline`` that times each batch from ``submit`` until ``collect`` returns its
     tokens (the bench's engine collects each batch before submitting the next: no steps ahead)."""
-    from stage_worker.stage_runtime import EntryPipeline
+    from stage_worker.engine.stage_runtime import EntryPipeline
 
     class TimedPipeline(EntryPipeline):
         def __init__(self) -> None:

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 def _model(args: argparse.Namespace, tmp: Path) -> str:
     if args.shape:
         return write_shape_checkpoint(args, tmp)
-    from stage_worker.default_model import resolve_model_path
+    from stage_worker.checkpoint.default_model import resolve_model_path
 
     return resolve_model_path(args.model)
 

@@ -120,8 +120,8 @@ def load_tokenizer(path: str) -> Any:
     """The tokenizer of a GGUF file or a model directory; a bare tokenizer directory works too."""
     import os
 
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.tokenizer import load_tokenizer as load_model_tokenizer
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.tokenizer import load_tokenizer as load_model_tokenizer
 
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         from transformers import AutoTokenizer

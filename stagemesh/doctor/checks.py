@@ -88,7 +88,7 @@ class NodeFacts:
     metal_available: bool | None = None
     ring_available: bool | None = None
     mlx_error: str | None = None
-    mlx_backend: str | None = None  # cpu, metal, cuda (stage_worker.device)
+    mlx_backend: str | None = None  # cpu, metal, cuda (stage_worker.model.device)
     device_name: str | None = None  # "NVIDIA H200", "Apple M2 Max (applegpu_g14s)", the CPU's model
     device_memory_bytes: int | None = None  # the GPU memory a stage's budget comes from; None on the CPU
     gpu_count: int | None = None  # NVIDIA GPUs the node's stages are spread over (stagemesh_core.gpus)

@@ -25,8 +25,6 @@ import socket
 import sys
 from dataclasses import asdict, dataclass, field
 
-from stagemesh_core import settings
-from stagemesh_core.settings import MLX_RESOURCE
 from stagemesh.doctor.checks import (
     ERROR,
     INFO,
@@ -42,6 +40,8 @@ from stagemesh.doctor.checks import (
     check_node,
     worst,
 )
+from stagemesh_core import settings
+from stagemesh_core.settings import MLX_RESOURCE
 
 _JOIN_TIMEOUT_S = 5.0
 

@@ -6,7 +6,7 @@ bound and who holds the others, MLX's backend, the macOS firewall. In cluster
 mode ``NodeProbe`` runs as a small Ray actor pinned to each node, so every node
 reports its own facts, and the probes listen on each node's ports while the
 others connect to them (reachability between nodes, firewall included).
-MLX's backend and device come from ``stage_worker.device`` (what a stage
+MLX's backend and device come from ``stage_worker.model.device`` (what a stage
 reports), the node's GPU count from ``stagemesh_core.gpus`` (what its
 StageHost reports), so doctor says what the stages will see.
 
@@ -179,7 +179,7 @@ def mlx_facts() -> dict:
     try:
         import mlx.core as mx
 
-        from stage_worker.device import probe
+        from stage_worker.model.device import probe
 
         device = str(mx.default_device())
         match = re.search(r"(gpu|cpu)", device)
@@ -230,7 +230,7 @@ def auth_token() -> tuple[str, bool]:
 
 def default_model_path() -> str | None:
     """Where ``stagemesh serve`` finds the embedded default model, without downloading it (None: nowhere)."""
-    from stage_worker.default_model import DEFAULT_GGUF_NAME, DEFAULT_PACKAGE, cache_dir
+    from stage_worker.checkpoint.default_model import DEFAULT_GGUF_NAME, DEFAULT_PACKAGE, cache_dir
 
     try:
         spec = importlib.util.find_spec(DEFAULT_PACKAGE)

@@ -16,8 +16,8 @@ import ipaddress
 import os
 import stat
 
-from stagemesh_core.grpc_tls import CERT_FILE, KEY_FILE, TlsFiles, read_tls_dir
 from stagemesh.doctor.checks import ERROR, OK, WARNING, Finding
+from stagemesh_core.grpc_tls import CERT_FILE, KEY_FILE, TlsFiles, read_tls_dir
 
 EXPIRY_WARNING_DAYS = 30
 CHECK = "grpc-tls"

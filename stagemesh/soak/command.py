@@ -33,11 +33,11 @@ import httpx
 import psutil
 
 from coordinator.supervision import STABLE_AFTER_S
-from stagemesh_core import settings
-from stagemesh_core.errors import UserError
 from stagemesh.soak.clients import run_clients
 from stagemesh.soak.faults import KINDS, MeshWatch, block_available, inject
 from stagemesh.soak.report import FaultRecord, ProcessSample, format_report, judge
+from stagemesh_core import settings
+from stagemesh_core.errors import UserError
 
 MODEL = "SmolLM2-135M-Instruct"
 

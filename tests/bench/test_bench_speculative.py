@@ -4,7 +4,7 @@ and per draft round, and the lines its text shows for them (pure; the bench's ow
 from __future__ import annotations
 
 from stage_worker.batch import Chunk, RecordFlag, SequenceRecord
-from stage_worker.draft_proposer import DraftTimings
+from stage_worker.speculation.draft_proposer import DraftTimings
 from stagemesh.bench.speculative import StepTimes, draft_report, format_speculative, step_kind
 
 SAMPLE = RecordFlag.SAMPLE

@@ -27,7 +27,7 @@ def tiny_llama(tmp_path_factory) -> str:
 def test_a_random_checkpoint_loads_in_mlx_lm_and_in_stagemesh_with_a_tokenizer_for_every_id(tmp_path):
     from mlx_lm import load
 
-    from stage_worker.model_reader import read_model_spec
+    from stage_worker.checkpoint.model_reader import read_model_spec
 
     assert {"llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"} <= set(shape_names())
     small = {**shape_config("llama-3.2-1b"), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -44,7 +44,7 @@ def test_a_checkpoint_larger_than_a_shard_is_written_shard_by_shard_with_the_sam
     import mlx.core as mx
     from mlx_lm import load
 
-    from stage_worker.model_reader import read_model_spec
+    from stage_worker.checkpoint.model_reader import read_model_spec
     from tests.architectures import TINY_CONFIGS
 
     config = TINY_CONFIGS["qwen3_moe"]

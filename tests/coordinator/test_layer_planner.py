@@ -1,7 +1,7 @@
 """The layer planner over a table of clusters and models: plain values, no Ray, no MLX.
 
 Models are the shipped shapes (Llama 3.1 8B: untied head; Llama 3.2 1B: tied)
-sized by ``stage_worker.model_facts`` exactly as ``serve`` sizes them; nodes are
+sized by ``stage_worker.model.model_facts`` exactly as ``serve`` sizes them; nodes are
 ``NodeMemory`` values as a StageHost would report them.
 """
 
@@ -21,9 +21,9 @@ from coordinator.layer_planner import (
     plan_mesh,
     plan_pipeline,
 )
-from stage_worker.memory import MemoryBudget, kv_token_capacity
-from stage_worker.model_facts import model_facts
-from stage_worker.model_reader import read_model_spec
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.model_facts import model_facts
+from stage_worker.service.memory import MemoryBudget, kv_token_capacity
 from stagemesh.bench.random_checkpoint import SHAPES_DIR
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.memory import (

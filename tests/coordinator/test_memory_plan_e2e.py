@@ -25,8 +25,8 @@ import pytest
 
 from coordinator.layer_planner import PlanError
 from coordinator.mesh import MeshConfig, MeshCoordinator
-from stage_worker.model_facts import model_facts
-from stage_worker.model_reader import read_model_spec
+from stage_worker.checkpoint.model_reader import read_model_spec
+from stage_worker.model.model_facts import model_facts
 from stagemesh.status import format_mesh
 from tests.coordinator.conftest import mesh_ports
 from tests.coordinator.helpers import loopback_cluster, wait_until
@@ -93,7 +93,7 @@ def test_plan_command_reads_each_nodes_memory_where_it_runs(cluster):
 
 
 def test_the_bigger_node_gets_the_longer_range_and_the_mesh_answers(cluster, default_model_path):
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
 
     _, small_id = cluster
     coordinator = MeshCoordinator(_config(default_model_path))

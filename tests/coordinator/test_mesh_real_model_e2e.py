@@ -39,7 +39,7 @@ def _generate(target: str, token: str, max_tokens: int = 4) -> list[int]:
 def test_pp2_serves_recovers_from_a_killed_stage_and_stops_clean(monkeypatch):
     import ray
 
-    from stage_worker.default_model import resolve_model_path
+    from stage_worker.checkpoint.default_model import resolve_model_path
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     ring, grpc_base = mesh_ports(2)

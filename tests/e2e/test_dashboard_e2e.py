@@ -34,8 +34,8 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    from stage_worker.convert import convert_gguf_to_mlx_dir
-    from stage_worker.default_model import default_model_path
+    from stage_worker.checkpoint.convert import convert_gguf_to_mlx_dir
+    from stage_worker.checkpoint.default_model import default_model_path
 
     # Speculation with the model's own weights as its draft: every answer's proposals show on the page.
     draft = convert_gguf_to_mlx_dir(str(default_model_path()), str(tmp_path_factory.mktemp("draft") / "model"))

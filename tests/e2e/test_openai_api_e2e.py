@@ -77,8 +77,8 @@ def _same_up_to_float_noise(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path):
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
 
     return load_tokenizer(read_model_spec(default_model_path))
 
@@ -86,8 +86,8 @@ def tokenizer(default_model_path):
 @pytest.fixture(scope="module")
 def mlx_lm_model(default_model_path):
     """mlx-lm's own model class with every weight of the default model."""
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.stage_weights import load_stage_weights
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.stage_weights import load_stage_weights
 
     spec = read_model_spec(default_model_path)
     arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")

@@ -28,8 +28,8 @@ FRANCE = "The capital of France is"
 
 
 def _tokenizer(path):
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
 
     return load_tokenizer(read_model_spec(path))
 
@@ -69,7 +69,7 @@ def _start_rank(plan: PipelinePlan, rank: int, log: Path, options: StageOptions 
     launch = log.with_suffix(".launch.json")
     launch.write_text(StageLaunch(plan, rank, options or StageOptions()).to_json())
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "stage_worker.harness", "--launch", str(launch)],
+        return subprocess.Popen([sys.executable, "-m", "stage_worker.service.harness", "--launch", str(launch)],
                                 stdout=f, stderr=subprocess.STDOUT)
 
 

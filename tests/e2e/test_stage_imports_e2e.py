@@ -1,4 +1,4 @@
-"""A stage process loads the real model without transformers or huggingface_hub (``stage_worker.lean_mlx_lm``).
+"""A stage process loads the real model without transformers or huggingface_hub (``stage_worker.model.lean_mlx_lm``).
 
 A subprocess does what ``python -m stage_worker`` does up to serving: registers mlx-lm unexecuted, imports the
 stage's modules, and loads and warms the default model as a PP=1 stage on the CPU (dequantized, as a CPU stage
@@ -18,10 +18,10 @@ pytestmark = pytest.mark.e2e
 
 _STAGE_START = """
 import json, sys
-from stage_worker import lean_mlx_lm
+from stage_worker.model import lean_mlx_lm
 assert lean_mlx_lm.install()
-from stage_worker.stage_process import load, resolve
-from stage_worker.stage_status import StageStatus
+from stage_worker.service.stage_process import load, resolve
+from stage_worker.engine.stage_status import StageStatus
 from stagemesh_core.plan import StageLaunch, StageOptions, make_local_plan
 plan = make_local_plan(sys.argv[1], 30, 1, "auto", ring_base_port=30000, dequantize="on")
 ctx = resolve(StageLaunch(plan, 0, StageOptions()))

@@ -14,9 +14,9 @@ API_KEY = "test-key-123"
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from stage_worker.default_model import resolve_model_path
-    from stage_worker.model_reader import read_model_spec
-    from stage_worker.tokenizer import load_tokenizer
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.checkpoint.tokenizer import load_tokenizer
 
     return load_tokenizer(read_model_spec(resolve_model_path(None)))
 

@@ -53,7 +53,7 @@ def test_the_stage_accepts_the_keepalive_pings_the_gateway_sends_on_an_idle_stre
     """gRPC's server default answers pings closer than 5 min apart on a call without data with GOAWAY
     (too_many_pings), which killed the gateway's idle GenerateStream call after about a minute (seen
     with 1 s pings against a default server); the stage must accept the gateway's cadence."""
-    from stage_worker.grpc_service import SERVER_OPTIONS
+    from stage_worker.service.grpc_service import SERVER_OPTIONS
 
     client = dict(GatewayConfig(served_model_name=MODEL, max_model_len=2048).grpc_channel_options)
     server = dict(SERVER_OPTIONS)

@@ -1,0 +1,227 @@
+"""Which token prefixes the pipeline keeps KV for: the entry stage's prefix-cache bookkeeping. Pure logic, no MLX.
+
+``PrefixCache`` names block i of a token sequence (``block_size`` tokens each) by a chained hash of every token
+up to its end and of a salt naming the model and compute dtype (``block_hashes``), so equal hashes mean equal
+prefixes; only whole blocks are ever cached or reused. A finished sequence's whole blocks are kept on every
+stage as one *entry* (``insert``), named by a small integer id that travels on the wire
+(``SequenceRecord.prefix_entry``). ``lookup`` (at admission only, never per decode step) finds the longest
+cached prefix of a prompt and takes a reference on its entry; a referenced entry is never evicted. Entries live
+in the stage's KV budget next to the running sequences' reservations: ``evict_to`` keeps them within what
+admission leaves free, so a cached block never takes a place a running sequence needs.
+
+The entry stage is the only one that decides; every other stage does what the batch records say
+(``stage_worker.cache.kv_store``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_MAX_ENTRY_ID = 2**32 - 1  # entry ids travel in a uint32 record field; 0 means "no entry"
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, salt: bytes = b"", limit: int | None = None) -> list[bytes]:
+    """Chained hashes of ``tokens``' whole blocks (at most ``limit`` of them) (pure)."""
+    count = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
+    hashes = []
+    previous = hashlib.blake2b(salt, digest_size=16).digest()
+    for i in range(count):
+        block = tokens[i * block_size:(i + 1) * block_size]
+        digest = hashlib.blake2b(previous, digest_size=16)
+        digest.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in block))
+        previous = digest.digest()
+        hashes.append(previous)
+    return hashes
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounts:
+    """What a stage's KV store did with cached prefixes, in tokens (``KVStore``'s counters, shown in status)."""
+
+    queried_tokens: int
+    reused_tokens: int
+    cached_tokens: int
+    evicted_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A new sequence starts from the first ``tokens`` positions of entry ``entry_id``."""
+
+    entry_id: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Retain:
+    """What ``insert`` decided: keep ``tokens`` positions as entry ``entry_id`` (None: keep nothing),
+    and drop the entries it supersedes."""
+
+    entry_id: int | None
+    tokens: int
+    superseded: tuple[int, ...] = ()
+
+
+@dataclass
+class _Entry:
+    hashes: list[bytes]
+    references: int = 0
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+    hits: int = 0  # prompt tokens found cached (vLLM's prefix_cache_hits)
+    evicted_blocks: int = 0  # blocks dropped: least recently used for room, or superseded by a longer entry
+
+
+@dataclass
+class PrefixCache:
+    block_size: int
+    salt: bytes = b""
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"prefix cache block size must be at least 1, got {self.block_size}")
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._by_hash: dict[bytes, set[int]] = {}
+        self._next_id = 1
+        # Kept up to date so the scheduler's admission check (run every engine loop) stays O(1).
+        self._cached_blocks = 0
+        self._pinned_blocks = 0
+
+    # -- what is held -----------------------------------------------------
+    @property
+    def cached_blocks(self) -> int:
+        return self._cached_blocks
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_blocks * self.block_size
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens held by referenced entries: these cannot be evicted now."""
+        return self._pinned_blocks * self.block_size
+
+    def __contains__(self, entry_id: int) -> bool:
+        return entry_id in self._entries
+
+    def references(self, entry_id: int) -> int:
+        return self._entries[entry_id].references
+
+    # -- admission ----------------------------------------------------------
+    def lookup(self, prompt: Sequence[int]) -> PrefixHit | None:
+        """The longest cached prefix of ``prompt`` that leaves a token to prefill; takes a reference on it.
+
+        At least one prompt token is left to prefill: the last stage needs a row to sample the first token
+        from. The new sequence starts from a copy of the entry's first ``tokens`` positions and holds the
+        reference until its first prompt chunk has been sent (the copy happens there, on every stage)."""
+        self.stats.queries += len(prompt)
+        usable = (len(prompt) - 1) // self.block_size
+        holders: set[int] = set()
+        matched = 0
+        for digest in block_hashes(prompt, self.block_size, self.salt, usable):
+            found = self._by_hash.get(digest)
+            if not found:
+                break
+            holders, matched = found, matched + 1
+        if not matched:
+            return None
+        best = self._most_recent(holders)
+        self._entries.move_to_end(best)
+        self._reference(self._entries[best], +1)
+        self.stats.hits += matched * self.block_size
+        return PrefixHit(best, matched * self.block_size)
+
+    def release(self, entry_id: int) -> None:
+        """Drop the reference a lookup took (the sequence's copy has been sent)."""
+        entry = self._entries[entry_id]
+        if entry.references < 1:
+            raise ValueError(f"prefix entry {entry_id} released more often than it was looked up")
+        self._reference(entry, -1)
+
+    def cancel(self, hit: PrefixHit) -> None:
+        """Undo a lookup whose hit the caller cannot use (the entry would not fit beside the new sequence)."""
+        self.release(hit.entry_id)
+        self.stats.hits -= hit.tokens
+
+    def evict_to(self, max_tokens: int) -> list[int]:
+        """Drop least recently used unreferenced entries until at most ``max_tokens`` are cached."""
+        evicted = []
+        cached = self.cached_tokens
+        for entry_id in list(self._entries):
+            if cached <= max_tokens:
+                break
+            entry = self._entries[entry_id]
+            if entry.references:
+                continue
+            cached -= len(entry.hashes) * self.block_size
+            self.stats.evicted_blocks += len(entry.hashes)
+            self._remove(entry_id)
+            evicted.append(entry_id)
+        return evicted
+
+    # -- a sequence finished ----------------------------------------------
+    def insert(self, tokens: Sequence[int], kv_tokens: int) -> Retain:
+        """A finished sequence whose stages hold KV for its first ``kv_tokens`` of ``tokens`` (prompt and
+        generated tokens the stages fed). An entry whose blocks are all the first blocks of the new one is
+        dropped in its favour (the newer one answers every lookup the older could), and a sequence whose blocks
+        an entry already covers adds nothing."""
+        hashes = block_hashes(tokens[:kv_tokens], self.block_size, self.salt)
+        if not hashes:
+            return Retain(None, 0)
+        holders = self._by_hash.get(hashes[-1])
+        if holders:  # an entry already holds all these blocks: it was just used
+            self._entries.move_to_end(self._most_recent(holders))
+            return Retain(None, 0)
+        entry_id = self._new_id()
+        superseded = tuple(
+            other for other, entry in list(self._entries.items())
+            if not entry.references and len(entry.hashes) < len(hashes)
+            and entry.hashes[-1] == hashes[len(entry.hashes) - 1]
+        )
+        for other in superseded:
+            self.stats.evicted_blocks += len(self._entries[other].hashes)
+            self._remove(other)
+        self._entries[entry_id] = _Entry(hashes)
+        self._cached_blocks += len(hashes)
+        for digest in hashes:
+            self._by_hash.setdefault(digest, set()).add(entry_id)
+        return Retain(entry_id, len(hashes) * self.block_size, superseded)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._by_hash.clear()
+        self._cached_blocks = self._pinned_blocks = 0
+
+    # -- helpers ------------------------------------------------------------
+    def _most_recent(self, holders: set[int]) -> int:
+        # Runs at admission and retirement only; entries are few (one per distinct finished prefix).
+        return next(key for key in reversed(self._entries) if key in holders)
+
+    def _reference(self, entry: _Entry, change: int) -> None:
+        if entry.references == 0 or entry.references + change == 0:
+            self._pinned_blocks += len(entry.hashes) * change
+        entry.references += change
+
+    def _remove(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self._cached_blocks -= len(entry.hashes)
+        for digest in entry.hashes:
+            holders = self._by_hash.get(digest)
+            if holders is not None:
+                holders.discard(entry_id)
+                if not holders:
+                    del self._by_hash[digest]
+
+    def _new_id(self) -> int:
+        while True:
+            entry_id = self._next_id
+            self._next_id = 1 if self._next_id >= _MAX_ENTRY_ID else self._next_id + 1
+            if entry_id not in self._entries:
+                return entry_id

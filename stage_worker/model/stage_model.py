@@ -1,0 +1,516 @@
+"""One stage's slice of a model: mlx-lm's own layers, holding only what this stage owns.
+
+``StageModel.load`` builds mlx-lm's model for the architecture (lazily: nothing is allocated until evaluated),
+keeps the decoder layers ``[start, end)`` plus the embedding on the first stage and the final norm and head on
+the last (the embedding again when the head is tied), quantizes exactly the modules whose weights arrive
+quantized, loads those weights strictly, and casts the floating parameters to the compute dtype every stage
+of the pipeline agrees on. With ``--load-format dummy`` the same slice gets random weights made in that dtype
+(``dummy_weights``); nothing else changes. Forward pieces are separate so a stage runs only its part:
+``embed`` (first stage), ``run_packed`` (every stage: many sequences' rows at once), ``logits`` (last stage,
+float32 for sampling). Two paths (``mlx_arch``, ``runs_packed``): llama, qwen2 and qwen3 with full attention
+run through ``packed_forward``; every other served architecture is a ``StackStageModel``.
+``resolve_compute_dtype`` and ``choose_dense_weights`` decide the dtype and whether weights run dense.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+from stage_worker.checkpoint.checkpoint_check import mismatched_scales
+from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
+from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
+from stage_worker.checkpoint.stage_weights import load_stage_weights
+from stage_worker.model.device import current_backend
+from stage_worker.model.expert_routing import ExpertsPolicy
+from stage_worker.model.expert_routing import install as install_expert_routing
+from stage_worker.model.fused_projections import FusedLayer, fuse_layer_projections
+from stage_worker.model.layer_stack import stack_layers
+from stage_worker.model.packed_forward import DecodeRows, Segment, packed_layers
+from stage_worker.model.sibling_projections import join_sibling_projections
+from stagemesh_core.layer_split import LayerRange
+from stagemesh_core.memory import AUTO_DTYPES
+
+COMPUTE_DTYPES: dict[str, mx.Dtype] = {
+    "float32": mx.float32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+}
+
+
+# What ``--dtype auto`` computes in, per backend (stage_worker.model.device): the CPU backend has no fast
+# half-precision kernels; Metal's are float16; NVIDIA's tensor cores take bfloat16 at the same speed,
+# with float32's range (no overflow in activations that float16 would clip). The table is the core's
+# (stagemesh_core.memory.AUTO_DTYPES), because the layer planner sizes each stage's weights by it.
+
+def resolve_compute_dtype(name: str, backend: str | None = None) -> mx.Dtype:
+    """``--dtype NAME`` as an MLX dtype; ``auto`` follows ``backend`` (``AUTO_DTYPES``; None: this process's).
+
+    Pure given ``backend``; raises ``ValueError`` naming the flag for an unknown dtype."""
+    if name == "auto":
+        if backend is None:
+            backend = current_backend()
+        name = AUTO_DTYPES.get(backend, "float32")
+    try:
+        return COMPUTE_DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"--dtype {name!r} is not supported; use auto, {', '.join(COMPUTE_DTYPES)}"
+        ) from None
+
+
+DEQUANTIZE_CHOICES = ("auto", "on", "off")
+
+
+def choose_dense_weights(
+    setting: str, *, backend: str, blas: str, quantized: bool, dense_bytes: int, memory_budget: int
+) -> tuple[bool, str]:
+    """Whether to run a quantized checkpoint with dense weights, and why (pure).
+
+    ``auto`` weighs speed against memory, per ``backend`` (stage_worker.model.device): on
+    Metal the quantized kernels are the fast path; on CUDA MLX compiles its
+    quantized kernels per new batch shape on first use, a stall each
+    (docs/performance.md, ``--dequantize``, has the figures), and on the CPU only a tuned BLAS gains
+    from batching; so on both, dense weights when they fit in half the stage's memory
+    budget (and, on the CPU, when an optimized BLAS is loaded).
+    """
+    if setting not in DEQUANTIZE_CHOICES:
+        raise ValueError(f"--dequantize {setting!r}: choose auto, on or off")
+    if not quantized:
+        return False, "the checkpoint is not quantized"
+    if setting != "auto":
+        return setting == "on", f"--dequantize {setting}"
+    if backend == "metal":
+        return False, "auto: Metal runs quantized kernels fastest"
+    if backend == "cuda":
+        if dense_bytes > memory_budget // 2:
+            return False, (f"auto: dense weights ({dense_bytes / 1e6:.0f} MB) would exceed half this stage's "
+                           f"GPU memory budget ({memory_budget / 1e6:.0f} MB); quantized weights")
+        return True, (f"auto: CUDA's quantized kernels stall on each new batch shape; dense weights "
+                      f"{dense_bytes / 1e6:.0f} MB fit the memory budget")
+    if blas not in ("openblas", "mkl"):
+        return False, (f"auto: the {blas} BLAS gains nothing from dense weights; install libopenblas0-pthread "
+                       f"for the fast path")
+    if dense_bytes > memory_budget // 2:
+        return False, (f"auto: dense weights ({dense_bytes / 1e6:.0f} MB) would exceed half this stage's memory "
+                       f"budget ({memory_budget / 1e6:.0f} MB)")
+    return True, f"auto: {blas} BLAS, dense weights {dense_bytes / 1e6:.0f} MB fit the memory budget"
+
+
+def model_fingerprint(spec: ModelSpec) -> str:
+    """Identifies the architecture and shapes, so neighbours can check they load the same model."""
+    text = json.dumps({"type": spec.model_type, "args": dict(spec.args)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class _Slice(nn.Module):
+    """Container whose parameter names are the stage-local weight names."""
+
+    def __init__(self, embed_tokens, layers, norm, lm_head) -> None:
+        super().__init__()
+        if embed_tokens is not None:
+            self.embed_tokens = embed_tokens
+        self.layers = layers
+        if norm is not None:
+            self.norm = norm
+        if lm_head is not None:
+            self.lm_head = lm_head
+
+
+@dataclass(frozen=True)
+class StageRole:
+    layers: LayerRange
+    is_first: bool
+    is_last: bool
+
+
+class StageModel:
+    """The model slice of one stage, ready to compute.
+
+    This class is the packed path (llama, qwen2 and qwen3 with full attention only): ``packed_forward`` runs
+    mlx-lm's layers with their calls reordered so every sequence's rows share each matmul. A GPU stage then
+    joins each layer's q/k/v and gate/up projections (``fuse_projections``), after which its layers run only
+    through ``run_packed``."""
+
+    _LAYERS_PREFIX = "layers."  # where the slice's decoder layers sit among its parameter names
+
+    def __init__(self, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, module: nn.Module) -> None:
+        self.spec = spec
+        self.role = role
+        self.dtype = dtype
+        self._module = module
+        self.hidden_size = spec.hidden_size
+        # Multi-row chunks attend over whole cache buffers where attention kernels are planned per shape
+        # (``packed_forward.packed_layers``): MLX's CUDA backend.
+        self.pad_keys = current_backend() == "cuda"
+        # A one-token decode group's masked attention as one kernel (``masked_decode_kernel``, CUDA only); the
+        # stage turns it on (``STAGEMESH_DECODE_KERNEL``).
+        self.fused_decode = False
+        self._measure()
+
+    def _measure(self) -> None:
+        module = self._module
+        self.quantized = any(_is_quantized(m) for _, m in module.named_modules())
+        params = _flat_parameters(module)
+        self.weight_bytes = sum(v.nbytes for _, v in params)
+        self.layer_bytes = sum(v.nbytes for name, v in params if name.startswith(self._LAYERS_PREFIX))
+
+    def dense_bytes(self) -> int:
+        """Bytes the weights would take dequantized to the compute dtype."""
+        total = 0
+        for _, m in self._module.named_modules():
+            if _is_quantized(m):
+                # 3, 5 and 6-bit codes straddle uint32 words: count the weights by bits, not per word.
+                total += m.weight.size * 32 // m.bits * self.dtype.size
+                if "bias" in m:
+                    total += m.bias.nbytes
+            elif not list(m.children()):
+                total += sum(v.nbytes for _, v in _flat_parameters(m))
+        return total
+
+    def dequantize(self) -> None:
+        """Replace quantized layers by dense ones in the compute dtype: on the CPU and on CUDA this is
+        the fast path, because dense GEMMs gain from batching while MLX's quantized matmul there
+        does not (see ``choose_dense_weights``)."""
+        if not self.quantized:
+            return
+        _dequantize_modules(self._module)
+        self._module.set_dtype(self.dtype, lambda d: mx.issubdtype(d, mx.floating))
+        mx.eval(self._module.parameters())
+        self._measure()
+
+    def fuse_projections(self) -> FusedLayer:
+        """Join each layer's q/k/v and gate/up projections (``fused_projections``); what was joined in every
+        layer. A stage calls it after choosing dense or quantized weights and before its warm-up, so the
+        kernels warmed are the ones it will run."""
+        fused = [fuse_layer_projections(layer) for layer in self._module.layers]
+        self._measure()
+        return FusedLayer(qkv=all(f.qkv for f in fused), gate_up=all(f.gate_up for f in fused))
+
+    def route_experts(self, policy: ExpertsPolicy) -> int:
+        """Run this slice's unquantized expert blocks by ``policy`` (``expert_routing``); how many follow it.
+        Called after choosing dense or quantized weights, before the warm-up, as ``fuse_projections`` is."""
+        return install_expert_routing(self._module, policy)
+
+    @classmethod
+    def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:
+        """The slice ``role`` of ``spec`` in ``dtype``, by the path its architecture takes (module docstring):
+        this class or ``StackStageModel``."""
+        if not runs_packed(spec):
+            return StackStageModel.load_stack(spec, role, dtype)
+        arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+        args = arch.ModelArgs.from_dict(dict(spec.args))
+        full = arch.Model(args)  # lazy: unowned parts are never evaluated
+        needs_embedding = role.is_first or (role.is_last and spec.tie_word_embeddings)
+        lm_head = None
+        if role.is_last and not spec.tie_word_embeddings:
+            lm_head = full.lm_head
+        module = _Slice(
+            embed_tokens=full.model.embed_tokens if needs_embedding else None,
+            layers=full.model.layers[role.layers.start : role.layers.end],
+            norm=full.model.norm if role.is_last else None,
+            lm_head=lm_head,
+        )
+        del full
+        _load_slice_weights(module, spec, role, dtype, local_name=_local_name, global_path=_global_path)
+        return cls(spec, role, dtype, module)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """This stage's decoder layers (mlx-lm modules)."""
+        return self._module.layers
+
+    def new_caches(self) -> list[KVCache]:
+        return [KVCache() for _ in self._module.layers]
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        """``int32[T]`` -> ``[T, hidden]`` in the compute dtype."""
+        return self._module.embed_tokens(token_ids).astype(self.dtype)
+
+    def run_layers(self, hidden: mx.array, caches: list[KVCache]) -> mx.array:
+        """``[n, hidden]`` rows of one sequence through this stage's layers (lazy)."""
+        return self.run_packed(hidden, [Segment(caches, hidden.shape[0])])
+
+    def run_packed(
+        self, hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None
+    ) -> mx.array:
+        """``[T, hidden]`` rows of several sequences (prompt chunks and a decode group), lazy."""
+        return packed_layers(self._module.layers, hidden, segments, decode, pad_keys=self.pad_keys,
+                             fused_decode=self.fused_decode)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final norm and head on ``[k, hidden]`` rows; float32 ``[k, vocab]`` (lazy)."""
+        h = self._module.norm(hidden)
+        if "lm_head" in self._module:
+            out = self._module.lm_head(h)
+        else:
+            out = self._module.embed_tokens.as_linear(h)
+        return out.astype(mx.float32)
+
+
+def runs_packed(spec: ModelSpec) -> bool:
+    """Whether ``spec``'s stages take ``packed_forward``: llama, qwen2 and qwen3 with full attention only."""
+    if spec.model_type not in PACKED_ARCHITECTURES:
+        return False
+    return all(t == "full_attention" for t in spec.args.get("layer_types") or [])
+
+
+class StackStageModel(StageModel):
+    """A slice of any served mlx-lm architecture: its layers through ``layer_stack``, its ends through mlx-lm's
+    own ``__call__`` code. ``_module`` is mlx-lm's ``Model`` itself, built lazily and cut to the slice:
+    ``model.layers`` holds this stage's layers only, and the ends it does not compute are removed.
+
+    The layers run with the caches the model's ``make_cache`` asks for. The embedding is the inner model's
+    ``__call__`` up to its first layer (scaling included), the head the outer model's ``__call__`` after its
+    norm (tied or not). A GPU stage joins its layers' sibling projections where mlx-lm's code still calls them
+    as parts (``sibling_projections``)."""
+
+    _LAYERS_PREFIX = "model.layers."
+
+    def __init__(self, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, module: nn.Module,
+                 caches: Sequence[Any], facts: ArchFacts) -> None:
+        super().__init__(spec, role, dtype, module)
+        self._prototype_caches = list(caches)
+        self._facts = facts
+        self._bind_ends()
+
+    @classmethod
+    def load_stack(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StackStageModel:
+        arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+        full = arch.Model(arch.ModelArgs.from_dict(dict(spec.args)))  # lazy: unowned parts are never evaluated
+        facts = describe(spec.model_type, spec.args)
+        start, end = role.layers.start, role.layers.end
+        # The model's own choice of cache per layer (windows, recurrent state), before the slice renumbers them.
+        caches = (full.make_cache() if hasattr(full, "make_cache") else [KVCache() for _ in full.model.layers])
+        inner = full.model
+        inner.layers = inner.layers[start:end]
+        if not (role.is_first or (role.is_last and spec.tie_word_embeddings)):
+            inner.pop("embed_tokens")
+        if not role.is_last:
+            inner.pop("norm")
+        for name in {n.split(".", 1)[0] for n in facts.head_names}:
+            if not role.is_last or spec.tie_word_embeddings:
+                full.pop(name)
+        if spec.tie_word_embeddings and facts.head_names:
+            # A model whose head is tied by its files (Gemma 3's sanitize decides so): the head is the embedding.
+            full.tie_word_embeddings = True
+
+        def local_name(name: str, layers: LayerRange) -> str:
+            if name.startswith("model.layers."):
+                index, rest = name[len("model.layers."):].split(".", 1)
+                return f"model.layers.{int(index) - layers.start}.{rest}"
+            return name
+
+        def global_path(path: str, layers: LayerRange) -> str:
+            if path.startswith("model.layers."):
+                index, rest = path[len("model.layers."):].split(".", 1)
+                return f"model.layers.{int(index) + layers.start}.{rest}"
+            return path
+
+        _load_slice_weights(full, spec, role, dtype, local_name=local_name, global_path=global_path)
+        return cls(spec, role, dtype, full, caches[start:end], facts)
+
+    def _bind_ends(self) -> None:
+        """The views that compute the ends with mlx-lm's own code; remade whenever modules are replaced."""
+        full = self._module
+        self._embed_view = None
+        if self.role.is_first:
+            view = copy.copy(full.model)
+            view.layers = [_FirstLayerInput(full.model.layers[0])]
+            self._embed_view = view
+        self._head_view = None
+        if self.role.is_last:
+            head = copy.copy(full)
+            head.model = _NormOnly(full.model)
+            self._head_view = head
+
+    def dequantize(self) -> None:
+        super().dequantize()
+        self._bind_ends()
+
+    def fuse_projections(self) -> FusedLayer:
+        """Join each layer's sibling projections (q/k/v, gate/up, experts' gate/up) where mlx-lm's own code
+        still calls them as before (``sibling_projections``); what was joined in every layer."""
+        joined = [join_sibling_projections(layer) for layer in self.layers]
+        self._measure()
+        return FusedLayer(qkv=all(j.qkv for j in joined), gate_up=all(j.gate_up for j in joined))
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self._module.model.layers
+
+    def new_caches(self) -> list[Any]:
+        """Fresh caches of the kinds the model asks for, one per layer of the slice."""
+        return copy.deepcopy(self._prototype_caches)
+
+    @property
+    def exact_prefix_reuse(self) -> bool:
+        return self._facts.exact_prefix_reuse
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        """``int32[T]`` -> ``[T, hidden]``: what the model's first layer receives (embedding scale included)."""
+        assert self._embed_view is not None, "only the first stage embeds"
+        try:
+            # A cache entry per layer of the whole model: the model indexes its caches by global position.
+            self._embed_view(token_ids[None], cache=[None] * self.spec.num_layers)
+        except _LayerInput as reached:
+            return reached.hidden[0].astype(self.dtype)
+        raise ModelFormatError(f"mlx-lm's {self.spec.model_type} model never called its first layer")
+
+    def run_packed(self, hidden: mx.array, segments: Sequence[Segment], decode: DecodeRows | None = None) -> mx.array:
+        return stack_layers(self._module.model.layers, hidden, segments, decode, self._facts.array_masks)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final norm and the model's own head on ``[k, hidden]``; float32 ``[k, vocab]`` (lazy)."""
+        if self._head_view is None:
+            raise AttributeError("only the last stage computes logits")
+        return self._head_view(hidden[None])[0].astype(mx.float32)
+
+
+class _LayerInput(Exception):
+    """Carries what the first layer was called with, out of the model's ``__call__``."""
+
+    def __init__(self, hidden: mx.array) -> None:
+        super().__init__("first layer reached")
+        self.hidden = hidden
+
+
+class _FirstLayerInput(nn.Module):
+    """Stands in for the layers when embedding: stops the model's forward at its first layer's input. The
+    model may read the layer's attributes first (Qwen3-Next asks whether it is linear): the real layer answers."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if key == "layer" or "layer" not in self:
+                raise
+            return getattr(self["layer"], key)
+
+    def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        raise _LayerInput(h)
+
+
+class _NormOnly(nn.Module):
+    """Stands in for the inner model when computing the head: the hidden states in, the final norm out."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.norm = inner.norm
+        if "embed_tokens" in inner:
+            self.embed_tokens = inner.embed_tokens  # a tied head multiplies by it
+
+    def __call__(self, hidden: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        return self.norm(hidden)
+
+
+def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, *,
+                        local_name, global_path) -> None:
+    """Load the slice's weights into ``module`` (named by ``local_name``), quantizing exactly the modules that
+    arrive quantized, strictly, then cast to ``dtype`` and evaluate."""
+    weights = load_stage_weights(
+        spec, role.layers.as_range(), with_embedding=role.is_first, with_head=role.is_last, dtype=dtype
+    )
+    local = {local_name(k, role.layers): v for k, v in weights.items()}
+    del weights
+
+    def quantize_predicate(path: str, _module: nn.Module):
+        if f"{path}.scales" not in local:
+            return False
+        params = spec.quantization_for(global_path(path, role.layers))
+        if params is None:
+            raise ModelFormatError(f"{path} arrives quantized but the model config gives no bits")
+        return params.as_kwargs()
+
+    nn.quantize(module, class_predicate=quantize_predicate)
+    _check_tensors(spec, role, dict(_flat_parameters(module)), local, lambda name: global_path(name, role.layers))
+    module.load_weights(list(local.items()), strict=True)
+    module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
+    module.eval()
+    mx.eval(module.parameters())
+
+
+def _check_tensors(spec: ModelSpec, role: StageRole, expected: dict[str, mx.array], given: dict[str, mx.array],
+                   global_name) -> None:
+    """``ModelFormatError`` naming every tensor (by its name in the checkpoint's numbering) that the slice lacks,
+    holds in another shape than mlx-lm's model for this config, or holds beyond it."""
+    missing = [global_name(n) for n in expected if n not in given]
+    shapes = [f"{global_name(n)} is {tuple(given[n].shape)} in the files, {tuple(a.shape)} by the config"
+              for n, a in expected.items() if n in given and given[n].shape != a.shape]
+    # The scales' kind first: a mislabelled mode shows there, where its shapes may agree.
+    shapes = mismatched_scales(expected, given, global_name) + shapes
+    problems = tensor_mismatch(missing, shapes, [global_name(n) for n in given if n not in expected])
+    if problems:
+        raise ModelFormatError(f"{spec.path}: the weights of layers {role.layers} do not match mlx-lm's "
+                               f"{spec.model_type} model for its config.json: {problems}")
+
+
+def _dequantize_modules(module: nn.Module) -> None:
+    """Swap every quantized linear, embedding and expert block under ``module`` for its dense twin, in place.
+
+    What ``mlx_lm.utils.dequantize_model`` does (``tests/test_mlx_quantization.py`` holds the two equal); it is
+    not called because importing ``mlx_lm.utils`` imports transformers, which a stage process otherwise never
+    loads (``stage_worker.model.lean_mlx_lm``)."""
+    dense: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        twin: nn.Module
+        if isinstance(child, nn.QuantizedLinear):
+            twin = nn.Linear(1, 1, bias="bias" in child)
+        elif isinstance(child, nn.QuantizedEmbedding):
+            twin = nn.Embedding(1, 1)
+        elif isinstance(child, QuantizedSwitchLinear):
+            twin = SwitchLinear(1, 1, 1, bias="bias" in child)
+        else:
+            continue
+        # Built at a placeholder size, then given the real weight: nothing of the placeholder is evaluated.
+        twin.weight = mx.dequantize(child.weight, child.scales, getattr(child, "biases", None), child.group_size,
+                                    child.bits, child.mode)
+        if "bias" in child:
+            twin.bias = child.bias
+        dense.append((name, twin))
+    if dense:
+        module.update_modules(tree_unflatten(dense))
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    """A quantized Linear, Embedding or expert stack (mlx-lm's ``QuantizedSwitchLinear``)."""
+    return isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or (
+        hasattr(module, "bits") and "scales" in module)
+
+
+def _flat_parameters(module: nn.Module) -> list[tuple[str, mx.array]]:
+    """``(dotted name, array)`` for each of the module's parameters."""
+    # mlx annotates tree_flatten as returning a list or a dict; without ``destination`` it is the list.
+    return tree_flatten(module.parameters())  # type: ignore[return-value]
+
+
+def _local_name(name: str, layers: LayerRange) -> str:
+    """``model.layers.12.x`` -> ``layers.2.x`` for a stage starting at 10; drop the ``model.`` prefix."""
+    if name.startswith("model.layers."):
+        index, rest = name[len("model.layers."):].split(".", 1)
+        return f"layers.{int(index) - layers.start}.{rest}"
+    return name.removeprefix("model.")
+
+
+def _global_path(path: str, layers: LayerRange) -> str:
+    if path.startswith("layers."):
+        index, rest = path[len("layers."):].split(".", 1)
+        return f"model.layers.{int(index) + layers.start}.{rest}"
+    if path == "lm_head" or path.startswith("lm_head."):
+        return path
+    return f"model.{path}"
