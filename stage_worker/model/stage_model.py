@@ -39,6 +39,8 @@ from stage_worker.model.fused_projections import FusedLayer, fuse_layer_projecti
 from stage_worker.model.layer_stack import stack_layers
 from stage_worker.model.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.model.sibling_projections import join_sibling_projections
+from stage_worker.model.tensor_parallel import LayerShare, shard_layers
+from stagemesh_core.errors import UserError
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.memory import AUTO_DTYPES
 
@@ -198,6 +200,14 @@ class StageModel:
         self._measure()
         return FusedLayer(qkv=all(f.qkv for f in fused), gate_up=all(f.gate_up for f in fused))
 
+    def shard(self, group: Any) -> LayerShare:
+        """Keep only this member's share of every layer in ``group``, a tensor-parallel group of MLX's
+        (``tensor_parallel``); called after choosing dense or quantized weights and before
+        ``fuse_projections``, so the joined projections are joined from the member's own rows."""
+        share = shard_layers(list(self._module.layers), group)
+        self._measure()
+        return share
+
     def route_experts(self, policy: ExpertsPolicy) -> int:
         """Run this slice's unquantized expert blocks by ``policy`` (``expert_routing``); how many follow it.
         Called after choosing dense or quantized weights, before the warm-up, as ``fuse_projections`` is."""
@@ -338,6 +348,10 @@ class StackStageModel(StageModel):
     def dequantize(self) -> None:
         super().dequantize()
         self._bind_ends()
+
+    def shard(self, group: Any) -> LayerShare:
+        raise UserError(f"tensor parallelism shards the packed path (llama, qwen2 and qwen3 with full "
+                        f"attention); {self.spec.model_type} runs as a layer stack, whose layers stay whole")
 
     def fuse_projections(self) -> FusedLayer:
         """Join each layer's sibling projections (q/k/v, gate/up, experts' gate/up) where mlx-lm's own code

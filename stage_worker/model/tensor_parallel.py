@@ -1,0 +1,128 @@
+"""Tensor parallelism inside a stage: which slice of each layer a group member holds, and the slicing itself.
+
+A group of ``size`` workers computes one stage together. ``split_layer`` decides (pure) what member ``rank``
+holds: a contiguous run of KV-head groups (each KV head with the query heads that read it, so attention
+never crosses members) and a contiguous part of the MLP's intermediate size, both as even as the counts
+allow. ``shard_layers`` then cuts a loaded slice's dense decoder layers in place: q/k/v and gate/up keep
+their rows (output features) of the member's share, o_proj and down_proj their columns (input features),
+and those two become ``AllSumLinear``: the member's partial product summed over the group, with the bias
+added by rank 0 only. Two all-reduces per layer; each member's KV cache holds only its own heads. Norms,
+embedding and head stay whole. A split the model cannot take raises ``UserError`` naming what would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from stagemesh_core.errors import UserError
+
+
+@dataclass(frozen=True)
+class LayerShare:
+    """What member ``rank`` of a ``size``-worker group holds of one decoder layer."""
+
+    rank: int
+    size: int
+    kv_heads: range  # this member's KV heads (global indices)
+    heads: range  # the query heads that read them
+    intermediate: range  # this member's part of the MLP's intermediate features
+
+
+def _even_parts(total: int, size: int) -> list[range]:
+    """``total`` items in ``size`` contiguous parts, the first ``total % size`` one item larger (pure)."""
+    base, extra = divmod(total, size)
+    parts, start = [], 0
+    for rank in range(size):
+        length = base + (1 if rank < extra else 0)
+        parts.append(range(start, start + length))
+        start += length
+    return parts
+
+
+def split_layer(n_heads: int, n_kv_heads: int, intermediate_size: int, size: int, rank: int) -> LayerShare:
+    """Member ``rank``'s share of a layer with these counts (pure). Every member gets at least one KV head
+    (with its query heads) and one intermediate feature; uneven counts give the first members one more."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"rank {rank} of a group of {size}")
+    if n_heads % n_kv_heads:
+        raise UserError(f"{n_heads} attention heads do not divide into {n_kv_heads} KV heads: not a model "
+                        "tensor parallelism can split")
+    if n_kv_heads < size:
+        raise UserError(f"-tp {size} needs at least {size} KV heads to give each worker one, and the model has "
+                        f"{n_kv_heads}: use -tp {n_kv_heads} or less")
+    if intermediate_size < size:
+        raise UserError(f"-tp {size} exceeds the MLP's intermediate size {intermediate_size}")
+    per_kv = n_heads // n_kv_heads
+    kv = _even_parts(n_kv_heads, size)[rank]
+    return LayerShare(rank, size, kv, range(kv.start * per_kv, kv.stop * per_kv),
+                      _even_parts(intermediate_size, size)[rank])
+
+
+class AllSumLinear(nn.Module):
+    """A projection cut by its input features: this member's partial product, summed over the group."""
+
+    def __init__(self, inner: nn.Module, group: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self._group = group  # underscore: not a parameter, never saved or cast
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.distributed.all_sum(self.inner(x), group=self._group)
+
+
+def _rows(linear: nn.Module, rows: range) -> None:
+    """Keep output features ``rows`` of a (quantized) linear, in place."""
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in linear:
+            setattr(linear, name, linear[name][rows.start:rows.stop])
+
+
+def _columns(linear: nn.Module, columns: range, keep_bias: bool) -> None:
+    """Keep input features ``columns`` of a (quantized) linear, in place; its bias only where ``keep_bias``."""
+    if isinstance(linear, nn.QuantizedLinear):
+        group, bits = linear.group_size, linear.bits
+        if columns.start % group or columns.stop % group:
+            raise UserError(f"a tensor-parallel cut at input feature {columns.start}-{columns.stop} splits a "
+                            f"quantization group of {group}: use a -tp that divides the heads and intermediate "
+                            "size into whole groups, or dense weights")
+        linear.weight = linear.weight[:, columns.start * bits // 32:columns.stop * bits // 32]
+        linear.scales = linear.scales[:, columns.start // group:columns.stop // group]
+        if linear.biases is not None:
+            linear.biases = linear.biases[:, columns.start // group:columns.stop // group]
+    else:
+        linear.weight = linear.weight[:, columns.start:columns.stop]
+    if "bias" in linear and not keep_bias:
+        delattr(linear, "bias")
+
+
+def shard_layers(layers: list[nn.Module], group: Any) -> LayerShare:
+    """Cut every dense decoder layer in ``layers`` (mlx-lm's llama / qwen2 / qwen3 layout, before
+    ``fuse_projections``) to this member's share of ``group``, in place; the share taken."""
+    share = None
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        head_dim = attn.q_proj.weight.shape[0] // attn.n_heads if not isinstance(attn.q_proj, nn.QuantizedLinear) \
+            else attn.q_proj.scales.shape[0] // attn.n_heads
+        intermediate = mlp.gate_proj.weight.shape[0] if not isinstance(mlp.gate_proj, nn.QuantizedLinear) \
+            else mlp.gate_proj.scales.shape[0]
+        share = split_layer(attn.n_heads, attn.n_kv_heads, intermediate, group.size(), group.rank())
+        heads = range(share.heads.start * head_dim, share.heads.stop * head_dim)
+        kv = range(share.kv_heads.start * head_dim, share.kv_heads.stop * head_dim)
+        _rows(attn.q_proj, heads)
+        _rows(attn.k_proj, kv)
+        _rows(attn.v_proj, kv)
+        _columns(attn.o_proj, heads, keep_bias=share.rank == 0)
+        attn.o_proj = AllSumLinear(attn.o_proj, group)
+        attn.n_heads, attn.n_kv_heads = len(share.heads), len(share.kv_heads)
+        _rows(mlp.gate_proj, share.intermediate)
+        _rows(mlp.up_proj, share.intermediate)
+        _columns(mlp.down_proj, share.intermediate, keep_bias=share.rank == 0)
+        mlp.down_proj = AllSumLinear(mlp.down_proj, group)
+        mx.eval(layer.parameters())
+    if share is None:
+        raise UserError("a tensor-parallel stage needs at least one decoder layer")
+    return share

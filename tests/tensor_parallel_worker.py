@@ -1,0 +1,54 @@
+"""One member of a tensor-parallel group in its own process, for tests/test_tensor_parallel.py.
+
+``python -m tests.tensor_parallel_worker CONFIG.json``: loads the default model's whole stage in float32
+with dense weights, joins MLX's ring (``MLX_RANK`` / ``MLX_HOSTFILE``) when the group has more than one
+member and cuts its layers to its share (``stage_worker.model.tensor_parallel``), then decodes each prompt
+greedily through the stage's packed path with its own KV caches. Rank 0 writes the tokens and the logits of
+every step to ``CONFIG["out"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+
+
+def main(config_path: str) -> None:
+    with open(config_path) as f:
+        config = json.load(f)
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.model.stage_model import StageModel, StageRole
+    from stagemesh_core.layer_split import LayerRange
+
+    spec = read_model_spec(resolve_model_path(None))
+    model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
+    model.dequantize()
+    share = None
+    if config["size"] > 1:
+        group = mx.distributed.init(backend="ring", strict=True)
+        assert group.size() == config["size"], group.size()
+        share = model.shard(group)
+    results = []
+    for prompt in config["prompts"]:
+        caches = model.new_caches()
+        hidden = model.embed(mx.array(prompt, dtype=mx.int32))
+        tokens, logits_seen = [], []
+        for _ in range(config["steps"]):
+            logits = model.logits(model.run_layers(hidden, caches)[-1:])
+            token = int(mx.argmax(logits, axis=-1).item())
+            tokens.append(token)
+            logits_seen.append(logits[0].tolist())
+            hidden = model.embed(mx.array([token], dtype=mx.int32))
+        results.append({"tokens": tokens, "logits": logits_seen})
+    if share is None or share.rank == 0:
+        with open(config["out"], "w") as f:
+            json.dump({"results": results, "heads": None if share is None else len(share.heads),
+                       "kv_heads": None if share is None else len(share.kv_heads),
+                       "weight_bytes": model.weight_bytes}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
