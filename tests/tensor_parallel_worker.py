@@ -1,6 +1,7 @@
 """One member of a tensor-parallel group in its own process, for tests/test_tensor_parallel.py.
 
-``python -m tests.tensor_parallel_worker CONFIG.json``: loads the default model's whole stage in float32
+``python -m tests.tensor_parallel_worker CONFIG.json``: loads a model's whole stage (the default, or
+``CONFIG["model"]``) in float32
 with dense weights, joins MLX's ring (``MLX_RANK`` / ``MLX_HOSTFILE``) when the group has more than one
 member and cuts its layers to its share (``stage_worker.model.tensor_parallel``), then decodes each prompt
 greedily through the stage's packed path with its own KV caches. Rank 0 writes the tokens and the logits of
@@ -23,7 +24,7 @@ def main(config_path: str) -> None:
     from stage_worker.model.stage_model import StageModel, StageRole
     from stagemesh_core.layer_split import LayerRange
 
-    spec = read_model_spec(resolve_model_path(None))
+    spec = read_model_spec(resolve_model_path(config.get("model")))
     model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
     model.dequantize()
     share = None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stage_worker.model.tensor_parallel import split_layer
+from stage_worker.model.tensor_parallel import even_share, split_layer
 from stagemesh_core.errors import UserError
 from tests.conftest import free_port_base
 
@@ -38,8 +38,9 @@ def test_a_split_the_model_cannot_take_names_what_would(counts, size, names):
         split_layer(*counts, size, 0)
 
 
-def _decode(tmp_path: Path, size: int) -> dict:
-    config = {"size": size, "prompts": PROMPTS, "steps": STEPS, "out": str(tmp_path / f"tp{size}.json")}
+def _decode(tmp_path: Path, size: int, model: str | None = None) -> dict:
+    config = {"size": size, "prompts": PROMPTS, "steps": STEPS, "out": str(tmp_path / f"tp{size}.json"),
+              "model": model}
     (tmp_path / f"tp{size}-config.json").write_text(json.dumps(config))
     hostfile = tmp_path / "hosts.json"
     base = free_port_base(size)
@@ -69,3 +70,27 @@ def test_two_workers_decode_the_default_model_with_one_workers_greedy_tokens(tmp
         assert worst < 1e-2, worst
     # Rank 0 holds 6 of 9 heads' and half the MLP's weights; embedding and head stay whole.
     assert pair["weight_bytes"] < whole["weight_bytes"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "gpt_oss"])
+def test_two_workers_decode_each_architecture_with_one_workers_greedy_tokens(tmp_path, name):
+    # qwen3 takes the packed path (our own cut); qwen3_moe's experts and gpt_oss's sinks and sliding window
+    # are cut by mlx-lm's own shard() on the layer stack.
+    from tests.architectures import tiny_checkpoint
+
+    path = tiny_checkpoint(name, tmp_path)
+    whole, pair = _decode(tmp_path, 1, path), _decode(tmp_path, 2, path)
+    assert pair["kv_heads"] == 1 and pair["heads"] == 2
+    for one, two in zip(whole["results"], pair["results"]):
+        assert one["tokens"] == two["tokens"]
+    assert pair["weight_bytes"] < whole["weight_bytes"]
+
+
+def test_an_even_split_names_the_sizes_that_divide():
+    args = {"num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 96,
+            "moe_intermediate_size": 8}
+    assert even_share(args, 2, 1).kv_heads == range(2, 4)
+    with pytest.raises(UserError, match=r"-tp 3 does not divide the model's 4 KV heads, 8 experts' intermediate size; "
+                                        r"-tp 1 or 2 or 4 would"):
+        even_share(args, 3, 0)

@@ -39,7 +39,7 @@ from stage_worker.model.fused_projections import FusedLayer, fuse_layer_projecti
 from stage_worker.model.layer_stack import stack_layers
 from stage_worker.model.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.model.sibling_projections import join_sibling_projections
-from stage_worker.model.tensor_parallel import LayerShare, shard_layers
+from stage_worker.model.tensor_parallel import LayerShare, even_share, shard_layers
 from stagemesh_core.errors import UserError
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.memory import AUTO_DTYPES
@@ -350,8 +350,17 @@ class StackStageModel(StageModel):
         self._bind_ends()
 
     def shard(self, group: Any) -> LayerShare:
-        raise UserError(f"tensor parallelism shards the packed path (llama, qwen2 and qwen3 with full "
-                        f"attention); {self.spec.model_type} runs as a layer stack, whose layers stay whole")
+        """This member's share of every layer, cut by mlx-lm's own ``Model.shard`` (which splits evenly:
+        ``even_share`` refuses counts it cannot split); the ends are rebound to the cut modules."""
+        if not hasattr(self._module, "shard"):
+            raise UserError(f"-tp {group.size()}: mlx-lm has no tensor-parallel sharding for "
+                            f"{self.spec.model_type}; serve it with -pp instead")
+        share = even_share(self.spec.args, group.size(), group.rank())
+        self._module.shard(group)
+        mx.eval(self._module.parameters())
+        self._bind_ends()
+        self._measure()
+        return share
 
     def fuse_projections(self) -> FusedLayer:
         """Join each layer's sibling projections (q/k/v, gate/up, experts' gate/up) where mlx-lm's own code

@@ -7,7 +7,8 @@ allow. ``shard_layers`` then cuts a loaded slice's dense decoder layers in place
 their rows (output features) of the member's share, o_proj and down_proj their columns (input features),
 and those two become ``AllSumLinear``: the member's partial product summed over the group, with the bias
 added by rank 0 only. Two all-reduces per layer; each member's KV cache holds only its own heads. Norms,
-embedding and head stay whole. A split the model cannot take raises ``UserError`` naming what would work.
+embedding and head stay whole. Architectures on the layer stack shard by mlx-lm's own ``shard()``, which
+splits evenly (``even_share``). A split the model cannot take raises ``UserError`` naming what would work.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ def split_layer(n_heads: int, n_kv_heads: int, intermediate_size: int, size: int
     kv = _even_parts(n_kv_heads, size)[rank]
     return LayerShare(rank, size, kv, range(kv.start * per_kv, kv.stop * per_kv),
                       _even_parts(intermediate_size, size)[rank])
+
+
+def even_share(args: dict[str, Any], size: int, rank: int) -> LayerShare:
+    """Member ``rank``'s share where the split must be even (mlx-lm's own ``shard()``, which divides every
+    count by ``size``): refused, naming the sizes that would work, where a count does not divide (pure)."""
+    counts = {"attention heads": args.get("num_attention_heads"), "KV heads": args.get("num_key_value_heads"),
+              "intermediate size": args.get("intermediate_size"),
+              "experts' intermediate size": args.get("moe_intermediate_size")}
+    counts = {name: int(n) for name, n in counts.items() if n}
+    uneven = {name: n for name, n in counts.items() if n % size}
+    if uneven:
+        works = [n for n in range(1, min(counts.values()) + 1) if all(c % n == 0 for c in counts.values())]
+        raise UserError(f"-tp {size} does not divide the model's " + ", ".join(f"{n} {name}" for name, n in
+                        uneven.items()) + f"; -tp {' or '.join(map(str, works))} would")
+    heads = counts.get("attention heads", size)
+    return split_layer(heads, counts.get("KV heads", heads), counts.get("intermediate size", size), size, rank)
 
 
 class AllSumLinear(nn.Module):
