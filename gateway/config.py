@@ -2,8 +2,8 @@
 
 Contract: ``GatewayConfig`` is everything ``gateway.app.create_app`` reads: the served model and its context
 length, the API keys, the generation deadline, the caps on requests and body size, the gRPC channels' options,
-TLS and mesh token, the origins browsers may call from, and the OpenAI surface's defaults
-(``gateway.openai_defaults``). Its fields are checked on construction (``ValueError`` / ``TypeError``), 0 means
+TLS and mesh token, the origins browsers may call from, and the chat requests' defaults
+(``gateway.chat.defaults``). Its fields are checked on construction (``ValueError`` / ``TypeError``), 0 means
 "no cap" for every cap, and ``mesh_token`` never shows in its repr.
 """
 
@@ -34,12 +34,12 @@ class GatewayConfig:
     - ``allowed_origins``: origins browsers may call from (CORS); empty: none.
     - ``max_request_bytes``: longer request bodies get 413 (0: no limit).
     - ``max_concurrent_requests`` / ``max_concurrent_requests_per_key``: requests in flight (in all / per API
-      key) beyond which new ones get 429 with ``Retry-After`` (0: no cap). See ``gateway.limits``.
+      key) beyond which new ones get 429 with ``Retry-After`` (0: no cap). See ``gateway.http.limits``.
     - ``grpc_tls``: the node's TLS files (``stagemesh_core.grpc_tls``) for mutual TLS to the stages; None:
       plaintext.
     - ``mesh_token``: sent as gRPC metadata on every call to a stage (``stagemesh_core.mesh_token``); never
       shown in the config's repr.
-    - ``openai``: server-side defaults of the OpenAI surface (``gateway.openai_defaults``).
+    - ``openai``: server-side defaults of every chat request (``gateway.chat.defaults``).
     """
 
     served_model_name: str

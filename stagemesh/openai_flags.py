@@ -5,7 +5,7 @@ itself), ``--chat-template-kwargs`` (a JSON object of template variables, e.g.
 ``'{"enable_thinking": false}'``), ``--tool-call-parser`` (hermes, llama3_json, mistral) and
 ``--generation-config`` (``auto``: the model directory's
 ``generation_config.json``; ``vllm``: none, OpenAI's defaults; or a folder holding one).
-``openai_defaults(args, model_path)`` turns them into ``gateway.openai_defaults.OpenAIDefaults``
+``openai_defaults(args, model_path)`` turns them into ``gateway.chat.defaults.OpenAIDefaults``
 or raises ``UserError`` naming the flag.
 """
 

@@ -5,7 +5,7 @@ Contract: ``MessagesRequest`` (``POST /v1/messages``) and ``CountTokensRequest``
 API and its clients send (unknown ones are a 400 naming them). Content blocks,
 tools and the choice objects are plain dicts here: ``gateway.anthropic.translate``
 checks them with a 400 naming the block, and their documented schemas (the
-``*_SCHEMA`` constants) say the same. Ranges are the chat endpoint's
+``*_SCHEMA`` constants) say the same. Ranges are the chat request's
 (``chat_field_schema``): the same checks run on them.
 """
 
@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from gateway.chat.request import TOOL_NAME_PATTERN, _doc, _either, _fields, _nullable, _set_to, _Strict, request_rules
+from gateway.chat.request import TOOL_NAME_PATTERN
 from gateway.chat.translation import chat_field_schema
+from gateway.http.schema import NULL, Strict, doc, either, nullable, properties, request_rules, set_to
 
-_NULL = {"type": "null"}
 _OBJECT_OR_NULL = {"type": ["object", "null"]}
 TEXT_BLOCK = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"const": "text"}, "text": {"type": "string"}, "cache_control": _OBJECT_OR_NULL,
@@ -44,63 +44,63 @@ def _content(*blocks: dict[str, Any]) -> dict[str, Any]:
 
 # The blocks a message may hold depend on its role: tool results come from the user, calls from the assistant,
 # and a system message (mid-conversation instructions, as Claude Code sends them) holds text.
-MESSAGE_RULE: dict[str, Any] = {"anyOf": [_fields(role={"const": "user"}, content=_content(*USER_BLOCKS)),
-                                          _fields(role={"const": "assistant"}, content=_content(*ASSISTANT_BLOCKS)),
-                                          _fields(role={"const": "system"}, content=_content(TEXT_BLOCK))]}
-SYSTEM_SCHEMA = _nullable({"type": "string"}, {"type": "array", "items": TEXT_BLOCK})
+MESSAGE_RULE: dict[str, Any] = {"anyOf": [properties(role={"const": "user"}, content=_content(*USER_BLOCKS)),
+                                          properties(role={"const": "assistant"}, content=_content(*ASSISTANT_BLOCKS)),
+                                          properties(role={"const": "system"}, content=_content(TEXT_BLOCK))]}
+SYSTEM_SCHEMA = nullable({"type": "string"}, {"type": "array", "items": TEXT_BLOCK})
 TOOL_SCHEMA = {"type": "object", "required": ["name", "input_schema"], "properties": {
     "type": {"enum": ["custom", None]}, "name": {"type": "string", "pattern": TOOL_NAME_PATTERN},
     "description": {"type": ["string", "null"]},
     "input_schema": {"type": "object", "required": ["type"], "properties": {"type": {"const": "object"}}},
     "cache_control": _OBJECT_OR_NULL, "strict": {"type": ["boolean", "null"]}}}
 _PARALLEL = {"disable_parallel_tool_use": {"type": ["boolean", "null"]}}
-TOOL_CHOICE_SCHEMA = _nullable(
+TOOL_CHOICE_SCHEMA = nullable(
     {"type": "object", "required": ["type"], "properties": {"type": {"const": "auto"}, **_PARALLEL}},
     {"type": "object", "required": ["type"], "properties": {"type": {"const": "any"}, **_PARALLEL}},
     {"type": "object", "required": ["type", "name"], "properties": {"type": {"const": "tool"},
                                                                     "name": {"type": "string"}, **_PARALLEL}},
     {"type": "object", "required": ["type"], "properties": {"type": {"const": "none"}}})
 _DISPLAY = {"display": {"enum": ["summarized", "omitted", None]}}
-THINKING_SCHEMA = _nullable(
+THINKING_SCHEMA = nullable(
     {"type": "object", "required": ["type", "budget_tokens"], "properties": {
         "type": {"const": "enabled"}, "budget_tokens": {"type": "integer"}, **_DISPLAY}},
     {"type": "object", "required": ["type"], "properties": {"type": {"const": "disabled"}}},
     {"type": "object", "required": ["type"], "properties": {"type": {"const": "adaptive"}, **_DISPLAY}},
     {"type": "object", "required": ["type"], "properties": {"type": {"const": "between_tools"}}})
-OUTPUT_FORMAT_SCHEMA = _nullable({"type": "object", "required": ["type", "schema"], "properties": {
+OUTPUT_FORMAT_SCHEMA = nullable({"type": "object", "required": ["type", "schema"], "properties": {
     "type": {"const": "json_schema"}, "schema": {"type": "object"}}})
-OUTPUT_CONFIG_SCHEMA = _nullable({"type": "object", "properties": {
+OUTPUT_CONFIG_SCHEMA = nullable({"type": "object", "properties": {
     "effort": {"enum": ["low", "medium", "high", "xhigh", "max", None]}, "format": OUTPUT_FORMAT_SCHEMA}})
-_FREE_TOOL_CHOICE = _nullable({"type": "object", "properties": {"type": {"enum": ["auto", "none"]}}})
+_FREE_TOOL_CHOICE = nullable({"type": "object", "properties": {"type": {"enum": ["auto", "none"]}}})
 # A forced tool_choice constrains the output to the call: no output_config.format beside it (as chat's rule).
-FORCED_TOOL_RULE = _either(_fields(tool_choice=_FREE_TOOL_CHOICE),
-                           _fields(output_config=_nullable({"type": "object", "properties": {"format": _NULL}})))
-TOOL_CHOICE_NEEDS_TOOLS = _either(_fields(tool_choice=_NULL), _set_to("tools", {"type": "array", "minItems": 1}))
+FORCED_TOOL_RULE = either(properties(tool_choice=_FREE_TOOL_CHOICE),
+                           properties(output_config=nullable({"type": "object", "properties": {"format": NULL}})))
+TOOL_CHOICE_NEEDS_TOOLS = either(properties(tool_choice=NULL), set_to("tools", {"type": "array", "minItems": 1}))
 _STOP = chat_field_schema("stop")
-STOP_SEQUENCES_SCHEMA = _nullable(*(s for s in _STOP["anyOf"] if s.get("type") == "array"))
+STOP_SEQUENCES_SCHEMA = nullable(*(s for s in _STOP["anyOf"] if s.get("type") == "array"))
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(Strict):
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]] = Field(json_schema_extra=_content(*USER_BLOCKS, *ASSISTANT_BLOCKS[1:]))
 
     model_config = ConfigDict(json_schema_extra=MESSAGE_RULE)
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     """What shapes the prompt: the fields ``count_tokens`` takes, and the start of every Messages request."""
 
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = _doc(**SYSTEM_SCHEMA)
-    tools: list[dict[str, Any]] | None = _doc(**_nullable({"type": "array", "items": TOOL_SCHEMA}))
-    tool_choice: dict[str, Any] | None = _doc(**TOOL_CHOICE_SCHEMA)
-    thinking: dict[str, Any] | None = _doc(**THINKING_SCHEMA)
-    output_config: dict[str, Any] | None = _doc(**OUTPUT_CONFIG_SCHEMA)
+    system: str | list[dict[str, Any]] | None = doc(**SYSTEM_SCHEMA)
+    tools: list[dict[str, Any]] | None = doc(**nullable({"type": "array", "items": TOOL_SCHEMA}))
+    tool_choice: dict[str, Any] | None = doc(**TOOL_CHOICE_SCHEMA)
+    thinking: dict[str, Any] | None = doc(**THINKING_SCHEMA)
+    output_config: dict[str, Any] | None = doc(**OUTPUT_CONFIG_SCHEMA)
     # Accepted and ignored (docs/api.md says why): they steer Anthropic's own service.
     context_management: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None
-    mcp_servers: list[dict[str, Any]] | None = _doc(maxItems=0)
+    mcp_servers: list[dict[str, Any]] | None = doc(maxItems=0)
 
     model_config = ConfigDict(json_schema_extra=request_rules(
         FORCED_TOOL_RULE, TOOL_CHOICE_NEEDS_TOOLS,
@@ -110,11 +110,11 @@ class CountTokensRequest(_Strict):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(json_schema_extra=chat_field_schema("max_tokens"))
-    stop_sequences: list[str] | None = _doc(**STOP_SEQUENCES_SCHEMA)
+    stop_sequences: list[str] | None = doc(**STOP_SEQUENCES_SCHEMA)
     stream: bool | None = None
-    temperature: float | None = _doc(**chat_field_schema("temperature"))
-    top_p: float | None = _doc(**chat_field_schema("top_p"))
-    top_k: int | None = _doc(**chat_field_schema("top_k"))
+    temperature: float | None = doc(**chat_field_schema("temperature"))
+    top_p: float | None = doc(**chat_field_schema("top_p"))
+    top_k: int | None = doc(**chat_field_schema("top_k"))
     metadata: dict[str, Any] | None = None
     # Accepted and ignored: Anthropic's service options.
     service_tier: str | None = None
@@ -123,7 +123,7 @@ class MessagesRequest(CountTokensRequest):
     diagnostics: dict[str, Any] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
-    container: Any = _doc(type="null")
+    container: Any = doc(type="null")
 
     model_config = ConfigDict(json_schema_extra=request_rules(
         FORCED_TOOL_RULE, TOOL_CHOICE_NEEDS_TOOLS,

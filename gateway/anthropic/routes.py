@@ -3,9 +3,9 @@
 Contract: ``router(serving)`` is a FastAPI ``APIRouter`` over an
 ``AnthropicServing``. Headers Anthropic's clients send (``anthropic-version``,
 ``anthropic-beta``) and the ``?beta=true`` query are accepted and change
-nothing; the key is checked by ``gateway.auth`` (``x-api-key`` or a bearer
+nothing; the key is checked by ``gateway.http.auth`` (``x-api-key`` or a bearer
 token), errors are Anthropic's envelope (``gateway.anthropic.errors``), and a
-client that leaves cancels its generation (``gateway.cancellation``).
+client that leaves cancels its generation (``gateway.http.cancellation``).
 """
 
 from __future__ import annotations

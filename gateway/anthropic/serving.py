@@ -1,8 +1,8 @@
-"""``POST /v1/messages``: a Messages request run as the chat endpoint runs it, answered as Anthropic does.
+"""``POST /v1/messages``: a Messages request run by the chat core, answered as Anthropic does.
 
-Contract: ``AnthropicServing(serving).messages(req)`` translates the request
-(``gateway.anthropic.translate``), has the chat endpoint check and render it (``OpenAIServing.plan_chat``)
-and run it (``run_chat``), and answers a ``message`` object (``message_json``) or, streamed, Anthropic's
+Contract: ``AnthropicServing(core).messages(req)`` translates the request
+(``gateway.anthropic.translate``), has the chat core plan it, run it and read the turn back with its reasoning
+(``gateway.chat.core``), and answers a ``message`` object (``message_json``) or, streamed, Anthropic's
 server-sent events (``message_start``, ``ping``, the ``content_block_*`` events, ``message_delta``,
 ``message_stop``). Every check fails before anything is generated, with Anthropic's envelope and the field
 named in this API's terms; a failure after the stream started is an ``error`` event, and the stream ends.
@@ -14,17 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from gateway.chat.core import ChatCore
+from gateway.chat.plan import ChatPlan
 from gateway.chat.translation import Translated
-from gateway.chat.turn import ReasoningDelta, Turn, TurnEnd, TurnEvent, TurnReader, first_awaited
+from gateway.chat.turn import ArgumentsDelta, CallStart, ContentDelta, ReasoningDelta, Reply, Turn, TurnEvent
 from gateway.http.errors import APIError
-from gateway.openai.serving import ChatPlan, OpenAIServing, SSEResponse
-from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
+from gateway.http.sse import SSEResponse, new_id, sse, stream_response
 
 from . import errors
 from .protocol import CountTokensRequest, MessagesRequest
@@ -32,12 +32,12 @@ from .translate import to_chat
 
 log = logging.getLogger("stagemesh.gateway")
 
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return sse(data, kind)
+
+
 STOP_REASONS = {"end": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
-T = TypeVar("T")
-
-
-def sse_event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def message_json(message_id: str, model: str, turn: Turn) -> dict[str, Any]:
@@ -72,17 +72,17 @@ class _Blocks:
         if self.open is None:
             return []
         self.open = None
-        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def start(self, key: str, block: dict[str, Any]) -> list[str]:
         out = self.close()
         self.index += 1
         self.open = key
-        return out + [sse_event("content_block_start",
+        return out + [_event("content_block_start",
                                 {"type": "content_block_start", "index": self.index, "content_block": block})]
 
     def delta(self, delta: dict[str, Any]) -> str:
-        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
     def feed(self, event: TurnEvent) -> list[str]:
         if isinstance(event, ReasoningDelta):
@@ -100,64 +100,55 @@ class _Blocks:
 
 
 class AnthropicServing:
-    def __init__(self, serving: OpenAIServing) -> None:
-        self._serving = serving
-        template = serving.chat_template or ""
-        self._thinking_switch = "enable_thinking" in template
+    def __init__(self, core: ChatCore) -> None:
+        self._core = core
 
     def _translate(self, req: CountTokensRequest) -> Translated:
-        return to_chat(req, thinking_switch=self._thinking_switch)
-
-    @staticmethod
-    def _named(translated: Translated, step: Callable[[], T]) -> T:
-        try:
-            return step()
-        except APIError as e:
-            raise translated.names.renamed(e) from None
+        return to_chat(req, thinking_switch=self._core.server.thinking_switch)
 
     def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         translated = self._translate(req)
-        plan = self._named(translated, lambda: self._serving.plan_chat(translated.chat))
+        plan = translated.named(lambda: self._core.plan(translated.chat))
         return {"input_tokens": len(plan.prompt)}
 
     async def messages(self, req: MessagesRequest) -> JSONResponse | SSEResponse:
         arrived = time.monotonic()
         translated = self._translate(req)
-        plan: ChatPlan = self._named(translated, lambda: self._serving.plan_chat(translated.chat, arrived))
-        message_id = f"msg_{uuid.uuid4().hex}"
-        events = self._named(translated, lambda: self._serving.run_chat(plan, message_id))
-        reader = TurnReader(plan, self._serving)
+        plan = translated.named(lambda: self._core.plan(translated.chat, arrived))
+        message_id = new_id("msg")
+        reply = translated.named(lambda: self._core.run_chat(plan, message_id, split_reasoning=True))
         if not plan.settings.stream:
-            return JSONResponse(message_json(message_id, plan.model, await reader.whole(events)))
-        started = await first_awaited(events)
-        return SSEResponse(self._stream(message_id, plan, reader.stream(started)),
-                           headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+            [turn] = await reply.whole()
+            return JSONResponse(message_json(message_id, plan.model, turn))
+        await reply.start()
+        return stream_response(self._stream(message_id, plan, reply))
 
-    async def _stream(self, message_id: str, plan: ChatPlan,
-                      turn: AsyncGenerator[TurnEvent, None]) -> AsyncIterator[str]:
+    async def _stream(self, message_id: str, plan: ChatPlan, reply: Reply) -> AsyncIterator[str]:
         """Anthropic's events, each ``event: <type>`` and its ``data:``: ``message_start`` (the message with empty
         content and the input tokens), ``ping``, the blocks (``_Blocks``), then ``message_delta``
         (``stop_reason``, ``stop_sequence``, ``usage.output_tokens``) and ``message_stop``."""
         start: dict[str, Any] = {
             "id": message_id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(plan.prompt), "output_tokens": 0}}
-        yield sse_event("message_start", {"type": "message_start", "message": start})
-        yield sse_event("ping", {"type": "ping"})
+        yield _event("message_start", {"type": "message_start", "message": start})
+        yield _event("ping", {"type": "ping"})
         blocks = _Blocks()
         try:
-            async for event in turn:
-                for out in blocks.feed(event):
-                    yield out
-                if isinstance(event, TurnEnd):
+            async for step in reply.steps():
+                for event in step.events:
+                    for out in blocks.feed(event):
+                        yield out
+                if step.end is not None:
                     for out in blocks.close():
                         yield out
-                    yield sse_event("message_delta", {
+                    end = step.end
+                    yield _event("message_delta", {
                         "type": "message_delta",
-                        "delta": {"stop_reason": STOP_REASONS[event.stop], "stop_sequence": event.stop_string},
-                        "usage": {"input_tokens": event.prompt_tokens, "output_tokens": event.completion_tokens}})
-                    yield sse_event("message_stop", {"type": "message_stop"})
+                        "delta": {"stop_reason": STOP_REASONS[end.stop], "stop_sequence": end.stop_string},
+                        "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens}})
+                    yield _event("message_stop", {"type": "message_stop"})
         except APIError as e:
             log.warning("stream %s failed after it started: %s", message_id, e.message)
-            yield sse_event("error", errors.event(e))
+            yield _event("error", errors.event(e))
         finally:
-            await turn.aclose()
+            await reply.aclose()

@@ -1,6 +1,6 @@
-"""A Messages API request as the chat endpoint's request: one pure function, no I/O.
+"""A Messages API request as the core's chat request: one pure function, no I/O.
 
-Contract: ``to_chat(req, thinking_switch=...)`` returns a ``Translated`` (the ``ChatCompletionRequest`` and
+Contract: ``to_chat(req, thinking_switch=...)`` returns a ``Translated`` (the ``ChatRequest`` and
 the way back to this API's field names) or raises a 400 ``APIError`` naming the block or field. ``system``
 and the messages become chat messages (``tool_use`` / ``tool_result`` blocks are ``tool_calls`` and ``tool``
 messages; a final assistant text is prefilled), ``tools`` and ``tool_choice`` become chat's function tools,

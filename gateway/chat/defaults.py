@@ -1,7 +1,7 @@
-"""Server-side defaults of the OpenAI surface: the model's generation config and the chat template.
+"""Server-side defaults of every chat request: the model's generation config, the chat template, tool calls.
 
 Contract:
-- ``OpenAIDefaults`` is one frozen value the gateway reads (``GatewayConfig.openai``):
+- ``OpenAIDefaults`` (named for the flags it mirrors) is one frozen value the core reads (``GatewayConfig.openai``):
   ``generation`` (the sampling defaults for fields a request leaves unset, vLLM's
   ``--generation-config``), ``chat_template`` (replaces the model's own; a request's
   ``chat_template`` replaces both) and ``chat_template_kwargs`` (variables every chat render

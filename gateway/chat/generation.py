@@ -1,14 +1,16 @@
-"""One OpenAI request's choices, run against the mesh, as a stream of text deltas.
+"""A request's choices, run against the mesh, as a stream of text deltas.
 
 Contract:
-- ``ChoiceJob`` is one (prompt, choice) pair: its OpenAI choice index, the prompt's token ids and the
-  resolved token budget and stage sampling.
+- ``ChoiceJob`` is one (prompt, choice) pair: its choice index, the prompt's token ids and the resolved token
+  budget and stage sampling; ``choice_jobs(prompts, settings, max_model_len, prompt_param)`` makes a
+  request's (the budget checked here: a 400 before any call).
 - ``run_choices(jobs, ctx)`` starts one generation per job concurrently and yields ``ChoiceEvent``s as text
   becomes available, each job ending with exactly one event whose ``finish_reason`` is set ("stop": EOS or a
   stop string; "length": the token budget). Text is detokenized incrementally (no partial characters), stop
   strings are cut out and stop tokens never show; with logprobs requested, each event carries its tokens'.
 - The first failing job raises its ``APIError`` out of the iterator and the other jobs are cancelled; closing
-  the iterator (or cancelling the consumer) cancels every call.
+  the iterator (or cancelling the consumer) cancels every call. ``first_awaited(events)`` waits for the first
+  event, so a stream starts only once the mesh has answered (a failure is still a proper HTTP status).
 """
 
 from __future__ import annotations
@@ -16,20 +18,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.http import errors
-from gateway.openai.logprobs import TokenLogprobs, from_proto
 from gateway.parsing.detokenizer import IncrementalDetokenizer
 from gateway.parsing.stop_strings import StopStringMatcher
 from stagemesh_core.v1 import stage_pb2
 
+from .sampling import SamplingSettings
+
 log = logging.getLogger("stagemesh.gateway")
 
 _FINISH = {stage_pb2.FINISH_REASON_STOP: "stop", stage_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token as the stage reported it: its id, natural-log probability and the most likely
+    alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def from_proto(entries: Iterable[stage_pb2.TokenLogprob]) -> list[TokenLogprobs]:
+    return [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,17 @@ class ChoiceJob:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     sampling: stage_pb2.SamplingParams
+
+
+def choice_jobs(prompts: Sequence[tuple[int, ...]], settings: SamplingSettings, max_model_len: int,
+                prompt_param: str) -> list[ChoiceJob]:
+    """``settings.n`` jobs per prompt, indexed prompt by prompt (OpenAI's choice order)."""
+    return [
+        ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
+                  max_tokens=settings.max_tokens_for(len(ids), max_model_len, prompt_param),
+                  sampling=settings.stage_sampling(i))
+        for p, ids in enumerate(prompts) for i in range(settings.n)
+    ]
 
 
 @dataclass(frozen=True)
@@ -176,3 +204,20 @@ async def run_choices(jobs: Sequence[ChoiceJob], ctx: RunContext) -> AsyncGenera
     finally:
         for task in tasks:
             task.cancel()  # sync: safe while we are being cancelled ourselves
+
+
+async def first_awaited(events: AsyncGenerator[ChoiceEvent, None]) -> AsyncGenerator[ChoiceEvent, None]:
+    """``events`` again, once its first event is here (a failure before it raises, and closes ``events``)."""
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+
+    async def chained() -> AsyncGenerator[ChoiceEvent, None]:
+        async with aclosing(events):
+            yield first
+            async for event in events:
+                yield event
+
+    return chained()

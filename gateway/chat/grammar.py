@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.http.errors import bad_request
 
-from .request import ChatCompletionRequest, CompletionRequest
+from .request import ChatRequest, GenerationFields
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -72,7 +72,7 @@ def _response_format(fmt: dict[str, Any]) -> str | None:
                       "response_format")
 
 
-def grammar_for(req: CompletionRequest | ChatCompletionRequest) -> str | None:
+def grammar_for(req: GenerationFields) -> str | None:
     from llguidance import LLMatcher
 
     found: list[tuple[str, str]] = []
@@ -87,7 +87,7 @@ def grammar_for(req: CompletionRequest | ChatCompletionRequest) -> str | None:
         if guided[key] is not None:
             raise bad_request(f"Give structured_outputs.{key} or guided_{key}, not both.", "structured_outputs")
         guided[key] = value
-    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
+    if isinstance(req, ChatRequest) and req.response_format is not None:
         grammar = _response_format(req.response_format)
         if grammar is not None:
             found.append(("response_format", grammar))

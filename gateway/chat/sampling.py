@@ -1,10 +1,11 @@
-"""The ONE place that maps OpenAI request fields to what a stage is asked to do.
+"""The ONE place that maps a request's generation fields to what a stage is asked to do.
 
 Contract:
-- ``settings_from_request(req, defaults, vocab_size)`` validates every generation-related field of a
-  completion or chat request and returns frozen ``SamplingSettings``, or raises a 400 ``APIError`` whose
-  ``param`` names the field. Unset fields take the model's generation-config ``defaults``, else the core's;
-  fields the stages cannot honour are refused when set to anything but their default, never silently ignored.
+- ``settings_from_request(req, defaults, vocab_size)`` validates every generation-related field of a request
+  (``GenerationFields``: a chat request, a completion) and returns frozen ``SamplingSettings``, or raises a
+  400 ``APIError`` whose ``param`` names the field. Unset fields take the model's generation-config
+  ``defaults``, else the core's; fields the stages cannot honour are refused when set to anything but their
+  default, never silently ignored.
 - ``SamplingSettings.sampling`` is the request's core ``SamplingParams``; the other fields are the request's
   own (choices, stop strings, streaming, output).
 - ``SamplingSettings.max_tokens_for(prompt_len, max_model_len, prompt_param)`` resolves the token budget,
@@ -23,14 +24,7 @@ from stagemesh_core.v1 import stage_pb2
 
 from .defaults import GenerationDefaults
 from .grammar import grammar_for
-from .request import (
-    DEFAULT_ONLY,
-    MAX_N,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from .request import MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, GenerationFields
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _STAGE_SEED_MOD = sampling.SEED_MAX + 1  # the core's seeds are >= 0: request seeds are folded into its range
@@ -106,16 +100,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
-    """How many top logprobs the request asks for (None: no logprobs; the core checks the range)."""
-    if isinstance(req, CompletionRequest):
-        return req.logprobs
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
-    return (req.top_logprobs or 0) if req.logprobs else None
-
-
-def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
+def settings_from_request(req: GenerationFields,
                           defaults: GenerationDefaults | None = None,
                           vocab_size: int | None = None) -> SamplingSettings:
     """The sampling fields' ranges are the core's (``stagemesh_core.sampling``: its ``check`` runs here, with
@@ -126,16 +111,14 @@ def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
     ``stop_token_ids``, ``allowed_token_ids``) must be below ``vocab_size``."""
     d = defaults or GenerationDefaults()
     core = sampling.DEFAULTS
-    _refuse_unsupported(req)
+    req.refuse_unsupported()
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}.", "n")
     if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX:
         raise bad_request(f"seed must fit in a signed 64-bit integer, got {req.seed}.", "seed")
 
-    max_tokens, param = req.max_tokens, "max_tokens"
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"  # the newer name wins
+    max_tokens, param = req.token_budget()
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{param} must be at least 1, got {max_tokens}.", param)
     if max_tokens is None:
@@ -154,11 +137,9 @@ def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
         allowed_token_ids=tuple(dict.fromkeys(req.allowed_token_ids or [])),
         min_p=float(_first(req.min_p, d.min_p, core.min_p)),
         min_tokens=_first(req.min_tokens, core.min_tokens),
-        logprobs=_logprobs(req),
+        logprobs=req.requested_logprobs(),
     )
-    names = {"max_tokens": param}
-    if isinstance(req, ChatCompletionRequest):
-        names["logprobs"] = "top_logprobs"
+    names = {"max_tokens": param, "logprobs": req.LOGPROBS_FIELD}
     stop_token_ids = req.stop_token_ids or []
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got "
@@ -181,7 +162,7 @@ def settings_from_request(req: CompletionRequest | ChatCompletionRequest,
     if grammar is not None and params.min_tokens:
         raise bad_request("min_tokens cannot be combined with structured output: the output ends where its "
                           "format does.", "min_tokens")
-    echo = bool(isinstance(req, CompletionRequest) and req.echo)
+    echo = req.echoes()
     if echo and params.logprobs is not None:
         raise unsupported("echo", "echo with logprobs would need the prompt's logprobs, which are not computed.")
     return SamplingSettings(
@@ -202,30 +183,3 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if any(s == "" for s in stops):
         raise bad_request("stop must not contain an empty string.", "stop")
     return tuple(dict.fromkeys(stops))
-
-
-def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """400 for every field set to something the stages cannot do."""
-    for field, (default, why) in DEFAULT_ONLY.items():
-        value = getattr(req, field)
-        if value is not None and value != default:
-            raise unsupported(field, why)
-    if req.bad_words:
-        raise unsupported("bad_words", "Use logit_bias with -100 for the tokens to avoid.")
-    if isinstance(req, CompletionRequest):
-        if req.suffix:
-            raise unsupported("suffix")
-        if req.best_of not in (None, 1):
-            raise unsupported("best_of", "Use n for several completions.")
-        return
-    if req.functions:
-        raise unsupported("functions", "Use tools (function calling's current form).")
-    if req.function_call not in (None, "none", "auto"):
-        raise unsupported("function_call", "Use tool_choice (function calling's current form).")
-    if req.store:
-        raise unsupported("store", "Completions are not stored.")
-    if req.modalities not in (None, ["text"]):
-        raise unsupported("modalities", "Only text output is produced.")
-    for field in ("reasoning_effort", "audio", "prediction", "web_search_options"):
-        if getattr(req, field) is not None:
-            raise unsupported(field)

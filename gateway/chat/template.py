@@ -19,7 +19,7 @@ from jinja2 import TemplateError
 from gateway.http.errors import bad_request
 
 from .defaults import OpenAIDefaults
-from .request import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, ChatMessage
+from .request import RESERVED_TEMPLATE_KWARGS, ChatMessage, ChatRequest
 from .tools import ToolPlan, template_messages, template_supports_tools
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -80,7 +80,7 @@ class ChatOptions:
     add_special_tokens: bool = False
 
 
-def chat_options(req: ChatCompletionRequest, defaults: OpenAIDefaults) -> ChatOptions:
+def chat_options(req: ChatRequest, defaults: OpenAIDefaults) -> ChatOptions:
     kwargs = {**defaults.chat_template_kwargs, **(req.chat_template_kwargs or {})}
     reserved = sorted(_RESERVED_KWARGS & set(kwargs))
     if reserved:

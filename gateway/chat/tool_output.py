@@ -1,21 +1,23 @@
-"""A chat choice's generated text as OpenAI's message or stream deltas when tools are in play.
+"""A choice's generated text as content and tool calls, whole or as it streams, by the request's ``ToolPlan``.
 
 Contract:
 - ``final_message(text, finish, plan, fmt)`` -> ``(content, tool_calls, finish)``: a forced call
   (``required`` / ``named``) is read from its constrained JSON; with ``auto`` the tool-call format ``fmt``
   finds the calls in the text; any call makes the finish reason ``tool_calls``. Without calls the text stays
   content.
-- ``ToolStream(plan, fmt)`` does the same incrementally for one streamed choice: ``feed(text)`` returns the
-  OpenAI deltas to send now and ``finish(reason)`` the last ones and the finish reason (``tool_calls`` when
-  calls were made whole). A streamed call's ``arguments`` pieces add up to the non-streamed call's.
-  ``events`` / ``finish_events`` give the same as typed events (``ContentDelta``, ``CallStart``,
-  ``ArgumentsDelta``) for the APIs that shape them otherwise (``gateway.chat.turn``).
+- ``ToolStream(plan, fmt)`` does the same incrementally for one streamed choice: ``events(text)`` returns the
+  typed events to send now (``ContentDelta``, ``CallStart``, ``ArgumentsDelta``) and ``finish_events(reason)``
+  the last ones and the finish reason (``tool_calls`` when calls were made whole); ``gateway.chat.turn`` reads
+  every reply through it. A streamed call's ``arguments`` pieces add up to the non-streamed call's.
+  ``feed`` / ``finish`` give the same as OpenAI's chat deltas (``openai_delta``: the tool-call shape of the
+  chat request, OpenAI's).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from gateway.parsing.reasoning import ReasoningDelta
 from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta, Event, ToolCallStream
 from gateway.parsing.tool_parsers import FORCED, ToolCall, ToolFormat, new_call_id
 
@@ -34,8 +36,9 @@ def final_message(text: str, finish: str | None, plan: ToolPlan,
     return text, [], finish
 
 
-def _delta(event: Event) -> dict[str, Any]:
-    if isinstance(event, ContentDelta):
+def openai_delta(event: Event | ReasoningDelta) -> dict[str, Any]:
+    """An event as OpenAI's chat ``delta`` (its chat has no reasoning field: reasoning text is content)."""
+    if isinstance(event, (ContentDelta, ReasoningDelta)):
         return {"content": event.text}
     if isinstance(event, CallStart):
         return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
@@ -60,11 +63,11 @@ class ToolStream:
             self._parser = ToolCallStream(FORCED)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        return [_delta(e) for e in self.events(text)]
+        return [openai_delta(e) for e in self.events(text)]
 
     def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         events, reason = self.finish_events(reason)
-        return [_delta(e) for e in events], reason
+        return [openai_delta(e) for e in events], reason
 
     def events(self, text: str) -> list[Event]:
         """``feed``'s deltas as typed events (``gateway.parsing.tool_call_stream``), for the APIs shaped otherwise."""

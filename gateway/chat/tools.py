@@ -24,7 +24,7 @@ from typing import Any, Literal
 from gateway.http.errors import bad_request
 from gateway.parsing.tool_parsers import FORCED, ToolCall, new_call_id
 
-from .request import TOOL_NAME_PATTERN, ChatCompletionRequest, ChatMessage
+from .request import TOOL_NAME_PATTERN, ChatMessage, ChatRequest
 
 Mode = Literal["none", "auto", "required", "named"]
 _NAME = re.compile(TOOL_NAME_PATTERN)
@@ -100,7 +100,7 @@ def _tool(raw: dict[str, Any], i: int) -> Tool:
     return Tool(name, description, parameters)
 
 
-def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+def tool_plan(req: ChatRequest) -> ToolPlan:
     """A 400 for ``tool_choice`` or ``parallel_tool_calls`` without ``tools`` (as OpenAI and vLLM), an unknown
     function, duplicate names, or a malformed tool."""
     tools = tuple(_tool(t, i) for i, t in enumerate(req.tools or []))

@@ -1,11 +1,12 @@
-"""Another API's request as the chat endpoint's own, and its errors back in that API's terms.
+"""Another API's request as the core's chat request, and its errors back in that API's terms.
 
 Contract:
-- ``chat_request(fields)`` builds the ``ChatCompletionRequest`` a translated request becomes
-  (``gateway.anthropic.translate``, ``gateway.openai_responses.translate``); everything it asks of the mesh then
-  goes through the chat endpoint's checks and generation (``OpenAIServing.plan_chat`` / ``run_chat``): one path.
-- ``FieldNames`` maps the chat request's field paths to the client's own; ``renamed(err)`` is the chat
-  check's ``APIError`` naming the client's field, in ``param`` and in the message.
+- ``chat_request(fields)`` builds the ``ChatRequest`` a translated request becomes (each API's
+  ``translate`` module); everything it asks of the mesh then goes through the core's one plan and run
+  (``gateway.chat.core``): one path for every API.
+- ``FieldNames`` maps the chat request's field paths to the client's own; ``renamed(err)`` is the core
+  check's ``APIError`` naming the client's field, in ``param`` and in the message; ``Translated.named(step)``
+  runs a step of the core with its errors so renamed.
 - ``chat_field_schema(name)`` is the documented JSON Schema of a chat field (its range and limits), so the
   other APIs' schemas state the same bounds the chat checks enforce, from one definition.
 """
@@ -14,20 +15,22 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
 from gateway.http.errors import APIError, bad_request
 
-from .request import ChatCompletionRequest
+from .request import ChatRequest
+
+T = TypeVar("T")
 
 
-def chat_request(fields: Mapping[str, Any]) -> ChatCompletionRequest:
+def chat_request(fields: Mapping[str, Any]) -> ChatRequest:
     try:
-        return ChatCompletionRequest.model_validate(dict(fields))
+        return ChatRequest.model_validate(dict(fields))
     except ValidationError as e:  # the translation's own output: a field the chat request cannot hold
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
@@ -35,7 +38,7 @@ def chat_request(fields: Mapping[str, Any]) -> ChatCompletionRequest:
 
 
 def chat_field_schema(name: str) -> dict[str, Any]:
-    extra = ChatCompletionRequest.model_fields[name].json_schema_extra
+    extra = ChatRequest.model_fields[name].json_schema_extra
     return copy.deepcopy(extra) if isinstance(extra, dict) else {}
 
 
@@ -68,7 +71,13 @@ class FieldNames:
 
 @dataclass(frozen=True)
 class Translated:
-    """A request in the chat endpoint's terms, and how to name its fields back."""
+    """A request in the core's chat terms, and how to name its fields back."""
 
-    chat: ChatCompletionRequest
+    chat: ChatRequest
     names: FieldNames = field(default_factory=FieldNames)
+
+    def named(self, step: Callable[[], T]) -> T:
+        try:
+            return step()
+        except APIError as e:
+            raise self.names.renamed(e) from None

@@ -1,133 +1,189 @@
-"""One generated assistant turn read as reasoning, text and tool calls: what the non-chat APIs shape.
+"""A reply read back once, choice by choice: text, reasoning, tool calls and how it ended, for every API to encode.
 
 Contract:
-- ``TurnReader(plan, serving)`` knows how a chat plan's reply reads: its tools (``ToolPlan``), the server's
-  tool-call format, and whether the chat template writes reasoning (``gateway.parsing.reasoning``).
-- ``reader.stream(events)`` turns one choice's ``ChoiceEvent``s into ``ReasoningDelta``, ``ContentDelta``,
-  ``CallStart``, ``ArgumentsDelta`` as they come and ends with one ``TurnEnd``; ``reader.whole(events)``
-  collects a ``Turn``. Both read calls as the chat endpoint does (``gateway.chat.tool_output``) and count usage in
-  the gateway's metrics once the turn has ended.
-- ``first_awaited(events)`` waits for the first event before a stream starts, so a mesh that cannot serve
-  still gets a proper HTTP status.
+- ``Reading`` is how a reply reads: its tools (``ToolPlan``), the tool-call format, whether the chat template
+  writes reasoning and whether the prompt opened it (``gateway.parsing.reasoning``).
+- ``Reply(jobs, events, reading, observer, split_reasoning=...)`` reads a run's ``ChoiceEvent``s once.
+  ``steps()`` gives a ``TurnStep`` per event: its choice's new ``ReasoningDelta``, ``ContentDelta``,
+  ``CallStart`` and ``ArgumentsDelta`` events (calls parsed as they stream, ``gateway.chat.tool_output``),
+  the ``TurnEnd`` once it ended, and the logprobs of its tokens. ``whole()`` is each choice's ``Turn``, its
+  calls read from the whole text. Reasoning is split off only with ``split_reasoning`` and a template that
+  writes it; otherwise the model's text is all content.
+- ``start()`` waits for the first event (``gateway.chat.generation.first_awaited``); usage is counted in the
+  observer once every choice has ended; ``aclose()`` cancels what still runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
-from gateway.openai.serving import ChatPlan, OpenAIServing
-from gateway.parsing.reasoning import ReasoningSplitter, opens_reasoning, split_reasoning, template_reasons
+from gateway.parsing.reasoning import ReasoningDelta, ReasoningSplitter, split_reasoning
 from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
-from gateway.parsing.tool_parsers import ToolCall
+from gateway.parsing.tool_parsers import PARSERS, ToolCall, ToolFormat
 
-from .generation import ChoiceEvent
+from .generation import ChoiceEvent, ChoiceJob, TokenLogprobs, first_awaited
 from .tool_output import ToolStream, final_message
+from .tools import ToolPlan
+
+__all__ = ["ArgumentsDelta", "CallStart", "ContentDelta", "Reading", "ReasoningDelta", "Reply", "Stop",
+           "TokenLogprobs", "Turn", "TurnEnd", "TurnEvent", "TurnStep", "UsageObserver"]
 
 Stop = Literal["end", "stop_string", "length", "tool_calls"]
-_PROMPT_TAIL_TOKENS = 8  # enough to hold a template's opening <think> and the newline after it
 
 
 @dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
+class Reading:
+    """The default reads plain text: no tools (so no format is consulted), no reasoning."""
+
+    tools: ToolPlan = field(default_factory=ToolPlan)
+    tool_format: ToolFormat = PARSERS["hermes"]
+    reasons: bool = False  # the chat template writes reasoning
+    inside: bool = False  # the rendered prompt opened it: the reply begins as reasoning
+
+
+TurnEvent = ReasoningDelta | ContentDelta | CallStart | ArgumentsDelta
 
 
 @dataclass(frozen=True)
 class TurnEnd:
-    """How the turn ended. ``stop`` is ``end`` (EOS or a stop token), ``stop_string`` (one of the request's stop
-    strings, named in ``stop_string``), ``length`` (the token budget) or ``tool_calls`` (whole calls were made)."""
+    """How one choice ended. ``finish_reason`` is OpenAI's word (``stop``, ``length``, ``tool_calls``);
+    ``stop_string`` names the request's stop string that ended it, if one did."""
 
-    stop: Stop
+    index: int
+    finish_reason: str
     stop_string: str | None
     prompt_tokens: int
     completion_tokens: int
 
+    @property
+    def stop(self) -> Stop:
+        """``end`` (EOS or a stop token), ``stop_string``, ``length`` (the token budget) or ``tool_calls``."""
+        if self.finish_reason == "tool_calls":
+            return "tool_calls"
+        if self.finish_reason == "length":
+            return "length"
+        return "stop_string" if self.stop_string is not None else "end"
 
-TurnEvent = ReasoningDelta | ContentDelta | CallStart | ArgumentsDelta | TurnEnd
+
+@dataclass(frozen=True)
+class TurnStep:
+    """What one event added to its choice: the events to send, its end (once), its tokens' logprobs."""
+
+    index: int
+    events: tuple[TurnEvent, ...]
+    end: TurnEnd | None
+    logprobs: tuple[TokenLogprobs, ...]
+    completion_tokens: int  # so far
+
+    @property
+    def text(self) -> str:
+        """The step's content text (with the tools off: all the text the event brought)."""
+        return "".join(e.text for e in self.events if isinstance(e, ContentDelta))
 
 
 @dataclass(frozen=True)
 class Turn:
+    index: int
     reasoning: str | None
     content: str | None
     calls: list[ToolCall]
     end: TurnEnd
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
-def _stop(finish: str | None, stop_string: str | None) -> Stop:
-    if finish == "tool_calls":
-        return "tool_calls"
-    if finish == "length":
-        return "length"
-    return "stop_string" if stop_string is not None else "end"
+class UsageObserver(Protocol):
+    def usage(self, prompt_tokens: int, generation_tokens: int) -> None: ...
 
 
-async def first_awaited(events: AsyncGenerator[ChoiceEvent, None]) -> AsyncGenerator[ChoiceEvent, None]:
-    try:
-        first = await anext(events)
-    except BaseException:
-        await events.aclose()
-        raise
+class _ChoiceReader:
+    """One choice's text as turn events: reasoning split off first (when read), then calls parsed from the rest."""
 
-    async def chained() -> AsyncGenerator[ChoiceEvent, None]:
-        async with contextlib.aclosing(events):
-            yield first
+    def __init__(self, reading: Reading, split: bool) -> None:
+        self._tools = ToolStream(reading.tools, reading.tool_format)
+        self._splitter = ReasoningSplitter(reading.inside) if split else None
+
+    def step(self, event: ChoiceEvent) -> TurnStep:
+        splitter = self._splitter
+        pieces = [("text", event.text)] if splitter is None else splitter.feed(event.text)
+        if event.finish_reason and splitter is not None:
+            pieces += splitter.finish()
+        out: list[TurnEvent] = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                out.append(ReasoningDelta(text))
+            else:
+                out += self._tools.events(text)
+        end = None
+        if event.finish_reason:
+            last, finish = self._tools.finish_events(event.finish_reason)
+            out += last
+            end = TurnEnd(event.index, finish or event.finish_reason, event.stop_string, event.prompt_tokens,
+                          event.completion_tokens)
+        return TurnStep(event.index, tuple(out), end, event.logprobs, event.completion_tokens)
+
+
+def whole_turn(index: int, text: str, last: ChoiceEvent, logprobs: Sequence[TokenLogprobs], reading: Reading,
+               split: bool) -> Turn:
+    """A choice's whole text read as an unstreamed reply reads it: reasoning split off, then the calls
+    (``final_message``)."""
+    reasoning, rest = split_reasoning(text, reading.inside) if split else (None, text)
+    content, calls, finish = final_message(rest, last.finish_reason, reading.tools, reading.tool_format)
+    end = TurnEnd(index, finish or "stop", last.stop_string, last.prompt_tokens, last.completion_tokens)
+    return Turn(index, reasoning, content, calls, end, tuple(logprobs))
+
+
+class Reply:
+    def __init__(self, jobs: Sequence[ChoiceJob], events: AsyncGenerator[ChoiceEvent, None], reading: Reading,
+                 observer: UsageObserver, *, split_reasoning: bool = False) -> None:
+        self.jobs = tuple(jobs)
+        self._events = events
+        self._reading = reading
+        self._observer = observer
+        self._split = split_reasoning and reading.reasons
+        self._stepping: AsyncGenerator[TurnStep, None] | None = None
+
+    async def start(self) -> None:
+        self._events = await first_awaited(self._events)
+
+    async def aclose(self) -> None:
+        if self._stepping is not None:
+            await self._stepping.aclose()
+        await self._events.aclose()
+
+    def _ended(self, completion_tokens: int) -> None:
+        self._observer.usage(sum(len(j.prompt_ids) for j in self.jobs), completion_tokens)
+
+    def steps(self) -> AsyncGenerator[TurnStep, None]:
+        self._stepping = self._steps()
+        return self._stepping
+
+    async def _steps(self) -> AsyncGenerator[TurnStep, None]:
+        readers = {job.index: _ChoiceReader(self._reading, self._split) for job in self.jobs}
+        completion: dict[int, int] = {}
+        async with contextlib.aclosing(self._events) as events:
             async for event in events:
-                yield event
+                step = readers[event.index].step(event)
+                if step.end is not None:
+                    completion[step.index] = step.end.completion_tokens
+                    if len(completion) == len(self.jobs):
+                        self._ended(sum(completion.values()))
+                yield step
 
-    return chained()
-
-
-class TurnReader:
-    """How one chat plan's reply reads; the rendered prompt may itself open the reasoning (``opens_reasoning``)."""
-
-    def __init__(self, plan: ChatPlan, serving: OpenAIServing) -> None:
-        self._plan = plan
-        self._serving = serving
-        self._reasons = template_reasons(serving.chat_template)
-        tail = serving.tokenizer.decode(list(plan.prompt[-_PROMPT_TAIL_TOKENS:])) if self._reasons else ""
-        self._inside = self._reasons and opens_reasoning(tail)
-
-    def _ended(self, finish: str | None, last: ChoiceEvent) -> TurnEnd:
-        self._serving.record_usage(last.prompt_tokens, last.completion_tokens)
-        return TurnEnd(_stop(finish, last.stop_string), last.stop_string, last.prompt_tokens,
-                       last.completion_tokens)
-
-    async def whole(self, events: AsyncGenerator[ChoiceEvent, None]) -> Turn:
-        """The whole turn, its calls read as an unstreamed chat completion reads them (``final_message``)."""
-        texts: list[str] = []
-        last: ChoiceEvent | None = None
-        async with contextlib.aclosing(events):
+    async def whole(self) -> list[Turn]:
+        """Every choice's turn, in choice order, once all have ended."""
+        texts: dict[int, list[str]] = {job.index: [] for job in self.jobs}
+        logprobs: dict[int, list[TokenLogprobs]] = {job.index: [] for job in self.jobs}
+        last: dict[int, ChoiceEvent] = {}
+        async with contextlib.aclosing(self._events) as events:
             async for event in events:
-                texts.append(event.text)
-                last = event
-        assert last is not None and last.finish_reason  # run_choices ends every choice with its finish reason
-        reasoning, text = split_reasoning("".join(texts), self._inside) if self._reasons else (None, "".join(texts))
-        content, calls, finish = final_message(text, last.finish_reason, self._plan.tools, self._serving.tool_parser)
-        return Turn(reasoning, content or None, calls, self._ended(finish, last))
-
-    async def stream(self, events: AsyncGenerator[ChoiceEvent, None]) -> AsyncGenerator[TurnEvent, None]:
-        """The turn's events as they come, calls parsed incrementally as a streamed chat completion parses them
-        (``ToolStream``), ending with one ``TurnEnd``."""
-        tools = ToolStream(self._plan.tools, self._serving.tool_parser)
-        splitter = ReasoningSplitter(self._inside) if self._reasons else None
-        async with contextlib.aclosing(events):
-            async for event in events:
-                pieces = [("text", event.text)] if splitter is None else splitter.feed(event.text)
-                if event.finish_reason and splitter is not None:
-                    pieces += splitter.finish()
-                for kind, text in pieces:
-                    if kind == "reasoning":
-                        yield ReasoningDelta(text)
-                    else:
-                        for out in tools.events(text):
-                            yield out
-                if event.finish_reason:
-                    last, finish = tools.finish_events(event.finish_reason)
-                    for out in last:
-                        yield out
-                    yield self._ended(finish, event)
-                    return
+                texts[event.index].append(event.text)
+                logprobs[event.index].extend(event.logprobs)
+                last[event.index] = event
+        # run_choices ends every choice with its finish reason
+        assert all(last[j.index].finish_reason for j in self.jobs)
+        self._ended(sum(last[j.index].completion_tokens for j in self.jobs))
+        return [whole_turn(j.index, "".join(texts[j.index]), last[j.index], logprobs[j.index], self._reading,
+                           self._split) for j in self.jobs]

@@ -1,9 +1,8 @@
 """Token logprobs in OpenAI's shapes, for chat and for completions.
 
 Contract:
-- ``TokenLogprobs`` is one generated token as the stage reported it (id, natural-log
-  probability, the most likely alternatives, most likely first); ``from_proto`` reads
-  ``GenerateResponse.logprobs``.
+- The entries are the core's ``TokenLogprobs`` (``gateway.chat.generation``): one generated
+  token as the stage reported it (id, natural-log probability, the most likely alternatives).
 - ``LogprobFormatter(tokenizer)`` names tokens: ``token`` is the token's text and
   ``bytes`` its exact UTF-8 bytes (a byte-level BPE token that holds part of a character
   has its bytes exact and its text with U+FFFD, as OpenAI does). ``chat(entries)`` is
@@ -20,25 +19,13 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from stagemesh_core.v1 import stage_pb2
+from gateway.chat.generation import TokenLogprobs
 
 MASKED_LOGPROB = -9999.0
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-def from_proto(entries: Iterable[stage_pb2.TokenLogprob]) -> list[TokenLogprobs]:
-    return [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
 
 
 def _value(logprob: float) -> float:
@@ -113,9 +100,3 @@ class LogprobFormatter:
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
-
-
-def empty(kind: str) -> dict[str, Any]:
-    if kind == "chat":
-        return {"content": [], "refusal": None}
-    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

@@ -1,15 +1,14 @@
-"""OpenAI response and stream-chunk shapes, as plain dicts, and SSE framing.
+"""OpenAI response and stream-chunk shapes, as plain dicts.
 
 Contract: every function returns exactly the JSON OpenAI sends for that
 object (explicit nulls included, since SDKs and clients read them), for the
 two kinds of endpoint: ``"chat"`` (``chat.completion`` /
 ``chat.completion.chunk``) and ``"completion"`` (``text_completion``).
-``sse(obj)`` frames one ``data:`` event; ``SSE_DONE`` ends a stream.
+Each chunk is one ``data:`` event (``gateway.http.sse``); ``SSE_DONE`` ends a stream.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,10 +16,6 @@ from typing import Any, Literal
 
 Kind = Literal["chat", "completion"]
 SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -87,7 +82,3 @@ class ResponseHeader:
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._base(obj), "choices": [], "usage": use}
-
-
-def error_event(body: dict[str, Any]) -> str:
-    return sse(body)

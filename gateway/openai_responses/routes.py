@@ -3,7 +3,7 @@
 Contract: ``router(serving)`` is a FastAPI ``APIRouter`` over a
 ``ResponsesServing``; the key, the limits and the error envelope are the
 gateway's OpenAI ones, and a client that leaves cancels its generation
-(``gateway.cancellation``). No route reads a stored response back: nothing is
+(``gateway.http.cancellation``). No route reads a stored response back: nothing is
 stored.
 """
 

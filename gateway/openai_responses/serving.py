@@ -1,8 +1,8 @@
-"""``POST /v1/responses``: a Responses request run as the chat endpoint runs it, answered as OpenAI does.
+"""``POST /v1/responses``: a Responses request run by the chat core, answered as OpenAI does.
 
-Contract: ``ResponsesServing(serving).create(req)`` translates the request
-(``gateway.openai_responses.translate``), has the chat endpoint check and render it
-(``OpenAIServing.plan_chat``) and run it (``run_chat``), and answers a ``response`` object whose ``output``
+Contract: ``ResponsesServing(core).create(req)`` translates the request
+(``gateway.openai_responses.translate``), has the chat core plan it, run it and read the turn back with its
+reasoning (``gateway.chat.core``), and answers a ``response`` object whose ``output``
 holds ``reasoning``, ``message`` and ``function_call`` items (``output_items``) or, streamed, OpenAI's
 numbered server-sent events from ``response.created`` to ``response.completed`` (or ``response.incomplete``).
 Nothing is stored: ``store`` is false in every response. Every check fails before anything is generated,
@@ -13,33 +13,23 @@ render it.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from gateway.chat.turn import ReasoningDelta, Turn, TurnEnd, TurnEvent, TurnReader, first_awaited
+from gateway.chat.core import ChatCore
+from gateway.chat.plan import ChatPlan
+from gateway.chat.turn import ArgumentsDelta, CallStart, ContentDelta, ReasoningDelta, Reply, Turn, TurnEnd, TurnEvent
 from gateway.http.errors import APIError
-from gateway.openai.serving import ChatPlan, OpenAIServing, SSEResponse
-from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
+from gateway.http.sse import SSEResponse, new_id, sse, stream_response
 
 from .protocol import InputTokensRequest, ResponsesRequest
 from .translate import ResponsesTranslation, to_chat
 
 log = logging.getLogger("stagemesh.gateway")
-T = TypeVar("T")
-
-
-def sse_event(data: dict[str, Any]) -> str:
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _usage(end: TurnEnd) -> dict[str, Any]:
@@ -56,7 +46,7 @@ class _Response:
     """
 
     def __init__(self, req: ResponsesRequest, plan: ChatPlan, translation: ResponsesTranslation) -> None:
-        self.id = _id("resp")
+        self.id = new_id("resp")
         self.created_at = int(time.time())
         self._req = req
         self._plan = plan
@@ -117,10 +107,10 @@ def output_items(response: _Response, turn: Turn) -> list[dict[str, Any]]:
     status = "incomplete" if turn.end.stop == "length" else "completed"
     items = []
     if turn.reasoning is not None:
-        items.append(_reasoning_item(_id("rs"), turn.reasoning, status))
+        items.append(_reasoning_item(new_id("rs"), turn.reasoning, status))
     if turn.content:
-        items.append(_message_item(_id("msg"), turn.content, status))
-    items += [response.call_item(_id("fc"), c.id, c.name, c.arguments, "completed") for c in turn.calls]
+        items.append(_message_item(new_id("msg"), turn.content, status))
+    items += [response.call_item(new_id("fc"), c.id, c.name, c.arguments, "completed") for c in turn.calls]
     return items
 
 
@@ -141,7 +131,7 @@ class _Stream:
         self._open: dict[str, Any] | None = None  # kind, id, text (or call_id, name)
 
     def event(self, kind: str, **fields: Any) -> str:
-        out = sse_event({"type": kind, "sequence_number": self.sequence, **fields})
+        out = sse({"type": kind, "sequence_number": self.sequence, **fields}, kind)
         self.sequence += 1
         return out
 
@@ -160,7 +150,7 @@ class _Stream:
 
     def _start(self, kind: str, **fields: Any) -> list[str]:
         out = self.close("completed")
-        self._open = {"kind": kind, "id": _id({"reasoning": "rs", "message": "msg", "call": "fc"}[kind]),
+        self._open = {"kind": kind, "id": new_id({"reasoning": "rs", "message": "msg", "call": "fc"}[kind]),
                       "text": "", **fields}
         out.append(self.event("response.output_item.added", output_index=len(self.items),
                               item=self._item("in_progress")))
@@ -221,58 +211,54 @@ class _Stream:
 
 
 class ResponsesServing:
-    def __init__(self, serving: OpenAIServing) -> None:
-        self._serving = serving
-        self._thinking_switch = "enable_thinking" in (serving.chat_template or "")
+    def __init__(self, core: ChatCore) -> None:
+        self._core = core
 
-    @staticmethod
-    def _named(translation: ResponsesTranslation, step: Callable[[], T]) -> T:
-        try:
-            return step()
-        except APIError as e:
-            raise translation.translated.names.renamed(e) from None
+    def _translate(self, req: InputTokensRequest) -> ResponsesTranslation:
+        return to_chat(req, thinking_switch=self._core.server.thinking_switch)
 
     def input_tokens(self, req: InputTokensRequest) -> dict[str, Any]:
-        translation = to_chat(req, thinking_switch=self._thinking_switch)
-        plan = self._named(translation, lambda: self._serving.plan_chat(translation.translated.chat))
+        translated = self._translate(req).translated
+        plan = translated.named(lambda: self._core.plan(translated.chat))
         return {"object": "response.input_tokens", "input_tokens": len(plan.prompt)}
 
     async def create(self, req: ResponsesRequest) -> JSONResponse | SSEResponse:
         arrived = time.monotonic()
-        translation = to_chat(req, thinking_switch=self._thinking_switch)
-        plan = self._named(translation, lambda: self._serving.plan_chat(translation.translated.chat, arrived))
+        translation = self._translate(req)
+        translated = translation.translated
+        plan = translated.named(lambda: self._core.plan(translated.chat, arrived))
         response = _Response(req, plan, translation)
         # prompt_cache_key keeps a conversation on one replica, whose prefix cache holds it.
-        events = self._named(translation, lambda: self._serving.run_chat(plan, response.id, req.prompt_cache_key))
-        reader = TurnReader(plan, self._serving)
+        reply = translated.named(lambda: self._core.run_chat(plan, response.id, affinity=req.prompt_cache_key,
+                                                             split_reasoning=True))
         if not plan.settings.stream:
-            turn = await reader.whole(events)
+            [turn] = await reply.whole()
             return JSONResponse(response.snapshot(response.final_status(turn.end), output_items(response, turn),
                                                   turn.end))
-        started = await first_awaited(events)
-        return SSEResponse(self._stream(response, reader.stream(started)),
-                           headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        await reply.start()
+        return stream_response(self._stream(response, reply))
 
-    async def _stream(self, response: _Response, turn: AsyncGenerator[TurnEvent, None]) -> AsyncIterator[str]:
+    async def _stream(self, response: _Response, reply: Reply) -> AsyncIterator[str]:
         """``response.created``, ``response.in_progress``, the items (``_Stream``), and last
         ``response.completed`` (or ``response.incomplete``) with the whole response."""
         stream = _Stream(response)
         yield stream.event("response.created", response=response.snapshot("in_progress", []))
         yield stream.event("response.in_progress", response=response.snapshot("in_progress", []))
         try:
-            async for event in turn:
-                for out in stream.feed(event):
-                    yield out
-                if isinstance(event, TurnEnd):
-                    status = response.final_status(event)
+            async for step in reply.steps():
+                for event in step.events:
+                    for out in stream.feed(event):
+                        yield out
+                if step.end is not None:
+                    status = response.final_status(step.end)
                     for out in stream.close(status):
                         yield out
                     kind = "response.completed" if status == "completed" else "response.incomplete"
-                    yield stream.event(kind, response=response.snapshot(status, stream.items, event))
+                    yield stream.event(kind, response=response.snapshot(status, stream.items, step.end))
         except APIError as e:
             log.warning("stream %s failed after it started: %s", response.id, e.message)
             yield stream.event("error", code=e.code, message=e.message, param=e.param)
             yield stream.event("response.failed", response=response.snapshot(
                 "failed", stream.items, error={"code": e.code or "server_error", "message": e.message}))
         finally:
-            await turn.aclose()
+            await reply.aclose()

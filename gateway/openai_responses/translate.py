@@ -1,4 +1,4 @@
-"""A Responses API request as the chat endpoint's request: pure functions, no I/O.
+"""A Responses API request as the core's chat request: pure functions, no I/O.
 
 Contract: ``to_chat(req, thinking_switch=...)`` returns a ``ResponsesTranslation`` (the ``Translated`` chat
 request, and the namespaced tools' names) or raises a 400 ``APIError`` naming the item or field.
@@ -21,7 +21,7 @@ from gateway.http.errors import bad_request, unsupported
 from .protocol import WEB_SEARCH_TYPES, InputTokensRequest, ResponsesRequest
 
 NAMESPACE_SEPARATOR = "__"
-MAX_OFFERED_NAME = 64  # the chat endpoint's limit on a function's name (gateway.schemas.TOOL_NAME_PATTERN)
+MAX_OFFERED_NAME = 64  # the chat request's limit on a function's name (gateway.chat.request.TOOL_NAME_PATTERN)
 
 
 @dataclass(frozen=True)

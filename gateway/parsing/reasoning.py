@@ -8,15 +8,22 @@ Contract:
 - ``ReasoningSplitter(inside)``: ``feed(text)`` returns ``(kind, text)`` pieces (``"reasoning"`` or
   ``"text"``) to send now; ``finish()`` the rest. Fed any split of a text, the pieces add up to the same
   reasoning and text.
-- ``split_reasoning(text, inside)``: the whole reply as ``(reasoning or None, text)``.
+- ``split_reasoning(text, inside)``: the whole reply as ``(reasoning or None, text)``; ``ReasoningDelta`` is a
+  piece of reasoning as a stream sends it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 OPEN, CLOSE = "<think>", "</think>"
 Kind = Literal["reasoning", "text"]
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
 
 
 def template_reasons(template: str | None) -> bool:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
 from gateway.anthropic.protocol import CountTokensRequest
-from gateway.chat.request import RUNTIME_RULES
+from gateway.http.schema import RUNTIME_RULES
 from gateway.openai_responses.protocol import InputTokensRequest
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.chat.request import ChatCompletionRequest, CompletionRequest
 from gateway.chat.sampling import settings_from_request
 from gateway.http.errors import APIError
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 
 def chat(**kw):

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gateway.chat.request import ChatCompletionRequest
 from gateway.chat.tools import tool_plan
 from gateway.http.errors import APIError
+from gateway.openai.schemas import ChatCompletionRequest
 from gateway.parsing.tool_parsers import PARSERS, pick_parser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
