@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .generation import Generator, RunContext, TokenObserver, choice_jobs, run_choices
-from .plan import ChatPlan, ChatServer, plan_chat
+from .plan import ChatPlan, ChatServer, Reading, plan_chat
 from .request import ChatRequest
 from .sampling import SamplingSettings
-from .turn import Reading, Reply, UsageObserver
+from .turn import Reply, UsageObserver
 
 
 class Observer(TokenObserver, UsageObserver, Protocol):

@@ -8,14 +8,14 @@ Contract:
 - ``plan_chat(req, server, arrived)`` reads a ``ChatRequest`` once: the model, the sampling settings (with the
   request's output constraint: ``gateway.chat.sampling``), the tools and a forced call's grammar, the chat
   template's options and the rendered prompt. It returns a frozen ``ChatPlan`` or raises the first check's
-  ``APIError``, naming the field; nothing is sent. ``ChatPlan.reading`` is how its reply reads back
-  (``gateway.chat.turn.Reading``). The token budget is checked when the plan runs (``gateway.chat.core``),
+  ``APIError``, naming the field; nothing is sent. ``ChatPlan.reading`` (a ``Reading``) is how its reply
+  reads back (``gateway.chat.turn``). The token budget is checked when the plan runs (``gateway.chat.core``),
   so a plan also counts a prompt's tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.http import errors
@@ -28,7 +28,6 @@ from .request import ChatRequest
 from .sampling import SamplingSettings, settings_from_request
 from .template import chat_options, render_chat
 from .tools import ToolPlan, tool_plan
-from .turn import Reading
 
 _PROMPT_TAIL_TOKENS = 8  # enough to hold a template's opening <think> and the newline after it
 
@@ -43,6 +42,7 @@ class ChatServer:
     defaults: OpenAIDefaults
     chat_template: str | None  # the server's: --chat-template, else the model's own
     tool_format: ToolFormat
+    thinking_switch: bool  # the chat template turns its reasoning on and off with ``enable_thinking``
 
     @staticmethod
     def create(model: str, max_model_len: int, tokenizer: Any, eos_token_ids: frozenset[int],
@@ -53,17 +53,24 @@ class ChatServer:
         template = defaults.chat_template or getattr(tokenizer, "chat_template", None)
         chat_template = template if isinstance(template, str) else None
         return ChatServer(model, max_model_len, tokenizer, len(tokenizer), frozenset(eos_token_ids), defaults,
-                          chat_template, PARSERS[pick_parser(defaults.tool_call_parser, chat_template)])
-
-    @property
-    def thinking_switch(self) -> bool:
-        """The chat template turns its reasoning on and off with ``enable_thinking``."""
-        return "enable_thinking" in (self.chat_template or "")
+                          chat_template, PARSERS[pick_parser(defaults.tool_call_parser, chat_template)],
+                          "enable_thinking" in (chat_template or ""))
 
     def check_model(self, model: str | None) -> str:
         if model and model != self.model:
             raise errors.model_not_found(model, self.model)
         return self.model
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a reply reads back (``gateway.chat.turn``); the default reads plain text: no tools (so no format is
+    consulted), no reasoning."""
+
+    tools: ToolPlan = field(default_factory=ToolPlan)
+    tool_format: ToolFormat = PARSERS["hermes"]
+    reasons: bool = False  # the chat template writes reasoning
+    inside: bool = False  # the rendered prompt opened it: the reply begins as reasoning
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
 """A reply read back once, choice by choice: text, reasoning, tool calls and how it ended, for every API to encode.
 
 Contract:
-- ``Reading`` is how a reply reads: its tools (``ToolPlan``), the tool-call format, whether the chat template
-  writes reasoning and whether the prompt opened it (``gateway.parsing.reasoning``).
-- ``Reply(jobs, events, reading, observer, split_reasoning=...)`` reads a run's ``ChoiceEvent``s once.
+- ``Reply(jobs, events, reading, observer, split_reasoning=...)`` reads a run's ``ChoiceEvent``s once, as the
+  plan's ``Reading`` says (its tools, the tool-call format, whether the template writes reasoning).
   ``steps()`` gives a ``TurnStep`` per event: its choice's new ``ReasoningDelta``, ``ContentDelta``,
   ``CallStart`` and ``ArgumentsDelta`` events (calls parsed as they stream, ``gateway.chat.tool_output``),
   the ``TurnEnd`` once it ended, and the logprobs of its tokens. ``whole()`` is each choice's ``Turn``, its
@@ -17,31 +16,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from gateway.parsing.reasoning import ReasoningDelta, ReasoningSplitter, split_reasoning
 from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
-from gateway.parsing.tool_parsers import PARSERS, ToolCall, ToolFormat
+from gateway.parsing.tool_parsers import ToolCall
 
 from .generation import ChoiceEvent, ChoiceJob, TokenLogprobs, first_awaited
+from .plan import Reading
 from .tool_output import ToolStream, final_message
-from .tools import ToolPlan
 
-__all__ = ["ArgumentsDelta", "CallStart", "ContentDelta", "Reading", "ReasoningDelta", "Reply", "Stop",
+__all__ = ["ArgumentsDelta", "CallStart", "ContentDelta", "ReasoningDelta", "Reply", "Stop",
            "TokenLogprobs", "Turn", "TurnEnd", "TurnEvent", "TurnStep", "UsageObserver"]
 
 Stop = Literal["end", "stop_string", "length", "tool_calls"]
-
-
-@dataclass(frozen=True)
-class Reading:
-    """The default reads plain text: no tools (so no format is consulted), no reasoning."""
-
-    tools: ToolPlan = field(default_factory=ToolPlan)
-    tool_format: ToolFormat = PARSERS["hermes"]
-    reasons: bool = False  # the chat template writes reasoning
-    inside: bool = False  # the rendered prompt opened it: the reply begins as reasoning
 
 
 TurnEvent = ReasoningDelta | ContentDelta | CallStart | ArgumentsDelta
