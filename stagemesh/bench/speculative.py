@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace, streams: list[int], tmp: Path) -> int:
         proposer = load_draft_proposer(config.model, _as_served())
     model, dense = load_stage_as_served(spec)
     stops = eos_token_ids(spec, tokenizer)
-    # As the gateway does (gateway.chat_template): the template's text, then its tokens.
+    # As the gateway does (gateway.chat.template): the template's text, then its tokens.
     prompts = [tuple(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                                     add_generation_prompt=True, tokenize=False),
                                       add_special_tokens=False)) for text in PROMPTS]
