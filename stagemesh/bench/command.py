@@ -37,6 +37,8 @@ KINDS: dict[str, tuple[str, str]] = {
                  "measure per-stage memory and decode speed of PP=1..N against mlx_lm"),
     "experts": ("stagemesh.bench.experts",
                 "one mixture-of-experts block: mlx-lm's gathered experts against every expert, by rows per call"),
+    "tensor": ("stagemesh.bench.tensor",
+               "one stage's decode as a tensor-parallel group against one process, and this machine's ceiling"),
     "hop": ("stagemesh.bench.hop", "time one pipeline hop's parts (ring, TCP lane, device sync, copies)"),
     "parity": ("stagemesh.bench.parity", "check that PP=N computes bit-identical logits and tokens to PP=1"),
 }
