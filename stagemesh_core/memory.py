@@ -277,9 +277,9 @@ class ModelFacts:
         return asdict(self)
 
 
-# The draft's batch (stage_worker.speculation.draft_batch): columns are added in steps of DRAFT_COLUMN_STEP, and a batch out
-# of columns compacts its holes away (rejected proposals, padding) only once they exceed DRAFT_HOLES_TO_COMPACT
-# of its columns; until then it grows.
+# The draft's batch (stage_worker.speculation.draft_batch): columns are added in steps of DRAFT_COLUMN_STEP,
+# and a batch out of columns compacts its holes away (rejected proposals, padding) only once they exceed
+# DRAFT_HOLES_TO_COMPACT of its columns; until then it grows.
 DRAFT_COLUMN_STEP = 256
 DRAFT_HOLES_TO_COMPACT = 0.25
 

@@ -30,7 +30,16 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "stagemesh_core": ("stagemesh_core",),
     "stage_worker": ("stage_worker", "stagemesh_core"),
     "coordinator": ("coordinator", "stagemesh_core"),
-    "gateway": ("gateway", "stagemesh_core"),
+    "gateway": ("gateway", "stagemesh_core"),  # app.py and config.py compose the rooms below
+    # gateway's rooms (docs/architecture.md, "Inside the gateway"): each API a thin translation over the chat
+    # core; the core and the plumbing never import an API, and no API imports another.
+    "gateway/http": ("gateway.http", "stagemesh_core"),
+    "gateway/mesh": ("gateway.mesh", "gateway.http", "stagemesh_core"),
+    "gateway/parsing": ("gateway.parsing",),
+    "gateway/chat": ("gateway.chat", "gateway.parsing", "gateway.http", "stagemesh_core"),
+    "gateway/openai": ("gateway.openai", "gateway.chat", "gateway.http", "stagemesh_core"),
+    "gateway/anthropic": ("gateway.anthropic", "gateway.chat", "gateway.http", "stagemesh_core"),
+    "gateway/openai_responses": ("gateway.openai_responses", "gateway.chat", "gateway.http", "stagemesh_core"),
     "deploy": ("stagemesh_core",),
     # the CLI sits on top: it may import every service, never the tests
     "stagemesh": ("stagemesh", "stagemesh_core", "stage_worker", "coordinator", "gateway"),
@@ -46,15 +55,28 @@ def _package_of(path: Path) -> str:
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every import of ``path`` as an absolute module name (a relative one resolved against its package)."""
     tree = ast.parse(path.read_text(), str(path))
+    try:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    except ValueError:  # a probe file outside the project: no package to resolve against
+        parts = [path.stem]
+    package = parts if parts[-1] == "__init__" else parts[:-1]
+    package = [p for p in package if p != "__init__"]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: stays inside its own package
+            module = node.module or ""
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                if module:
+                    found.append((node.lineno, ".".join(base + [module])))
+                else:  # "from . import x": each name is a module of the package
+                    found += [(node.lineno, ".".join(base + [alias.name])) for alias in node.names]
                 continue
-            found.append((node.lineno, node.module or ""))
+            found.append((node.lineno, module))
     return found
 
 
@@ -100,6 +122,17 @@ def test_importing_the_core_loads_nothing_heavy():
                                        check=True, cwd=ROOT).stdout)
     heavy = [m for m in loaded if m.split(".")[0] in HEAVY]
     assert not heavy, heavy
+
+
+def test_the_check_resolves_a_relative_import_that_leaves_its_room():
+    probe = ROOT / "gateway" / "anthropic" / "_probe_for_the_test.py"
+    probe.write_text("from ..openai import serving\nfrom . import translate\n")
+    try:
+        modules = [m for _, m in _imports(probe)]
+    finally:
+        probe.unlink()
+    assert modules == ["gateway.openai", "gateway.anthropic.translate"]
+    assert not _allows(ALLOWED[_package_of(probe)], "gateway.openai")
 
 
 @pytest.mark.parametrize("bad", ["import coordinator.mesh", "from gateway import app", "import stagemesh.serve"])

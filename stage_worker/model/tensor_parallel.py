@@ -13,6 +13,7 @@ splits evenly (``even_share``). A split the model cannot take raises ``UserError
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +64,12 @@ def split_layer(n_heads: int, n_kv_heads: int, intermediate_size: int, size: int
                       _even_parts(intermediate_size, size)[rank])
 
 
-def even_share(args: dict[str, Any], size: int, rank: int) -> LayerShare:
+def even_share(args: Mapping[str, Any], size: int, rank: int) -> LayerShare:
     """Member ``rank``'s share where the split must be even (mlx-lm's own ``shard()``, which divides every
     count by ``size``): refused, naming the sizes that would work, where a count does not divide (pure)."""
-    counts = {"attention heads": args.get("num_attention_heads"), "KV heads": args.get("num_key_value_heads"),
-              "intermediate size": args.get("intermediate_size"),
-              "experts' intermediate size": args.get("moe_intermediate_size")}
-    counts = {name: int(n) for name, n in counts.items() if n}
+    fields = {"attention heads": "num_attention_heads", "KV heads": "num_key_value_heads",
+              "intermediate size": "intermediate_size", "experts' intermediate size": "moe_intermediate_size"}
+    counts: dict[str, int] = {name: int(args[key]) for name, key in fields.items() if args.get(key)}
     uneven = {name: n for name, n in counts.items() if n % size}
     if uneven:
         works = [n for n in range(1, min(counts.values()) + 1) if all(c % n == 0 for c in counts.values())]
@@ -94,8 +94,14 @@ class AllSumLinear(nn.Module):
 def _rows(linear: nn.Module, rows: range) -> None:
     """Keep output features ``rows`` of a (quantized) linear, in place."""
     for name in ("weight", "scales", "biases", "bias"):
-        if name in linear:
-            setattr(linear, name, linear[name][rows.start:rows.stop])
+        if name in linear and linear[name] is not None:
+            setattr(linear, name, _own(linear[name][rows.start:rows.stop]))
+
+
+def _own(part: mx.array) -> mx.array:
+    """A cut as an array of its own: a slice is a strided view of the whole tensor, which a matmul would copy
+    on every call (and which keeps the whole tensor alive)."""
+    return mx.contiguous(part)
 
 
 def _columns(linear: nn.Module, columns: range, keep_bias: bool) -> None:
@@ -106,12 +112,12 @@ def _columns(linear: nn.Module, columns: range, keep_bias: bool) -> None:
             raise UserError(f"a tensor-parallel cut at input feature {columns.start}-{columns.stop} splits a "
                             f"quantization group of {group}: use a -tp that divides the heads and intermediate "
                             "size into whole groups, or dense weights")
-        linear.weight = linear.weight[:, columns.start * bits // 32:columns.stop * bits // 32]
-        linear.scales = linear.scales[:, columns.start // group:columns.stop // group]
+        linear.weight = _own(linear.weight[:, columns.start * bits // 32:columns.stop * bits // 32])
+        linear.scales = _own(linear.scales[:, columns.start // group:columns.stop // group])
         if linear.biases is not None:
-            linear.biases = linear.biases[:, columns.start // group:columns.stop // group]
+            linear.biases = _own(linear.biases[:, columns.start // group:columns.stop // group])
     else:
-        linear.weight = linear.weight[:, columns.start:columns.stop]
+        linear.weight = _own(linear.weight[:, columns.start:columns.stop])
     if "bias" in linear and not keep_bias:
         delattr(linear, "bias")
 

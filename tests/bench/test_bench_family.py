@@ -17,8 +17,8 @@ from stagemesh.bench import command, flags
 from stagemesh.bench.report import ENVELOPE_KEYS, build_report, flags_of
 
 PRODUCT = ("serve", "chat", "status", "plan", "doctor", "convert", "certs", "soak")
-KINDS = ("serve", "compare", "stack", "gateway", "engine", "prefix", "speculative", "pipeline", "experts", "hop",
-         "parity")
+KINDS = ("serve", "compare", "stack", "gateway", "engine", "prefix", "speculative", "pipeline", "experts",
+         "tensor", "hop", "parity")
 OLD_FLAGS = ("--out", "--tokens", "--prompt-len", "--max-tokens", "--repeats", "--port", "--stage-rpc")
 
 
@@ -88,10 +88,10 @@ def test_a_flag_kinds_share_reads_the_same_in_each_and_the_old_names_are_gone():
                                      "pipeline", "parity"]
     assert where["--input-len"] == ["serve", "compare", "stack", "gateway", "engine"]
     assert where["--rounds"] == ["serve", "compare", "stack", "speculative", "pipeline"]
-    assert where["--warmup"] == ["serve", "experts", "hop"]
-    assert where["--port-base"] == ["compare", "stack", "gateway", "speculative", "hop"]
+    assert where["--warmup"] == ["serve", "experts", "tensor", "hop"]
+    assert where["--port-base"] == ["compare", "stack", "gateway", "speculative", "tensor", "hop"]
     assert where["--shape"] == ["compare", "stack", "engine", "speculative", "experts"]
-    assert where["model"] == ["compare", "stack", "engine", "prefix", "speculative", "pipeline", "parity"]
+    assert where["model"] == ["compare", "stack", "engine", "prefix", "speculative", "pipeline", "tensor", "parity"]
 
 
 def test_flags_of_keeps_a_kinds_settings_and_drops_the_clis_own():
@@ -155,6 +155,11 @@ def _fake(kind: str) -> tuple[dict, dict, list[dict]]:
                          "rows": [{"rows": 16, "experts_touched": 8, "gathered_ms_p50": 1.5,
                                    "all_experts_ms_p50": 0.5, "speedup": 3.0, "max_relative_difference": 0.0}]},
                     [{"rows": 16, "compares": "gathered / all experts time", "value": 3.0}]),
+        "tensor": ({}, {"tp": 2, "model": "m", "weight_bytes": 2e8, "member_weight_bytes": 1.2e8, "blas": "openblas",
+                        "shapes": [{"rows": 1, "tp1_step_ms": 10.0, "tp_step_ms": 6.0, "tp_allreduce_ms": 1.0,
+                                    "tp_compute_ms": 5.0, "tp1_tokens_per_s": 100.0, "tp_tokens_per_s": 166.7,
+                                    "speedup": 1.667, "ceiling": 1.9, "of_ceiling": 0.877}]},
+                   [{"rows": 1, "compares": "-tp 2 / -tp 1 tokens/s", "value": 1.667}]),
         "hop": ({"device": "Device(cpu, 0)"},
                 {"dtype": "bfloat16", "hidden": 64, "shapes": [
                     {"rows": 1, "bytes": 128, **{f"{p}_ms_p50": 0.1 for p in (
@@ -180,6 +185,7 @@ def _text(kind: str, report: dict) -> str:
         serve_report,
         speculative,
         stack,
+        tensor,
     )
 
     results = report["results"]
@@ -193,6 +199,7 @@ def _text(kind: str, report: dict) -> str:
         "speculative": lambda: speculative.format_speculative(report),
         "pipeline": lambda: pipeline.format_table(results["summary"], report["ratios"]),
         "experts": lambda: experts.format_experts(report),
+        "tensor": lambda: tensor.format_tensor(report),
         "hop": lambda: hop.format_hop(report),
         "parity": lambda: "\n".join(parity.format_parity(results)),
     }[kind]()
