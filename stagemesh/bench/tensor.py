@@ -3,9 +3,10 @@
 Starts ``--tp`` processes on loopback (MLX ring ranks, every one on one BLAS thread with the optimized BLAS
 preloaded, as a stage is, each standing for one Mac), loads the whole model as one stage in float32 with
 dense weights, cuts it to each member's share (``stage_worker.model.tensor_parallel``) and times greedy
-decode steps of ``--rows`` sequences at once; then one process does the same with the whole stage. Rank 0
-also times the group's all-reduces alone (two per layer of a ``[rows, hidden]`` array), so a step splits into
-compute and all-reduce. The ceiling is this machine's own: ``--tp`` processes at once, each streaming its
+decode steps of ``--rows`` sequences at once; then one process does the same with the whole stage. A step
+splits into the member's compute (the same steps with the sums left out) and the rest (all-reduces and
+waiting for the slower member); rank 0 also times the group's all-reduces alone (two per layer of a
+``[rows, hidden]`` array). The ceiling is this machine's own: ``--tp`` processes at once, each streaming its
 share of the stage's weight bytes through a matrix product of ``rows`` rows, against one process streaming
 all of them; on one host the processes share memory bandwidth, so it is well below ``--tp``. The report's
 ratios: the group's tokens/s over one process's, and that speed-up over the ceiling.
@@ -55,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
         speedup = s["step_ms"] / g["step_ms"]
         ceiling = c1["step_ms"] / c["step_ms"]
         shapes.append({"rows": g["rows"], "tp1_step_ms": s["step_ms"], "tp_step_ms": g["step_ms"],
-                       "tp_allreduce_ms": g["allreduce_ms"],
-                       "tp_compute_ms": round(g["step_ms"] - g["allreduce_ms"], 4),
+                       "tp_allreduce_ms": g["allreduce_ms"], "tp_compute_ms": g["compute_ms"],
                        "tp1_tokens_per_s": round(1e3 * g["rows"] / s["step_ms"], 1),
                        "tp_tokens_per_s": round(1e3 * g["rows"] / g["step_ms"], 1),
                        "speedup": round(speedup, 3), "ceiling": round(ceiling, 3),
@@ -92,10 +92,11 @@ def format_tensor(report: dict[str, Any]) -> str:
     r = report["results"]
     lines = [f"{r['model']}, -tp {r['tp']} against -tp 1, {r['blas']} on one thread per member; member weights "
              f"{r['member_weight_bytes'] / 1e6:.0f} MB of {r['weight_bytes'] / 1e6:.0f} MB",
-             f"{'rows':>5} {'tp1 ms':>9} {'tp ms':>9} {'allreduce':>10} {'tok/s tp1':>10} {'tok/s tp':>9} "
-             f"{'speedup':>8} {'ceiling':>8} {'of ceil':>8}"]
+             f"{'rows':>5} {'tp1 ms':>9} {'tp ms':>9} {'compute':>8} {'allreduce':>10} {'tok/s tp1':>10} "
+             f"{'tok/s tp':>9} {'speedup':>8} {'ceiling':>8} {'of ceil':>8}"]
     for s in r["shapes"]:
-        lines.append(f"{s['rows']:>5} {s['tp1_step_ms']:>9.3f} {s['tp_step_ms']:>9.3f} {s['tp_allreduce_ms']:>10.3f} "
+        lines.append(f"{s['rows']:>5} {s['tp1_step_ms']:>9.3f} {s['tp_step_ms']:>9.3f} {s['tp_compute_ms']:>8.3f} "
+                     f"{s['tp_allreduce_ms']:>10.3f} "
                      f"{s['tp1_tokens_per_s']:>10.1f} {s['tp_tokens_per_s']:>9.1f} {s['speedup']:>8.3f} "
                      f"{s['ceiling']:>8.3f} {s['of_ceiling']:>8.3f}")
     return "\n".join(lines)
@@ -117,6 +118,7 @@ def _rank_main(config: dict[str, Any]) -> None:
     from stage_worker.model.blas import loaded_blas
     from stage_worker.model.packed_forward import Segment
     from stage_worker.model.stage_model import StageModel, StageRole
+    from stage_worker.model.tensor_parallel import AllSumLinear
     from stagemesh_core.layer_split import LayerRange
 
     group = mx.distributed.init(backend="ring", strict=True) if config["size"] > 1 else None
@@ -170,8 +172,23 @@ def _rank_main(config: dict[str, Any]) -> None:
                         x = mx.distributed.all_sum(x, group=group)
                         mx.eval(x)
                     allreduce.append(time.perf_counter() - started)
+            compute = []
+            if group is not None:  # the same steps with every sum left out: the member's compute alone
+                sums = [m for layer in model.layers for m in layer.modules() if isinstance(m, AllSumLinear)]
+                for m in sums:
+                    m.summing = False
+                for i in range(config["warmup"] + config["steps"]):
+                    started = time.perf_counter()
+                    out = model.run_packed(model.embed(tokens.astype(mx.int32)),
+                                           [Segment(c, 1, j) for j, c in enumerate(caches)])
+                    mx.eval(mx.argmax(model.logits(out), axis=-1))
+                    if i >= config["warmup"]:
+                        compute.append(time.perf_counter() - started)
+                for m in sums:
+                    m.summing = True
             result["shapes"].append({"rows": rows, "step_ms": _median_ms(samples),
-                                     "allreduce_ms": _median_ms(allreduce) if allreduce else 0.0})
+                                     "allreduce_ms": _median_ms(allreduce) if allreduce else 0.0,
+                                     "compute_ms": _median_ms(compute) if compute else _median_ms(samples)})
     if rank == 0:
         Path(config["result"]).write_text(json.dumps(result))
 
