@@ -41,6 +41,11 @@ class StageProcess:
     rank: int
     process: subprocess.Popen
     log_path: Path
+    member: int = 0  # its place in the stage's tensor-parallel group
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.rank}" + (f" worker {self.member}" if self.member else "")
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -76,14 +81,14 @@ class LocalPipeline:
                 elif code != 0:
                     self.stop()
                     raise PipelineFailed(
-                        f"stage {stage.rank} exited with code {code}:\n{stage.log_tail()}",
+                        f"{stage.name} exited with code {code}:\n{stage.log_tail()}",
                         stage.rank, code,
                     )
             if not running:
                 return
             if time.monotonic() > deadline:
                 self.stop()
-                tails = "\n".join(f"--- stage {s.rank}\n{s.log_tail(5)}" for s in self.stages)
+                tails = "\n".join(f"--- {s.name}\n{s.log_tail(5)}" for s in self.stages)
                 raise PipelineFailed(f"pipeline did not finish within {timeout_s:.0f} s\n{tails}", -1, None)
             time.sleep(_POLL_S)
 
@@ -111,7 +116,8 @@ def start_local_pipeline(
     env: dict[str, str] | None = None,
     workdir: str | None = None,
 ) -> LocalPipeline:
-    """Start every rank of ``plan`` with ``options`` (one for all, or one per rank)."""
+    """Start every rank of ``plan`` (every worker of each tensor-parallel group) with ``options`` (one for all, or
+    one per rank)."""
     if options is None or isinstance(options, StageOptions):
         per_rank = [options or StageOptions()] * plan.size
     else:
@@ -124,18 +130,21 @@ def start_local_pipeline(
         (root / "job.json").write_text(json.dumps(job))
     pipeline = LocalPipeline(plan, root)
     child_env = {**os.environ, **(env or {})}
-    for stage in plan.stages:
-        launch_path = root / f"launch-{stage.rank}.json"
-        launch_path.write_text(StageLaunch(plan, stage.rank, per_rank[stage.rank]).to_json())
+    for stage in plan.workers:
+        # A group member's files carry its member number; worker 0's keep the stage's names.
+        name = f"{stage.rank}" + (f"-{stage.member}" if stage.member else "")
+        launch_path = root / f"launch-{name}.json"
+        launch_path.write_text(StageLaunch(plan, stage.rank, per_rank[stage.rank], member=stage.member).to_json())
         args = [sys.executable, "-m", "stage_worker.service.harness", "--launch", str(launch_path)]
-        if stage.rank == 0 and job is not None:
+        leader = stage.member == 0
+        if stage.rank == 0 and leader and job is not None:
             args += ["--job", str(root / "job.json"), "--job-result", str(root / "result.json")]
-        if record_logits and stage.rank == plan.size - 1:
+        if record_logits and stage.rank == plan.size - 1 and leader:
             args += ["--record-logits", str(root / "logits.npz")]
         if stats:
-            args += ["--stats", str(root / f"stats-{stage.rank}.json")]
-        log_path = root / f"stage-{stage.rank}.log"
+            args += ["--stats", str(root / f"stats-{name}.json")]
+        log_path = root / f"stage-{name}.log"
         with open(log_path, "w") as log_file:
             process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
-        pipeline.stages.append(StageProcess(stage.rank, process, log_path))
+        pipeline.stages.append(StageProcess(stage.rank, process, log_path, stage.member))
     return pipeline

@@ -187,6 +187,15 @@ class StageKV:
                    windows=tuple((elements, window) for window, elements in sorted(by_window.items())),
                    state=state)
 
+    def share(self, heads: int, of: int) -> StageKV:
+        """What a tensor-parallel member holding ``heads`` of every layer's ``of`` KV heads keeps (pure): its
+        part of the keys and values, rounded up; recurrent state counted whole (an upper bound)."""
+        def part(elements: int) -> int:
+            return -(-elements * heads // of)
+
+        return StageKV(per_token=part(self.per_token), windows=tuple((part(e), w) for e, w in self.windows),
+                       state=self.state)
+
     def per_token_bytes(self, element_bytes: int) -> int:
         """Bytes of one more position in the full-context layers (the part that grows without bound)."""
         return self.per_token * element_bytes

@@ -6,7 +6,13 @@ its layer range, host and ports. Plans are made by pure functions
 (``make_local_plan`` here; ``coordinator.placement.pipeline_plan`` for Ray),
 and never mutated.
 
-A ``StageLaunch`` is one stage process's whole input: the plan, its rank and
+With tensor parallelism (``tensor_parallel_size`` T > 1) each stage is a group of T worker processes:
+``stages`` holds each group's worker 0 (the one its neighbouring stages talk to), ``members`` the others,
+and ``workers`` all of them in the order the coordinator places them (each stage's worker 0, then its
+members). Every worker of a group holds 1/T of the stage's sharded weights and computes each batch with the
+others over the group's own MLX group (``tp_backend``); worker 0 mirrors every batch to its members.
+
+A ``StageLaunch`` is one stage process's whole input: the plan, its rank (and member) and
 its ``StageOptions`` (queue sizes, memory share, its GPU, timeouts). The coordinator
 (or the local launcher) writes it as JSON; the stage reads it with
 ``StageLaunch.from_json``. One value, not a hand-built argv that two modules
@@ -16,15 +22,17 @@ must keep in step.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from stagemesh_core import defaults
 from stagemesh_core.errors import UserError
 from stagemesh_core.layer_split import LayerRange, plan_layer_split
-from stagemesh_core.ports import stage_ports
+from stagemesh_core.ports import member_ports, stage_ports
 from stagemesh_core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, LOOPBACK
 from stagemesh_core.speculative import SpeculativeConfig
+
+TP_BACKENDS = ("ring", "jaccl", "nccl")  # MLX's distributed backends a tensor-parallel group can compute over
 
 
 @dataclass(frozen=True)
@@ -33,13 +41,21 @@ class StagePlacement:
     global_index: int  # stage index across all replicas; fixes the ports
     layers: LayerRange
     host: str
-    ring_port: int
-    lane_port: int
+    ring_port: int  # worker 0: the pipeline ring's port; a member: 0 (it is on no pipeline ring)
+    lane_port: int  # worker 0: where its predecessor's control lane arrives; a member: worker 0's mirror lane
     grpc_port: int
+    member: int = 0  # its place in the stage's tensor-parallel group (0: the stage's worker 0)
+    group_port: int = 0  # its port in the group's MLX group (0: no group, -tp 1)
 
     @property
     def name(self) -> str:
-        return f"stage {self.rank} ({self.host})"
+        return f"stage {self.rank} ({self.host})" if not self.group_port else \
+            f"stage {self.rank} worker {self.member} ({self.host})"
+
+    @property
+    def ports(self) -> list[int]:
+        """Every port this worker binds."""
+        return [p for p in (self.ring_port, self.lane_port, self.grpc_port, self.group_port) if p]
 
 
 @dataclass(frozen=True)
@@ -62,14 +78,49 @@ class PipelinePlan:
     # How hidden states travel between stages: "lane" (their bytes after the header on the stage's
     # TCP lane) or "ring" (MLX's ring). Every stage of a pipeline must use the same.
     hop_transport: str = "lane"
+    tensor_parallel_size: int = 1  # workers per stage (-tp)
+    tp_backend: str = "ring"  # the MLX backend each group's all-reduces use (TP_BACKENDS)
+    members: tuple[StagePlacement, ...] = ()  # the groups' workers 1.. (``stages`` holds each worker 0)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise UserError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tp_backend not in TP_BACKENDS:
+            raise UserError(f"--tp-backend {self.tp_backend!r}: choose one of {', '.join(TP_BACKENDS)}")
+        if self.tensor_parallel_size > 1 and self.hop_transport == "ring":
+            raise UserError("--hop-transport ring cannot carry a tensor-parallel pipeline's hops: a process joins "
+                            "one MLX group, and a -tp stage's is its group's; use --hop-transport lane (the "
+                            "default) with -tp")
+        if len(self.members) != len(self.stages) * (self.tensor_parallel_size - 1):
+            raise ValueError(f"{len(self.members)} group members for {len(self.stages)} stages of "
+                             f"{self.tensor_parallel_size} workers")
 
     @property
     def size(self) -> int:
         return len(self.stages)
 
+    @property
+    def workers(self) -> tuple[StagePlacement, ...]:
+        """Every worker process of the replica: each stage's worker 0, then that stage's members."""
+        return tuple(w for rank in range(self.size) for w in self.group(rank))
+
+    def group(self, rank: int) -> tuple[StagePlacement, ...]:
+        """Stage ``rank``'s workers, member 0 first."""
+        return (self.stages[rank], *sorted((m for m in self.members if m.rank == rank), key=lambda m: m.member))
+
+    def worker(self, rank: int, member: int) -> StagePlacement:
+        group = self.group(rank)
+        if not 0 <= member < len(group):
+            raise UserError(f"member {member} outside stage {rank}'s group of {len(group)}")
+        return group[member]
+
     def ring_hostfile(self) -> list[list[str]]:
         """MLX_HOSTFILE content: one ``["ip:port"]`` list per rank."""
         return [[f"{s.host}:{s.ring_port}"] for s in self.stages]
+
+    def group_hostfile(self, rank: int) -> list[list[str]]:
+        """MLX_HOSTFILE content of stage ``rank``'s tensor-parallel group: one ``["ip:port"]`` per member."""
+        return [[f"{w.host}:{w.group_port}"] for w in self.group(rank)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -81,11 +132,34 @@ class PipelinePlan:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> PipelinePlan:
         raw = dict(raw)
-        stages = tuple(
-            StagePlacement(**{**s, "layers": LayerRange(**s["layers"])})
-            for s in raw.pop("stages")
-        )
-        return cls(**raw, stages=stages)
+        def placement(s: dict[str, Any]) -> StagePlacement:
+            return StagePlacement(**{**s, "layers": LayerRange(**s["layers"])})
+
+        stages = tuple(placement(s) for s in raw.pop("stages"))
+        members = tuple(placement(s) for s in raw.pop("members", ()))
+        return cls(**raw, stages=stages, members=members)
+
+
+def with_groups(stages: tuple[StagePlacement, ...], member_hosts: dict[tuple[int, int], str], total_stages: int,
+                tensor_parallel_size: int, ring_base_port: int, grpc_base_port: int,
+                ) -> tuple[tuple[StagePlacement, ...], tuple[StagePlacement, ...]]:
+    """``stages`` as tensor-parallel groups of ``tensor_parallel_size`` (pure): each worker 0 with its group
+    port, and every other member (on ``member_hosts[(rank, member)]``) with its ports
+    (``stagemesh_core.ports.member_ports``). Unchanged, and no members, at -tp 1."""
+    t = tensor_parallel_size
+    if t == 1:
+        return stages, ()
+    leaders, members = [], []
+    for s in stages:
+        for m in range(t):
+            ports = member_ports(s.global_index, m, total_stages, t, ring_base_port, grpc_base_port)
+            if m == 0:
+                leaders.append(replace(s, group_port=ports.group))
+            else:
+                members.append(StagePlacement(rank=s.rank, global_index=s.global_index, layers=s.layers,
+                                              host=member_hosts[(s.rank, m)], ring_port=0, lane_port=ports.lane,
+                                              grpc_port=ports.grpc, member=m, group_port=ports.group))
+    return tuple(leaders), tuple(members)
 
 
 def make_local_plan(
@@ -104,8 +178,10 @@ def make_local_plan(
     dequantize: str = "auto",
     load_format: str = "auto",
     hop_transport: str = "lane",
+    tensor_parallel_size: int = 1,
+    tp_backend: str = "ring",
 ) -> PipelinePlan:
-    """Plan one pipeline with every stage on ``host`` (loopback by default)."""
+    """Plan one pipeline with every stage (and every tensor-parallel worker) on ``host`` (loopback by default)."""
     ranges = plan_layer_split(num_layers, pipeline_size, layer_split)
     total = total_stages if total_stages is not None else first_global_index + pipeline_size
     stages = []
@@ -123,15 +199,21 @@ def make_local_plan(
                 grpc_port=ports.grpc,
             )
         )
+    hosts = {(rank, m): host for rank in range(pipeline_size) for m in range(1, tensor_parallel_size)}
+    leaders, members = with_groups(tuple(stages), hosts, total, tensor_parallel_size, ring_base_port,
+                                   grpc_base_port)
     return PipelinePlan(
         replica=replica,
         model_path=model_path,
         num_layers=num_layers,
         compute_dtype=compute_dtype,
-        stages=tuple(stages),
+        stages=leaders,
         dequantize=dequantize,
         load_format=load_format,
         hop_transport=hop_transport,
+        tensor_parallel_size=tensor_parallel_size,
+        tp_backend=tp_backend,
+        members=members,
     )
 
 
@@ -198,16 +280,29 @@ class StageLaunch:
     # Mutual TLS for the stage's gRPC port: its node's TLS directory (stagemesh_core.grpc_tls); the node's
     # own STAGEMESH_GRPC_TLS_DIR wins, since the head's path need not exist there. "": plaintext.
     grpc_tls_dir: str = ""
+    member: int = 0  # its place in the stage's tensor-parallel group (0: the stage's worker 0)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.plan.size:
             raise UserError(f"rank {self.rank} outside the plan's 0..{self.plan.size - 1}")
+        if not 0 <= self.member < self.plan.tensor_parallel_size:
+            raise UserError(f"member {self.member} outside a group of {self.plan.tensor_parallel_size}")
         if self.plan.hop_transport not in ("lane", "ring"):
             raise UserError(f"hop transport {self.plan.hop_transport!r}: choose lane or ring")
 
     @property
     def me(self) -> StagePlacement:
-        return self.plan.stages[self.rank]
+        return self.plan.worker(self.rank, self.member)
+
+    @property
+    def in_group(self) -> bool:
+        """This stage computes as a tensor-parallel group (-tp above 1)."""
+        return self.plan.tensor_parallel_size > 1
+
+    @property
+    def is_member(self) -> bool:
+        """A group's worker 1..: it follows its worker 0's batches and talks to no other stage."""
+        return self.member > 0
 
     @property
     def is_first(self) -> bool:
@@ -219,14 +314,16 @@ class StageLaunch:
 
     def stages_sharing_host(self) -> int:
         """Stages sharing this stage's host: the coordinator's count per node, else this plan's."""
-        return self.options.stages_on_host or sum(1 for s in self.plan.stages if s.host == self.me.host)
+        return self.options.stages_on_host or sum(1 for s in self.plan.workers if s.host == self.me.host)
 
     def to_json(self) -> str:
-        return json.dumps({"plan": asdict(self.plan), "rank": self.rank, "options": asdict(self.options),
-                           "mesh_token": self.mesh_token, "grpc_tls_dir": self.grpc_tls_dir}, indent=2)
+        return json.dumps({"plan": asdict(self.plan), "rank": self.rank, "member": self.member,
+                           "options": asdict(self.options), "mesh_token": self.mesh_token,
+                           "grpc_tls_dir": self.grpc_tls_dir}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> StageLaunch:
         raw = json.loads(text)
         return cls(PipelinePlan.from_dict(raw["plan"]), int(raw["rank"]), StageOptions.from_dict(raw["options"]),
-                   mesh_token=str(raw.get("mesh_token", "")), grpc_tls_dir=str(raw.get("grpc_tls_dir", "")))
+                   mesh_token=str(raw.get("mesh_token", "")), grpc_tls_dir=str(raw.get("grpc_tls_dir", "")),
+                   member=int(raw.get("member", 0)))

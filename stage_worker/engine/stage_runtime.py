@@ -35,6 +35,7 @@ from stage_worker.sampling.sampler import sample_rows
 from stage_worker.speculation.rules import VerifyLayout, accept_proposals, drafts_body, drafts_from_body
 from stage_worker.transport import wire
 from stage_worker.transport.build_ahead import Placeholder
+from stage_worker.transport.group import GroupMirror
 from stage_worker.transport.links import InboundLink, LinkError, OutboundLink
 from stage_worker.transport.wire import FrameKind
 
@@ -78,6 +79,9 @@ class StageCompute:
         self._recorder = recorder
         self._threads = threads
         self.rows = RowProcessors(model.spec)  # per-sequence logits processors (used on the last stage)
+        # A tensor-parallel stage's worker 0: each batch goes to the group's members before it is computed here
+        # (``stage_worker.transport.group``), so their all-reduces pair with this stage's.
+        self.mirror: GroupMirror | None = None
 
     @property
     def recording(self) -> bool:
@@ -95,6 +99,8 @@ class StageCompute:
         """
         if self._threads is not None:
             self._threads.for_load(in_flight)
+        if self.mirror is not None:
+            self.mirror.send(records, hidden, in_flight)
         # Sequences that ended earlier are released (their prefix kept, where the entry stage says so) and
         # evicted prefix entries dropped before this batch's new ones take their places.
         self._apply_prefix_records(records)
@@ -390,8 +396,9 @@ class EntryPipeline:
     @property
     def can_carry(self) -> bool:
         """Whether ``submit`` takes ``Chunk.carried`` decode steps of the oldest batch in flight: on a
-        single stage fed from the device, on a longer pipeline built ahead and fed from its reply."""
-        return self._is_last or self._build_ahead
+        single stage fed from the device, on a longer pipeline built ahead and fed from its reply. Never on a
+        tensor-parallel stage: its members need each batch's input rows before it runs."""
+        return (self._is_last or self._build_ahead) and self._compute.mirror is None
 
     @property
     def in_flight(self) -> int:

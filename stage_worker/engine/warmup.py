@@ -57,14 +57,15 @@ def warmup_plan(backend: str, *, max_num_seqs: int, micro_batches: int, max_batc
                       prompt_tokens=prompt)
 
 
-def warm_up(model: StageModel, plan: WarmupPlan) -> None:
+def warm_up(model: StageModel, plan: WarmupPlan, in_group: bool = False) -> None:
     """Run ``plan`` through ``model``'s slice against throwaway caches; every result is discarded.
 
     The first stage starts from its embedding and the last ends with its norm, head and sampling, as in
     serving. The batches go through ``StageCompute.forward`` / ``sample`` themselves, so the warm-up takes the
     paths serving takes (a lone decode on plain caches, a group on its batch cache). A single-stage pipeline
     (first and last) runs its decode groups through a throwaway ``EntryPipeline`` instead, as the engine
-    does (``_entry_decode``)."""
+    does (``_entry_decode``), except in a tensor-parallel group (``in_group``): every worker of the group then
+    runs the same batches one by one (a member has neither end), so their all-reduces pair up."""
     compute = StageCompute(model, max(plan.decode_batches, default=1))
     seq_ids = itertools.count(1)
     fresh = RecordFlag.NEW_SEQUENCE | RecordFlag.SAMPLE
@@ -73,7 +74,7 @@ def warm_up(model: StageModel, plan: WarmupPlan) -> None:
         _batch(compute, [SequenceRecord(seq, 0, tokens, fresh)])
         compute.kv.release(seq)
     prompt = plan.prompt_tokens
-    single_stage = model.role.is_first and model.role.is_last
+    single_stage = model.role.is_first and model.role.is_last and not in_group
     for size in plan.decode_batches:
         group = [next(seq_ids) for _ in range(size)]
         if single_stage:

@@ -4,8 +4,9 @@
 [--record-logits LOGITS.npz] [--stats STATS.json]`` loads and connects exactly like
 a serving stage (``stage_process.run_stage``) but serves no gRPC: rank 0 runs
 the ``GenerationJob`` (if any) and stops the pipeline; the other ranks relay
-until the SHUTDOWN message has gone round. The last rank can record the logits
-of every sampled row; every rank can write its weight bytes and peak RSS.
+until the SHUTDOWN message has gone round (a tensor-parallel group's members
+follow their worker 0). The last rank can record the logits of every sampled
+row; every rank can write its weight bytes and peak RSS.
 ``coordinator.local_launcher`` starts a whole pipeline of these.
 """
 
@@ -34,7 +35,7 @@ def run(launch: StageLaunch, options: HarnessOptions) -> int:
     from stage_worker.engine.stage_runtime import LogitRecorder
     from stage_worker.engine.stage_status import StageStatus
     from stage_worker.service.memory import peak_rss_bytes
-    from stage_worker.service.stage_process import RunningStage, open_stage, run_relay, run_stage
+    from stage_worker.service.stage_process import RunningStage, open_stage, run_member, run_relay, run_stage
     from stagemesh_core.states import ExitCode, StageState
 
     ctx = open_stage(launch)
@@ -47,6 +48,9 @@ def run(launch: StageLaunch, options: HarnessOptions) -> int:
     def body(stage: RunningStage) -> None:
         nonlocal weight_bytes
         weight_bytes = stage.loaded.model.weight_bytes
+        if launch.is_member:
+            run_member(stage, status)
+            return
         if not launch.is_first:
             run_relay(stage, status)
             return
@@ -63,7 +67,8 @@ def run(launch: StageLaunch, options: HarnessOptions) -> int:
         return code
     if recorder is not None and options.record_logits:
         recorder.save(options.record_logits)
-    _write_json(options.stats, {"rank": launch.rank, "layers": [launch.me.layers.start, launch.me.layers.end],
+    _write_json(options.stats, {"rank": launch.rank, "member": launch.member,
+                                "layers": [launch.me.layers.start, launch.me.layers.end],
                                 "weight_bytes": weight_bytes, "peak_rss_bytes": peak_rss_bytes()})
     return code
 

@@ -6,6 +6,11 @@ exits ``ExitCode.CONFIG`` before anything loads), start the gRPC server, ``load`
 its kernels, ``connect`` to both neighbours, then ``run_entry`` (rank 0: the scheduler and engine behind
 ``GenerateStream``) or ``run_relay`` (every other rank, until SHUTDOWN has gone round the ring).
 
+With ``-tp`` a stage is a group of workers (``stage_worker.transport.group``): every worker joins the group's
+MLX group before loading and keeps its share of the layers (``StageModel.shard``); worker 0 then does all of
+the above and mirrors each batch to the members, which ``run_member`` (``stage_worker.engine.group_member``)
+computes until worker 0 sends SHUTDOWN.
+
 ``run_stage`` is load, connect and run, with the error handling both the server and the test harness
 (``stage_worker.service.harness``) share. Exit codes are ``stagemesh_core.states.ExitCode``: 0 done, 2 configuration,
 3 a neighbour failed or refused us, 75 a ring operation outlived the ring timeout.
@@ -30,6 +35,7 @@ from stage_worker.checkpoint.mlx_arch import exact_prefix_reuse
 from stage_worker.checkpoint.model_reader import read_model_spec
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec
 from stage_worker.engine.entry_engine import EntryEngine, PipelineBroken, step_ahead_wanted
+from stage_worker.engine.group_member import member_loop
 from stage_worker.engine.launcher import KernelLauncher, launcher_wanted, plain_kv_caches
 from stage_worker.engine.scheduler import Scheduler
 from stage_worker.engine.stage_runtime import EntryPipeline, LogitRecorder, StageCompute, relay_loop
@@ -47,6 +53,7 @@ from stage_worker.model.stage_model import (
     choose_dense_weights,
     model_fingerprint,
     resolve_compute_dtype,
+    runs_packed,
 )
 from stage_worker.service.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.service.memory import (
@@ -61,6 +68,7 @@ from stage_worker.speculation.draft_proposer import DraftWeights, load_draft_pro
 from stage_worker.speculation.rules import Proposer
 from stage_worker.transport import wire
 from stage_worker.transport.build_ahead import build_ahead_enabled
+from stage_worker.transport.group import GroupIdentity, GroupMirror, accept_leader, group_minimum, join_group
 from stage_worker.transport.handshake import StageIdentity, connect_neighbours, init_ring
 from stage_worker.transport.links import InboundLink, LinkError, OutboundLink, Ring, RingWatchdog
 from stagemesh_core import defaults, settings
@@ -94,7 +102,8 @@ class StageContext:
 
 def stage_name(launch: StageLaunch) -> str:
     """How this stage names itself in logs and errors."""
-    return f"replica {launch.plan.replica} stage {launch.rank}/{launch.plan.size}"
+    worker = f" worker {launch.member}/{launch.plan.tensor_parallel_size}" if launch.in_group else ""
+    return f"replica {launch.plan.replica} stage {launch.rank}/{launch.plan.size}{worker}"
 
 
 @dataclass(frozen=True)
@@ -106,13 +115,15 @@ class LoadedStage:
 
 @dataclass
 class StageLinks:
-    """This stage's two neighbours (both None in a one-stage pipeline)."""
+    """This stage's two neighbours (both None in a one-stage pipeline); a group member's ``inbound`` is its
+    worker 0's mirror lane, and a group's worker 0 has its ``mirror`` to the members."""
 
     inbound: InboundLink | None = None
     outbound: OutboundLink | None = None
+    mirror: GroupMirror | None = None
 
     def close(self) -> None:
-        for link in (self.inbound, self.outbound):
+        for link in (self.inbound, self.outbound, self.mirror):
             if link is not None:
                 link.close()
 
@@ -130,13 +141,17 @@ class RunningStage:
         """The entry stage's pipeline; where ``STAGEMESH_LAUNCH_THREAD`` applies, a kernel launcher evaluates
         its steps (``stage_worker.engine.launcher``)."""
         is_last = self.context.launch.is_last
-        wanted = launcher_wanted(settings.LAUNCH_THREAD, current_backend(), is_last,
-                                 plain_kv_caches(self.compute.model.new_caches()), speculating, self.compute.recording)
+        # A tensor-parallel stage's members need each batch's input rows before it runs: no launcher thread
+        # evaluating later, no graphs built ahead on rows still to come.
+        grouped = self.context.launch.in_group
+        wanted = not grouped and launcher_wanted(settings.LAUNCH_THREAD, current_backend(), is_last,
+                                                 plain_kv_caches(self.compute.model.new_caches()), speculating,
+                                                 self.compute.recording)
         launcher = KernelLauncher() if wanted else None
         return EntryPipeline(self.compute, self.links.outbound, self.links.inbound, is_last,
                              reply_timeout_s=self.context.ring_timeout_s, on_batch=status.record_batch,
-                             on_wait=status.record_wait, build_ahead=build_ahead_enabled(settings.STEP_AHEAD),
-                             launcher=launcher)
+                             on_wait=status.record_wait,
+                             build_ahead=not grouped and build_ahead_enabled(settings.STEP_AHEAD), launcher=launcher)
 
 
 def resolve(launch: StageLaunch) -> StageContext:
@@ -167,9 +182,10 @@ def open_stage(launch: StageLaunch) -> StageContext | None:
         return None
 
 
-def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
-    """Load this rank's slice, choose dense or quantized weights, size the KV cache within the stage's memory
-    budget (the host's memory on the CPU, the GPU's on Metal and CUDA: ``stage_worker.model.device``), warm the
+def load(ctx: StageContext, status: StageStatus, group: mx.distributed.Group | None = None) -> LoadedStage:
+    """Load this rank's slice, choose dense or quantized weights, keep this worker's share of it in a
+    tensor-parallel ``group``, size the KV cache within the stage's memory budget (the host's memory on the CPU,
+    the GPU's on Metal and CUDA: ``stage_worker.model.device``; a group's is its smallest member's), warm the
     kernels (``stage_worker.engine.warmup``)."""
     launch, me, spec = ctx.launch, ctx.launch.me, ctx.spec
     log.info("loading layers %s of %s (%s) host=%s grpc_port=%d ring_port=%d lane_port=%d",
@@ -188,7 +204,9 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     # (so `stagemesh status`, /mesh and the dashboard show how far a long load has got).
     progress = WeightProgress(log=log, on_change=lambda counts: setattr(status, "load", counts))
     with reporting(progress):
-        model = StageModel.load(spec, StageRole(me.layers, launch.is_first, launch.is_last), ctx.dtype)
+        # A group member computes layers only: worker 0 embeds, and samples from the group's sum.
+        role = StageRole(me.layers, launch.is_first and not launch.is_member, launch.is_last and not launch.is_member)
+        model = StageModel.load(spec, role, ctx.dtype)
     sharing = launch.stages_sharing_host()
     own_gpu = stage_has_own_gpu(options.gpu_index, settings.GPU_PER_STAGE)
     budget = host_memory_budget(options.memory_fraction,
@@ -202,6 +220,14 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     if dense:
         model.dequantize()
     log.info("weights %s (%s)", "dequantized" if dense else ("quantized" if model.quantized else "dense"), why)
+    share = None
+    if group is not None:
+        whole = model.weight_bytes
+        share = model.shard(group)
+        log.info("tensor-parallel share: worker %d of %d holds KV heads %d-%d, attention heads %d-%d, intermediate "
+                 "features %d-%d: %.1f MB of the slice's %.1f MB", share.rank, share.size, share.kv_heads.start,
+                 share.kv_heads.stop - 1, share.heads.start, share.heads.stop - 1, share.intermediate.start,
+                 share.intermediate.stop - 1, model.weight_bytes / 1e6, whole / 1e6)
     if fusion_wanted(settings.FUSE_PROJECTIONS, device.backend):
         fused = model.fuse_projections()
         log.info("projections joined: q/k/v %s, gate/up %s (%s=off keeps them apart)",
@@ -220,16 +246,22 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
     # The planner's count (stage_worker.model.model_facts): each layer's keys and values (MLA's latent), windows
     # bounded by their size, recurrent state per sequence.
     kv = model_facts(spec).slice_kv(me.layers.start, me.layers.end)
+    if share is not None and runs_packed(spec):  # the packed cut keeps its KV heads' part (mlx-lm's: counted whole)
+        heads = int(spec.args.get("num_key_value_heads") or spec.args["num_attention_heads"])
+        kv = kv.share(len(share.kv_heads), heads)
     # The entry stage also holds the draft model (--speculative-config "model"), loaded later: its weights and
     # its speculating sequences' KV come out of the room for this stage's KV, as the planner counts them.
     draft = draft_facts(options.speculative, spec, options.max_num_seqs, dense=launch.plan.dequantize == "on") \
-        if launch.is_first else None
+        if launch.is_first and not launch.is_member else None
     draft_bytes = draft.reserved_bytes(model.dtype.size, ctx.max_model_len) if draft else 0
     if draft_bytes:
         log.info("the draft model's share of the budget: %.1f MB (weights, and KV for %d speculating sequences)",
                  draft_bytes / 1e6, draft.sequences if draft else 0)
     kv_capacity = kv_token_capacity(budget, model.weight_bytes + draft_bytes, kv, model.dtype.size,
                                     options.max_num_seqs, ctx.max_model_len, ctx.name)
+    if group is not None:
+        own, kv_capacity = kv_capacity, group_minimum(kv_capacity, group)
+        log.info("KV capacity: %d tokens here, %d in the group's smallest member", own, kv_capacity)
     threads = _blas_threads(sharing)
     log.info("loaded %.1f MB of weights in %.2f s (backend=%s device=%r dtype=%s quantized=%s blas=%s, KV "
              "capacity %d tokens in a %.0f MB %s budget, peak RSS %.0f MB)", model.weight_bytes / 1e6,
@@ -240,7 +272,7 @@ def load(ctx: StageContext, status: StageStatus) -> LoadedStage:
                          micro_batches=options.micro_batches or launch.plan.size,
                          max_batch_tokens=options.max_batch_tokens, max_model_len=ctx.max_model_len)
     warmed = time.monotonic()
-    warm_up(model, warmup)
+    warm_up(model, warmup, in_group=group is not None)
     log.info("warmed up in %.2f s (%s)", time.monotonic() - warmed, warmup.summary())
     return LoadedStage(model, kv_capacity, threads)
 
@@ -254,21 +286,48 @@ def _blas_threads(stages_on_host: int) -> AdaptiveBlasThreads:
     return threads
 
 
-def connect(ctx: StageContext, loaded: LoadedStage) -> StageLinks:
-    """Lanes and handshake with both neighbours (``stage_worker.transport.handshake``), then (``hop_transport`` "ring")
-    join MLX's ring; nothing to do alone (a single-stage pipeline has no links)."""
+def group_identity(ctx: StageContext) -> GroupIdentity:
+    launch, me = ctx.launch, ctx.launch.me
+    return GroupIdentity(replica=launch.plan.replica, rank=launch.rank, member=launch.member,
+                         size=launch.plan.tensor_parallel_size, layers=(me.layers.start, me.layers.end),
+                         fingerprint=model_fingerprint(ctx.spec), hidden_size=ctx.spec.hidden_size,
+                         wire_dtype=wire.dtype_name(ctx.dtype), backend=launch.plan.tp_backend)
+
+
+def connect(ctx: StageContext, loaded: LoadedStage, on_member_lost: Callable[[str], None] | None = None,
+            ) -> StageLinks:
+    """A group member: its worker 0's mirror lane, nothing else. Otherwise the mirror lanes to this stage's
+    members (a tensor-parallel worker 0: first, since they wait for nothing else), then the lanes and handshake
+    with both neighbours (``stage_worker.transport.handshake``), then (``hop_transport`` "ring") join MLX's
+    ring; nothing to do alone (a single-stage pipeline has no links)."""
     launch = ctx.launch
     plan, me = launch.plan, launch.me
+    watchdog = RingWatchdog(ctx.ring_timeout_s, ctx.name)
+    if launch.is_member:
+        inbound = accept_leader(me.host, me.lane_port, group_identity(ctx), launch.options.connect_timeout_s)
+        log.info("following stage %d's worker 0 (group of %d)", launch.rank, plan.tensor_parallel_size)
+        return StageLinks(inbound=inbound)
+    mirror = None
+    if launch.in_group:
+        mirror = GroupMirror.connect(plan, launch.rank, group_identity(ctx), launch.options.connect_timeout_s,
+                                     watchdog)
+        if on_member_lost is not None:
+            mirror.watch(on_member_lost)
+        log.info("tensor-parallel group formed: %d workers over %s", plan.tensor_parallel_size, plan.tp_backend)
     if plan.size == 1:
-        return StageLinks()
+        return StageLinks(mirror=mirror)
     identity = StageIdentity(
         rank=me.rank, world=plan.size, replica=plan.replica, layers=(me.layers.start, me.layers.end),
         num_layers=plan.num_layers, hidden_size=ctx.spec.hidden_size, wire_dtype=wire.dtype_name(ctx.dtype),
         fingerprint=model_fingerprint(ctx.spec), hop_transport=plan.hop_transport,
     )
-    inbound, outbound = connect_neighbours(plan, me, identity, launch.options.connect_timeout_s)
-    links = StageLinks(inbound, outbound)
-    watchdog = RingWatchdog(ctx.ring_timeout_s, ctx.name)
+    try:
+        inbound, outbound = connect_neighbours(plan, me, identity, launch.options.connect_timeout_s)
+    except BaseException:
+        if mirror is not None:
+            mirror.close()
+        raise
+    links = StageLinks(inbound, outbound, mirror)
     if plan.hop_transport == "lane":
         inbound.attach_lane_payloads()
         outbound.attach_lane_payloads(watchdog)
@@ -287,9 +346,21 @@ def connect(ctx: StageContext, loaded: LoadedStage) -> StageLinks:
 
 def run_stage(ctx: StageContext, status: StageStatus, body: Callable[[RunningStage], None],
               recorder: LogitRecorder | None = None) -> ExitCode:
-    """Load, connect, run ``body`` (the entry's or relay's loop), close; the exit code says how it ended."""
+    """Join the tensor-parallel group (-tp above 1), load, connect, run ``body`` (the entry's, relay's or
+    member's loop), close; the exit code says how it ended."""
+    launch = ctx.launch
+    group = None
+    if launch.in_group:
+        try:
+            group = join_group(launch.plan, launch.rank, launch.member, RingWatchdog(ctx.ring_timeout_s, ctx.name))
+        except LinkError as exc:
+            status.set_state(StageState.FAILED, str(exc))
+            log.error("%s", exc)
+            return ExitCode.PEER
+        log.info("joined stage %d's tensor-parallel group as worker %d of %d (%s)", launch.rank, launch.member,
+                 launch.plan.tensor_parallel_size, launch.plan.tp_backend)
     try:
-        loaded = load(ctx, status)
+        loaded = load(ctx, status, group)
     except (ModelFormatError, MemoryBudgetError, ValueError) as exc:
         status.set_state(StageState.FAILED, str(exc))
         log.error("%s", exc)
@@ -301,8 +372,11 @@ def run_stage(ctx: StageContext, status: StageStatus, body: Callable[[RunningSta
     status.set_state(StageState.CONNECTING)
     links = StageLinks()
     try:
-        links = connect(ctx, loaded)
+        links = connect(ctx, loaded, lambda member: _member_lost(status, member))
+        compute.mirror = links.mirror
         body(RunningStage(ctx, loaded, compute, links))
+        if links.mirror is not None:
+            links.mirror.shutdown()
     except (LinkError, wire.WireMismatchError, PipelineBroken) as exc:
         status.set_state(StageState.FAILED, str(exc))
         log.error("%s", exc)
@@ -384,6 +458,28 @@ def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:
     return PrefixCache(options.prefix_cache_block_size, salt)
 
 
+def _member_lost(status: StageStatus, member: str) -> None:
+    """A group member died: the group's next all-reduce would never finish, so this worker 0 fails now (health
+    says so at once) and exits, and the coordinator brings the whole group back with its replica."""
+    message = f"tensor-parallel {member} is gone (its mirror lane closed)"
+    status.set_state(StageState.FAILED, message)
+    log.error("%s; exiting", message)
+    time.sleep(_FAILURE_DELIVERY_S)
+    os._exit(ExitCode.PEER)
+
+
+def run_member(stage: RunningStage, status: StageStatus) -> None:
+    """A tensor-parallel group's worker 1..: compute each batch worker 0 mirrors, until SHUTDOWN or a signal."""
+    inbound = stage.links.inbound
+    assert inbound is not None, "a group member always has its worker 0's lane"
+    status.set_state(StageState.SERVING)
+    on_stop_signal(_raise_stop)
+    try:
+        member_loop(stage.compute, inbound, on_batch=status.record_batch)
+    except _StopRequested:
+        log.info("stop requested")
+
+
 class _StopRequested(Exception):
     """SIGTERM/SIGINT on a relay stage: leave the relay loop and exit cleanly."""
 
@@ -401,7 +497,7 @@ def run_relay(stage: RunningStage, status: StageStatus) -> None:
     try:
         relay_loop(stage.compute, inbound, outbound, stage.context.launch.is_last, on_batch=status.record_batch,
                    kv_token_capacity=stage.loaded.kv_capacity,
-                   build_ahead=build_ahead_enabled(settings.STEP_AHEAD))
+                   build_ahead=not stage.context.launch.in_group and build_ahead_enabled(settings.STEP_AHEAD))
     except _StopRequested:
         log.info("stop requested")
 
@@ -454,7 +550,9 @@ def serve(launch: StageLaunch) -> int:
              "mutual TLS" if tls else "plaintext")
 
     def body(stage: RunningStage) -> None:
-        if launch.is_first:
+        if launch.is_member:
+            run_member(stage, status)
+        elif launch.is_first:
             run_entry(stage, status, servicer)
         else:
             run_relay(stage, status)

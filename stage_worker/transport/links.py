@@ -326,6 +326,18 @@ class OutboundLink:
             raise LinkError(f"link to {self.peer_name} is not connected")
         return self._sock
 
+    def wait_peer_gone(self) -> None:
+        """Block until the peer's end of the lane closes (or this end is closed). The peer sends nothing after
+        the handshake, so a read returns only then: a watcher thread learns of a dead peer at once."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            while sock.recv(4096):
+                pass
+        except OSError:
+            pass
+
     def close(self) -> None:
         if self._sock is not None:
             with contextlib.suppress(OSError):
