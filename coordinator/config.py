@@ -39,6 +39,8 @@ class MeshConfig:
     load_format: str = "auto"  # --load-format: dummy gives every stage random weights for its slice
     first_layers: int | None = None  # --shape-layers: a dummy model's first N decoder layers only
     hop_transport: str = "lane"  # --hop-transport: how hidden states travel between stages (lane or ring)
+    tensor_parallel_size: int = 1  # -tp: worker processes per stage, each holding 1/T of its sharded weights
+    tp_backend: str = "ring"  # --tp-backend: the MLX backend of each group's all-reduces
     memory_fraction: float | None = None  # --memory-fraction (None: the stage's default)
     model_is_default: bool = False  # no MODEL given: every node uses its own embedded default
     layer_split: str | None = None  # --pp-layer-split
@@ -73,6 +75,15 @@ class MeshConfig:
     def total_stages(self) -> int:
         return self.pipeline_parallel_size * self.data_parallel_size
 
+    @property
+    def total_workers(self) -> int:
+        """Stage processes in the mesh: every stage's tensor-parallel workers (one per ``mlx`` unit)."""
+        return self.total_stages * self.tensor_parallel_size
+
+    def planned_facts(self) -> ModelFacts | None:
+        """The model as the layer planner counts one stage's worker (``ModelFacts.worker_share``)."""
+        return self.model_facts.worker_share(self.tensor_parallel_size) if self.model_facts else None
+
     def plan_request(self) -> PlanRequest:
         """What the layer planner must fit (the stage's own defaults where the user left a flag unset)."""
         return PlanRequest(
@@ -84,13 +95,14 @@ class MeshConfig:
 
 def validate_config(config: MeshConfig) -> None:
     """Fail before touching Ray when the flags cannot describe a mesh."""
-    if config.pipeline_parallel_size < 1 or config.data_parallel_size < 1:
+    if min(config.pipeline_parallel_size, config.data_parallel_size, config.tensor_parallel_size) < 1:
         raise PlacementError(
-            f"--pipeline-parallel-size/-pp and --data-parallel-size/-dp must be at least 1, got "
-            f"{config.pipeline_parallel_size} and {config.data_parallel_size}."
+            f"--pipeline-parallel-size/-pp, --data-parallel-size/-dp and --tensor-parallel-size/-tp must be at "
+            f"least 1, got {config.pipeline_parallel_size}, {config.data_parallel_size} and "
+            f"{config.tensor_parallel_size}."
         )
     plan_layer_split(config.num_layers, config.pipeline_parallel_size, config.layer_split)
-    check_port_ranges(config.total_stages, config.ring_base_port, config.grpc_base_port)
+    check_port_ranges(config.total_stages, config.ring_base_port, config.grpc_base_port, config.tensor_parallel_size)
     if config.health_interval_s <= 0 or config.unhealthy_after_misses < 1:
         raise ValueError("health_interval_s must be positive and unhealthy_after_misses at least 1")
 

@@ -102,10 +102,11 @@ class ReplicaHosts:
             ring_base_port=cfg.ring_base_port, grpc_base_port=cfg.grpc_base_port, dequantize=cfg.dequantize,
             model_is_default=cfg.model_is_default, load_format=cfg.load_format,
             hop_transport=cfg.hop_transport, first_layers=cfg.first_layers,
+            tensor_parallel_size=cfg.tensor_parallel_size, tp_backend=cfg.tp_backend,
         )
         with self._lock:
             replica.plan = plan
-            for stage, placement in zip(replica.stages, plan.stages):
+            for stage, placement in zip(replica.stages, plan.workers):
                 target = f"{placement.host}:{placement.grpc_port}"
                 if stage.channel is None or stage.channel.target != target:
                     if stage.channel is not None:
@@ -153,9 +154,10 @@ class ReplicaHosts:
                  for n in cluster_nodes(session.driver_node_id if session else None)]
         now = self._clock()
         lost = {node for node, when in self._lost_nodes.items() if now - when < LOST_NODE_S}
-        nodes = without_lost_nodes(nodes, lost, cfg.pipeline_parallel_size)
+        nodes = without_lost_nodes(nodes, lost, cfg.pipeline_parallel_size * cfg.tensor_parallel_size)
         local = bool(session and session.local)
-        placement = place_stages(nodes, cfg.pipeline_parallel_size, 1, local=local, head_address=head_address(nodes))
+        placement = place_stages(nodes, cfg.pipeline_parallel_size, 1, local=local, head_address=head_address(nodes),
+                                 tensor_parallel_size=cfg.tensor_parallel_size)
         slots = [replace(s, replica=replica.index) for s in placement.replicas[0]]
         fresh = self.reserve(replica.index, slots)
         with self._lock:
@@ -197,11 +199,14 @@ class ReplicaHosts:
         return seats
 
     def _layer_ranges(self, replica: LiveReplica) -> tuple[LayerRange, ...] | None:
-        """The layer planner's ranges for ``replica`` (None without the model's facts); raises ``PlanError``."""
-        facts = self.config.model_facts
+        """The layer planner's ranges for ``replica`` (None without the model's facts); raises ``PlanError``.
+        With tensor parallelism each stage is planned where its worker 0 runs, with a worker's share of the
+        model (``MeshConfig.planned_facts``)."""
+        facts = self.config.planned_facts()
         if facts is None:
             return None
-        stages, chosen_by = plan_pipeline(facts, self._seats(replica), self.config.plan_request(), replica.index)
+        seats = [seat for stage, seat in zip(replica.stages, self._seats(replica)) if stage.member == 0]
+        stages, chosen_by = plan_pipeline(facts, seats, self.config.plan_request(), replica.index)
         plan = MemoryPlan(self.config.plan_request(), (stages,), chosen_by)
         self.memory_plans[replica.index] = plan
         log.info("replica %d layer plan:\n%s", replica.index, format_plan(plan))

@@ -47,21 +47,20 @@ class StageLauncher:
         deadline = self._clock() + PORTS_FREE_S
         while any(busy := self._busy_ports(replica)):
             if self._clock() > deadline:
-                taken = "; ".join(f"{p.host}: {ports}" for p, ports in zip(plan.stages, busy) if ports)
+                taken = "; ".join(f"{p.host}: {ports}" for p, ports in zip(plan.workers, busy) if ports)
                 raise PlacementError(
                     f"replica {replica.index}: ports still in use after {PORTS_FREE_S:.0f} s ({taken}); "
                     f"stop whatever holds them or choose other --ring-base-port / --grpc-base-port")
             if self._stopping.wait(0.25):
                 raise Stopping()
-        for stage, p in zip(replica.stages, plan.stages):
+        for stage, p in zip(replica.stages, plan.workers):
             gpu = f", GPU {stage.gpu_index}" if stage.gpu_index is not None else ""
-            log.info("replica %d stage %d: loading layers %s on %s grpc :%d ring :%d (node %s%s)",
-                     replica.index, stage.rank, p.layers, p.host, p.grpc_port, p.ring_port, stage.slot.node_id[:8],
-                     gpu)
+            log.info("%s: loading layers %s (node %s%s)", stage.name, p.layers, stage.slot.node_id[:8], gpu)
         tls_dir = self.config.grpc_tls.directory if self.config.grpc_tls else ""
         return ray.get([
             s.actor.start.remote(
-                StageLaunch(plan, s.rank, opts, mesh_token=self._mesh_token, grpc_tls_dir=tls_dir).to_json(),
+                StageLaunch(plan, s.rank, opts, mesh_token=self._mesh_token, grpc_tls_dir=tls_dir,
+                            member=s.member).to_json(),
                 self.config.stage_command)
             for s, opts in zip(replica.stages, options)
         ], timeout=ACTOR_CALL_S)
@@ -71,8 +70,8 @@ class StageLauncher:
 
         assert replica.plan is not None
         return ray.get([
-            s.actor.busy_ports.remote(p.host, [p.ring_port, p.lane_port, p.grpc_port])
-            for s, p in zip(replica.stages, replica.plan.stages)
+            s.actor.busy_ports.remote(p.host, p.ports)
+            for s, p in zip(replica.stages, replica.plan.workers)
         ], timeout=ACTOR_CALL_S)
 
     def stop_now(self, replica: LiveReplica) -> None:

@@ -108,10 +108,11 @@ class MeshCoordinator:
         started = self._clock()
         atexit.register(self.stop)
         try:
-            self._session = connect_ray(cfg.total_stages, address=cfg.ray_address)
+            self._session = connect_ray(cfg.total_workers, address=cfg.ray_address)
             nodes = cluster_nodes(self._session.driver_node_id)
             placement = place_stages(nodes, cfg.pipeline_parallel_size, cfg.data_parallel_size,
-                                     local=self._session.local, head_address=head_address(nodes))
+                                     local=self._session.local, head_address=head_address(nodes),
+                                     tensor_parallel_size=cfg.tensor_parallel_size)
             for index, slots in enumerate(placement.replicas):
                 self._replicas.append(self._hosts.reserve(index, slots))
             for replica in self._replicas:

@@ -2,12 +2,13 @@
 
 Pure functions over plain values (no Ray), so every decision is unit-tested with made-up clusters:
 
-- ``place_stages(nodes, P, D)`` gives each of the ``P * D`` stages one ``mlx`` unit of a node; too few
-  units raise ``PlacementError`` saying how many there are and how to add some.
+- ``place_stages(nodes, P, D, T)`` gives each of the ``P * D * T`` workers (``T`` per stage with tensor
+  parallelism) one ``mlx`` unit of a node; too few units raise ``PlacementError`` saying how many there are
+  and how to add some.
 - ``assign_gpus(nodes, gpu_counts, held)`` gives each stage one GPU of its node.
 - ``pipeline_plan(replica, hosts, ...)`` builds one replica's ``PipelinePlan``: global stage index
-  ``g = replica * P + rank`` fixes its ports (``stagemesh_core.ports``), ``hosts[rank]`` is the address that
-  stage's node advertises.
+  ``g = replica * P + rank`` fixes its ports (``stagemesh_core.ports``), ``hosts[rank * T + member]`` is the
+  address that worker's node advertises.
 - ``without_lost_nodes`` and ``check_port_ranges`` serve placing again and the port flags.
 """
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stagemesh_core.layer_split import LayerRange, plan_layer_split
-from stagemesh_core.plan import PipelinePlan, StagePlacement
-from stagemesh_core.ports import PortRangeError, stage_ports
+from stagemesh_core.plan import PipelinePlan, StagePlacement, with_groups
+from stagemesh_core.ports import PortRangeError, check_port_base, data_plane_ports, stage_ports
 from stagemesh_core.settings import MLX_RESOURCE
 
 
@@ -37,23 +38,26 @@ class ClusterNode:
 
 @dataclass(frozen=True)
 class StageSlot:
-    """The node chosen for one stage."""
+    """The node chosen for one stage's worker (the stage itself at -tp 1)."""
 
     replica: int
     rank: int
     node_id: str
     address: str
+    member: int = 0  # its place in the stage's tensor-parallel group
 
 
 @dataclass(frozen=True)
 class Placement:
     pipeline_parallel_size: int
     data_parallel_size: int
-    replicas: tuple[tuple[StageSlot, ...], ...]  # [replica][rank]
+    replicas: tuple[tuple[StageSlot, ...], ...]  # [replica][rank * T + member]
+    tensor_parallel_size: int = 1
 
     @property
     def slots(self) -> tuple[StageSlot, ...]:
-        """Every slot, replica-major: index ``replica * P + rank`` (the global stage index)."""
+        """Every slot, replica-major: index ``(replica * P + rank) * T + member`` (at -tp 1 the global stage
+        index)."""
         return tuple(s for replica in self.replicas for s in replica)
 
     def is_spread(self, replica: int) -> bool:
@@ -74,15 +78,19 @@ def _check_sizes(pipeline_parallel_size: int, data_parallel_size: int) -> None:
 
 
 def _not_enough_units(
-    nodes: Sequence[ClusterNode], needed: int, pp: int, dp: int, local: bool, head_address: str | None
+    nodes: Sequence[ClusterNode], needed: int, pp: int, dp: int, local: bool, head_address: str | None, tp: int = 1,
 ) -> PlacementError:
     have = sum(max(0, n.mlx_units) for n in nodes)
     holders = [n for n in nodes if n.mlx_units > 0]
     where = ", ".join(f"{n.address} x{n.mlx_units}" for n in holders) or "no node has any"
-    ask = (
-        f"--pipeline-parallel-size {pp} x --data-parallel-size {dp} needs {needed} "
-        f"'{MLX_RESOURCE}' units (one per stage)"
-    )
+    sizes = f"--pipeline-parallel-size {pp} x --data-parallel-size {dp}"
+    if tp > 1:
+        sizes += f" x --tensor-parallel-size {tp}"
+    ask = f"{sizes} needs {needed} '{MLX_RESOURCE}' units (one per {'worker' if tp > 1 else 'stage'})"
+    if tp > 1 and local:
+        return PlacementError(
+            f"{ask}, but this machine offers {have}: keep -pp x -dp x -tp at or below {have} (-tp {max(1, have)} "
+            f"or less at -pp 1 -dp 1), or join a cluster with more Macs by setting RAY_ADDRESS.")
     if local:
         return PlacementError(
             f"{ask}, but this machine offers {have}. A local mesh (no RAY_ADDRESS) runs "
@@ -94,7 +102,7 @@ def _not_enough_units(
         f"{ask}, but the Ray cluster has {have} ({where}). Add a Mac: on it run "
         f"`ray start --address={head}:6379 --resources='{{\"{MLX_RESOURCE}\": 1}}'` "
         f"(with STAGEMESH_HOST_IP set to the address its peers should use), or lower "
-        f"-pp/-dp so that pp x dp <= {have}."
+        + (f"-pp/-dp/-tp so that pp x dp x tp <= {have}." if tp > 1 else f"-pp/-dp so that pp x dp <= {have}.")
     )
 
 
@@ -116,20 +124,23 @@ def place_stages(
     *,
     local: bool = False,
     head_address: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Placement:
-    """Choose a node for every (replica, rank), one ``mlx`` unit each.
+    """Choose a node for every (replica, rank, member), one ``mlx`` unit each.
 
     Rank 0 of every replica goes to the head node (where the gateway and coordinator run, so the hop
     gateway -> entry stage stays local) while it has units; a replica's other ranks go to distinct nodes
     when possible (PP exists for models too big for one Mac, so two ranks of one replica on one node is the
-    fallback, not the goal). Too few units raise ``PlacementError``; ``local`` and ``head_address`` only
-    shape its message.
+    fallback, not the goal); so do the workers of a tensor-parallel group (a group on one Mac shares its memory
+    bandwidth). Too few units raise ``PlacementError``; ``local`` and ``head_address`` only shape its message.
     """
-    pp, dp = pipeline_parallel_size, data_parallel_size
+    pp, dp, tp = pipeline_parallel_size, data_parallel_size, tensor_parallel_size
     _check_sizes(pp, dp)
-    needed = pp * dp
+    if tp < 1:
+        raise PlacementError(f"--tensor-parallel-size/-tp must be at least 1, got {tp}.")
+    needed = pp * dp * tp
     if sum(max(0, n.mlx_units) for n in nodes) < needed:
-        raise _not_enough_units(nodes, needed, pp, dp, local, head_address)
+        raise _not_enough_units(nodes, needed, pp, dp, local, head_address, tp)
 
     order = {n.node_id: i for i, n in enumerate(nodes)}
     remaining = {n.node_id: n.mlx_units for n in nodes if n.mlx_units > 0}
@@ -149,30 +160,35 @@ def place_stages(
         used: set[str] = set()
         slots = []
         for rank in range(pp):
-            free = [nid for nid, units in remaining.items() if units > 0]
-            fresh = [nid for nid in free if nid not in used]
-            node_id = pick(fresh or free, prefer_head=(rank == 0))
-            remaining[node_id] -= 1
-            used.add(node_id)
-            slots.append(StageSlot(replica, rank, node_id, by_id[node_id].address))
+            for member in range(tp):
+                free = [nid for nid, units in remaining.items() if units > 0]
+                fresh = [nid for nid in free if nid not in used]
+                node_id = pick(fresh or free, prefer_head=(rank == 0 and member == 0))
+                remaining[node_id] -= 1
+                used.add(node_id)
+                slots.append(StageSlot(replica, rank, node_id, by_id[node_id].address, member))
         replicas.append(tuple(slots))
-    return Placement(pp, dp, tuple(replicas))
+    return Placement(pp, dp, tuple(replicas), tp)
 
 
-def check_port_ranges(total_stages: int, ring_base_port: int, grpc_base_port: int) -> None:
+def check_port_ranges(total_stages: int, ring_base_port: int, grpc_base_port: int,
+                      tensor_parallel_size: int = 1) -> None:
     """Refuse bases whose ranges leave [1024, 65535] or overlap.
 
-    The ring and control-lane ports take ``[ring_base, ring_base + 2 * total)``,
-    gRPC takes ``[grpc_base, grpc_base + total)``.
+    The ring, control-lane and group ports take ``[ring_base, ring_base + data_plane_ports)``
+    (``2 * total`` at -tp 1), gRPC takes ``[grpc_base, grpc_base + total * tp)`` (``stagemesh_core.ports``).
     """
     if total_stages < 1:
         raise PlacementError(f"a mesh needs at least one stage, got {total_stages}")
+    tp = tensor_parallel_size
     try:
         stage_ports(0, total_stages, ring_base_port, grpc_base_port)
+        check_port_base("--ring-base-port", ring_base_port, data_plane_ports(total_stages, tp))
+        check_port_base("--grpc-base-port", grpc_base_port, total_stages * tp)
     except PortRangeError as exc:
         raise PlacementError(str(exc)) from None
-    ring = range(ring_base_port, ring_base_port + 2 * total_stages)
-    grpc = range(grpc_base_port, grpc_base_port + total_stages)
+    ring = range(ring_base_port, ring_base_port + data_plane_ports(total_stages, tp))
+    grpc = range(grpc_base_port, grpc_base_port + total_stages * tp)
     if ring.start < grpc.stop and grpc.start < ring.stop:
         raise PlacementError(
             f"--ring-base-port {ring_base_port} (ring and control lanes use "
@@ -198,33 +214,40 @@ def pipeline_plan(
     load_format: str = "auto",
     hop_transport: str = "lane",
     first_layers: int | None = None,
+    tensor_parallel_size: int = 1,
+    tp_backend: str = "ring",
 ) -> PipelinePlan:
-    """One replica's plan: rank r on ``hosts[r]``, ports from global index ``replica * P + r``.
+    """One replica's plan: rank r's worker m on ``hosts[r * T + m]``, ports from global index ``replica * P + r``.
 
     ``layers`` (the layer planner's ranges, ``coordinator.layer_planner``) wins over ``layer_split``."""
-    pp = len(hosts)
+    tp = tensor_parallel_size
+    if tp < 1 or len(hosts) % tp:
+        raise ValueError(f"{len(hosts)} worker hosts for groups of {tp}")
+    pp = len(hosts) // tp
     _check_sizes(pp, data_parallel_size)
     if not 0 <= replica < data_parallel_size:
         raise ValueError(f"replica {replica} outside 0..{data_parallel_size - 1}")
     total = pp * data_parallel_size
-    check_port_ranges(total, ring_base_port, grpc_base_port)
+    check_port_ranges(total, ring_base_port, grpc_base_port, tp)
     ranges = tuple(layers) if layers is not None else plan_layer_split(num_layers, pp, layer_split)
     if len(ranges) != pp or ranges[0].start != 0 or ranges[-1].end != num_layers or any(
             a.end != b.start for a, b in zip(ranges, ranges[1:])):
         raise ValueError(f"layer ranges {[str(r) for r in ranges]} do not tile {num_layers} layers over {pp} stages")
     stages = []
-    for rank, (span, host) in enumerate(zip(ranges, hosts)):
+    for rank, span in enumerate(ranges):
         g = replica * pp + rank
         ports = stage_ports(g, total, ring_base_port, grpc_base_port)
         stages.append(StagePlacement(
-            rank=rank, global_index=g, layers=span, host=host,
+            rank=rank, global_index=g, layers=span, host=hosts[rank * tp],
             ring_port=ports.ring, lane_port=ports.lane, grpc_port=ports.grpc,
         ))
+    member_hosts = {(rank, m): hosts[rank * tp + m] for rank in range(pp) for m in range(1, tp)}
+    leaders, members = with_groups(tuple(stages), member_hosts, total, tp, ring_base_port, grpc_base_port)
     return PipelinePlan(
         replica=replica, model_path=model_path, num_layers=num_layers,
-        compute_dtype=compute_dtype, stages=tuple(stages), dequantize=dequantize,
+        compute_dtype=compute_dtype, stages=leaders, dequantize=dequantize,
         model_is_default=model_is_default, load_format=load_format, hop_transport=hop_transport,
-        first_layers=first_layers,
+        first_layers=first_layers, tensor_parallel_size=tp, tp_backend=tp_backend, members=members,
     )
 
 
@@ -245,6 +268,7 @@ def pipeline_plans(
             replica,
             [hosts.get(s.node_id, s.address) for s in slots],
             data_parallel_size=placement.data_parallel_size,
+            tensor_parallel_size=placement.tensor_parallel_size,
             **plan_args,
         )
         for replica, slots in enumerate(placement.replicas)

@@ -33,22 +33,23 @@ _PROBE_S = 120.0
 
 def preview_plan(config: MeshConfig) -> MemoryPlan:
     """The plan ``serve`` would make with ``config`` (which must carry ``model_facts``)."""
-    if config.model_facts is None:
+    model = config.planned_facts()
+    if model is None:
         raise ValueError("preview_plan needs the model's facts (MeshConfig.model_facts)")
     address = config.ray_address or os.environ.get(RAY_ADDRESS_ENV)
     if not address:
         memory = StageHost("plan").node_memory()
-        sharing = config.total_stages
+        sharing = config.total_workers
         seat = StageSeat("local", LOOPBACK, memory, sharing, socket.gethostname())
         replicas = [[seat] * config.pipeline_parallel_size for _ in range(config.data_parallel_size)]
-        return plan_mesh(config.model_facts, replicas, config.plan_request())
-    session = connect_ray(config.total_stages, address=address)
+        return plan_mesh(model, replicas, config.plan_request())
+    session = connect_ray(config.total_workers, address=address)
     try:
         nodes = cluster_nodes(session.driver_node_id)
         placement = place_stages(nodes, config.pipeline_parallel_size, config.data_parallel_size,
-                                 head_address=head_address(nodes))
+                                 head_address=head_address(nodes), tensor_parallel_size=config.tensor_parallel_size)
         facts = _ask_nodes(sorted({s.node_id for s in placement.slots}))
-        return plan_mesh(config.model_facts, _seats(placement, facts), config.plan_request())
+        return plan_mesh(model, _seats(placement, facts), config.plan_request())
     finally:
         disconnect(session)
 
@@ -57,8 +58,10 @@ def _seats(placement: Placement, facts: Mapping[str, tuple[HostInfo, NodeMemory]
     per_node: dict[str, int] = {}
     for slot in placement.slots:
         per_node[slot.node_id] = per_node.get(slot.node_id, 0) + 1
+    # Each stage is planned where its worker 0 runs (with a worker's share of the model).
     return [[StageSeat(s.node_id, facts[s.node_id][0].host, facts[s.node_id][1], per_node[s.node_id],
-                       facts[s.node_id][0].hostname) for s in replica] for replica in placement.replicas]
+                       facts[s.node_id][0].hostname) for s in replica if s.member == 0]
+            for replica in placement.replicas]
 
 
 def _ask_nodes(node_ids: list[str]) -> dict[str, tuple[HostInfo, NodeMemory]]:

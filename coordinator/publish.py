@@ -35,7 +35,7 @@ def replica_snapshot(replica: LiveReplica, now: float, wall_offset: float, polic
             pid=s.pid, node_id=s.slot.node_id, compute_dtype=s.compute_dtype or compute_dtype,
             quantized=s.quantized, healthy=s.healthy, state=s.state, error=s.error, stats=s.stats,
             blas=s.blas, backend=s.backend, device=s.device,
-            started_at=s.started_at + wall_offset if s.started_at and s.pid else None,
+            started_at=s.started_at + wall_offset if s.started_at and s.pid else None, member=s.member,
         ))
     record = replica.record
     pending = pending_restart(record, now, policy)

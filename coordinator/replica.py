@@ -55,10 +55,18 @@ class LiveStage:
         return self.slot.rank
 
     @property
+    def member(self) -> int:
+        """Its place in the stage's tensor-parallel group (0: the stage's worker 0)."""
+        return self.slot.member
+
+    @property
     def name(self) -> str:
         p = self.placement
-        where = f" ({p.host} grpc :{p.grpc_port} ring :{p.ring_port})" if p else ""
-        return f"replica {self.replica} stage {self.rank}{where}"
+        grouped = p is not None and p.group_port
+        where = f" ({p.host} grpc :{p.grpc_port} {'group' if grouped else 'ring'} :" \
+                f"{p.group_port if grouped else p.ring_port})" if p else ""
+        worker = f" worker {self.member}" if grouped else ""
+        return f"replica {self.replica} stage {self.rank}{worker}{where}"
 
 
 @dataclass
@@ -71,7 +79,8 @@ class LiveReplica:
     thread: threading.Thread | None = None
 
     def host_addresses(self) -> list[str]:
-        """The address each stage advertises; ``ReplicaHosts.describe`` has filled them in."""
+        """The address each stage's worker advertises, in ``PipelinePlan.workers`` order; ``ReplicaHosts.describe``
+        has filled them in."""
         hosts = []
         for s in self.stages:
             assert s.host is not None, f"{s.name}: host not described yet"

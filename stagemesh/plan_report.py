@@ -58,7 +58,10 @@ def print_plan(config, as_json: bool, assume: list[str] | None = None) -> int:
         print(json.dumps({"model": config.served_model_name, "num_layers": config.num_layers, **plan.to_json()},
                          indent=2))
     else:
+        tp = config.tensor_parallel_size
+        groups = (f" -tp {tp} (each row is a stage's worker 0: every worker holds 1/{tp} of each layer's weights and "
+                  "KV, worker 0 also the embedding and head)") if tp > 1 else ""
         print(f"model: {config.served_model_name} ({config.num_layers} layers), -pp {config.pipeline_parallel_size} "
-              f"-dp {config.data_parallel_size}, --max-model-len {config.max_model_len}")
+              f"-dp {config.data_parallel_size}{groups}, --max-model-len {config.max_model_len}")
         print(format_plan(plan))
     return 0

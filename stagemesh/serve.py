@@ -3,7 +3,7 @@
 Order of events: every flag is validated before anything starts (model file,
 layer split, port ranges, context length, the gateway's port); the coordinator
 joins the Ray cluster at ``RAY_ADDRESS`` or starts a local one on loopback with
-just enough ``mlx`` units, places ``-pp`` x ``-dp`` stage processes, and waits
+just enough ``mlx`` units, places ``-pp`` x ``-dp`` x ``-tp`` stage processes, and waits
 until every stage serves; then the FastAPI gateway listens on ``--host:--port``.
 Ctrl-C or SIGTERM stops the gateway, every stage, and the local Ray it started.
 """
@@ -26,7 +26,8 @@ from stagemesh.bench.random_checkpoint import SHAPES_DIR, add_load_format_argume
 from stagemesh_core import defaults, settings
 from stagemesh_core.errors import UserError
 from stagemesh_core.layer_split import plan_layer_split
-from stagemesh_core.ports import check_port_base, port_is_free
+from stagemesh_core.plan import TP_BACKENDS
+from stagemesh_core.ports import check_port_base, data_plane_ports, port_is_free
 from stagemesh_core.speculative import parse_speculative_config
 
 log = logging.getLogger("stagemesh.serve")
@@ -43,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                         help="stages per replica, each holding a contiguous slice of the layers")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="replicas of the pipeline")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="workers per stage, each its own process on its own mlx unit (its own Mac or GPU) "
+                             "holding 1/N of the stage's attention heads and MLP; they compute every token together "
+                             "over --tp-backend (-dp 2 -pp 2 -tp 2 is 8 workers)")
+    parser.add_argument("--tp-backend", default="ring", choices=TP_BACKENDS,
+                        help="MLX backend of each tensor-parallel group's all-reduces: ring (TCP, default), jaccl "
+                             "(RDMA over Thunderbolt 5: macOS 26.2+ with RDMA enabled and MLX_IBV_DEVICES on "
+                             "each Mac), nccl (CUDA GPUs)")
     parser.add_argument("--pp-layer-split", default=None,
                         help="first layer of each stage after the first, e.g. 10,20 (default: even split)")
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: from the model)")
@@ -143,6 +152,37 @@ class ServeConfigError(UserError):
     """A flag that cannot work; the message names it."""
 
 
+def check_tensor_parallel(args: argparse.Namespace, spec: ModelSpec) -> None:
+    """Refuse a ``-tp`` the model, the hop transport or this host's MLX cannot take, before anything starts."""
+    size = args.tensor_parallel_size
+    if size == 1:
+        return
+    from stage_worker.model.stage_model import check_shardable
+
+    if args.hop_transport == "ring":
+        raise ServeConfigError("--hop-transport ring cannot carry a tensor-parallel pipeline's hops (a process joins "
+                               "one MLX group, and a -tp worker's is its group's): use --hop-transport lane with -tp")
+    backend_ready(args.tp_backend)
+    check_shardable(spec, size)
+
+
+def backend_ready(backend: str) -> None:
+    """Refuse ``--tp-backend`` where this host's MLX cannot form it (the head decides for the mesh: a node
+    without it fails its group's start, naming itself)."""
+    import mlx.core as mx
+
+    if backend == "ring":
+        return
+    if not mx.distributed.is_available(backend):
+        need = ("RDMA over Thunderbolt 5: macOS 26.2 or later, `rdma_ctl enable` run once in Recovery, and an MLX "
+                "built with it" if backend == "jaccl" else "MLX's CUDA build and NVIDIA GPUs")
+        raise ServeConfigError(f"--tp-backend {backend} is not available in this host's MLX: it needs {need}; "
+                               "use --tp-backend ring")
+    if backend == "nccl" and not mx.cuda.is_available():
+        raise ServeConfigError("--tp-backend nccl needs CUDA GPUs, and this host's MLX sees none; use --tp-backend "
+                               "ring")
+
+
 def check_port_free(host: str, port: int, flag: str) -> None:
     if not port_is_free(host, port):
         raise ServeConfigError(f"{flag} {port}: cannot listen on {host}:{port} (in use or not this host's "
@@ -159,7 +199,8 @@ def build_mesh_config(args: argparse.Namespace):
     from stage_worker.model.stage_model import resolve_compute_dtype
 
     for flag, value in (("--pipeline-parallel-size", args.pipeline_parallel_size),
-                        ("--data-parallel-size", args.data_parallel_size), ("--max-num-seqs", args.max_num_seqs),
+                        ("--data-parallel-size", args.data_parallel_size),
+                        ("--tensor-parallel-size", args.tensor_parallel_size), ("--max-num-seqs", args.max_num_seqs),
                         ("--prefix-cache-block-size", args.prefix_cache_block_size)):
         if value < 1:
             raise ServeConfigError(f"{flag} must be at least 1, got {value}")
@@ -169,6 +210,7 @@ def build_mesh_config(args: argparse.Namespace):
     check_checkpoint(spec)  # files that disagree with the config: named here, not deep in a stage
     speculative = checked_draft(speculative, spec)
     plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
+    check_tensor_parallel(args, spec)
     resolve_compute_dtype(args.dtype)
     if not 0 < args.memory_fraction <= 1:
         raise ServeConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
@@ -180,8 +222,8 @@ def build_mesh_config(args: argparse.Namespace):
     total = args.pipeline_parallel_size * args.data_parallel_size
     ring_base = args.ring_base_port if args.ring_base_port is not None else settings.RING_BASE_PORT
     grpc_base = args.grpc_base_port if args.grpc_base_port is not None else settings.GRPC_BASE_PORT
-    check_port_base("--ring-base-port", ring_base, 2 * total)
-    check_port_base("--grpc-base-port", grpc_base, total)
+    check_port_base("--ring-base-port", ring_base, data_plane_ports(total, args.tensor_parallel_size))
+    check_port_base("--grpc-base-port", grpc_base, total * args.tensor_parallel_size)
     security_flags.check_gateway_flags(args)
     return spec, MeshConfig(
         model_path=model_path,
@@ -193,6 +235,8 @@ def build_mesh_config(args: argparse.Namespace):
         compute_dtype=args.dtype,
         dequantize=args.dequantize,
         hop_transport=args.hop_transport,
+        tensor_parallel_size=args.tensor_parallel_size,
+        tp_backend=args.tp_backend,
         load_format=args.load_format,
         first_layers=args.shape_layers,
         memory_fraction=args.memory_fraction,
@@ -221,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from coordinator.mesh import MeshCoordinator, MeshStartError
+    from coordinator.placement import PlacementError
     from gateway.app import GatewayConfig, create_app
     from stage_worker.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 
@@ -244,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
         coordinator.stop()
         return 130
     except UserError as exc:  # the layer plan does not fit: refused before any stage loads
+        print(f"stagemesh serve: error: {exc}", file=sys.stderr)
+        coordinator.stop()
+        return 2
+    except PlacementError as exc:  # more workers than the cluster has mlx units: refused before any loads
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         coordinator.stop()
         return 2

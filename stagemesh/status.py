@@ -44,7 +44,10 @@ def format_mesh(mesh: dict, now: float | None = None) -> str:
         for stage in replica.get("stages", []):
             start, end = stage.get("layers", [0, 0])
             rows.append((
-                str(replica.get("replica")), str(stage.get("rank")), f"[{start}, {end})", str(stage.get("host")),
+                str(replica.get("replica")),
+                # A tensor-parallel group's members: "1.1" is stage 1's worker 1.
+                str(stage.get("rank")) + (f".{stage['member']}" if stage.get("member") else ""),
+                f"[{start}, {end})", str(stage.get("host")),
                 str(stage.get("grpc_port")), str(stage.get("ring_port")), str(stage.get("pid") or "-"),
                 str(stage.get("compute_dtype")), "yes" if stage.get("quantized") else "no",
                 str(stage.get("backend") or "-"), str(stage.get("device") or "-"),

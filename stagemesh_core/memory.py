@@ -17,7 +17,7 @@ Pure standard library: the core must not load MLX, NumPy or Ray.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from stagemesh_core.errors import UserError
@@ -281,6 +281,25 @@ class ModelFacts:
     def slice_kv(self, start: int, end: int) -> StageKV:
         """The KV the stage holding layers ``[start, end)`` keeps (see ``StageKV``)."""
         return StageKV.of_layers([self.layer_kv(i) for i in range(start, end)])
+
+    def worker_share(self, tensor_parallel_size: int) -> ModelFacts:
+        """What a worker of a ``tensor_parallel_size``-way group holds as the planner counts it (pure): each
+        layer's weights and KV divided by the group, rounded up; the embedding and head whole (worker 0 keeps
+        them). An uneven split (KV heads that do not divide) gives the first workers a head more, which each
+        worker's own budget check at load counts exactly. The same model at -tp 1."""
+        t = tensor_parallel_size
+        if t == 1:
+            return self
+
+        def weights(b: TensorBytes) -> TensorBytes:
+            return TensorBytes(-(-b.packed // t), -(-b.elements // t))
+
+        def kv(layer: LayerKV) -> LayerKV:
+            return replace(layer, per_token=-(-layer.per_token // t))
+
+        return replace(self, layer=weights(self.layer), layer_sizes=tuple(weights(b) for b in self.layer_sizes),
+                       kv_elements_per_token=-(-self.kv_elements_per_token // t),
+                       kv_layers=tuple(kv(layer) for layer in self.kv_layers))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,22 +1,16 @@
 """Pipeline plans and stage launches: frozen descriptions of who runs which slice where, and how.
 
-A ``PipelinePlan`` is everything a stage process needs to know about its
-replica: the model, the compute dtype every stage agrees on, and for each rank
-its layer range, host and ports. Plans are made by pure functions
-(``make_local_plan`` here; ``coordinator.placement.pipeline_plan`` for Ray),
-and never mutated.
+A ``PipelinePlan`` is everything a stage process needs to know about its replica: the model, the compute dtype
+every stage agrees on, and for each rank its layer range, host and ports. With tensor parallelism
+(``tensor_parallel_size`` T > 1) each stage is a group of T worker processes: ``stages`` holds each group's
+worker 0 (the one its neighbouring stages talk to), ``members`` the others, ``workers`` all of them in the
+coordinator's order (each stage's worker 0, then its members). Plans are made by pure functions
+(``make_local_plan`` here; ``coordinator.placement.pipeline_plan`` for Ray), and never mutated.
 
-With tensor parallelism (``tensor_parallel_size`` T > 1) each stage is a group of T worker processes:
-``stages`` holds each group's worker 0 (the one its neighbouring stages talk to), ``members`` the others,
-and ``workers`` all of them in the order the coordinator places them (each stage's worker 0, then its
-members). Every worker of a group holds 1/T of the stage's sharded weights and computes each batch with the
-others over the group's own MLX group (``tp_backend``); worker 0 mirrors every batch to its members.
-
-A ``StageLaunch`` is one stage process's whole input: the plan, its rank (and member) and
-its ``StageOptions`` (queue sizes, memory share, its GPU, timeouts). The coordinator
-(or the local launcher) writes it as JSON; the stage reads it with
-``StageLaunch.from_json``. One value, not a hand-built argv that two modules
-must keep in step.
+A ``StageLaunch`` is one stage process's whole input: the plan, its rank (and member) and its ``StageOptions``
+(queue sizes, memory share, its GPU, timeouts). The coordinator (or the local launcher) writes it as JSON; the
+stage reads it with ``StageLaunch.from_json``. One value, not a hand-built argv that two modules must keep in
+step.
 """
 
 from __future__ import annotations

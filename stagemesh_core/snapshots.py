@@ -81,6 +81,7 @@ class StageSnapshot:
     backend: str = ""  # MLX's backend: cpu, metal, cuda ("" until the stage says)
     device: str = ""  # the device's name: "NVIDIA H200", "Apple M2 Max (applegpu_g14s)", the CPU's model
     started_at: float | None = None  # Unix time its current process was started (None: not started)
+    member: int = 0  # its place in the stage's tensor-parallel group (0: the stage's worker 0, the one it talks to)
 
     @property
     def grpc_target(self) -> str:
@@ -89,6 +90,7 @@ class StageSnapshot:
     def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
+            "member": self.member,
             "layers": list(self.layers),
             "host": self.host,
             "grpc_port": self.grpc_port,

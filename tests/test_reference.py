@@ -227,7 +227,7 @@ def test_the_walk_reaches_every_command_and_the_page_every_flag():
     commands = real_commands()
     assert {"serve", "chat", "status", "plan", "doctor", "convert", "certs", "soak", "bench",
             "bench serve", "bench compare", "bench parity"} <= set(commands)
-    assert "--tensor-parallel-size" not in {o for p in commands.values() for a in p._actions for o in a.option_strings}
+    assert "--expert-parallel-size" not in {o for p in commands.values() for a in p._actions for o in a.option_strings}
     assert {"--pipeline-parallel-size", "-pp", "--speculative-config"} <= {
         o for a in commands["serve"]._actions for o in a.option_strings}
     reference = parse_reference(REFERENCE.read_text())

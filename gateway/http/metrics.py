@@ -39,7 +39,8 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/me
 class StageCollector(Collector):
     """Per-stage series from the coordinator's latest snapshot, read at scrape time.
 
-    Labelled ``replica``, ``rank``, ``host``: ``stagemesh_stage_{compute,wait,send}_seconds_total``,
+    Labelled ``replica``, ``rank``, ``worker`` (its place in a tensor-parallel group; 0 at -tp 1), ``host``:
+    ``stagemesh_stage_{compute,wait,send}_seconds_total``,
     ``stagemesh_stage_batches_total``, ``stagemesh_stage_tokens_total``,
     ``stagemesh_stage_generated_tokens_total``, ``stagemesh_stage_running_sequences``,
     ``stagemesh_stage_waiting_requests``, ``stagemesh_stage_kv_tokens``, ``stagemesh_stage_kv_token_capacity``,
@@ -60,7 +61,7 @@ class StageCollector(Collector):
         self._failures = failures
 
     def collect(self) -> Iterable[Metric]:
-        labels = ["replica", "rank", "host"]
+        labels = ["replica", "rank", "worker", "host"]
         counters = {
             name: CounterMetricFamily(f"stagemesh_stage_{name}", doc, labels=labels)
             for name, doc in (
@@ -95,7 +96,7 @@ class StageCollector(Collector):
         snapshot = self._mesh.snapshot()
         for replica in snapshot.replicas:
             for stage in replica.stages:
-                values = [str(replica.replica), str(stage.rank), stage.host]
+                values = [str(replica.replica), str(stage.rank), str(stage.member), stage.host]
                 for name, family in counters.items():
                     family.add_metric(values, float(getattr(stage.stats, name)))
                 for name, gauge in gauges.items():

@@ -106,7 +106,7 @@ function depthBar(replica, depth) {
   const bar = el("div", { class: "depth", "aria-label": "layers over the model's depth" });
   for (const stage of replica.stages) {
     const [start, end] = stage.layers;
-    if (!depth || end <= start) continue;
+    if (!depth || end <= start || stage.member) continue;  // one segment per stage: its worker 0's
     bar.append(el("div", {
       class: "seg" + (stage.healthy ? "" : " unhealthy"),
       style: "left:" + (100 * start / depth) + "%;width:" + (100 * (end - start) / depth) + "%",
@@ -132,9 +132,11 @@ function stageRow(replica, stage) {
   const quant = stage.quantized ? "quantized" : "dense";
   return el("tr", {
     class: "stage" + (stage.healthy ? "" : " unhealthy"),
-    "data-replica": replica.replica, "data-rank": stage.rank, "data-healthy": stage.healthy ? "true" : "false",
+    "data-replica": replica.replica, "data-rank": stage.rank, "data-member": stage.member || 0,
+    "data-healthy": stage.healthy ? "true" : "false",
   },
-  el("td", {}, String(stage.rank)),
+  // A tensor-parallel group's workers: "1 · worker 1" beside the stage's worker 0.
+  el("td", {}, String(stage.rank) + (stage.member ? " · worker " + stage.member : "")),
   el("td", {}, stage.host + (stage.device ? " (" + stage.device + ")" : "")),
   el("td", { class: "layers" }, "[" + stage.layers[0] + ", " + stage.layers[1] + ")"),
   el("td", {}, stage.compute_dtype + ", " + quant),

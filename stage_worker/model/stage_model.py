@@ -39,7 +39,7 @@ from stage_worker.model.fused_projections import FusedLayer, fuse_layer_projecti
 from stage_worker.model.layer_stack import stack_layers
 from stage_worker.model.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.model.sibling_projections import join_sibling_projections
-from stage_worker.model.tensor_parallel import LayerShare, even_share, shard_layers
+from stage_worker.model.tensor_parallel import LayerShare, even_share, shard_layers, split_layer
 from stagemesh_core.errors import UserError
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.memory import AUTO_DTYPES
@@ -274,6 +274,25 @@ def runs_packed(spec: ModelSpec) -> bool:
     if spec.model_type not in PACKED_ARCHITECTURES:
         return False
     return all(t == "full_attention" for t in spec.args.get("layer_types") or [])
+
+
+def check_shardable(spec: ModelSpec, size: int) -> None:
+    """Refuse, before any worker loads, a ``-tp size`` this model's stages cannot be cut into: the packed path
+    cuts by whole KV-head groups (uneven counts allowed, at least one KV head and one intermediate feature a
+    worker: ``split_layer``), every other architecture by mlx-lm's own ``Model.shard``, which it must have and
+    whose counts must divide (``even_share``). Raises ``UserError`` naming what would work."""
+    if size == 1:
+        return
+    args = spec.args
+    if runs_packed(spec):
+        heads = int(args["num_attention_heads"])
+        split_layer(heads, int(args.get("num_key_value_heads") or heads), int(args["intermediate_size"]), size, 0)
+        return
+    arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+    if not hasattr(arch.Model, "shard"):
+        raise UserError(f"-tp {size}: mlx-lm has no tensor-parallel sharding for {spec.model_type}; serve it with "
+                        "-pp (pipeline stages) instead")
+    even_share(args, size, 0)
 
 
 class StackStageModel(StageModel):

@@ -6,10 +6,8 @@ exits ``ExitCode.CONFIG`` before anything loads), start the gRPC server, ``load`
 its kernels, ``connect`` to both neighbours, then ``run_entry`` (rank 0: the scheduler and engine behind
 ``GenerateStream``) or ``run_relay`` (every other rank, until SHUTDOWN has gone round the ring).
 
-With ``-tp`` a stage is a group of workers (``stage_worker.transport.group``): every worker joins the group's
-MLX group before loading and keeps its share of the layers (``StageModel.shard``); worker 0 then does all of
-the above and mirrors each batch to the members, which ``run_member`` (``stage_worker.engine.group_member``)
-computes until worker 0 sends SHUTDOWN.
+With ``-tp`` a stage is a group of workers (``stage_worker.transport.group``) that join their MLX group before
+loading and keep a share each (``StageModel.shard``); worker 0 mirrors each batch to the others (``run_member``).
 
 ``run_stage`` is load, connect and run, with the error handling both the server and the test harness
 (``stage_worker.service.harness``) share. Exit codes are ``stagemesh_core.states.ExitCode``: 0 done, 2 configuration,

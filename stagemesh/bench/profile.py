@@ -73,6 +73,8 @@ def parse_stage_counters(metrics_text: str) -> dict[StageKey, StageStats]:
             field = _COUNTERS.get(sample.name)
             if field is None:
                 continue
+            if sample.labels.get("worker", "0") != "0":  # a tensor-parallel member computes its worker 0's batches
+                continue
             key = (int(sample.labels.get("replica", 0)), int(sample.labels.get("rank", 0)))
             values.setdefault(key, {})[field] = sample.value
     return {key: _stage_stats(fields) for key, fields in values.items()}

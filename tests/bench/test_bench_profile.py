@@ -5,22 +5,22 @@ from stagemesh_core.snapshots import StageStats
 
 METRICS = """# HELP stagemesh_stage_compute_seconds_total Seconds computing
 # TYPE stagemesh_stage_compute_seconds_total counter
-stagemesh_stage_compute_seconds_total{host="127.0.0.1",rank="0",replica="0"} 12.5
-stagemesh_stage_compute_seconds_total{host="127.0.0.1",rank="1",replica="0"} 15.0
+stagemesh_stage_compute_seconds_total{host="127.0.0.1",rank="0",replica="0",worker="0"} 12.5
+stagemesh_stage_compute_seconds_total{host="127.0.0.1",rank="1",replica="0",worker="0"} 15.0
 # TYPE stagemesh_stage_wait_seconds_total counter
-stagemesh_stage_wait_seconds_total{host="127.0.0.1",rank="0",replica="0"} 3.0
-stagemesh_stage_wait_seconds_total{host="127.0.0.1",rank="1",replica="0"} 4.5
+stagemesh_stage_wait_seconds_total{host="127.0.0.1",rank="0",replica="0",worker="0"} 3.0
+stagemesh_stage_wait_seconds_total{host="127.0.0.1",rank="1",replica="0",worker="0"} 4.5
 # TYPE stagemesh_stage_send_seconds_total counter
-stagemesh_stage_send_seconds_total{host="127.0.0.1",rank="0",replica="0"} 0.5
-stagemesh_stage_send_seconds_total{host="127.0.0.1",rank="1",replica="0"} 0.5
+stagemesh_stage_send_seconds_total{host="127.0.0.1",rank="0",replica="0",worker="0"} 0.5
+stagemesh_stage_send_seconds_total{host="127.0.0.1",rank="1",replica="0",worker="0"} 0.5
 # TYPE stagemesh_stage_batches_total counter
-stagemesh_stage_batches_total{host="127.0.0.1",rank="0",replica="0"} 100
-stagemesh_stage_batches_total{host="127.0.0.1",rank="1",replica="0"} 100
+stagemesh_stage_batches_total{host="127.0.0.1",rank="0",replica="0",worker="0"} 100
+stagemesh_stage_batches_total{host="127.0.0.1",rank="1",replica="0",worker="0"} 100
 # TYPE stagemesh_stage_tokens_total counter
-stagemesh_stage_tokens_total{host="127.0.0.1",rank="0",replica="0"} 900
-stagemesh_stage_tokens_total{host="127.0.0.1",rank="1",replica="0"} 900
+stagemesh_stage_tokens_total{host="127.0.0.1",rank="0",replica="0",worker="0"} 900
+stagemesh_stage_tokens_total{host="127.0.0.1",rank="1",replica="0",worker="0"} 900
 # TYPE stagemesh_stage_healthy gauge
-stagemesh_stage_healthy{host="127.0.0.1",rank="0",replica="0"} 1
+stagemesh_stage_healthy{host="127.0.0.1",rank="0",replica="0",worker="0"} 1
 """
 
 

@@ -176,7 +176,7 @@ def test_kv_use_and_output_tokens_are_in_metrics_too():
     """The dashboard's per-stage figures are the snapshot's counters, which /metrics exports as well."""
     metrics = GatewayMetrics(OneSnapshot(_snapshot(3, 1.0, generated=17)), dict)
     body = metrics.render()[0].decode()
-    labels = '{host="127.0.0.1",rank="0",replica="0"}'
+    labels = '{host="127.0.0.1",rank="0",replica="0",worker="0"}'
     for line in (f"stagemesh_stage_kv_tokens{labels} 30.0", f"stagemesh_stage_kv_token_capacity{labels} 120.0",
                  f"stagemesh_stage_generated_tokens_total{labels} 17.0"):
         assert line in body, line

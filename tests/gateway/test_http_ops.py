@@ -43,7 +43,7 @@ def test_mesh_and_live_data_say_when_a_replica_backs_off(server, healthy_mesh, s
 def test_metrics_has_request_and_per_stage_series(client, server):
     client.completions.create(model=MODEL, prompt="x", max_tokens=3)
     text = httpx.get(f"{server.url}/metrics").text
-    labels = '{host="127.0.0.1",rank="0",replica="0"}'
+    labels = '{host="127.0.0.1",rank="0",replica="0",worker="0"}'
     for series, value in [("stagemesh_stage_compute_seconds_total", "1.5"),
                           ("stagemesh_stage_wait_seconds_total", "0.25"),
                           ("stagemesh_stage_send_seconds_total", "0.125"),
