@@ -29,6 +29,7 @@ class ServeProcess:
     dp: int
     descendants: list[psutil.Process] = field(default_factory=list)
     scheme: str = "http"
+    tp: int = 1  # workers per stage (-tp)
     verify: ssl.SSLContext | bool = True  # httpx's verify: trusts the CA of an HTTPS gateway
 
     @property
@@ -43,8 +44,8 @@ class ServeProcess:
 
     def ports(self) -> list[int]:
         total = self.pp * self.dp
-        return [self.port, *range(self.grpc_base, self.grpc_base + total),
-                *range(self.ring_base, self.ring_base + 2 * total)]
+        return [self.port, *range(self.grpc_base, self.grpc_base + total * self.tp),
+                *range(self.ring_base, self.ring_base + ports.data_plane_ports(total, self.tp))]
 
     def remember_descendants(self) -> None:
         self.descendants = psutil.Process(self.process.pid).children(recursive=True)
@@ -73,23 +74,23 @@ class ServeProcess:
 
 
 def start_serve(tmp_path: Path, *extra: str, pp: int = 1, dp: int = 1, timeout: float = 240,
-                env: dict[str, str] | None = None, https_ca: str | None = None) -> ServeProcess:
+                env: dict[str, str] | None = None, https_ca: str | None = None, tp: int = 1) -> ServeProcess:
     """``stagemesh serve`` on free ports; ``https_ca``: the gateway serves HTTPS with a certificate from
     that CA (the flags are the caller's)."""
     total = pp * dp
     port = free_port_base(1)
-    grpc_base = free_port_base(total)
-    ring_base = free_port_base(2 * total)
+    grpc_base = free_port_base(total * tp)
+    ring_base = free_port_base(ports.data_plane_ports(total, tp))
     log_path = tmp_path / f"serve-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "stagemesh.cli", "serve", "--port", str(port), "--grpc-base-port", str(grpc_base),
-             "--ring-base-port", str(ring_base), "-pp", str(pp), "-dp", str(dp), *extra],
+             "--ring-base-port", str(ring_base), "-pp", str(pp), "-dp", str(dp), "-tp", str(tp), *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
-    serve = ServeProcess(process, port, grpc_base, ring_base, log_path, pp, dp,
+    serve = ServeProcess(process, port, grpc_base, ring_base, log_path, pp, dp, tp=tp,
                          scheme="https" if https_ca else "http",
                          verify=ssl.create_default_context(cafile=https_ca) if https_ca else True)
     deadline = time.monotonic() + timeout
@@ -127,7 +128,8 @@ def assert_stops_clean(serve: ServeProcess, how: str) -> None:
     anyway. Its processes are read again first, so a stage that was replaced during the module counts too."""
     sig, whole_group = STOPS[how]
     stage_pids = [s["pid"] for r in serve.mesh()["replicas"] for s in r["stages"]]
-    assert len(stage_pids) == serve.pp * serve.dp and all(psutil.pid_exists(p) for p in stage_pids), stage_pids
+    workers = serve.pp * serve.dp * serve.tp
+    assert len(stage_pids) == workers and all(psutil.pid_exists(p) for p in stage_pids), stage_pids
     serve.remember_descendants()
     code = serve.stop(sig, whole_group=whole_group, timeout=90)
     assert code in (0, 130, -signal.SIGINT), serve.log()[-3000:]
