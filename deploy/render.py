@@ -457,6 +457,11 @@ EXAMPLES: dict[str, tuple[Settings, ...]] = {
         Settings("serve", "10.0.0.1", EXAMPLE_VENV, home=EXAMPLE_HOME,
                  auth_token_path=f"{EXAMPLE_HOME}/.ray/auth_token", serve_args=("-pp", "2")),
     ),
+    # Both Macs one stage (-tp 2): Mac B runs the same worker plist.
+    "mac-a-tp": (
+        Settings("serve", "10.0.0.1", EXAMPLE_VENV, home=EXAMPLE_HOME,
+                 auth_token_path=f"{EXAMPLE_HOME}/.ray/auth_token", serve_args=("-tp", "2")),
+    ),
     "mac-b": (
         Settings("worker", "10.0.0.2", EXAMPLE_VENV, head="10.0.0.1", home=EXAMPLE_HOME,
                  auth_token_path=f"{EXAMPLE_HOME}/.ray/auth_token"),

@@ -8,7 +8,9 @@ stages); ``mlx-lm``, the same on any checkpoint with nothing preloaded (the GPU 
 PP=1); ``two-hosts`` (PP=2, each stage pinned to its own core, vs PP=1 on one core); ``gpus`` (PP=1 vs PP=2
 and DP=2 on two GPUs); ``gpus-pp`` (PP=2 with and without building steps ahead); ``fused`` (projections
 joined or not); ``prefix`` (prefix cache off, on, and ``mlx_lm.server``'s prompt cache, on multi-turn chat
-and on distinct prompts; ``prefix-summary.json`` checks its ratios against their targets). ``--shape NAME``
+and on distinct prompts; ``prefix-summary.json`` checks its ratios against their targets); ``tp`` (-tp 1, -pp 2
+and -tp 2, every worker on one BLAS thread, with ``stagemesh bench tensor``'s compute / all-reduce split and
+this machine's own ceiling in the same run). ``--shape NAME``
 serves a real-sized model with random weights; a model directory as MODEL is served as it is (``stock`` and
 ``matched`` then refuse). ``--bare`` adds the bare batched forward (the device's limit). The report lists every
 run with its report's path, whether every request succeeded, and its ratios. Pinning uses ``taskset`` (Linux).
@@ -36,7 +38,9 @@ from stagemesh.bench import flags
 from stagemesh.bench.random_checkpoint import check_shape_flags, shape_description, write_shape_checkpoint
 from stagemesh_core.errors import UserError
 
-COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix")
+COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix", "tp")
+# ``tp``'s every worker on one BLAS thread: each stands for one Mac (``stagemesh bench tensor`` does the same).
+TP_ENV = {"STAGEMESH_BLAS_THREADS": "1"}
 # Those that serve mlx_lm the GGUF converted to an mlx-lm directory: they need MODEL to be a .gguf file.
 GGUF_COMPARISONS = ("stock", "matched")
 # Sizes when a flag is not given: (input, output, prompts per level) for most comparisons; for ``prefix``
@@ -143,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
                     runs += prefix_runs
                     continue
                 runs.append(_bench(args, name, endpoints, out, tokenizer_dir))
+                if name == "tp":
+                    runs[-1]["tensor"] = _tensor_split(model, out)
                 if _profile_levels(args):
                     runs[-1]["profile"] = _profile(args, name, endpoints, out, tokenizer_dir)
         if args.bare:
@@ -212,6 +218,8 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
       second GPU adds as a stage or as a replica;
     - ``gpus-pp``: PP=1 vs PP=2 over two GPUs, and PP=2 again with ``STAGEMESH_STEP_AHEAD=off`` (each stage
       builds a step only once its input is there): what building ahead is worth;
+    - ``tp``: -tp 1 vs -pp 2 vs -tp 2 on this host, every worker on one BLAS thread (each standing for one
+      Mac): what a second Mac adds to one stream as a pipeline stage or as half of a tensor-parallel stage;
     - ``fused``: PP=1 with each layer's q/k/v and gate/up projections joined (``STAGEMESH_FUSE_PROJECTIONS=on``)
       vs ``off`` (mlx-lm's layers as they are): what joining them is worth;
     - ``prefix``: stagemesh with the prefix cache off (``--no-enable-prefix-caching``, the baseline), on (the
@@ -273,6 +281,12 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2-step-ahead-off",
                                            extra_env={"STAGEMESH_STEP_AHEAD": "off"})),
         ]
+    if name == "tp":
+        return [
+            stack.enter_context(_stagemesh(model, next(ports), ["-tp", "1", *serve_args], "tp1", extra_env=TP_ENV)),
+            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2", extra_env=TP_ENV)),
+            stack.enter_context(_stagemesh(model, next(ports), ["-tp", "2", *serve_args], "tp2", extra_env=TP_ENV)),
+        ]
     if name == "fused":
         return [
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1",
@@ -289,6 +303,19 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2"], "two-hosts", pin="per-stage")),
         ]
     raise ValueError(name)
+
+
+def _tensor_split(model: str, out: Path) -> dict | None:
+    """``stagemesh bench tensor`` on the same model, right after the served arms: the group's step split into
+    compute and all-reduce, and this machine's ceiling (two processes streaming half the weights each against one
+    streaming all), at 1 and 16 rows; None (its log says why) if it failed."""
+    report = out / "tp-tensor.json"
+    command = [sys.executable, "-m", "stagemesh.cli", "bench", "tensor", model, "--rows", "1,16", "--output",
+               str(report)]
+    print("== tp: the group's compute and all-reduce, and this machine's ceiling", file=sys.stderr)
+    if subprocess.run(command, stdout=sys.stderr).returncode != 0 or not report.exists():
+        return None
+    return json.loads(report.read_text())["results"]
 
 
 def _dense_f32_dir(q4_dir: str, tmp: str) -> str:

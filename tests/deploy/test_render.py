@@ -153,14 +153,16 @@ def test_check_refuses_what_is_not_a_plist(render):
 def test_the_example_sets_in_deploy_launchd_are_what_render_writes(render, tmp_path):
     written = render.write_examples(str(tmp_path))
     names = sorted(str(p.relative_to(tmp_path)) for p in written)
-    assert names == ["mac-a/com.stagemesh.ray-head.plist", "mac-a/com.stagemesh.serve.plist",
-                     "mac-b/com.stagemesh.ray-worker.plist"]
+    assert names == ["mac-a-tp/com.stagemesh.serve.plist", "mac-a/com.stagemesh.ray-head.plist",
+                     "mac-a/com.stagemesh.serve.plist", "mac-b/com.stagemesh.ray-worker.plist"]
     for rel in names:
         committed = DEPLOY / "launchd" / rel
         assert committed.read_bytes() == (tmp_path / rel).read_bytes(), (
             f"{committed} is stale: regenerate with `python deploy/render.py --examples deploy/launchd`")
     worker = plistlib.loads((DEPLOY / "launchd" / "mac-b" / "com.stagemesh.ray-worker.plist").read_bytes())
     assert flag_value(worker["ProgramArguments"], "--address") == "10.0.0.1:6379"
+    tp = plistlib.loads((DEPLOY / "launchd" / "mac-a-tp" / "com.stagemesh.serve.plist").read_bytes())
+    assert flag_value(tp["ProgramArguments"], "-tp") == "2"  # both Macs one stage
 
 
 def _cli(*args, env=None) -> subprocess.CompletedProcess:
