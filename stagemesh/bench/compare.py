@@ -8,9 +8,8 @@ stages); ``mlx-lm``, the same on any checkpoint with nothing preloaded (the GPU 
 PP=1); ``two-hosts`` (PP=2, each stage pinned to its own core, vs PP=1 on one core); ``gpus`` (PP=1 vs PP=2
 and DP=2 on two GPUs); ``gpus-pp`` (PP=2 with and without building steps ahead); ``fused`` (projections
 joined or not); ``prefix`` (prefix cache off, on, and ``mlx_lm.server``'s prompt cache, on multi-turn chat
-and on distinct prompts; ``prefix-summary.json`` checks its ratios against their targets); ``tp`` (-tp 1, -pp 2
-and -tp 2, every worker on one BLAS thread, with ``stagemesh bench tensor``'s compute / all-reduce split and
-this machine's own ceiling in the same run). ``--shape NAME``
+and on distinct prompts; ``prefix-summary.json`` checks its ratios against their targets); ``tp`` (-tp 1, -pp 2,
+-tp 2 and ``bench tensor``'s split and ceiling). ``--shape NAME``
 serves a real-sized model with random weights; a model directory as MODEL is served as it is (``stock`` and
 ``matched`` then refuse). ``--bare`` adds the bare batched forward (the device's limit). The report lists every
 run with its report's path, whether every request succeeded, and its ratios. Pinning uses ``taskset`` (Linux).
