@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from stage_worker.batch import SequenceRecord
 from stage_worker.transport import wire
@@ -115,7 +116,7 @@ def join_group(plan: PipelinePlan, rank: int, member: int, watchdog: RingWatchdo
 def group_minimum(value: int, group: mx.distributed.Group) -> int:
     """The smallest ``value`` any member holds (a collective: every member calls it at the same point)."""
     gathered = mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=group)
-    return min(int(v) for v in gathered.tolist())
+    return int(np.asarray(gathered).min())
 
 
 class GroupMirror:

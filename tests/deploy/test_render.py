@@ -178,7 +178,7 @@ def test_cli_writes_checks_and_prints(tmp_path):
     assert path == tmp_path / "com.stagemesh.serve.plist"
     assert plistlib.loads(path.read_bytes())["ProgramArguments"][-2:] == ["-dp", "2"]
     checked = _cli("--check", str(path), *map(str, (DEPLOY / "launchd").glob("*/*.plist")))
-    assert checked.returncode == 0 and checked.stdout.count(": OK") == 4, checked.stdout + checked.stderr
+    assert checked.returncode == 0 and checked.stdout.count(": OK") == 5, checked.stdout + checked.stderr
     broken = tmp_path / "broken.plist"
     broken.write_text("not a plist")
     failed = _cli("--check", str(broken))
