@@ -31,7 +31,7 @@ def main(config_path: str) -> None:
     if config["size"] > 1:
         group = mx.distributed.init(backend="ring", strict=True)
         assert group.size() == config["size"], group.size()
-        share = model.shard(group)
+        share = model.shard(group, rank_0_extra=spec.vocab_size * spec.hidden_size)  # as a last stage
     results = []
     for prompt in config["prompts"]:
         caches = model.new_caches()

@@ -104,3 +104,18 @@ def test_a_worker_keeps_its_share_of_kv_and_the_planner_counts_a_share_of_each_l
     assert half.layer == TensorBytes(5, 501) and half.kv_elements_per_token == 192
     assert half.kv_layers == (LayerKV(192),) and half.embedding == facts.embedding
     assert facts.worker_share(1) is facts
+
+
+def test_the_mlp_split_leans_away_from_the_worker_that_holds_more():
+    from stage_worker.model.tensor_parallel import balance_intermediate
+
+    # The default model's shapes: 30 layers, 3 KV groups split 2 + 1, the tied head on worker 0.
+    shape = dict(layers=30, per_kv_group=576 * 64 * 8, per_feature=3 * 576)
+    parts = balance_intermediate(1536, [2, 1], extra=[49152 * 576, 0], **shape)
+    assert parts == [range(0, 416), range(416, 1536)]
+    reads = [30 * (k * shape["per_kv_group"] + len(p) * shape["per_feature"]) + e
+             for k, p, e in zip([2, 1], parts, [49152 * 576, 0], strict=True)]
+    assert abs(reads[0] - reads[1]) < 30 * 32 * shape["per_feature"]  # within one aligned step
+    assert balance_intermediate(1536, [1, 1], extra=[0, 0], **shape) == [range(0, 768), range(768, 1536)]
+    # A head too big to balance leaves worker 0 one aligned group of features, never none.
+    assert balance_intermediate(256, [1, 1], extra=[10**12, 0], **shape) == [range(0, 32), range(32, 256)]

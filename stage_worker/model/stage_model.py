@@ -200,11 +200,13 @@ class StageModel:
         self._measure()
         return FusedLayer(qkv=all(f.qkv for f in fused), gate_up=all(f.gate_up for f in fused))
 
-    def shard(self, group: Any) -> LayerShare:
+    def shard(self, group: Any, rank_0_extra: int = 0) -> LayerShare:
         """Keep only this member's share of every layer in ``group``, a tensor-parallel group of MLX's
         (``tensor_parallel``); called after choosing dense or quantized weights and before
-        ``fuse_projections``, so the joined projections are joined from the member's own rows."""
-        share = shard_layers(list(self._module.layers), group)
+        ``fuse_projections``, so the joined projections are joined from the member's own rows.
+        ``rank_0_extra``: weight elements worker 0 reads per token beyond the layers (the head of the last
+        stage), which the MLP's split balances; the same on every member."""
+        share = shard_layers(list(self._module.layers), group, rank_0_extra)
         self._measure()
         return share
 
@@ -368,7 +370,7 @@ class StackStageModel(StageModel):
         super().dequantize()
         self._bind_ends()
 
-    def shard(self, group: Any) -> LayerShare:
+    def shard(self, group: Any, rank_0_extra: int = 0) -> LayerShare:
         """This member's share of every layer, cut by mlx-lm's own ``Model.shard`` (which splits evenly:
         ``even_share`` refuses counts it cannot split); the ends are rebound to the cut modules."""
         if not hasattr(self._module, "shard"):

@@ -7,8 +7,9 @@ allow. ``shard_layers`` then cuts a loaded slice's dense decoder layers in place
 their rows (output features) of the member's share, o_proj and down_proj their columns (input features),
 and those two become ``AllSumLinear``: the member's partial product summed over the group, with the bias
 added by rank 0 only. Two all-reduces per layer; each member's KV cache holds only its own heads. Norms,
-embedding and head stay whole. Architectures on the layer stack shard by mlx-lm's own ``shard()``, which
-splits evenly (``even_share``). A split the model cannot take raises ``UserError`` naming what would work.
+embedding and head stay whole on rank 0, so the MLP's split leans away from it (``balance_intermediate``).
+Architectures on the layer stack shard by mlx-lm's own ``shard()``, which splits evenly (``even_share``).
+A split the model cannot take raises ``UserError`` naming what would work.
 """
 
 from __future__ import annotations
@@ -64,6 +65,39 @@ def split_layer(n_heads: int, n_kv_heads: int, intermediate_size: int, size: int
                       _even_parts(intermediate_size, size)[rank])
 
 
+def balance_intermediate(intermediate_size: int, kv_parts: list[int], *, layers: int, per_kv_group: int,
+                         per_feature: int, extra: list[int], align: int = 32) -> list[range]:
+    """The MLP's intermediate features in contiguous parts, one per member, so that every member reads about
+    as many weight elements per token (pure): a decode step waits for its slowest member, and a member's step
+    is bound by the weights it reads. Member m holds ``kv_parts[m]`` KV groups of ``per_kv_group`` elements in
+    each of ``layers`` layers, plus ``extra[m]`` (rank 0's whole head); each feature costs ``per_feature`` per
+    layer. Parts are multiples of ``align`` (quantization groups stay whole) but for the last, and at least
+    ``align`` each where the size allows; an even split where nothing needs balancing."""
+    size = len(kv_parts)
+    total = layers * (sum(kv_parts) * per_kv_group + intermediate_size * per_feature) + sum(extra)
+    if not any(extra) and len(set(kv_parts)) == 1:
+        return _even_parts(intermediate_size, size)
+    floor = min(align, intermediate_size // size)
+    wanted = []
+    for m in range(size):
+        room = total / size - layers * kv_parts[m] * per_kv_group - extra[m]
+        wanted.append(max(floor, int(round(room / (layers * per_feature) / align)) * align))
+    # What rounding left over goes to (or comes from) the last member, which keeps at least ``floor``.
+    wanted[-1] = intermediate_size - sum(wanted[:-1])
+    while wanted[-1] < floor:
+        m = max(range(size - 1), key=lambda i: wanted[i])
+        step = min(align, wanted[m] - floor, floor - wanted[-1])
+        if step <= 0:
+            return _even_parts(intermediate_size, size)
+        wanted[m] -= step
+        wanted[-1] += step
+    parts, start = [], 0
+    for length in wanted:
+        parts.append(range(start, start + length))
+        start += length
+    return parts
+
+
 def even_share(args: Mapping[str, Any], size: int, rank: int) -> LayerShare:
     """Member ``rank``'s share where the split must be even (mlx-lm's own ``shard()``, which divides every
     count by ``size``): refused, naming the sizes that would work, where a count does not divide (pure)."""
@@ -92,6 +126,13 @@ class AllSumLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         out = self.inner(x)
         return mx.distributed.all_sum(out, group=self._group) if self.summing else out
+
+
+def _in_features(linear: nn.Module) -> int:
+    """A (quantized) linear's input features."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return linear.scales.shape[1] * linear.group_size
+    return int(linear.weight.shape[1])
 
 
 def _rows(linear: nn.Module, rows: range) -> None:
@@ -125,9 +166,11 @@ def _columns(linear: nn.Module, columns: range, keep_bias: bool) -> None:
         delattr(linear, "bias")
 
 
-def shard_layers(layers: list[nn.Module], group: Any) -> LayerShare:
+def shard_layers(layers: list[nn.Module], group: Any, rank_0_extra: int = 0) -> LayerShare:
     """Cut every dense decoder layer in ``layers`` (mlx-lm's llama / qwen2 / qwen3 layout, before
-    ``fuse_projections``) to this member's share of ``group``, in place; the share taken."""
+    ``fuse_projections``) to this member's share of ``group``, in place; the share taken. ``rank_0_extra``:
+    the weight elements rank 0 reads per token beyond its layers (the head, on the last stage): every member
+    must pass the same, since it moves the MLP's split (``balance_intermediate``)."""
     share = None
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -136,6 +179,14 @@ def shard_layers(layers: list[nn.Module], group: Any) -> LayerShare:
         intermediate = mlp.gate_proj.weight.shape[0] if not isinstance(mlp.gate_proj, nn.QuantizedLinear) \
             else mlp.gate_proj.scales.shape[0]
         share = split_layer(attn.n_heads, attn.n_kv_heads, intermediate, group.size(), group.rank())
+        if rank_0_extra or attn.n_kv_heads % group.size():
+            hidden = _in_features(attn.q_proj)
+            per_kv = attn.n_heads // attn.n_kv_heads
+            kv_parts = [len(_even_parts(attn.n_kv_heads, group.size())[m]) for m in range(group.size())]
+            parts = balance_intermediate(
+                intermediate, kv_parts, layers=len(layers), per_kv_group=hidden * head_dim * (2 * per_kv + 2),
+                per_feature=3 * hidden, extra=[rank_0_extra] + [0] * (group.size() - 1))
+            share = LayerShare(share.rank, share.size, share.kv_heads, share.heads, parts[group.rank()])
         heads = range(share.heads.start * head_dim, share.heads.stop * head_dim)
         kv = range(share.kv_heads.start * head_dim, share.kv_heads.stop * head_dim)
         _rows(attn.q_proj, heads)

@@ -221,7 +221,9 @@ def load(ctx: StageContext, status: StageStatus, group: mx.distributed.Group | N
     share = None
     if group is not None:
         whole = model.weight_bytes
-        share = model.shard(group)
+        # The last stage's worker 0 also reads the whole head for every token: the MLP's split leans away from it.
+        head = spec.vocab_size * spec.hidden_size if launch.is_last else 0
+        share = model.shard(group, rank_0_extra=head)
         log.info("tensor-parallel share: worker %d of %d holds KV heads %d-%d, attention heads %d-%d, intermediate "
                  "features %d-%d: %.1f MB of the slice's %.1f MB", share.rank, share.size, share.kv_heads.start,
                  share.kv_heads.stop - 1, share.heads.start, share.heads.stop - 1, share.intermediate.start,

@@ -145,7 +145,7 @@ def _rank_main(config: dict[str, Any]) -> None:
         model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
         model.dequantize()
         if group is not None:
-            model.shard(group)
+            model.shard(group, rank_0_extra=spec.vocab_size * spec.hidden_size)  # as a last stage shards
         result["weight_bytes"] = model.weight_bytes
         for rows in config["rows"]:
             caches = [model.new_caches() for _ in range(rows)]
