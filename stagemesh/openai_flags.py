@@ -4,7 +4,8 @@ Contract: ``add_arguments(parser)`` adds ``--chat-template`` (a Jinja file, or t
 itself), ``--chat-template-kwargs`` (a JSON object of template variables, e.g.
 ``'{"enable_thinking": false}'``), ``--tool-call-parser`` (hermes, llama3_json, mistral) and
 ``--generation-config`` (``auto``: the model directory's
-``generation_config.json``; ``vllm``: none, OpenAI's defaults; or a folder holding one).
+``generation_config.json``; ``vllm``: none, OpenAI's defaults; or a folder holding one) and
+``--[no-]structured-output-strict`` (JSON Schemas close their objects; on by default).
 ``openai_defaults(args, model_path)`` turns them into ``gateway.chat.defaults.OpenAIDefaults``
 or raises ``UserError`` naming the flag.
 """
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults for unset request fields: auto (the model's generation_config.json), "
                              "vllm (none), or a folder holding a generation_config.json (default %(default)s)")
+    parser.add_argument("--structured-output-strict", action=argparse.BooleanOptionalAction, default=True,
+                        help="enforce JSON Schemas (response_format, guided_json, forced tool calls) strictly: an "
+                             "object that declares properties takes no others unless its schema says so "
+                             "(default on; --no-structured-output-strict follows additionalProperties' own default)")
 
 
 def openai_defaults(args: argparse.Namespace, model_path: str) -> OpenAIDefaults:
@@ -55,7 +60,8 @@ def openai_defaults(args: argparse.Namespace, model_path: str) -> OpenAIDefaults
         if not isinstance(kwargs, dict):
             raise UserError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     return OpenAIDefaults(generation=_generation(args.generation_config, model_path), chat_template=template,
-                          chat_template_kwargs=kwargs, tool_call_parser=args.tool_call_parser)
+                          chat_template_kwargs=kwargs, tool_call_parser=args.tool_call_parser,
+                          structured_output_strict=args.structured_output_strict)
 
 
 def _generation(setting: str, model_path: str) -> GenerationDefaults:

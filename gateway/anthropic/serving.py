@@ -6,12 +6,15 @@ Contract: ``AnthropicServing(core).messages(req)`` translates the request
 server-sent events (``message_start``, ``ping``, the ``content_block_*`` events, ``message_delta``,
 ``message_stop``). Every check fails before anything is generated, with Anthropic's envelope and the field
 named in this API's terms; a failure after the stream started is an ``error`` event, and the stream ends.
+A ``max_tokens`` above the room the context leaves generates to the end of the context, ending with
+``stop_reason: "model_context_window_exceeded"``; a prompt that fills the context itself is an
+``invalid_request_error`` naming both numbers. A forced tool call cut by ``max_tokens`` is a ``tool_use``
+block whose ``input`` holds what was written (``stop_reason: "max_tokens"``), never text.
 ``count_tokens(req)`` is ``{"input_tokens": n}``, the prompt as the same request would render it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +25,16 @@ from fastapi.responses import JSONResponse
 from gateway.chat.core import ChatCore
 from gateway.chat.plan import ChatPlan
 from gateway.chat.translation import Translated
-from gateway.chat.turn import ArgumentsDelta, CallStart, ContentDelta, ReasoningDelta, Reply, Turn, TurnEvent
+from gateway.chat.turn import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    ReasoningDelta,
+    Reply,
+    Turn,
+    TurnEvent,
+    partial_object,
+)
 from gateway.http.errors import APIError
 from gateway.http.sse import SSEResponse, new_id, sse, stream_response
 
@@ -37,7 +49,9 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return sse(data, kind)
 
 
-STOP_REASONS = {"end": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
+# "context": the context filled before max_tokens did (run_chat's fill_context), Anthropic's own stop reason.
+STOP_REASONS = {"end": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use",
+                "context": "model_context_window_exceeded"}
 
 
 def message_json(message_id: str, model: str, turn: Turn) -> dict[str, Any]:
@@ -49,8 +63,9 @@ def message_json(message_id: str, model: str, turn: Turn) -> dict[str, Any]:
         content.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
     if turn.content:
         content.append({"type": "text", "text": turn.content})
-    # A call is whole JSON (a forced call cut short stays text): its input parses.
-    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+    # A forced call cut by max_tokens is still a tool_use block (stop_reason max_tokens): its input is what the
+    # arguments hold so far, as Anthropic's SDKs read a cut input_json stream.
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": partial_object(c.arguments)}
                 for c in turn.calls]
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": STOP_REASONS[turn.end.stop], "stop_sequence": turn.end.stop_string,
@@ -116,7 +131,10 @@ class AnthropicServing:
         translated = self._translate(req)
         plan = translated.named(lambda: self._core.plan(translated.chat, arrived))
         message_id = new_id("msg")
-        reply = translated.named(lambda: self._core.run_chat(plan, message_id, split_reasoning=True))
+        # Anthropic's API takes a max_tokens above the room the context leaves: it generates to the end of the
+        # context and says so (Claude Code asks for 32,000 on every request, whatever the model's context).
+        reply = translated.named(lambda: self._core.run_chat(plan, message_id, split_reasoning=True,
+                                                             fill_context=True))
         if not plan.settings.stream:
             [turn] = await reply.whole()
             return JSONResponse(message_json(message_id, plan.model, turn))

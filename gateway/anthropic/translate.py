@@ -190,9 +190,11 @@ def _tools(req: CountTokensRequest, names: dict[str, str]) -> list[dict[str, Any
         function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]
         tools.append({"type": "function", "function": function})
         for chat, ours in (("", ""), (".function.name", ".name"), (".function.parameters", ".input_schema"),
-                           (".function.description", ".description")):
+                           (".function.description", ".description"), (".function.strict", ".strict")):
             names[f"tools[{i}]{chat}"] = f"{where}{ours}"
     return tools
 

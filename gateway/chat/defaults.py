@@ -6,7 +6,8 @@ Contract:
   ``--generation-config``), ``chat_template`` (replaces the model's own; a request's
   ``chat_template`` replaces both) and ``chat_template_kwargs`` (variables every chat render
   gets; a request's ``chat_template_kwargs`` override them key by key), ``tool_call_parser``
-  (the format of the model's tool calls, ``--tool-call-parser``; None: from the chat template).
+  (the format of the model's tool calls, ``--tool-call-parser``; None: from the chat template) and
+  ``structured_output_strict`` (``--[no-]structured-output-strict``: JSON Schemas enforced strictly).
 - ``generation_defaults_from_file(path)`` reads a ``generation_config.json``: only the fields
   vLLM takes from it (``temperature``, ``top_p``, ``top_k``, ``min_p``,
   ``repetition_penalty``, ``max_new_tokens``), and only when ``do_sample`` does not turn
@@ -46,6 +47,8 @@ class OpenAIDefaults:
     chat_template: str | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     tool_call_parser: str | None = None  # None: picked from the chat template (gateway.parsing.tool_parsers)
+    # --structured-output-strict (the default): JSON Schemas close their objects (gateway.chat.grammar).
+    structured_output_strict: bool = True
 
 
 def generation_defaults_from_file(path: str) -> GenerationDefaults:

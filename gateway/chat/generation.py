@@ -2,8 +2,9 @@
 
 Contract:
 - ``ChoiceJob`` is one (prompt, choice) pair: its choice index, the prompt's token ids and the resolved token
-  budget and stage sampling; ``choice_jobs(prompts, settings, max_model_len, prompt_param)`` makes a
-  request's (the budget checked here: a 400 before any call).
+  budget and stage sampling; ``choice_jobs(prompts, settings, max_model_len, prompt_param, fill_context)``
+  makes a request's (the budget checked here: a 400 before any call; with ``fill_context`` a budget beyond
+  the context is the room left, and a choice that ends there says ``context_full``).
 - ``run_choices(jobs, ctx)`` starts one generation per job concurrently and yields ``ChoiceEvent``s as text
   becomes available, each job ending with exactly one event whose ``finish_reason`` is set ("stop": EOS or a
   stop string; "length": the token budget). Text is detokenized incrementally (no partial characters), stop
@@ -55,17 +56,19 @@ class ChoiceJob:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     sampling: stage_pb2.SamplingParams
+    to_context_end: bool = False  # the budget is the room the context left, less than the request asked
 
 
 def choice_jobs(prompts: Sequence[tuple[int, ...]], settings: SamplingSettings, max_model_len: int,
-                prompt_param: str) -> list[ChoiceJob]:
+                prompt_param: str, fill_context: bool = False) -> list[ChoiceJob]:
     """``settings.n`` jobs per prompt, indexed prompt by prompt (OpenAI's choice order)."""
-    return [
-        ChoiceJob(index=p * settings.n + i, prompt_ids=ids,
-                  max_tokens=settings.max_tokens_for(len(ids), max_model_len, prompt_param),
-                  sampling=settings.stage_sampling(i))
-        for p, ids in enumerate(prompts) for i in range(settings.n)
-    ]
+    jobs = []
+    for p, ids in enumerate(prompts):
+        budget = settings.max_tokens_for(len(ids), max_model_len, prompt_param, fill_context)
+        bound = settings.max_tokens is not None and budget < settings.max_tokens
+        jobs += [ChoiceJob(index=p * settings.n + i, prompt_ids=ids, max_tokens=budget,
+                           sampling=settings.stage_sampling(i), to_context_end=bound) for i in range(settings.n)]
+    return jobs
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class ChoiceEvent:
     completion_tokens: int  # so far
     logprobs: tuple[TokenLogprobs, ...] = ()
     stop_string: str | None = None  # the request's stop string that ended the choice
+    context_full: bool = False  # "length" at the end of the context, not of the budget the request asked
 
 
 class TokenObserver(Protocol):
@@ -159,8 +163,9 @@ async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGe
                 yield ChoiceEvent(job.index, emit, "stop", prompt_tokens, generated, taken(), stops.matched)
                 return
             if finish:
-                yield ChoiceEvent(job.index, emit + stops.flush(), _FINISH.get(finish, "stop"),
-                                  prompt_tokens, generated, taken())
+                reason = _FINISH.get(finish, "stop")
+                yield ChoiceEvent(job.index, emit + stops.flush(), reason, prompt_tokens, generated, taken(),
+                                  context_full=reason == "length" and job.to_context_end)
                 return
             if emit:
                 yield ChoiceEvent(job.index, emit, None, prompt_tokens, generated, taken())

@@ -88,7 +88,7 @@ class ChatPlan:
         return self.reading.tools
 
 
-def _with_forced_call(settings: SamplingSettings, tools: ToolPlan) -> SamplingSettings:
+def _with_forced_call(settings: SamplingSettings, tools: ToolPlan, strict: bool) -> SamplingSettings:
     """A forced ``tool_choice`` constrains the output to the call (its JSON Schema as the grammar); it cannot be
     combined with the request's own output constraint."""
     forced = tools.forced_schema()
@@ -97,7 +97,7 @@ def _with_forced_call(settings: SamplingSettings, tools: ToolPlan) -> SamplingSe
     if settings.sampling.grammar:
         raise errors.bad_request(f"tool_choice {tools.mode} constrains the output already; it cannot be "
                                  "combined with response_format or guided_*.", "tool_choice")
-    return settings.with_grammar(json_schema_grammar(forced, "tools"))
+    return settings.with_grammar(json_schema_grammar(forced, "tools", strict))
 
 
 def _reading(prompt: tuple[int, ...], tools: ToolPlan, server: ChatServer) -> Reading:
@@ -111,8 +111,9 @@ def plan_chat(req: ChatRequest, server: ChatServer, arrived: float) -> ChatPlan:
     """The checks in the order a client meets them: the model (404), the sampling fields, the tools, a forced
     call against the output constraint, the template's options, then the render."""
     model = server.check_model(req.model)
-    settings = settings_from_request(req, server.defaults.generation, server.vocab_size)
+    strict = server.defaults.structured_output_strict
+    settings = settings_from_request(req, server.defaults.generation, server.vocab_size, strict)
     tools = tool_plan(req)
-    settings = _with_forced_call(settings, tools)
+    settings = _with_forced_call(settings, tools, strict or tools.strict)
     prompt = render_chat(req.messages, server.tokenizer, chat_options(req, server.defaults), tools)
     return ChatPlan(model, settings, prompt, _reading(prompt, tools, server), arrived)

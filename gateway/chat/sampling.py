@@ -1,14 +1,14 @@
 """The ONE place that maps a request's generation fields to what a stage is asked to do.
 
 Contract:
-- ``settings_from_request(req, defaults, vocab_size)`` validates every generation-related field of a request
+- ``settings_from_request(req, defaults, vocab_size, strict_schemas)`` validates every generation-related field of a request
   (``GenerationFields``: a chat request, a completion) and returns frozen ``SamplingSettings``, or raises a
   400 ``APIError`` whose ``param`` names the field. Unset fields take the model's generation-config
   ``defaults``, else the core's; fields the stages cannot honour are refused when set to anything but their
   default, never silently ignored.
 - ``SamplingSettings.sampling`` is the request's core ``SamplingParams``; the other fields are the request's
   own (choices, stop strings, streaming, output).
-- ``SamplingSettings.max_tokens_for(prompt_len, max_model_len, prompt_param)`` resolves the token budget,
+- ``SamplingSettings.max_tokens_for(prompt_len, max_model_len, prompt_param, fill_context)`` resolves the token budget,
   never clamping it silently; ``stage_sampling(choice)`` is the stage's ``SamplingParams`` message for one
   choice and ``stop_token_ids(eos)`` the ids the stage stops at.
 """
@@ -46,10 +46,12 @@ class SamplingSettings:
     include_stop_str_in_output: bool = False
     add_special_tokens: bool | None = None  # None: the endpoint's default
 
-    def max_tokens_for(self, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
-        """The room left in the context by default; a prompt that leaves no room, or an explicit budget that
-        does not fit, is a 400 naming the numbers (clamping silently would give the client less than it asked
-        for without saying why)."""
+    def max_tokens_for(self, prompt_len: int, max_model_len: int, prompt_param: str,
+                       fill_context: bool = False) -> int:
+        """The room left in the context by default; a prompt that leaves no room is a 400 naming the numbers,
+        and so is an explicit budget that does not fit (clamping silently would give the client less than it
+        asked for without saying why), unless ``fill_context``: an API that promises to generate to the end of
+        the context and say so (Anthropic's ``model_context_window_exceeded``) gets the room left."""
         if prompt_len >= max_model_len:
             raise APIError(
                 400,
@@ -57,6 +59,8 @@ class SamplingSettings:
                 f"contains {prompt_len} input tokens, which leaves no room for a completion. Please shorten it.",
                 param=prompt_param, code="context_length_exceeded")
         if self.max_tokens is None:
+            return max_model_len - prompt_len
+        if prompt_len + self.max_tokens > max_model_len and fill_context:
             return max_model_len - prompt_len
         if prompt_len + self.max_tokens > max_model_len:
             raise APIError(
@@ -102,7 +106,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 def settings_from_request(req: GenerationFields,
                           defaults: GenerationDefaults | None = None,
-                          vocab_size: int | None = None) -> SamplingSettings:
+                          vocab_size: int | None = None, strict_schemas: bool = True) -> SamplingSettings:
     """The sampling fields' ranges are the core's (``stagemesh_core.sampling``: its ``check`` runs here, with
     each field named as the request names it); the request's own limits (``n``, ``stop``, ``stop_token_ids``,
     ...) are the schema's (``gateway.chat.request``). Unset fields take ``defaults`` (vLLM's
@@ -155,7 +159,7 @@ def settings_from_request(req: GenerationFields,
         raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
     include_usage = bool(stream and req.stream_options and req.stream_options.include_usage)
 
-    grammar = grammar_for(req)
+    grammar = grammar_for(req, strict_schemas)
     if grammar is not None and req.ignore_eos:
         raise bad_request("ignore_eos cannot be combined with structured output: the output ends where its "
                           "format does.", "ignore_eos")

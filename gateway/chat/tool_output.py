@@ -3,8 +3,10 @@
 Contract:
 - ``final_message(text, finish, plan, fmt)`` -> ``(content, tool_calls, finish)``: a forced call
   (``required`` / ``named``) is read from its constrained JSON; with ``auto`` the tool-call format ``fmt``
-  finds the calls in the text; any call makes the finish reason ``tool_calls``. Without calls the text stays
-  content.
+  finds the calls in the text; any whole call makes the finish reason ``tool_calls``. Forced output cut by the
+  token budget (finish ``length``) is still calls, never content: each call begun, the last with its
+  arguments as far as they were written, the finish reason staying ``length`` (what the stream sent, too).
+  Without calls the text stays content.
 - ``ToolStream(plan, fmt)`` does the same incrementally for one streamed choice: ``events(text)`` returns the
   typed events to send now (``ContentDelta``, ``CallStart``, ``ArgumentsDelta``) and ``finish_events(reason)``
   the last ones and the finish reason (``tool_calls`` when calls were made whole); ``gateway.chat.turn`` reads
@@ -28,12 +30,31 @@ def final_message(text: str, finish: str | None, plan: ToolPlan,
                   fmt: ToolFormat) -> tuple[str | None, list[ToolCall], str | None]:
     if plan.mode in ("named", "required"):
         calls = plan.forced_calls(text)
-        return (None, calls, "tool_calls") if calls else (text, [], finish)
+        if calls:
+            return None, calls, "tool_calls"
+        if finish == "length":
+            cut = _cut_calls(text, plan)
+            if cut:
+                return None, cut, finish
+        return text, [], finish
     if plan.mode == "auto":
         content, calls = fmt.parse(text)
         if calls:
             return content, calls, "tool_calls"
     return text, [], finish
+
+
+def _cut_calls(text: str, plan: ToolPlan) -> list[ToolCall]:
+    """The calls a forced output cut short had begun, read as its stream reads them (``ToolStream``), so the
+    ids aside, an unstreamed reply holds what the stream sent."""
+    stream = ToolStream(plan, FORCED)
+    calls: list[list[str]] = []  # [id, name, arguments so far]
+    for event in [*stream.events(text), *stream.finish_events("length")[0]]:
+        if isinstance(event, CallStart):
+            calls.append([event.id, event.name, ""])
+        elif isinstance(event, ArgumentsDelta) and calls:
+            calls[-1][2] += event.text
+    return [ToolCall(name, arguments, call_id) for call_id, name, arguments in calls]
 
 
 def openai_delta(event: Event | ReasoningDelta) -> dict[str, Any]:

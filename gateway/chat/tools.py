@@ -36,6 +36,7 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
+    strict: bool = False  # the request's function.strict (the server's switch applies either way)
 
     def to_json(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -52,6 +53,12 @@ class ToolPlan:
     @property
     def active(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def strict(self) -> bool:
+        """A tool the output is forced to asked for ``strict``: honoured under a lax server too."""
+        forced = [t for t in self.tools if self.mode == "required" or t.name == self.name]
+        return any(t.strict for t in forced)
 
     def forced_schema(self) -> dict[str, Any] | None:
         """``named``: the function's arguments object; ``required``: a JSON array of ``{"name", "parameters"}``
@@ -97,7 +104,10 @@ def _tool(raw: dict[str, Any], i: int) -> Tool:
     description = fn.get("description") or ""
     if not isinstance(description, str):
         raise bad_request(f"{where}.function.description must be a string.", f"{where}.function.description")
-    return Tool(name, description, parameters)
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.function.strict must be a boolean.", f"{where}.function.strict")
+    return Tool(name, description, parameters, bool(strict))
 
 
 def tool_plan(req: ChatRequest) -> ToolPlan:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from gateway.parsing.reasoning import ReasoningDelta, ReasoningSplitter, split_reasoning
+from gateway.parsing.partial_json import partial_object
 from gateway.parsing.tool_call_stream import ArgumentsDelta, CallStart, ContentDelta
 from gateway.parsing.tool_parsers import ToolCall
 
@@ -28,9 +29,9 @@ from .plan import Reading
 from .tool_output import ToolStream, final_message
 
 __all__ = ["ArgumentsDelta", "CallStart", "ContentDelta", "ReasoningDelta", "Reply", "Stop",
-           "TokenLogprobs", "Turn", "TurnEnd", "TurnEvent", "TurnStep", "UsageObserver"]
+           "TokenLogprobs", "Turn", "TurnEnd", "TurnEvent", "TurnStep", "UsageObserver", "partial_object"]
 
-Stop = Literal["end", "stop_string", "length", "tool_calls"]
+Stop = Literal["end", "stop_string", "length", "context", "tool_calls"]
 
 
 TurnEvent = ReasoningDelta | ContentDelta | CallStart | ArgumentsDelta
@@ -46,14 +47,16 @@ class TurnEnd:
     stop_string: str | None
     prompt_tokens: int
     completion_tokens: int
+    context_full: bool = False  # ended at the end of the context before the request's own budget
 
     @property
     def stop(self) -> Stop:
-        """``end`` (EOS or a stop token), ``stop_string``, ``length`` (the token budget) or ``tool_calls``."""
+        """``end`` (EOS or a stop token), ``stop_string``, ``length`` (the token budget), ``context`` (the
+        context's end, only under ``run_chat(fill_context=True)``) or ``tool_calls``."""
         if self.finish_reason == "tool_calls":
             return "tool_calls"
         if self.finish_reason == "length":
-            return "length"
+            return "context" if self.context_full else "length"
         return "stop_string" if self.stop_string is not None else "end"
 
 
@@ -110,7 +113,7 @@ class _ChoiceReader:
             last, finish = self._tools.finish_events(event.finish_reason)
             out += last
             end = TurnEnd(event.index, finish or event.finish_reason, event.stop_string, event.prompt_tokens,
-                          event.completion_tokens)
+                          event.completion_tokens, event.context_full)
         return TurnStep(event.index, tuple(out), end, event.logprobs, event.completion_tokens)
 
 
@@ -120,7 +123,8 @@ def whole_turn(index: int, text: str, last: ChoiceEvent, logprobs: Sequence[Toke
     (``final_message``)."""
     reasoning, rest = split_reasoning(text, reading.inside) if split else (None, text)
     content, calls, finish = final_message(rest, last.finish_reason, reading.tools, reading.tool_format)
-    end = TurnEnd(index, finish or "stop", last.stop_string, last.prompt_tokens, last.completion_tokens)
+    end = TurnEnd(index, finish or "stop", last.stop_string, last.prompt_tokens, last.completion_tokens,
+                  last.context_full)
     return Turn(index, reasoning, content, calls, end, tuple(logprobs))
 
 

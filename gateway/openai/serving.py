@@ -42,7 +42,8 @@ class OpenAIServing:
         arrived = time.monotonic()
         server = self._core.server
         model = server.check_model(req.model)
-        settings = settings_from_request(req, server.defaults.generation, server.vocab_size)
+        settings = settings_from_request(req, server.defaults.generation, server.vocab_size,
+                                         server.defaults.structured_output_strict)
         add_special = True if settings.add_special_tokens is None else settings.add_special_tokens
         prompts = completion_prompts(req.prompt, server.tokenizer, server.vocab_size, add_special_tokens=add_special)
         echo = echo_texts(req.prompt, prompts, server.tokenizer) if settings.echo else None

@@ -110,7 +110,10 @@ def output_items(response: _Response, turn: Turn) -> list[dict[str, Any]]:
         items.append(_reasoning_item(new_id("rs"), turn.reasoning, status))
     if turn.content:
         items.append(_message_item(new_id("msg"), turn.content, status))
-    items += [response.call_item(new_id("fc"), c.id, c.name, c.arguments, "completed") for c in turn.calls]
+    # A forced call cut by max_output_tokens is the last call, and incomplete with the response.
+    items += [response.call_item(new_id("fc"), c.id, c.name, c.arguments,
+                                 status if i == len(turn.calls) - 1 else "completed")
+              for i, c in enumerate(turn.calls)]
     return items
 
 
@@ -177,7 +180,7 @@ class _Stream:
         else:
             out = [self.event("response.function_call_arguments.done", **where, arguments=o["text"],
                               name=self.response.translation.call_name(o["name"])[1])]
-        item = self._item(status if o["kind"] != "call" else "completed")
+        item = self._item(status)
         out.append(self.event("response.output_item.done", output_index=len(self.items), item=item))
         self.items.append(item)
         self._open = None

@@ -128,6 +128,8 @@ def _function(tool: dict[str, Any], name: str) -> dict[str, Any]:
         function["parameters"] = tool["parameters"]
     if tool.get("description") is not None:
         function["description"] = tool["description"]
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
     return {"type": "function", "function": function}
 
 
@@ -143,7 +145,7 @@ def _tools(tools: list[dict[str, Any]] | None, names: dict[str, str]) -> tuple[l
         k = len(out)
         out.append(_function(tool, name))
         for chat, ours in (("", ""), (".function.name", ".name"), (".function.parameters", ".parameters"),
-                           (".function.description", ".description")):
+                           (".function.description", ".description"), (".function.strict", ".strict")):
             names[f"tools[{k}]{chat}"] = f"{source}{ours}"
 
     for i, tool in enumerate(tools or []):

@@ -215,7 +215,6 @@ def _refused(server, body: dict, status: int = 400) -> str:
         "type": "string", "pattern": "("}}}}], "tool_choice": {"type": "any"}}, "tools"),
     ({"messages": ASK, "mirostat": 5}, "mirostat"),
     ({"messages": ASK, "mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
-    ({"messages": ASK, "max_tokens": 4000}, "max_tokens"),
 ])
 def test_bad_input_is_a_400_naming_the_field_and_reaches_no_stage(server, stage, healthy_mesh, body, named):
     message = _refused(server, body)
@@ -227,6 +226,63 @@ def test_a_prompt_over_the_context_is_anthropics_error_with_the_token_counts(ser
     message = _refused(server, {"max_tokens": 100, "messages": [{"role": "user", "content": "word " * 2100}]})
     assert "2048" in message and "input tokens" in message, message
     assert stage.requests == []
+
+
+def _near_the_context(claude, room: int) -> list[dict]:
+    """A conversation whose prompt leaves ``room`` tokens of the fake server's 2,048 (its count, then padded)."""
+    words = 2048 - room - claude.messages.count_tokens(model=MODEL, messages=[
+        {"role": "user", "content": ""}]).input_tokens
+    messages = [{"role": "user", "content": "word" + " word" * (words - 1)}]
+    assert claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens == 2048 - room
+    return messages
+
+
+def test_max_tokens_past_the_context_generates_to_its_end_and_says_so(claude, server, stage, tokenizer):
+    """Claude Code asks for 32,000 tokens whatever the model: Anthropic's API generates what the context holds
+    and stops with model_context_window_exceeded, where OpenAI's endpoints keep vLLM's 400."""
+    messages = _near_the_context(claude, room=6)
+    stage.script.reply_ids = tokenizer.encode(" and so on" * 10, add_special_tokens=False)
+    stage.script.end_with_eos = False
+    r = claude.messages.create(model=MODEL, max_tokens=32000, messages=messages)
+    assert stage.requests[-1].max_tokens == 6 and r.usage.output_tokens == 6
+    assert r.stop_reason == "model_context_window_exceeded" and r.content[0].text
+    body = {"model": MODEL, "max_tokens": 32000, "messages": messages, "stream": True}
+    events = _events(httpx.post(f"{server.url}/v1/messages", json=body, timeout=20))
+    (delta,) = [d for k, d in events if k == "message_delta"]
+    assert delta["delta"]["stop_reason"] == "model_context_window_exceeded"
+    assert delta["usage"]["output_tokens"] == 6 and [k for k, _ in events][-1] == "message_stop"
+    # A budget that fits ends as its own: max_tokens, not the context.
+    assert claude.messages.create(model=MODEL, max_tokens=5, messages=messages).stop_reason == "max_tokens"
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=20,
+                   json={"model": MODEL, "max_tokens": 32000, "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_prompt_that_fills_the_context_is_refused_naming_both_numbers(claude, server, stage):
+    messages = _near_the_context(claude, room=0)
+    message = _refused(server, {"max_tokens": 32000, "messages": messages})
+    assert "2048" in message and "2048 input tokens" in message, message
+    assert stage.requests == []
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_partial_tool_use_block(claude, server, stage, tokenizer):
+    """Never passed off as text: the block, its input as far as it was written, and stop_reason max_tokens."""
+    stage.script.reply_ids = tokenizer.encode('{"city": "Paris, France", "unit": "celsius"}',
+                                              add_special_tokens=False)
+    r = claude.messages.create(model=MODEL, max_tokens=6, messages=ASK, tools=[WEATHER],
+                               tool_choice={"type": "tool", "name": "get_weather"})
+    (call,) = r.content
+    assert call.type == "tool_use" and call.name == "get_weather" and r.stop_reason == "max_tokens"
+    assert set(call.input) == {"city"} and "Paris, France".startswith(call.input["city"])
+    body = {"model": MODEL, "max_tokens": 6, "messages": ASK, "tools": [WEATHER], "stream": True,
+            "tool_choice": {"type": "tool", "name": "get_weather"}}
+    events = _events(httpx.post(f"{server.url}/v1/messages", json=body, timeout=20))
+    (start,) = [d for k, d in events if k == "content_block_start"]
+    assert start["content_block"]["type"] == "tool_use"
+    pieces = "".join(d["delta"]["partial_json"] for k, d in events if k == "content_block_delta")
+    assert pieces == tokenizer.decode(tokenizer.encode('{"city": "Paris, France", "unit": "celsius"}',
+                                                       add_special_tokens=False)[:6])
+    assert [d for k, d in events if k == "message_delta"][0]["delta"]["stop_reason"] == "max_tokens"
 
 
 def test_unknown_model_is_not_found_error(server, stage, healthy_mesh):
