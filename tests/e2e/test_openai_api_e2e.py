@@ -332,15 +332,20 @@ def test_guided_choice_and_regex(pp1):
 
 # -- tool calling ------------------------------------------------------------------------------------------------
 
+# Open schemas, as agent frameworks send them (no additionalProperties): the server's strict default closes them,
+# and every call is checked against the closed schema.
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+    "parameters": {"type": "object", "required": ["city", "unit"],
                    "properties": {"city": {"type": "string", "maxLength": 40},
                                   "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                   "properties": {"city": {"type": "string", "maxLength": 40}}}}}
+    "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 40}}}}}
+
+
+def _closed(tool: dict) -> dict:
+    return {**tool["function"]["parameters"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -361,7 +366,7 @@ def test_forced_tool_call_has_arguments_valid_for_its_schema(pp2, choice):
 
     finish, calls = run(pp2)
     assert finish == "tool_calls" and calls
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    schemas = {t["function"]["name"]: _closed(t) for t in (WEATHER, TIME)}
     for name, arguments in calls:
         jsonschema.validate(arguments, schemas[name])
     if choice == "named":
@@ -392,7 +397,7 @@ def test_named_tool_call_streams_argument_deltas(pp1):
 def test_required_tool_calls_stream_argument_deltas_equal_to_the_unstreamed_call(pp2):
     import jsonschema
 
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    schemas = {t["function"]["name"]: _closed(t) for t in (WEATHER, TIME)}
     ask = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80,
                tool_choice="required", logprobs=True)
 
