@@ -87,3 +87,26 @@ def test_a_referenced_prefix_is_not_evicted_before_its_copy_is_sent():
     second = [c.record for c in s.next_batch().chunks]  # b's copy has been sent: now the entry may go
     assert [r.prefix_entry for r in second if r.has(RecordFlag.EVICT)] == [new.prefix_entry]
     assert [r.seq_id for r in second if r.has(RecordFlag.NEW_SEQUENCE)] == [3]
+
+
+def _events_to_end(s, request, token=7):
+    """Admit ``request`` and step it to its end; returns its request events."""
+    s.add(request)
+    events = []
+    while s.has_work():
+        batch = s.next_batch()
+        events += s.on_sampled(batch, [SampledToken(c.record.seq_id, c.record.start_pos + c.record.num_tokens, token)
+                                       for c in batch.chunks if c.record.has(RecordFlag.SAMPLE)])
+    return events
+
+
+def test_every_event_reports_the_positions_restored_not_those_looked_up():
+    s = _scheduler()
+    assert {e.cached_tokens for e in _events_to_end(s, GenerationRequest("a", tuple(range(10)), 3))} == {0}
+    hit = _events_to_end(s, GenerationRequest("b", tuple(range(10)) + (7, 7, 50, 51), 2))
+    assert {e.cached_tokens for e in hit} == {12}  # the entry's 3 whole blocks: what the stages copied
+    # A hit given up for the reservation (the cache must make way) restored nothing, and says so.
+    s = _scheduler(capacity=24)
+    _events_to_end(s, GenerationRequest("a", tuple(range(12)), 1))
+    refused = _events_to_end(s, GenerationRequest("b", tuple(range(12)) + (1,), 11))
+    assert {e.cached_tokens for e in refused} == {0} and s.prefix_cache is not None and s.prefix_cache.stats.hits == 0

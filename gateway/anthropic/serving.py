@@ -33,6 +33,7 @@ from gateway.chat.turn import (
     Reply,
     Turn,
     TurnEvent,
+    TurnStep,
     partial_object,
 )
 from gateway.http.errors import APIError
@@ -69,7 +70,15 @@ def message_json(message_id: str, model: str, turn: Turn) -> dict[str, Any]:
                 for c in turn.calls]
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": STOP_REASONS[turn.end.stop], "stop_sequence": turn.end.stop_string,
-            "usage": {"input_tokens": turn.end.prompt_tokens, "output_tokens": turn.end.completion_tokens}}
+            "usage": _usage(turn.end.prompt_tokens, turn.end.cached_tokens, turn.end.completion_tokens)}
+
+
+def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` are the prompt positions computed, ``cache_read_input_tokens`` those
+    restored from the prefix cache (their sum is the prompt, as Anthropic counts it); nothing is ever written
+    to a cache on request (``cache_control`` is accepted: the cache is automatic), so creation is 0."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens, "output_tokens": output_tokens}
 
 
 class _Blocks:
@@ -145,14 +154,18 @@ class AnthropicServing:
         """Anthropic's events, each ``event: <type>`` and its ``data:``: ``message_start`` (the message with empty
         content and the input tokens), ``ping``, the blocks (``_Blocks``), then ``message_delta``
         (``stop_reason``, ``stop_sequence``, ``usage.output_tokens``) and ``message_stop``."""
-        start: dict[str, Any] = {
-            "id": message_id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(plan.prompt), "output_tokens": 0}}
-        yield _event("message_start", {"type": "message_start", "message": start})
-        yield _event("ping", {"type": "ping"})
         blocks = _Blocks()
+        steps = reply.steps()
         try:
-            async for step in reply.steps():
+            # The first step (awaited already by reply.start()) says how much of the prompt the cache restored.
+            first = await anext(steps)
+            start: dict[str, Any] = {
+                "id": message_id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": _usage(len(plan.prompt), first.cached_tokens, 0)}
+            yield _event("message_start", {"type": "message_start", "message": start})
+            yield _event("ping", {"type": "ping"})
+            async for step in _chained(first, steps):
                 for event in step.events:
                     for out in blocks.feed(event):
                         yield out
@@ -163,10 +176,16 @@ class AnthropicServing:
                     yield _event("message_delta", {
                         "type": "message_delta",
                         "delta": {"stop_reason": STOP_REASONS[end.stop], "stop_sequence": end.stop_string},
-                        "usage": {"input_tokens": end.prompt_tokens, "output_tokens": end.completion_tokens}})
+                        "usage": _usage(end.prompt_tokens, end.cached_tokens, end.completion_tokens)})
                     yield _event("message_stop", {"type": "message_stop"})
         except APIError as e:
             log.warning("stream %s failed after it started: %s", message_id, e.message)
             yield _event("error", errors.event(e))
         finally:
             await reply.aclose()
+
+
+async def _chained(first: TurnStep, rest: AsyncIterator[TurnStep]) -> AsyncIterator[TurnStep]:
+    yield first
+    async for step in rest:
+        yield step

@@ -84,6 +84,7 @@ class ChoiceEvent:
     logprobs: tuple[TokenLogprobs, ...] = ()
     stop_string: str | None = None  # the request's stop string that ended the choice
     context_full: bool = False  # "length" at the end of the context, not of the budget the request asked
+    cached_tokens: int = 0  # prompt positions the stage restored from its prefix cache (0 until it says)
 
 
 class TokenObserver(Protocol):
@@ -129,12 +130,14 @@ async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGe
         logprobs.clear()
         return out
     generated = 0
+    cached = 0
     last_arrival: float | None = None
     prompt_tokens = len(job.prompt_ids)
     async with aclosing(ctx.client.generate(request, affinity=ctx.affinity)) as responses:
         async for response in responses:
             ids = list(response.token_ids)
             finish = response.finish_reason
+            cached = max(cached, response.cached_tokens)
             if ids:
                 now = time.monotonic()
                 if ctx.observer is not None:
@@ -160,15 +163,16 @@ async def run_choice(job: ChoiceJob, ctx: RunContext, started: float) -> AsyncGe
                 if ctx.include_stop_str_in_output:
                     emit += stops.matched
                 # Leaving the ``aclosing`` block cancels the call: the stage frees the slot now.
-                yield ChoiceEvent(job.index, emit, "stop", prompt_tokens, generated, taken(), stops.matched)
+                yield ChoiceEvent(job.index, emit, "stop", prompt_tokens, generated, taken(), stops.matched,
+                                  cached_tokens=cached)
                 return
             if finish:
                 reason = _FINISH.get(finish, "stop")
                 yield ChoiceEvent(job.index, emit + stops.flush(), reason, prompt_tokens, generated, taken(),
-                                  context_full=reason == "length" and job.to_context_end)
+                                  context_full=reason == "length" and job.to_context_end, cached_tokens=cached)
                 return
             if emit:
-                yield ChoiceEvent(job.index, emit, None, prompt_tokens, generated, taken())
+                yield ChoiceEvent(job.index, emit, None, prompt_tokens, generated, taken(), cached_tokens=cached)
     raise errors.pipeline_failed("the stage ended the stream without a finish reason")
 
 

@@ -48,6 +48,7 @@ class TurnEnd:
     prompt_tokens: int
     completion_tokens: int
     context_full: bool = False  # ended at the end of the context before the request's own budget
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache, not computed (the APIs' cached tokens)
 
     @property
     def stop(self) -> Stop:
@@ -69,6 +70,7 @@ class TurnStep:
     end: TurnEnd | None
     logprobs: tuple[TokenLogprobs, ...]
     completion_tokens: int  # so far
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache (known from the first event)
 
     @property
     def text(self) -> str:
@@ -113,8 +115,8 @@ class _ChoiceReader:
             last, finish = self._tools.finish_events(event.finish_reason)
             out += last
             end = TurnEnd(event.index, finish or event.finish_reason, event.stop_string, event.prompt_tokens,
-                          event.completion_tokens, event.context_full)
-        return TurnStep(event.index, tuple(out), end, event.logprobs, event.completion_tokens)
+                          event.completion_tokens, event.context_full, event.cached_tokens)
+        return TurnStep(event.index, tuple(out), end, event.logprobs, event.completion_tokens, event.cached_tokens)
 
 
 def whole_turn(index: int, text: str, last: ChoiceEvent, logprobs: Sequence[TokenLogprobs], reading: Reading,
@@ -124,7 +126,7 @@ def whole_turn(index: int, text: str, last: ChoiceEvent, logprobs: Sequence[Toke
     reasoning, rest = split_reasoning(text, reading.inside) if split else (None, text)
     content, calls, finish = final_message(rest, last.finish_reason, reading.tools, reading.tool_format)
     end = TurnEnd(index, finish or "stop", last.stop_string, last.prompt_tokens, last.completion_tokens,
-                  last.context_full)
+                  last.context_full, last.cached_tokens)
     return Turn(index, reasoning, content, calls, end, tuple(logprobs))
 
 

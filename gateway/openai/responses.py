@@ -18,9 +18,12 @@ Kind = Literal["chat", "completion"]
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` are the prompt positions the stages restored from
+    their prefix cache instead of computing (OpenAI always sends the field; vLLM behind a flag)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(frozen=True)

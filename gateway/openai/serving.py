@@ -75,7 +75,8 @@ class OpenAIServing:
 
     def _whole(self, header: ResponseHeader, reply: Reply, settings: SamplingSettings, turns: list[Turn],
                echoes: list[str] | None, tools: bool) -> JSONResponse:
-        use = usage(_prompt_tokens(reply, settings.n), sum(t.end.completion_tokens for t in turns))
+        use = usage(_prompt_tokens(reply, settings.n), sum(t.end.completion_tokens for t in turns),
+                    _cached_tokens({t.index: t.end.cached_tokens for t in turns}, settings.n))
         logprobs: list[dict[str, Any] | None] | None = None
         if settings.sampling.logprobs is not None:
             logprobs = [self._format_logprobs(header.kind, list(t.logprobs), 0)[0] for t in turns]
@@ -90,6 +91,7 @@ class OpenAIServing:
                       echoes: list[str] | None, tools: bool) -> AsyncIterator[str]:
         inc = settings.include_usage
         completion = [0] * len(reply.jobs)
+        cached: dict[int, int] = {}  # by choice, once it ended
         offsets = [0] * len(reply.jobs)  # completions' text_offset, per choice
         unsent: list[list[TokenLogprobs]] = [[] for _ in reply.jobs]  # logprobs of tool-stream text not sent yet
         try:
@@ -100,6 +102,8 @@ class OpenAIServing:
                 yield sse(header.chunk(job.index, text, None, include_usage=inc))
             async for step in reply.steps():
                 completion[step.index] = step.completion_tokens
+                if step.end is not None:
+                    cached[step.index] = step.end.cached_tokens
                 if tools:
                     for chunk in self._tool_chunks(header, step, inc, unsent[step.index]):
                         yield sse(chunk)
@@ -112,7 +116,8 @@ class OpenAIServing:
                                                                               offsets[step.index])
                     yield sse(header.chunk(step.index, step.text, finish, include_usage=inc, logprobs=logprobs))
             if inc:
-                yield sse(header.usage_chunk(usage(_prompt_tokens(reply, settings.n), sum(completion))))
+                yield sse(header.usage_chunk(usage(_prompt_tokens(reply, settings.n), sum(completion),
+                                                   _cached_tokens(cached, settings.n))))
         except errors.APIError as e:
             log.warning("stream %s failed after it started: %s", header.id, e.message)
             yield sse(e.body())
@@ -144,3 +149,8 @@ class OpenAIServing:
 def _prompt_tokens(reply: Reply, n: int) -> int:
     """Each prompt counts once however many choices it has (OpenAI's usage)."""
     return sum(len(j.prompt_ids) for j in reply.jobs if j.index % n == 0)
+
+
+def _cached_tokens(by_choice: dict[int, int], n: int) -> int:
+    """The cached positions of each prompt's first choice: a prompt counts once (``_prompt_tokens``)."""
+    return sum(count for index, count in by_choice.items() if index % n == 0)

@@ -33,7 +33,7 @@ log = logging.getLogger("stagemesh.gateway")
 
 
 def _usage(end: TurnEnd) -> dict[str, Any]:
-    return {"input_tokens": end.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": end.prompt_tokens, "input_tokens_details": {"cached_tokens": end.cached_tokens},
             "output_tokens": end.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": end.prompt_tokens + end.completion_tokens}
 

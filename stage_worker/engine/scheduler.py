@@ -69,6 +69,7 @@ class RequestEvent:
     prompt_tokens: int
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asked for logprobs
+    cached_tokens: int = 0  # prompt positions its admission restored from the prefix cache
 
 
 @dataclass
@@ -81,6 +82,7 @@ class _Sequence:
     in_flight_steps: int = 0  # batches holding this sequence now (2 with a continuation)
     aborted: bool = False
     prefix_entry: int = 0  # the prefix entry its first chunk copies (a reference held until it is sent)
+    cached_tokens: int = 0  # prompt positions restored from that entry (what the APIs report as cached)
     acceptance: Acceptance = field(default_factory=Acceptance)
 
     @property
@@ -385,7 +387,8 @@ class Scheduler:
                 if finish is not None:
                     break
             events.append(RequestEvent(seq.request.request_id, tuple(new_ids), finish,
-                                       len(seq.request.prompt), len(seq.generated), tuple(logprobs)))
+                                       len(seq.request.prompt), len(seq.generated), tuple(logprobs),
+                                       seq.cached_tokens))
             if finish is not None:
                 self._retire(seq)
         return events
@@ -437,7 +440,7 @@ class Scheduler:
                 evicted += cache.evict_to(room)
             self._releases.extend(SequenceRecord(0, 0, 0, RecordFlag.EVICT, prefix_entry=e) for e in evicted)
         if hit is not None:
-            seq.prefilled, seq.prefix_entry = hit.tokens, hit.entry_id
+            seq.prefilled, seq.prefix_entry, seq.cached_tokens = hit.tokens, hit.entry_id, hit.tokens
 
     def _drop_prefix_reference(self, seq: _Sequence) -> None:
         if seq.prefix_entry and self.prefix_cache is not None:

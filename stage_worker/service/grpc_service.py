@@ -181,7 +181,7 @@ def _coalesce(event: RequestEvent | RequestFailed, events: queue.SimpleQueue) ->
             return following
         event = RequestEvent(event.request_id, event.token_ids + following.token_ids, following.finish,
                              following.prompt_tokens, following.completion_tokens,
-                             event.logprobs + following.logprobs)
+                             event.logprobs + following.logprobs, following.cached_tokens)
     return event
 
 
@@ -211,6 +211,7 @@ def _response(event: RequestEvent) -> stage_pb2.GenerateResponse:
         finish_reason=_FINISH[event.finish] if event.finish else stage_pb2.FINISH_REASON_UNSPECIFIED,
         prompt_tokens=event.prompt_tokens,
         completion_tokens=event.completion_tokens,
+        cached_tokens=event.cached_tokens,
         logprobs=[_logprob_proto(t, lp) for t, lp in zip(event.token_ids, event.logprobs, strict=False)],
     )
 

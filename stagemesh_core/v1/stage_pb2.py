@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstagemesh_core/v1/stage.proto\x12\x0cstagemesh.v1\"\x96\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x14 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x15 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x16 \x01(\x02\x12?\n\nlogit_bias\x18\x17 \x03(\x0b\x32+.stagemesh.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x18 \x01(\x02\x12\x12\n\nmin_tokens\x18\x19 \x01(\r\x12\x15\n\x08logprobs\x18\x1a \x01(\rH\x01\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x1b \x03(\x05\x12\x0f\n\x07grammar\x18\x1c \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xaf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\"\xb8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.stagemesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\"c\n\x15GenerateStreamRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.stagemesh.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x61\x63tion\"G\n\x16GenerateStreamResponse\x12-\n\x07updates\x18\x01 \x03(\x0b\x32\x1c.stagemesh.v1.GenerateUpdate\"\x81\x01\n\x0eGenerateUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.stagemesh.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0c\x44rainRequest\"1\n\rDrainResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\"\x15\n\x13GetStageInfoRequest\"\xd3\x04\n\nStageStats\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x14\n\x0csend_seconds\x18\x05 \x01(\x01\x12\x19\n\x11running_sequences\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x19\n\x11requests_finished\x18\x08 \x01(\x04\x12\x11\n\tkv_tokens\x18\x32 \x01(\x04\x12\x19\n\x11kv_token_capacity\x18\x33 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x34 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x46 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18G \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18H \x01(\x04\x12\x1e\n\x16prefix_cache_evictions\x18I \x01(\x04\x12\x17\n\x0fload_done_bytes\x18P \x01(\x04\x12\x18\n\x10load_total_bytes\x18Q \x01(\x04\x12\x1e\n\x16spec_decode_num_drafts\x18Z \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18[ \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\\ \x01(\x04\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18] \x03(\x04\"\x94\x04\n\tStageInfo\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x0c\n\x04host\x18\x07 \x01(\t\x12\x11\n\tgrpc_port\x18\x08 \x01(\r\x12\x11\n\tring_port\x18\t \x01(\r\x12\x11\n\tlane_port\x18\n \x01(\r\x12\x0b\n\x03pid\x18\x0b \x01(\r\x12\x0f\n\x07node_id\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\x12\x15\n\rcompute_dtype\x18\x0e \x01(\t\x12\x11\n\tquantized\x18\x0f \x01(\x08\x12\'\n\x05state\x18\x10 \x01(\x0e\x32\x18.stagemesh.v1.StageState\x12\r\n\x05\x65rror\x18\x11 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x12 \x01(\x04\x12\x16\n\x0epeak_rss_bytes\x18\x13 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x14 \x01(\r\x12\x15\n\rmax_model_len\x18\x15 \x01(\r\x12\x0f\n\x07version\x18\x16 \x01(\t\x12\'\n\x05stats\x18\x17 \x01(\x0b\x32\x18.stagemesh.v1.StageStats\x12\x0c\n\x04\x62las\x18\x18 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x19 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x1a \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xc2\x01\n\nStageState\x12\x1b\n\x17STAGE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13STAGE_STATE_LOADING\x10\x01\x12\x1a\n\x16STAGE_STATE_CONNECTING\x10\x02\x12\x17\n\x13STAGE_STATE_SERVING\x10\x03\x12\x18\n\x14STAGE_STATE_DRAINING\x10\x04\x12\x16\n\x12STAGE_STATE_FAILED\x10\x05\x12\x17\n\x13STAGE_STATE_STOPPED\x10\x06\x32\xb8\x02\n\x05Stage\x12J\n\x0cGetStageInfo\x12!.stagemesh.v1.GetStageInfoRequest\x1a\x17.stagemesh.v1.StageInfo\x12_\n\x0eGenerateStream\x12#.stagemesh.v1.GenerateStreamRequest\x1a$.stagemesh.v1.GenerateStreamResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.stagemesh.v1.AbortRequest\x1a\x1b.stagemesh.v1.AbortResponse\x12@\n\x05\x44rain\x12\x1a.stagemesh.v1.DrainRequest\x1a\x1b.stagemesh.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstagemesh_core/v1/stage.proto\x12\x0cstagemesh.v1\"\x96\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x14 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x15 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x16 \x01(\x02\x12?\n\nlogit_bias\x18\x17 \x03(\x0b\x32+.stagemesh.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x18 \x01(\x02\x12\x12\n\nmin_tokens\x18\x19 \x01(\r\x12\x15\n\x08logprobs\x18\x1a \x01(\rH\x01\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x1b \x03(\x05\x12\x0f\n\x07grammar\x18\x1c \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xaf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.stagemesh.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\"\xcf\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.stagemesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.stagemesh.v1.TokenLogprob\"c\n\x15GenerateStreamRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.stagemesh.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x61\x63tion\"G\n\x16GenerateStreamResponse\x12-\n\x07updates\x18\x01 \x03(\x0b\x32\x1c.stagemesh.v1.GenerateUpdate\"\x81\x01\n\x0eGenerateUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.stagemesh.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0c\x44rainRequest\"1\n\rDrainResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\"\x15\n\x13GetStageInfoRequest\"\xd3\x04\n\nStageStats\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x14\n\x0csend_seconds\x18\x05 \x01(\x01\x12\x19\n\x11running_sequences\x18\x06 \x01(\r\x12\x18\n\x10waiting_requests\x18\x07 \x01(\r\x12\x19\n\x11requests_finished\x18\x08 \x01(\x04\x12\x11\n\tkv_tokens\x18\x32 \x01(\x04\x12\x19\n\x11kv_token_capacity\x18\x33 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x34 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x46 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18G \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18H \x01(\x04\x12\x1e\n\x16prefix_cache_evictions\x18I \x01(\x04\x12\x17\n\x0fload_done_bytes\x18P \x01(\x04\x12\x18\n\x10load_total_bytes\x18Q \x01(\x04\x12\x1e\n\x16spec_decode_num_drafts\x18Z \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18[ \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\\ \x01(\x04\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18] \x03(\x04\"\x94\x04\n\tStageInfo\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x0c\n\x04host\x18\x07 \x01(\t\x12\x11\n\tgrpc_port\x18\x08 \x01(\r\x12\x11\n\tring_port\x18\t \x01(\r\x12\x11\n\tlane_port\x18\n \x01(\r\x12\x0b\n\x03pid\x18\x0b \x01(\r\x12\x0f\n\x07node_id\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\x12\x15\n\rcompute_dtype\x18\x0e \x01(\t\x12\x11\n\tquantized\x18\x0f \x01(\x08\x12\'\n\x05state\x18\x10 \x01(\x0e\x32\x18.stagemesh.v1.StageState\x12\r\n\x05\x65rror\x18\x11 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x12 \x01(\x04\x12\x16\n\x0epeak_rss_bytes\x18\x13 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\x14 \x01(\r\x12\x15\n\rmax_model_len\x18\x15 \x01(\r\x12\x0f\n\x07version\x18\x16 \x01(\t\x12\'\n\x05stats\x18\x17 \x01(\x0b\x32\x18.stagemesh.v1.StageStats\x12\x0c\n\x04\x62las\x18\x18 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x19 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x1a \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xc2\x01\n\nStageState\x12\x1b\n\x17STAGE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13STAGE_STATE_LOADING\x10\x01\x12\x1a\n\x16STAGE_STATE_CONNECTING\x10\x02\x12\x17\n\x13STAGE_STATE_SERVING\x10\x03\x12\x18\n\x14STAGE_STATE_DRAINING\x10\x04\x12\x16\n\x12STAGE_STATE_FAILED\x10\x05\x12\x17\n\x13STAGE_STATE_STOPPED\x10\x06\x32\xb8\x02\n\x05Stage\x12J\n\x0cGetStageInfo\x12!.stagemesh.v1.GetStageInfoRequest\x1a\x17.stagemesh.v1.StageInfo\x12_\n\x0eGenerateStream\x12#.stagemesh.v1.GenerateStreamRequest\x1a$.stagemesh.v1.GenerateStreamResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.stagemesh.v1.AbortRequest\x1a\x1b.stagemesh.v1.AbortResponse\x12@\n\x05\x44rain\x12\x1a.stagemesh.v1.DrainRequest\x1a\x1b.stagemesh.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2557
-  _globals['_FINISHREASON']._serialized_end=2677
-  _globals['_STAGESTATE']._serialized_start=2680
-  _globals['_STAGESTATE']._serialized_end=2874
+  _globals['_FINISHREASON']._serialized_start=2580
+  _globals['_FINISHREASON']._serialized_end=2700
+  _globals['_STAGESTATE']._serialized_start=2703
+  _globals['_STAGESTATE']._serialized_end=2897
   _globals['_SAMPLINGPARAMS']._serialized_start=48
   _globals['_SAMPLINGPARAMS']._serialized_end=454
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=384
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=457
   _globals['_GENERATEREQUEST']._serialized_end=632
   _globals['_GENERATERESPONSE']._serialized_start=635
-  _globals['_GENERATERESPONSE']._serialized_end=819
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=821
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=920
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=922
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=993
-  _globals['_GENERATEUPDATE']._serialized_start=996
-  _globals['_GENERATEUPDATE']._serialized_end=1125
-  _globals['_TOKENLOGPROB']._serialized_start=1127
-  _globals['_TOKENLOGPROB']._serialized_end=1215
-  _globals['_TOPLOGPROB']._serialized_start=1217
-  _globals['_TOPLOGPROB']._serialized_end=1264
-  _globals['_ABORTREQUEST']._serialized_start=1266
-  _globals['_ABORTREQUEST']._serialized_end=1300
-  _globals['_ABORTRESPONSE']._serialized_start=1302
-  _globals['_ABORTRESPONSE']._serialized_end=1332
-  _globals['_DRAINREQUEST']._serialized_start=1334
-  _globals['_DRAINREQUEST']._serialized_end=1348
-  _globals['_DRAINRESPONSE']._serialized_start=1350
-  _globals['_DRAINRESPONSE']._serialized_end=1399
-  _globals['_GETSTAGEINFOREQUEST']._serialized_start=1401
-  _globals['_GETSTAGEINFOREQUEST']._serialized_end=1422
-  _globals['_STAGESTATS']._serialized_start=1425
-  _globals['_STAGESTATS']._serialized_end=2020
-  _globals['_STAGEINFO']._serialized_start=2023
-  _globals['_STAGEINFO']._serialized_end=2555
-  _globals['_STAGE']._serialized_start=2877
-  _globals['_STAGE']._serialized_end=3189
+  _globals['_GENERATERESPONSE']._serialized_end=842
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=844
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=943
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=945
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1016
+  _globals['_GENERATEUPDATE']._serialized_start=1019
+  _globals['_GENERATEUPDATE']._serialized_end=1148
+  _globals['_TOKENLOGPROB']._serialized_start=1150
+  _globals['_TOKENLOGPROB']._serialized_end=1238
+  _globals['_TOPLOGPROB']._serialized_start=1240
+  _globals['_TOPLOGPROB']._serialized_end=1287
+  _globals['_ABORTREQUEST']._serialized_start=1289
+  _globals['_ABORTREQUEST']._serialized_end=1323
+  _globals['_ABORTRESPONSE']._serialized_start=1325
+  _globals['_ABORTRESPONSE']._serialized_end=1355
+  _globals['_DRAINREQUEST']._serialized_start=1357
+  _globals['_DRAINREQUEST']._serialized_end=1371
+  _globals['_DRAINRESPONSE']._serialized_start=1373
+  _globals['_DRAINRESPONSE']._serialized_end=1422
+  _globals['_GETSTAGEINFOREQUEST']._serialized_start=1424
+  _globals['_GETSTAGEINFOREQUEST']._serialized_end=1445
+  _globals['_STAGESTATS']._serialized_start=1448
+  _globals['_STAGESTATS']._serialized_end=2043
+  _globals['_STAGEINFO']._serialized_start=2046
+  _globals['_STAGEINFO']._serialized_end=2578
+  _globals['_STAGE']._serialized_start=2900
+  _globals['_STAGE']._serialized_end=3212
 # @@protoc_insertion_point(module_scope)

@@ -452,3 +452,19 @@ def test_tool_choice_without_tools_is_a_400(pp2):
     with pytest.raises(openai.BadRequestError) as e:
         pp2.chat.completions.create(model=MODEL, messages=ASK, tool_choice="auto")
     assert e.value.body["param"] == "tool_choice"
+
+
+# -- cached tokens -------------------------------------------------------------------------------------------------
+
+def test_a_conversations_later_turn_reports_its_history_as_cached(pp2):
+    """The real entry stage's figure through the gateway: a turn that resends the previous turn and its reply
+    restores them from the prefix cache (whole 16-token blocks), and the usage says how many positions."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    first = [system, {"role": "user", "content": "Name a colour."}]
+    r1 = pp2.chat.completions.create(model=MODEL, messages=first, temperature=0, max_tokens=16)
+    turn2 = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And another one?"}]
+    r2 = pp2.chat.completions.create(model=MODEL, messages=turn2, temperature=0, max_tokens=16)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and r2.usage.prompt_tokens / 2 <= cached < r2.usage.prompt_tokens, r2.usage
+    assert cached >= r1.usage.prompt_tokens // 16 * 16  # at least the first turn's whole blocks

@@ -40,6 +40,7 @@ class Script:
     fail_before: grpc.StatusCode | None = None
     fail_after_tokens: int | None = None  # UNAVAILABLE after this many tokens
     hang_after_tokens: int | None = None  # then wait until cancelled
+    cached_tokens: int = 0  # the prompt positions every message says the prefix cache restored
 
 
 class _Aborted(Exception):
@@ -100,7 +101,7 @@ class FakeStage(stage_pb2_grpc.StageServicer):
                 out.extend(batch)
                 yield stage_pb2.GenerateResponse(token_ids=batch, finish_reason=finish,
                                                  prompt_tokens=len(request.prompt_token_ids),
-                                                 completion_tokens=len(out))
+                                                 completion_tokens=len(out), cached_tokens=s.cached_tokens)
                 if finish:
                     self.finished.append(request.request_id)
                     return
