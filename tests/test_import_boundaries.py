@@ -40,6 +40,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "gateway/openai": ("gateway.openai", "gateway.chat", "gateway.http", "stagemesh_core"),
     "gateway/anthropic": ("gateway.anthropic", "gateway.chat", "gateway.http", "stagemesh_core"),
     "gateway/openai_responses": ("gateway.openai_responses", "gateway.chat", "gateway.http", "stagemesh_core"),
+    "gateway/ollama": ("gateway.ollama", "gateway.chat", "gateway.http", "stagemesh_core"),
     "deploy": ("stagemesh_core",),
     # the CLI sits on top: it may import every service, never the tests
     "stagemesh": ("stagemesh", "stagemesh_core", "stage_worker", "coordinator", "gateway"),

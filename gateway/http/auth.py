@@ -1,12 +1,12 @@
-"""API-key check for the OpenAI routes.
+"""API-key check for the API routes.
 
 Contract: ``ApiKeyMiddleware(app, keys)`` is pure ASGI. With no keys it is a
-no-op. Otherwise every HTTP request under ``/v1`` (except CORS preflight
-OPTIONS) must carry ``Authorization: Bearer <key>`` (scheme case-insensitive)
-or ``x-api-key: <key>`` (Anthropic's clients send that) matching one of the
-keys, or it gets a 401 OpenAI envelope (Anthropic's on its routes:
-``gateway.anthropic.errors``). ``/health``, ``/metrics`` and ``/mesh`` stay
-open so probes and scrapers need no secret.
+no-op. Otherwise every HTTP request under ``/v1`` or Ollama's ``/api`` (except
+CORS preflight OPTIONS) must carry ``Authorization: Bearer <key>`` (scheme
+case-insensitive) or ``x-api-key: <key>`` (Anthropic's clients send that)
+matching one of the keys, or it gets a 401 OpenAI envelope (Anthropic's and
+Ollama's on their routes). ``/health``, ``/metrics`` and ``/mesh`` stay open so
+probes and scrapers need no secret, and so does Ollama's ``GET /``.
 Keys are compared as sha256 digests with ``secrets.compare_digest`` so the
 time taken does not leak how much of a key matched.
 """
@@ -21,7 +21,8 @@ from typing import Any
 
 from .errors import unauthorized
 
-_GUARDED_PREFIX = "/v1"
+# Ollama's clients send the key as a bearer token too (OLLAMA_API_KEY, Open WebUI's connection key).
+GUARDED_PREFIXES = ("/v1", "/api")
 
 
 def _digest(key: str) -> bytes:
@@ -45,7 +46,7 @@ class ApiKeyMiddleware:
     def _guarded(self, scope: dict) -> bool:
         path = scope.get("path", "")
         return (scope["type"] == "http" and scope.get("method") != "OPTIONS"
-                and (path == _GUARDED_PREFIX or path.startswith(_GUARDED_PREFIX + "/")))
+                and any(path == prefix or path.startswith(prefix + "/") for prefix in GUARDED_PREFIXES))
 
     def _authorized(self, scope: dict) -> bool:
         token = presented_key(scope)

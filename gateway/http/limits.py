@@ -2,10 +2,11 @@
 
 Contract:
 - ``RequestLimitsMiddleware(app, max_request_bytes, max_in_flight, max_in_flight_per_key)`` is pure ASGI and
-  guards ``POST`` under ``/v1`` (the routes that generate): a body longer than ``max_request_bytes`` gets 413
-  before any of it is parsed, and a request arriving while ``max_in_flight`` requests are running (in all), or
-  ``max_in_flight_per_key`` with the same API key, gets 429 with ``Retry-After`` and OpenAI's
-  ``rate_limit_exceeded`` envelope. 0 means no cap. It sits inside the API-key check.
+  guards ``POST`` under ``/v1`` and Ollama's ``/api`` (the routes that generate): a body longer than
+  ``max_request_bytes`` gets 413 before any of it is parsed, and a request arriving while ``max_in_flight``
+  requests are running (in all), or ``max_in_flight_per_key`` with the same API key, gets 429 with
+  ``Retry-After`` and OpenAI's ``rate_limit_exceeded`` envelope (Ollama's shape on ``/api``). 0 means no cap.
+  It sits inside the API-key check.
 - ``add_cors(app, allowed_origins)``: Starlette's CORS middleware for exactly those origins (``"*"``
   allowed), none when empty. Add it outside the API-key check.
 - ``InFlight`` is the counting, pure and synchronous (one event loop).
@@ -22,10 +23,9 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from .auth import presented_key
+from .auth import GUARDED_PREFIXES, presented_key
 from .errors import APIError
 
-_GUARDED_PREFIX = "/v1"
 RETRY_AFTER_S = 1  # requests finish in seconds; a client told to wait one second rarely finds it still full
 
 
@@ -104,7 +104,7 @@ class RequestLimitsMiddleware:
     def _guarded(self, scope: dict) -> bool:
         path = scope.get("path", "")
         return (scope["type"] == "http" and scope.get("method") == "POST"
-                and (path == _GUARDED_PREFIX or path.startswith(_GUARDED_PREFIX + "/")))
+                and any(path == prefix or path.startswith(prefix + "/") for prefix in GUARDED_PREFIXES))
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if not self._guarded(scope):

@@ -418,7 +418,7 @@ def read_gguf_spec(path: str) -> ModelSpec:
         quantization=_quantization_map(header),
         default_served_name=served_name_from_path(path),
         details={"gguf_version": header.version, "general.name": md.get("general.name"),
-                 "general.architecture": arch},
+                 "general.architecture": arch, "general.file_type": md.get("general.file_type")},
     )
 
 
