@@ -3,11 +3,12 @@
 Contract: ``create_app(GatewayConfig(...), mesh=mesh_view, tokenizer=tok, eos_token_ids=frozenset({2}))``
 builds the app: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models`` and vLLM's
 ``/tokenize`` / ``/detokenize`` / ``/version`` (``gateway.openai``), OpenAI's ``/v1/responses``
-(``gateway.openai_responses``), Anthropic's ``/v1/messages`` (``gateway.anthropic``), all over one
-``gateway.chat.core.ChatCore``, plus ``/health``, ``/mesh``, ``/metrics`` and the dashboard at ``/``
-(``gateway.http.dashboard``). ``/v1/*`` and ``/dashboard/live`` require a key when ``api_keys`` is set; CORS,
-the body limit and the in-flight caps are ``gateway.http.limits``. Every error is an OpenAI envelope
-(``gateway.http.errors``), Anthropic's on ``/v1/messages``. gRPC channels to the entry stages
+(``gateway.openai_responses``), Anthropic's ``/v1/messages`` (``gateway.anthropic``), Ollama's ``/api/*``
+(``gateway.ollama``), all over one ``gateway.chat.core.ChatCore``, plus ``/health``, ``/mesh``, ``/metrics``
+and the dashboard at ``/`` (``gateway.http.dashboard``; Ollama's "Ollama is running" on ``ollama_port``).
+``/v1/*``, ``/api/*`` and ``/dashboard/live`` require a key when ``api_keys`` is set; CORS, the body limit and
+the in-flight caps are ``gateway.http.limits``. Every error is an OpenAI envelope (``gateway.http.errors``),
+Anthropic's on ``/v1/messages``, Ollama's on ``/api``. gRPC channels to the entry stages
 (``gateway.mesh``) are opened lazily on the server's event loop and closed at shutdown.
 """
 
@@ -32,6 +33,9 @@ from gateway.http.limits import RequestLimitsMiddleware, add_cors
 from gateway.http.metrics import GatewayMetrics, RequestMetricsMiddleware
 from gateway.http.openapi import install_openapi
 from gateway.mesh.replica_client import ReplicaClient, ReplicaKey
+from gateway.ollama import errors as ollama_errors
+from gateway.ollama import routes as ollama_routes
+from gateway.ollama.serving import OllamaServing
 from gateway.openai import routes as openai_routes
 from gateway.openai import tokenize
 from gateway.openai.serving import OpenAIServing
@@ -102,20 +106,23 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
 
     app.include_router(anthropic_routes.router(AnthropicServing(core)))
     app.include_router(responses_routes.router(ResponsesServing(core)))
+    app.include_router(ollama_routes.router(OllamaServing(core, config.model_card, mesh)))
     app.include_router(dashboard_router(mesh, metrics, outstanding_by_replica, config.api_keys))
 
     anthropic_envelope = ("AnthropicErrorResponse", anthropic_errors.ERROR_SCHEMA)
     install_openapi(app, vocab_size=server.vocab_size, max_model_len=config.max_model_len,
                     error_envelopes={anthropic_errors.PREFIX: anthropic_envelope})
     known = frozenset(path for path in _route_paths(app.routes) if "{" not in path)
-    # Added innermost first. A request meets: metrics (counts every response, 401s too), CORS, Anthropic's error
-    # envelope, the key check, then the body and in-flight limits (gateway.http.limits), so an unkeyed request
-    # takes no slot.
+    # Added innermost first. A request meets: metrics (counts every response, 401s too), CORS, Ollama's GET / on
+    # its port, Ollama's and Anthropic's error envelopes, the key check, then the body and in-flight limits
+    # (gateway.http.limits), so an unkeyed request takes no slot.
     app.add_middleware(RequestLimitsMiddleware, max_request_bytes=config.max_request_bytes,
                        max_in_flight=config.max_concurrent_requests,
                        max_in_flight_per_key=config.max_concurrent_requests_per_key)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)
     app.add_middleware(anthropic_errors.AnthropicErrorMiddleware)  # outside the key check and limits: their errors too
+    app.add_middleware(ollama_errors.OllamaErrorMiddleware)  # the same, on /api
+    app.add_middleware(ollama_routes.OllamaRootMiddleware, port=config.ollama_port)
     add_cors(app, config.allowed_origins)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=lambda: known)
     return app

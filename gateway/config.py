@@ -2,9 +2,10 @@
 
 Contract: ``GatewayConfig`` is everything ``gateway.app.create_app`` reads: the served model and its context
 length, the API keys, the generation deadline, the caps on requests and body size, the gRPC channels' options,
-TLS and mesh token, the origins browsers may call from, and the chat requests' defaults
-(``gateway.chat.defaults``). Its fields are checked on construction (``ValueError`` / ``TypeError``), 0 means
-"no cap" for every cap, and ``mesh_token`` never shows in its repr.
+TLS and mesh token, the origins browsers may call from, the chat requests' defaults
+(``gateway.chat.defaults``), the served model's card and the port Ollama's clients reach it on. Its fields are
+checked on construction (``ValueError`` / ``TypeError``), 0 means "no cap" for every cap, and ``mesh_token``
+never shows in its repr.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from gateway.chat.defaults import OpenAIDefaults
 from stagemesh_core.grpc_tls import TlsFiles
+from stagemesh_core.model_card import ModelCard
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class GatewayConfig:
     - ``mesh_token``: sent as gRPC metadata on every call to a stage (``stagemesh_core.mesh_token``); never
       shown in the config's repr.
     - ``openai``: server-side defaults of every chat request (``gateway.chat.defaults``).
+    - ``model_card``: what the served model is (``stagemesh_core.model_card``), for Ollama's ``/api/tags``,
+      ``/api/show`` and ``/api/ps``; the default card knows nothing but the name.
+    - ``ollama_port``: the second port the app also listens on for Ollama's clients (``stagemesh serve
+      --ollama-port``), where ``GET /`` answers "Ollama is running" as Ollama does; 0: none.
     """
 
     served_model_name: str
@@ -68,6 +74,8 @@ class GatewayConfig:
     max_concurrent_requests: int = 0
     max_concurrent_requests_per_key: int = 0
     grpc_tls: TlsFiles | None = None
+    model_card: ModelCard = field(default_factory=ModelCard)
+    ollama_port: int = 0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -80,5 +88,7 @@ class GatewayConfig:
             raise ValueError("max_request_bytes and the concurrent-request caps must be >= 0 (0: no limit)")
         if self.max_outstanding_per_replica < 0 or self.failover_attempts < 0:
             raise ValueError("max_outstanding_per_replica and failover_attempts must be >= 0")
+        if not 0 <= self.ollama_port <= 65535:
+            raise ValueError(f"ollama_port must be a TCP port (0: none), got {self.ollama_port}")
         if isinstance(self.api_keys, str):  # a bare string would be taken as one key per character
             raise TypeError("api_keys must be a tuple of strings, not a string")
