@@ -29,7 +29,8 @@ from stagemesh_core.mesh_token import resolve_token
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("security and limits")
     group.add_argument("--api-key-file", default=None,
-                       help="accept every key in this file on /v1 (one per line, # comments; with --api-key too)")
+                       help="accept every key in this file on /v1 and /api (one per line, # comments; with --api-key "
+                            "too)")
     group.add_argument("--allowed-origins", default=None,
                        help="origins browsers may call the API from (CORS): a JSON list as vLLM takes it "
                             "('[\"https://a.example\"]') or a comma-separated list; default: none")

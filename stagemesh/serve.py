@@ -4,7 +4,7 @@ Order of events: every flag is validated before anything starts (model file,
 layer split, port ranges, context length, the gateway's port); the coordinator
 joins the Ray cluster at ``RAY_ADDRESS`` or starts a local one on loopback with
 just enough ``mlx`` units, places ``-pp`` x ``-dp`` x ``-tp`` stage processes, and waits
-until every stage serves; then the FastAPI gateway listens on ``--host:--port``.
+until every stage serves; then the FastAPI gateway listens on ``--host:--port`` (and ``--ollama-port``).
 Ctrl-C or SIGTERM stops the gateway, every stage, and the local Ray it started.
 """
 
@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default %(default)s)")
     parser.add_argument("--port", type=int, default=settings.DEFAULT_GATEWAY_PORT,
                         help="gateway port (default %(default)s)")
+    parser.add_argument("--ollama-port", type=int, default=None, metavar="N",
+                        help="also listen on this port for Ollama's clients (Ollama's own is 11434): the same gateway, "
+                             "where GET / answers 'Ollama is running' as Ollama does (default: off)")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                         help="stages per replica, each holding a contiguous slice of the layers")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="replicas of the pipeline")
@@ -92,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --load-format dummy: only the model's first N decoder layers (its layer pattern "
                              "kept: dense first layers, sliding and full attention), to run part of a model too big "
                              "for the machine")
-    parser.add_argument("--api-key", default=None, help="require this key on /v1 (default $STAGEMESH_API_KEY)")
+    parser.add_argument("--api-key", default=None, help="require this key on /v1 and /api (default $STAGEMESH_API_KEY)")
     parser.add_argument("--ring-base-port", type=int, default=None,
                         help="global stage g binds base+g for the MLX ring (default $STAGEMESH_RING_BASE_PORT "
                              f"or {settings.DEFAULT_RING_BASE_PORT})")
@@ -225,6 +228,9 @@ def build_mesh_config(args: argparse.Namespace):
     check_port_base("--ring-base-port", ring_base, data_plane_ports(total, args.tensor_parallel_size))
     check_port_base("--grpc-base-port", grpc_base, total * args.tensor_parallel_size)
     security_flags.check_gateway_flags(args)
+    if args.ollama_port is not None and not (0 < args.ollama_port <= 65535 and args.ollama_port != args.port):
+        raise ServeConfigError(f"--ollama-port {args.ollama_port} must be a TCP port (1-65535) other than --port "
+                               f"{args.port}")
     return spec, MeshConfig(
         model_path=model_path,
         model_is_default=args.model is None,
@@ -268,10 +274,13 @@ def run(args: argparse.Namespace) -> int:
     from coordinator.placement import PlacementError
     from gateway.app import GatewayConfig, create_app
     from stage_worker.checkpoint.tokenizer import eos_token_ids, load_tokenizer
+    from stagemesh.model_card import model_card
 
     try:
         spec, config = build_mesh_config(args)
         check_port_free(args.host, args.port, "--port")
+        if args.ollama_port is not None:
+            check_port_free(args.host, args.ollama_port, "--ollama-port")
         openai = openai_flags.openai_defaults(args, spec.path)
     except ValueError as exc:  # ServeConfigError, LayerSplitError, PortRangeError, ModelFormatError, --dtype
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
@@ -309,17 +318,26 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         GatewayConfig(served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                       mesh_token=coordinator.mesh_token, grpc_tls=config.grpc_tls, openai=openai,
+                      model_card=model_card(spec), ollama_port=args.ollama_port or 0,
                       **security_flags.gateway_options(args)),
         mesh=coordinator,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(spec, tokenizer),
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5, **security_flags.uvicorn_tls(args)))
+    listen: dict[str, Any] = dict(host=args.host, log_level="info", timeout_graceful_shutdown=5,
+                                  **security_flags.uvicorn_tls(args))
+    gateway = uvicorn.Config(app, port=args.port, **listen)
+    server = uvicorn.Server(gateway)
     log.info("gateway on %s://%s:%d (model %s)", security_flags.scheme(args), args.host, args.port,
              config.served_model_name)
+    # --ollama-port: one server, one app, two listening sockets (the app tells them apart by the port a request
+    # arrived on, for Ollama's GET /).
+    sockets = None
+    if args.ollama_port is not None:
+        sockets = [gateway.bind_socket(), uvicorn.Config(app, port=args.ollama_port, **listen).bind_socket()]
+        log.info("Ollama's API also on %s://%s:%d", security_flags.scheme(args), args.host, args.ollama_port)
     try:
-        server.run()  # returns after Ctrl-C / SIGTERM, then re-raises the signal it captured
+        server.run(sockets=sockets)  # returns after Ctrl-C / SIGTERM, then re-raises the signal it captured
     except SystemExit as exc:
         # Ray's driver turns a re-raised SIGTERM into SystemExit(15); the shutdown is orderly, so exit 0.
         if exc.code != signal.SIGTERM:

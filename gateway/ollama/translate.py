@@ -222,13 +222,19 @@ def _built(fields: dict[str, Any], names: FieldNames) -> Translated:
 
 
 def chat_to_chat(body: ChatBody, facts: ServedFacts) -> OllamaChat:
-    """``messages`` keep their order and indices; ``tools`` are chat's function tools (Ollama's are the same
-    shape), offered with ``tool_choice`` auto; ``format`` is ``response_format``; ``think`` the template's
-    switch. A body with no messages is the load call (``serving`` answers it before any translation)."""
+    """``messages`` keep their order and indices (a final assistant text is continued, as Ollama's templates
+    leave it open); ``tools`` are chat's function tools (Ollama's are the same shape), offered with
+    ``tool_choice`` auto; ``format`` is ``response_format``; ``think`` the template's switch. A body with no
+    messages is the load call (``serving`` answers it before any translation)."""
     fields, num_ctx = _common(body, facts)
     fields.update(messages=[_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)], tools=body.tools,
                   response_format=_response_format(body.format), chat_template_kwargs=_think(body.think, facts))
     names = {**_option_names(), **_FORMAT_NAMES, "chat_template_kwargs": "think"}
+    last = body.messages[-1] if body.messages else None
+    if last is not None and last.role == "assistant" and last.content and not last.tool_calls:
+        # Ollama's templates leave a final assistant message open: the model continues its text.
+        fields.update(continue_final_message=True, add_generation_prompt=False)
+        names["continue_final_message"] = f"messages[{len(body.messages) - 1}]"
     return OllamaChat(_built(fields, FieldNames(names)), num_ctx)
 
 

@@ -1,7 +1,9 @@
 """The clients people point at a local model, against a real ``stagemesh serve`` at PP=2 with the real model:
 the ``anthropic`` and ``openai`` SDKs on the Messages and Responses APIs (plain, streamed, a forced tool call and
-its round trip), and the coding-agent CLIs from npm, Claude Code (``claude -p``) and Codex CLI (``codex exec``),
-each set up by its own documented settings and answering a one-line prompt. One server for the module.
+its round trip), the ``ollama`` client on Ollama's API at ``--ollama-port`` (the model described, chat and
+generate plain and streamed, a tool call, structured output), and the coding-agent CLIs from npm, Claude Code
+(``claude -p``) and Codex CLI (``codex exec``), each set up by its own documented settings and answering a
+one-line prompt. One server for the module.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from pathlib import Path
 import anthropic
 import httpx
 import jsonschema
+import ollama
 import openai
 import pytest
 
+from tests.conftest import free_port_base
 from tests.e2e.serve_process import assert_stops_clean, start_serve
 
 pytestmark = pytest.mark.e2e
@@ -35,13 +39,18 @@ AGENT_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory):
+def ollama_port() -> int:
+    return free_port_base(1)
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory, ollama_port):
     # The agents send no sampling settings and Codex no token budget: the server's defaults (--generation-config)
     # make their one-line answers greedy and short. The SDK tests send their own.
     defaults = tmp_path_factory.mktemp("generation-config")
     (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 48}))
     s = start_serve(tmp_path_factory.mktemp("agent-clients"), "--api-key", API_KEY, "--generation-config",
-                    str(defaults), pp=2)
+                    str(defaults), "--ollama-port", str(ollama_port), pp=2)
     yield s
     s.stop()
 
@@ -54,6 +63,14 @@ def claude_sdk(serve) -> anthropic.Anthropic:
 @pytest.fixture(scope="module")
 def openai_sdk(serve) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{serve.url}/v1", api_key=API_KEY, max_retries=0, timeout=AGENT_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def ollama_client(serve, ollama_port) -> ollama.Client:
+    """Ollama's own client on the Ollama port, as tools that assume localhost:11434 reach it (the key as a
+    bearer token, as OLLAMA_API_KEY sends it)."""
+    return ollama.Client(host=f"http://127.0.0.1:{ollama_port}", headers={"Authorization": f"Bearer {API_KEY}"},
+                         timeout=AGENT_TIMEOUT_S)
 
 
 def _served(serve, endpoint: str) -> float:
@@ -138,6 +155,66 @@ def test_a_prompt_over_the_context_is_each_apis_own_error(claude_sdk, openai_sdk
     with pytest.raises(openai.BadRequestError) as e:
         openai_sdk.responses.create(model=MODEL, input=long)
     assert e.value.body["param"] == "input" and "8192" in e.value.body["message"]
+
+
+OLLAMA_GREEDY = {"temperature": 0, "num_predict": 24}
+LISTED = f"{MODEL}:latest"
+
+
+def test_ollama_port_lists_shows_and_runs_the_served_model(ollama_client, ollama_port):
+    root = httpx.get(f"http://127.0.0.1:{ollama_port}/", timeout=10)
+    assert (root.status_code, root.text) == (200, "Ollama is running")
+    assert httpx.get(f"http://127.0.0.1:{ollama_port}/api/tags", timeout=10).status_code == 401  # the key, as /v1
+    (listed,) = ollama_client.list().models
+    assert listed.model == LISTED and listed.size > 0 and listed.digest
+    assert (listed.details.family, listed.details.format) == ("llama", "gguf")
+    assert (listed.details.parameter_size, listed.details.quantization_level) == ("134.52M", "Q4_1")
+    shown = ollama_client.show(LISTED)
+    assert shown.modelinfo["llama.context_length"] == 8192 and "completion" in shown.capabilities
+    (running,) = ollama_client.ps().models
+    assert running.model == LISTED and running.context_length == 8192
+
+
+def test_ollama_chat_plain_and_streamed_give_the_same_answer(ollama_client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+    plain = ollama_client.chat(model=LISTED, messages=messages, options=OLLAMA_GREEDY)
+    parts = list(ollama_client.chat(model=LISTED, messages=messages, options=OLLAMA_GREEDY, stream=True))
+    assert plain.message.content and "".join(p.message.content for p in parts) == plain.message.content
+    assert plain.done_reason == parts[-1].done_reason and plain.done_reason in ("stop", "length")
+    assert plain.eval_count == parts[-1].eval_count <= 24 and plain.prompt_eval_count > 0
+    assert plain.total_duration >= plain.prompt_eval_duration + plain.eval_duration - 2 > 0
+
+
+def test_ollama_generate_streamed_is_the_plain_answer(ollama_client):
+    plain = ollama_client.generate(model=LISTED, prompt="Say hi.", options=OLLAMA_GREEDY)
+    parts = list(ollama_client.generate(model=LISTED, prompt="Say hi.", options=OLLAMA_GREEDY, stream=True))
+    assert plain.response and "".join(p.response for p in parts) == plain.response and parts[-1].done
+
+
+def test_ollama_tool_call(ollama_client):
+    """Ollama's API has no tool_choice: the call is the model's own, in its own format, read back. The default
+    model makes one after an example call in the conversation (greedy, so always)."""
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                             "parameters": WEATHER_SCHEMA}}
+    example = [{"role": "user", "content": "What is the weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}}]},
+               {"role": "user", "content": "What is the weather in Paris?"}]
+    r = ollama_client.chat(model=LISTED, messages=example, tools=[tool], options={"temperature": 0, "num_predict": 80})
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather" and r.done_reason == "stop"
+    jsonschema.validate(call.function.arguments, WEATHER_SCHEMA)  # an object, as Ollama sends it
+    result = {"role": "tool", "content": "18 degrees celsius, sunny", "tool_name": "get_weather"}
+    history = [*example, r.message, result]
+    answer = ollama_client.chat(model=LISTED, messages=history, options={"temperature": 0, "num_predict": 40})
+    assert answer.message.content and answer.done_reason in ("stop", "length")
+
+
+def test_ollama_structured_output_fits_its_schema(ollama_client):
+    r = ollama_client.chat(model=LISTED, messages=ASK, format=WEATHER_SCHEMA,
+                           options={"temperature": 0, "num_predict": 60})
+    assert r.done_reason == "stop", r
+    jsonschema.validate(json.loads(r.message.content), WEATHER_SCHEMA)
 
 
 def _agent_env(home: Path, **extra: str) -> dict[str, str]:

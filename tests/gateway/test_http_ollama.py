@@ -225,6 +225,11 @@ def test_streamed_tool_call_is_sent_once_whole(carded, stage, tokenizer, healthy
     assert lines[-1]["done"] and lines[-1]["done_reason"] == "stop"
 
 
+def test_a_final_assistant_message_is_continued(llama, stage, tokenizer):
+    llama.chat(model=LISTED, messages=[*ASK, {"role": "assistant", "content": "The weather is"}])
+    assert tokenizer.decode(list(_sent(stage).prompt_token_ids)).endswith("The weather is")  # no end of turn
+
+
 def test_python_functions_as_tools(llama, stage, tokenizer):
     def get_weather(city: str) -> str:
         """The current weather in a city.
