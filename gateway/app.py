@@ -59,7 +59,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
         mesh, request_timeout_s=config.request_timeout_s,
         max_outstanding_per_replica=config.max_outstanding_per_replica,
         failover_attempts=config.failover_attempts, channel_options=config.grpc_channel_options,
-        mesh_token=config.mesh_token, tls=config.grpc_tls,
+        mesh_token=config.mesh_token, tls=config.grpc_tls, prefix_block_size=config.prefix_routing_block_size,
     )
 
     def outstanding_by_replica() -> dict[int, int]:
@@ -69,7 +69,7 @@ def create_app(config: GatewayConfig, *, mesh: MeshView, tokenizer: Any, eos_tok
             out[replica] = out.get(replica, 0) + count
         return out
 
-    metrics = GatewayMetrics(mesh, outstanding_by_replica, lambda: client.failures)
+    metrics = GatewayMetrics(mesh, outstanding_by_replica, lambda: client.failures, lambda: client.routed)
     server = ChatServer.create(config.served_model_name, config.max_model_len, tokenizer, eos_token_ids,
                                config.openai)
     core = ChatCore(server, client, metrics)

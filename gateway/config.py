@@ -42,6 +42,8 @@ class GatewayConfig:
     - ``mesh_token``: sent as gRPC metadata on every call to a stage (``stagemesh_core.mesh_token``); never
       shown in the config's repr.
     - ``openai``: server-side defaults of every chat request (``gateway.chat.defaults``).
+    - ``prefix_routing_block_size``: the stages' prefix-cache block size, so a request goes to the replica
+      its prompt's prefix went to (``gateway.mesh.prefix_routing``); None (prefix caching off): by load.
     - ``model_card``: what the served model is (``stagemesh_core.model_card``), for Ollama's ``/api/tags``,
       ``/api/show`` and ``/api/ps``; the default card knows nothing but the name.
     - ``ollama_port``: the second port the app also listens on for Ollama's clients (``stagemesh serve
@@ -74,6 +76,7 @@ class GatewayConfig:
     max_concurrent_requests: int = 0
     max_concurrent_requests_per_key: int = 0
     grpc_tls: TlsFiles | None = None
+    prefix_routing_block_size: int | None = None
     model_card: ModelCard = field(default_factory=ModelCard)
     ollama_port: int = 0
 

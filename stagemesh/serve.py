@@ -319,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
         GatewayConfig(served_model_name=config.served_model_name, max_model_len=config.max_model_len,
                       mesh_token=coordinator.mesh_token, grpc_tls=config.grpc_tls, openai=openai,
                       model_card=model_card(spec), ollama_port=args.ollama_port or 0,
+                      prefix_routing_block_size=args.prefix_cache_block_size if args.enable_prefix_caching else None,
                       **security_flags.gateway_options(args)),
         mesh=coordinator,
         tokenizer=tokenizer,

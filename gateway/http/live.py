@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stagemesh_core.snapshots import MeshSnapshot, StageSnapshot, StageStats
@@ -35,6 +35,7 @@ class GatewayCounters:
     server_errors: int  # generation responses with a 5xx status
     running: int  # generation requests in flight
     replica_failures: Mapping[int, int]  # replica -> generations that failed there
+    replica_routed: Mapping[tuple[int, str], int] = field(default_factory=dict)  # (replica, policy) -> routed
 
     @classmethod
     def read(cls, metrics: GatewayMetrics) -> GatewayCounters:
@@ -48,7 +49,8 @@ class GatewayCounters:
                 client += count if 400 <= status < 500 else 0
                 server += count if status >= 500 else 0
         running = sum(int(s.value) for family in metrics.running.collect() for s in family.samples)
-        return cls(requests, client, server, running, dict(metrics.replica_failures()))
+        return cls(requests, client, server, running, dict(metrics.replica_failures()),
+                   dict(metrics.replica_routed()))
 
 
 StageKey = tuple[int, int, int | None]  # (replica, rank, pid): a new process starts its counters at zero
@@ -114,11 +116,17 @@ def build_document(snapshot: MeshSnapshot, rate_base: Sample | None, error_base:
         failures = gateway.replica_failures.get(replica.replica, 0)
         recent_failures = (failures - error_base.gateway.replica_failures.get(replica.replica, 0)
                            if error_base is not None else None)
+        routed = {policy: dict(gateway.replica_routed).get((replica.replica, policy), 0)
+                  for policy in ("key", "prefix", "load")}
+        entry = replica.stages[0].stats if replica.stages else None
+        hit_rate = (entry.prefix_cache_hits / entry.prefix_cache_queries
+                    if entry is not None and entry.prefix_cache_queries else None)
         replicas.append({"replica": replica.replica, "healthy": replica.healthy, "restarts": replica.restarts,
                          "state": replica.state.value, "consecutive_failures": replica.consecutive_failures,
                          "backoff_s": replica.backoff_s, "next_restart_at": replica.next_restart_at,
                          "in_flight": outstanding.get(replica.replica, 0), "output_tokens_per_s": output,
                          "failures_total": failures, "recent_failures": recent_failures,
+                         "routed": routed, "prefix_cache_hit_rate": hit_rate,
                          **(replica_latency or {}).get(replica.replica, _NO_LATENCY), "stages": stages})
     depth = max((s.layers[1] for r in snapshot.replicas for s in r.stages), default=0)
     errors_window = None

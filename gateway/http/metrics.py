@@ -1,7 +1,7 @@
 """Prometheus metrics of one gateway app, in its own registry.
 
 Contract:
-- ``GatewayMetrics(mesh, outstanding, failures)`` owns a private ``CollectorRegistry`` (several apps can live in
+- ``GatewayMetrics(mesh, outstanding, failures, routed)`` owns a private ``CollectorRegistry`` (several apps can live in
   one process, e.g. tests) holding the request-level ``stagemesh_gateway_*`` series and a ``StageCollector``
   (per-stage ``stagemesh_stage_*`` series from ``mesh.snapshot()``, read at scrape time); ``render()`` is the
   ``GET /metrics`` body. It is the ``TokenObserver`` of ``gateway.chat.generation``.
@@ -52,14 +52,16 @@ class StageCollector(Collector):
     counters, on the entry stage), ``stagemesh_stage_healthy``; plus
     ``stagemesh_gateway_replica_outstanding_requests{replica}`` from the balancer and
     ``stagemesh_gateway_replica_failures_total{replica}`` (generations that failed on the replica, from the
-    replica client).
+    replica client) and ``stagemesh_gateway_routed_requests_total{replica,policy}`` (how each was routed).
     """
 
     def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]],
-                 failures: Callable[[], Mapping[int, int]] = dict) -> None:
+                 failures: Callable[[], Mapping[int, int]] = dict,
+                 routed: Callable[[], Mapping[tuple[int, str], int]] = dict) -> None:
         self._mesh = mesh
         self._outstanding = outstanding
         self._failures = failures
+        self._routed = routed
 
     def collect(self) -> Iterable[Metric]:
         labels = ["replica", "rank", "worker", "host"]
@@ -114,12 +116,19 @@ class StageCollector(Collector):
                                        labels=["replica"])
         for replica_id, count in sorted(self._failures().items()):
             failures.add_metric([str(replica_id)], float(count))
+        routed = CounterMetricFamily("stagemesh_gateway_routed_requests",
+                                     "Generations this gateway routed to the replica, by the policy that chose it "
+                                     "(key: the client's cache key; prefix: where the prompt's prefix went; load)",
+                                     labels=["replica", "policy"])
+        for (replica_id, policy), count in sorted(self._routed().items()):
+            routed.add_metric([str(replica_id), policy], float(count))
         yield from counters.values()
         yield from gauges.values()
         yield per_position
         yield healthy
         yield outstanding
         yield failures
+        yield routed
 
 
 class GatewayMetrics:
@@ -129,8 +138,10 @@ class GatewayMetrics:
     ``..._generation_tokens_total`` (counters) and ``..._requests_running`` (gauge)."""
 
     def __init__(self, mesh: MeshView, outstanding: Callable[[], Mapping[int, int]],
-                 failures: Callable[[], Mapping[int, int]] = dict) -> None:
+                 failures: Callable[[], Mapping[int, int]] = dict,
+                 routed: Callable[[], Mapping[tuple[int, str], int]] = dict) -> None:
         self.replica_failures = failures
+        self.replica_routed = routed
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("stagemesh_gateway_requests", "HTTP responses by endpoint and status",
@@ -144,7 +155,7 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("stagemesh_gateway_prompt_tokens", "Prompt tokens sent to stages", registry=r)
         self.generation_tokens = Counter("stagemesh_gateway_generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge("stagemesh_gateway_requests_running", "Generation requests in flight", registry=r)
-        r.register(StageCollector(mesh, outstanding, failures))
+        r.register(StageCollector(mesh, outstanding, failures, routed))
         self.recent_ttft = RecentWindow()
         self.recent_itl = RecentWindow()
         self.recent_by_replica: dict[int, tuple[RecentWindow, RecentWindow]] = {}  # replica -> (TTFT, ITL)

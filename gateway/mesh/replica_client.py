@@ -10,7 +10,9 @@ Contract:
   cancels the request, so the stage aborts the sequence and frees its slot. A call refused before any token
   is tried on another replica (``failover_attempts``); gRPC failures become ``APIError``.
 - ``replica_of(request_id)`` names the replica serving a call while it runs; ``failures`` counts, per
-  replica, the calls that failed there.
+  replica, the calls that failed there; ``routed`` counts, per (replica, policy), the calls routed there by
+  a client key, by where the prompt's prefix went (``prefix_block_size``: the stages' prefix-cache block
+  size; None routes by load alone) or by load (``gateway.mesh.balancer``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from stagemesh_core.snapshots import MeshView, ReplicaSnapshot
 from stagemesh_core.v1 import stage_pb2, stage_pb2_grpc
 
 from .balancer import LeastOutstandingBalancer
+from .prefix_routing import PrefixIndex
 from .stage_streams import StageStream, StreamedGeneration
 
 _RETRY_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -46,6 +49,7 @@ class ReplicaClient:
         channel_options: Sequence[tuple[str, Any]] = (),
         mesh_token: str = "",
         tls: TlsFiles | None = None,
+        prefix_block_size: int | None = None,
     ) -> None:
         self._mesh = mesh
         self._timeout = request_timeout_s
@@ -57,7 +61,9 @@ class ReplicaClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageStub] = {}
         self._streams: dict[str, StageStream] = {}  # entry target -> its GenerateStream call
-        self.balancer = LeastOutstandingBalancer()
+        self.balancer = LeastOutstandingBalancer(
+            PrefixIndex(prefix_block_size) if prefix_block_size is not None else None)
+        self.routed: dict[tuple[int, str], int] = {}  # (replica, policy: balancer.POLICIES) -> calls routed so far
         self._serving: dict[str, int] = {}  # request id -> the replica its call runs on, while it runs
         self.failures: dict[int, int] = {}  # replica -> requests that failed there
 
@@ -89,14 +95,19 @@ class ReplicaClient:
         routable: tuple[ReplicaSnapshot, ...] = self._mesh.snapshot().routable_replicas
         return [(r.replica, r.entry.grpc_target) for r in routable]
 
-    def _pick(self, tried: set[ReplicaKey], affinity: str | None = None) -> ReplicaKey:
+    def _pick(self, tried: set[ReplicaKey], affinity: str | None, blocks: Sequence[bytes]) -> ReplicaKey:
         keys = self._routable_keys()
         if not keys:
             raise errors.no_healthy_replica()
-        key = self.balancer.pick(keys, exclude=tried, cap=self._cap, affinity=affinity)
-        if key is None:
+        index = self.balancer.prefix_index
+        if index is not None:
+            index.forget_except(keys)  # a replica restarted on a new target starts with an empty cache
+        route = self.balancer.route(keys, exclude=tried, cap=self._cap, affinity=affinity, blocks=blocks)
+        if route is None:
             raise errors.overloaded(f"every healthy replica has {self._cap} requests in flight")
-        return key
+        counted = (route.key[0], route.policy)
+        self.routed[counted] = self.routed.get(counted, 0) + 1
+        return route.key
 
     def _another_replica(self, tried: set[ReplicaKey]) -> bool:
         return bool(self.balancer.eligible(self._routable_keys(), exclude=tried, cap=self._cap))
@@ -104,8 +115,8 @@ class ReplicaClient:
     async def generate(self, request: stage_pb2.GenerateRequest,
                        affinity: str | None = None) -> AsyncGenerator[stage_pb2.GenerateResponse, None]:
         """The request's responses from one healthy replica (none healthy: one whose stage only missed a check,
-        ``MeshSnapshot.routable_replicas``), chosen by least outstanding requests (ties round-robin; with an
-        ``affinity``, the replica that key hashes to). Requests to one entry stage share one ``GenerateStream``
+        ``MeshSnapshot.routable_replicas``), chosen by ``gateway.mesh.balancer``: the replica an ``affinity``
+        hashes to, else the one the prompt's prefix went to (unless it is far busier), else the least loaded. Requests to one entry stage share one ``GenerateStream``
         call: one message per engine step for all of them, the one RPC path to a stage.
 
         If the call fails UNAVAILABLE or RESOURCE_EXHAUSTED before any token arrived, another healthy replica
@@ -114,8 +125,10 @@ class ReplicaClient:
         """
         tried: set[ReplicaKey] = set()
         attempt = 0
+        index = self.balancer.prefix_index
+        blocks = index.blocks(request.prompt_token_ids) if index is not None else []
         while True:
-            key = self._pick(tried, affinity)
+            key = self._pick(tried, affinity, blocks)
             tried.add(key)
             self.balancer.acquire(key)
             self._serving[request.request_id] = key[0]

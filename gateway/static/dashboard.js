@@ -183,6 +183,18 @@ function speculation(replica) {
   return null;
 }
 
+// The prefix cache's hit rate (prompt tokens restored / looked up, since the entry stage started) and how the
+// gateway routed this replica's requests: by the client's cache key, by where the prompt's prefix went, by load.
+function caching(replica) {
+  const r = replica.routed || {};
+  const routed = (r.key || 0) + (r.prefix || 0) + (r.load || 0);
+  if (replica.prefix_cache_hit_rate == null && !routed) return null;
+  return el("span", { class: "caching", title: "routed: " + (r.prefix || 0) + " by prefix, " + (r.key || 0) +
+      " by cache key, " + (r.load || 0) + " by load" },
+    "prefix cache " + (replica.prefix_cache_hit_rate == null ? "–" : pct(replica.prefix_cache_hit_rate)) +
+      " hit · " + (r.prefix || 0) + "/" + routed + " routed by prefix");
+}
+
 function drawReplicas(doc) {
   const blocks = doc.replicas.map((replica) => {
     const health = el("span", { class: "badge " + (replica.healthy ? "ok" : "bad") },
@@ -198,6 +210,7 @@ function drawReplicas(doc) {
       el("span", { title: replica.failures_total + " since start" },
         (replica.recent_failures ?? 0) + " failed (last minute)"),
       el("span", {}, replica.restarts + " restart" + (replica.restarts === 1 ? "" : "s")),
+      caching(replica),
       speculation(replica),
       el("span", { class: "legend muted" }, "shares of wall time:",
         el("span", { class: "compute" }, "compute"), el("span", { class: "wait" }, "ring wait"),

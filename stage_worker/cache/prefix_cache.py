@@ -15,26 +15,15 @@ The entry stage is the only one that decides; every other stage does what the ba
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stagemesh_core.prefix_blocks import block_hashes
+
+__all__ = ["PrefixCache", "PrefixHit", "block_hashes"]
+
 _MAX_ENTRY_ID = 2**32 - 1  # entry ids travel in a uint32 record field; 0 means "no entry"
-
-
-def block_hashes(tokens: Sequence[int], block_size: int, salt: bytes = b"", limit: int | None = None) -> list[bytes]:
-    """Chained hashes of ``tokens``' whole blocks (at most ``limit`` of them) (pure)."""
-    count = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
-    hashes = []
-    previous = hashlib.blake2b(salt, digest_size=16).digest()
-    for i in range(count):
-        block = tokens[i * block_size:(i + 1) * block_size]
-        digest = hashlib.blake2b(previous, digest_size=16)
-        digest.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in block))
-        previous = digest.digest()
-        hashes.append(previous)
-    return hashes
 
 
 @dataclass(frozen=True)
