@@ -57,9 +57,9 @@ from .translate import (
 
 log = logging.getLogger("stagemesh.gateway")
 
-# The Ollama version /api/version reports. Clients gate features on it (Open WebUI and the ollama CLI refuse
-# servers older than they need; tools and `think` arrived in 0.3 and 0.9), so it names a release whose API is
-# the one served here, not stagemesh's own version, which goes beside it.
+# The Ollama version /api/version reports. A client may gate features on it (Ollama's tools and `think` arrived
+# in 0.3 and 0.9), so it names a release whose API is the one served here; stagemesh's own version (0.x, which
+# a client would read as an Ollama too old for tools) goes beside it.
 OLLAMA_VERSION = "0.12.0"
 # Ollama's expires_at for a model kept loaded for good (keep_alive -1): now plus Go's longest duration.
 _FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)

@@ -99,6 +99,27 @@ def test_version_tags_show_and_ps_describe_the_served_model(llama, carded):
     assert running.expires_at is not None and running.expires_at.year > 2300  # never unloaded
 
 
+def test_the_default_models_card_is_what_ollama_lists_for_it():
+    """`stagemesh serve` builds the card from the spec (no tensor data read): SmolLM2-135M's Q4_1 GGUF, listed
+    by Ollama itself as 134.52M parameters."""
+    import os
+
+    from stage_worker.checkpoint.default_model import resolve_model_path
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stagemesh.model_card import model_card
+    from stagemesh_core.model_card import parameter_size
+
+    path = resolve_model_path(None)
+    card = model_card(read_model_spec(path))
+    assert (card.family, card.format, card.quantization_level) == ("llama", "gguf", "Q4_1")
+    assert (card.parameter_count, parameter_size(card.parameter_count)) == (134_515_008, "134.52M")
+    assert card.size_bytes == os.path.getsize(path) and card.modified_at == os.path.getmtime(path)
+    assert (card.num_layers, card.hidden_size, card.num_heads, card.num_kv_heads) == (30, 576, 9, 3)
+    assert card.context_length == 8192 and len(card.digest) == 64
+    assert [parameter_size(n) for n in (8_030_261_248, 7_000_000_000, 1_500_000, 999)] == ["8.0B", "7B", "1.50M",
+                                                                                             "999"]
+
+
 def test_ps_lists_nothing_while_no_replica_serves(llama, healthy_mesh):
     healthy_mesh.healthy[0] = False
     assert llama.ps().models == []
