@@ -227,7 +227,9 @@ def chat_to_chat(body: ChatBody, facts: ServedFacts) -> OllamaChat:
     ``tool_choice`` auto; ``format`` is ``response_format``; ``think`` the template's switch. A body with no
     messages is the load call (``serving`` answers it before any translation)."""
     fields, num_ctx = _common(body, facts)
-    fields.update(messages=[_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)], tools=body.tools,
+    # Ollama's tools are function tools whether or not they say so ("type" defaults to "function" there).
+    tools = None if body.tools is None else [t if "type" in t else {"type": "function", **t} for t in body.tools]
+    fields.update(messages=[_message(m, f"messages[{i}]") for i, m in enumerate(body.messages)], tools=tools,
                   response_format=_response_format(body.format), chat_template_kwargs=_think(body.think, facts))
     names = {**_option_names(), **_FORMAT_NAMES, "chat_template_kwargs": "think"}
     last = body.messages[-1] if body.messages else None

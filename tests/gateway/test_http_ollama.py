@@ -251,7 +251,7 @@ def test_a_final_assistant_message_is_continued(llama, stage, tokenizer):
     assert tokenizer.decode(list(_sent(stage).prompt_token_ids)).endswith("The weather is")  # no end of turn
 
 
-def test_python_functions_as_tools(llama, stage, tokenizer):
+def test_python_functions_as_tools(llama, carded, stage, tokenizer):
     def get_weather(city: str) -> str:
         """The current weather in a city.
 
@@ -264,6 +264,9 @@ def test_python_functions_as_tools(llama, stage, tokenizer):
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', add_special_tokens=False)
     r = llama.chat(model=LISTED, messages=ASK, tools=[get_weather])
     assert r.message.tool_calls[0].function.arguments == {"city": "Oslo"}
+    untyped = {"function": WEATHER["function"]}  # Ollama takes a tool without its "type" as a function
+    r = httpx.post(f"{carded.url}/api/chat", timeout=20, json={"messages": ASK, "tools": [untyped], "stream": False})
+    assert r.json()["message"]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
 
 
 def test_format_schema_and_json_reach_the_stage_as_a_grammar(llama, stage, tokenizer):
@@ -488,6 +491,16 @@ def test_the_key_guards_api_as_it_guards_v1(keyed_server, stage, healthy_mesh):
     good = ollama.Client(host=keyed_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=20)
     assert good.chat(model=LISTED, messages=ASK).message.content == "Hello there!"
     assert good.list().models[0].model == LISTED
+
+
+def test_the_limits_guard_api_in_ollamas_shape(mesh, tokenizer, eos_ids, stage, healthy_mesh):
+    config = GatewayConfig(served_model_name=MODEL, max_model_len=2048, max_request_bytes=200)
+    server = AppServer(create_app(config, mesh=mesh, tokenizer=tokenizer, eos_token_ids=eos_ids)).start()
+    try:
+        long = {"model": LISTED, "messages": [{"role": "user", "content": "word " * 100}]}
+        assert "--max-request-bytes" in _post(server, "/api/chat", long, status=413)
+    finally:
+        server.stop()
 
 
 def test_metrics_count_ollamas_generations(carded, llama, stage):
