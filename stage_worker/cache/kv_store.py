@@ -6,13 +6,15 @@ verification; ``for_decode`` gives per-layer batch caches holding exactly a deco
 order; ``release_many`` frees sequences; ``retain`` and ``evict`` keep and drop prefix entries, which a new
 sequence starts from. A chunk must continue its sequence exactly where this stage's cache ends
 (``WireMismatchError`` otherwise), except a rollback of rejected proposals. Only models whose every layer
-holds a plain ``KVCache`` (``mlx_arch.ArchFacts.exact_prefix_reuse``) roll back or get prefix entries. Every
+holds a plain ``KVCache`` (``mlx_arch.ArchFacts.exact_prefix_reuse``) roll back or keep a prefix's first
+positions; the others' entries are whole end states, restored whole. Every
 stage obeys the same records in the same order, so all stages make the same changes and hold the same
 entries. ``extract_row`` takes one row of a batch cache out without reading the device.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +79,8 @@ class KVStore:
         # Positions held across all sequences, kept as one int so another thread (the gRPC
         # service's stats) can read it without iterating a dict this thread is changing.
         self.tokens_held = 0
-        self._prefixes: dict[int, list[KVCache]] = {}  # prefix entry id -> its caches
+        self._prefixes: dict[int, list[Any]] = {}  # prefix entry id -> its caches
+        self._prefix_tokens: dict[int, int] = {}  # prefix entry id -> the positions it holds
         self.prefix_queried_tokens = 0  # prompt positions of new sequences (copied or prefilled)
         self.prefix_reused_tokens = 0  # positions new sequences copied from entries
         self.prefix_evicted_tokens = 0  # positions dropped by EVICT records
@@ -124,8 +127,8 @@ class KVStore:
     # record keeps a finishing sequence's first positions as a *prefix entry* instead of freeing them
     # (``retain``); a NEW_SEQUENCE record starting at position K > 0 starts from a copy of its ``prefix_entry``'s
     # first K positions (``_copy_prefix``); an EVICT record drops an entry (``evict``). A sliding window or a
-    # recurrent state cannot be cut at a position, so only models whose every layer holds a plain ``KVCache``
-    # get these records (``mlx_arch.ArchFacts.exact_prefix_reuse``).
+    # recurrent state cannot be cut at a position: such a model's entry is the sequence's whole state at its end
+    # (``_retain_whole``), restored whole, at exactly its length.
     def prefix_counts(self) -> PrefixCacheCounts:
         return PrefixCacheCounts(self.prefix_queried_tokens, self.prefix_reused_tokens, self.prefix_cached_tokens,
                                  self.prefix_evicted_tokens)
@@ -137,6 +140,9 @@ class KVStore:
         if held is None or held < tokens or entry_id in self._prefixes:
             raise WireMismatchError(f"prefix entry {entry_id}: sequence {seq_id} holds {held} positions, "
                                     f"{tokens} to keep (entry known already: {entry_id in self._prefixes})")
+        if not self._plain(seq_id):
+            self._retain_whole(seq_id, entry_id, tokens, held)
+            return
         sources = self._retained_views(seq_id, tokens)
         kept, copies = [], []
         for keys, values in sources:
@@ -150,9 +156,38 @@ class KVStore:
             kept.append(entry)
         if copies:
             self.evaluate_later(copies)  # every layer's copy in one submission, never waited for here
-        self._prefixes[entry_id] = kept
+        self._keep_entry(entry_id, kept, tokens)
+
+    def _keep_entry(self, entry_id: int, caches: list[Any], tokens: int) -> None:
+        self._prefixes[entry_id] = caches
+        self._prefix_tokens[entry_id] = tokens
         self.prefix_cached_tokens += tokens
         self.tokens_held += tokens
+
+    def _plain(self, seq_id: int) -> bool:
+        """The sequence's every layer keeps plain keys and values (a ``KVCache``, or a row of a ``BatchKVCache``)."""
+        caches = self._standalone.get(seq_id)
+        if caches is not None:
+            return all(isinstance(c, KVCache) for c in caches)
+        group = self._group_of.get(seq_id)
+        return group is None or all(isinstance(c, BatchKVCache) for c in group.caches)
+
+    def _retain_whole(self, seq_id: int, entry_id: int, tokens: int, held: int) -> None:
+        """A model with a sliding window or a recurrent state: the entry is the sequence's whole state at its
+        end (``tokens`` must be every position it holds), a copy of each layer's cache, found only by a prompt
+        that starts with all of it (``PrefixCache(exact=True)``)."""
+        if tokens != held:
+            raise WireMismatchError(f"prefix entry {entry_id}: sequence {seq_id}'s state is at position {held} and "
+                                    f"cannot be kept at {tokens}")
+        caches = self._standalone.get(seq_id)
+        if caches is None:
+            group = self._group_of[seq_id]
+            self._settle(group)
+            index = group.members.index(seq_id)
+            caches = [extract_row(batch, index, held) for batch in group.caches]
+        kept = [_copied(cache) for cache in caches]
+        self.evaluate_later([a for cache in kept for a in _arrays(cache)])
+        self._keep_entry(entry_id, kept, tokens)
 
     def _retained_views(self, seq_id: int, tokens: int) -> list[tuple[mx.array | None, mx.array | None]]:
         """Per layer, views of the first ``tokens`` positions of ``seq_id``'s keys and values: sliced
@@ -181,7 +216,7 @@ class KVStore:
         caches = self._prefixes.pop(entry_id, None)
         if caches is None:
             raise WireMismatchError(f"prefix entry {entry_id} evicted but this stage holds no such entry")
-        held = caches[0].offset if caches else 0
+        held = self._prefix_tokens.pop(entry_id)
         self.prefix_evicted_tokens += held
         self.prefix_cached_tokens -= held
         self.tokens_held -= held
@@ -190,9 +225,15 @@ class KVStore:
         """A new sequence's caches: the first ``tokens`` positions of prefix entry ``entry_id``, as slices (the
         sequence's first chunk writes into a new buffer, so the entry is never written)."""
         entry = self._prefixes.get(entry_id)
-        if entry is None or (entry and entry[0].offset < tokens):
+        if entry is None or self._prefix_tokens[entry_id] < tokens:
             raise WireMismatchError(f"a new sequence starts from {tokens} positions of prefix entry {entry_id}, "
                                     f"which this stage does not hold")
+        if not all(isinstance(c, KVCache) for c in entry):
+            if tokens != self._prefix_tokens[entry_id]:
+                raise WireMismatchError(f"a new sequence starts from {tokens} positions of prefix entry {entry_id}, "
+                                        f"a whole state of {self._prefix_tokens[entry_id]} that cannot be cut")
+            self.prefix_reused_tokens += tokens
+            return [_copied(cache) for cache in entry]  # its own arrays: the sequence's writes leave the entry
         caches = []
         for source in entry:
             cache = KVCache()
@@ -420,6 +461,29 @@ class KVStore:
                 f"sequence {seq_id} continues at position {start_pos} but this stage's KV "
                 f"holds {held} positions"
             )
+
+
+def _arrays(cache: Any) -> list[mx.array]:
+    out: list[mx.array] = []
+    for value in vars(cache).values():
+        if isinstance(value, mx.array):
+            out.append(value)
+        elif isinstance(value, list):
+            out += [v for v in value if isinstance(v, mx.array)]
+    return out
+
+
+def _copied(cache: Any) -> Any:
+    """``cache`` with arrays of its own (any mlx-lm cache: its arrays are attributes, or a list of them as an
+    ``ArraysCache`` keeps): an update of one writes into its own arrays (MLX's slice assignment changes the
+    array object it is given), never into the other's."""
+    out = copy.copy(cache)
+    for name, value in vars(cache).items():
+        if isinstance(value, mx.array):
+            setattr(out, name, mx.contiguous(value))
+        elif isinstance(value, list):
+            setattr(out, name, [mx.contiguous(v) if isinstance(v, mx.array) else v for v in value])
+    return out
 
 
 def _async_eval(arrays: Sequence[mx.array]) -> None:

@@ -9,12 +9,15 @@ cached prefix of a prompt and takes a reference on its entry; a referenced entry
 in the stage's KV budget next to the running sequences' reservations: ``evict_to`` keeps them within what
 admission leaves free, so a cached block never takes a place a running sequence needs.
 
-The entry stage is the only one that decides; every other stage does what the batch records say
-(``stage_worker.cache.kv_store``).
+With ``exact=True`` (a model with a sliding-window or recurrent layer, whose state cannot be cut at a block)
+an entry is the state at the end of a finished sequence, whole: ``lookup`` takes it only where the prompt
+starts with every one of its tokens, and restores exactly that many. The entry stage is the only one that
+decides; every other stage does what the batch records say (``stage_worker.cache.kv_store``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,7 +59,8 @@ class Retain:
 
 @dataclass
 class _Entry:
-    hashes: list[bytes]
+    hashes: list[bytes]  # the keys it is found by: its blocks' chain, or its one exact key
+    tokens: int  # positions it holds
     references: int = 0
 
 
@@ -72,30 +76,37 @@ class PrefixCache:
     block_size: int
     salt: bytes = b""
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    exact: bool = False  # entries are whole sequences' end states, found only at their full length
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"prefix cache block size must be at least 1, got {self.block_size}")
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._by_hash: dict[bytes, set[int]] = {}
+        self._lengths: dict[int, int] = {}  # exact mode: entry length -> entries of that length
         self._next_id = 1
         # Kept up to date so the scheduler's admission check (run every engine loop) stays O(1).
-        self._cached_blocks = 0
-        self._pinned_blocks = 0
+        self._cached_tokens = 0
+        self._pinned_tokens = 0
 
     # -- what is held -----------------------------------------------------
     @property
     def cached_blocks(self) -> int:
-        return self._cached_blocks
+        return self._cached_tokens // self.block_size
 
     @property
     def cached_tokens(self) -> int:
-        return self.cached_blocks * self.block_size
+        return self._cached_tokens
 
     @property
     def pinned_tokens(self) -> int:
         """Tokens held by referenced entries: these cannot be evicted now."""
-        return self._pinned_blocks * self.block_size
+        return self._pinned_tokens
+
+    def _exact_key(self, tokens: Sequence[int]) -> bytes:
+        digest = hashlib.blake2b(self.salt + b"\0exact", digest_size=16)
+        digest.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens))
+        return digest.digest()
 
     def __contains__(self, entry_id: int) -> bool:
         return entry_id in self._entries
@@ -111,6 +122,8 @@ class PrefixCache:
         from. The new sequence starts from a copy of the entry's first ``tokens`` positions and holds the
         reference until its first prompt chunk has been sent (the copy happens there, on every stage)."""
         self.stats.queries += len(prompt)
+        if self.exact:
+            return self._lookup_exact(prompt)
         usable = (len(prompt) - 1) // self.block_size
         holders: set[int] = set()
         matched = 0
@@ -126,6 +139,18 @@ class PrefixCache:
         self._reference(self._entries[best], +1)
         self.stats.hits += matched * self.block_size
         return PrefixHit(best, matched * self.block_size)
+
+    def _lookup_exact(self, prompt: Sequence[int]) -> PrefixHit | None:
+        """The longest entry all of whose tokens begin ``prompt`` and leave a token to prefill."""
+        for length in sorted((n for n in self._lengths if n < len(prompt)), reverse=True):
+            found = self._by_hash.get(self._exact_key(prompt[:length]))
+            if found:
+                best = self._most_recent(found)
+                self._entries.move_to_end(best)
+                self._reference(self._entries[best], +1)
+                self.stats.hits += length
+                return PrefixHit(best, length)
+        return None
 
     def release(self, entry_id: int) -> None:
         """Drop the reference a lookup took (the sequence's copy has been sent)."""
@@ -149,8 +174,8 @@ class PrefixCache:
             entry = self._entries[entry_id]
             if entry.references:
                 continue
-            cached -= len(entry.hashes) * self.block_size
-            self.stats.evicted_blocks += len(entry.hashes)
+            cached -= entry.tokens
+            self.stats.evicted_blocks += self._blocks(entry)
             self._remove(entry_id)
             evicted.append(entry_id)
         return evicted
@@ -160,7 +185,10 @@ class PrefixCache:
         """A finished sequence whose stages hold KV for its first ``kv_tokens`` of ``tokens`` (prompt and
         generated tokens the stages fed). An entry whose blocks are all the first blocks of the new one is
         dropped in its favour (the newer one answers every lookup the older could), and a sequence whose blocks
-        an entry already covers adds nothing."""
+        an entry already covers adds nothing. In exact mode the entry is all ``kv_tokens`` positions (the
+        state the stages hold at its end), and it supersedes the entries it begins with."""
+        if self.exact:
+            return self._insert_exact(tokens[:kv_tokens])
         hashes = block_hashes(tokens[:kv_tokens], self.block_size, self.salt)
         if not hashes:
             return Retain(None, 0)
@@ -175,32 +203,66 @@ class PrefixCache:
             and entry.hashes[-1] == hashes[len(entry.hashes) - 1]
         )
         for other in superseded:
-            self.stats.evicted_blocks += len(self._entries[other].hashes)
+            self.stats.evicted_blocks += self._blocks(self._entries[other])
             self._remove(other)
-        self._entries[entry_id] = _Entry(hashes)
-        self._cached_blocks += len(hashes)
-        for digest in hashes:
-            self._by_hash.setdefault(digest, set()).add(entry_id)
+        self._add(entry_id, _Entry(hashes, len(hashes) * self.block_size))
         return Retain(entry_id, len(hashes) * self.block_size, superseded)
+
+    def _insert_exact(self, kept: Sequence[int]) -> Retain:
+        if not kept:
+            return Retain(None, 0)
+        key = self._exact_key(kept)
+        holders = self._by_hash.get(key)
+        if holders:
+            self._entries.move_to_end(self._most_recent(holders))
+            return Retain(None, 0)
+        entry_id = self._new_id()
+        superseded = tuple(
+            other for other, entry in list(self._entries.items())
+            if not entry.references and entry.tokens < len(kept) and entry.hashes[0] == self._exact_key(
+                kept[:entry.tokens]))
+        for other in superseded:
+            self.stats.evicted_blocks += self._blocks(self._entries[other])
+            self._remove(other)
+        self._add(entry_id, _Entry([key], len(kept)))
+        return Retain(entry_id, len(kept), superseded)
 
     def clear(self) -> None:
         self._entries.clear()
         self._by_hash.clear()
-        self._cached_blocks = self._pinned_blocks = 0
+        self._lengths.clear()
+        self._cached_tokens = self._pinned_tokens = 0
 
     # -- helpers ------------------------------------------------------------
     def _most_recent(self, holders: set[int]) -> int:
         # Runs at admission and retirement only; entries are few (one per distinct finished prefix).
         return next(key for key in reversed(self._entries) if key in holders)
 
+    def _blocks(self, entry: _Entry) -> int:
+        return -(-entry.tokens // self.block_size)  # an exact entry's partial last block counts as one
+
     def _reference(self, entry: _Entry, change: int) -> None:
         if entry.references == 0 or entry.references + change == 0:
-            self._pinned_blocks += len(entry.hashes) * change
+            self._pinned_tokens += entry.tokens * change
         entry.references += change
+
+    def _add(self, entry_id: int, entry: _Entry) -> None:
+        self._entries[entry_id] = entry
+        self._cached_tokens += entry.tokens
+        for digest in entry.hashes:
+            self._by_hash.setdefault(digest, set()).add(entry_id)
+        if self.exact:
+            self._lengths[entry.tokens] = self._lengths.get(entry.tokens, 0) + 1
 
     def _remove(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
-        self._cached_blocks -= len(entry.hashes)
+        self._cached_tokens -= entry.tokens
+        if self.exact:
+            left = self._lengths[entry.tokens] - 1
+            if left:
+                self._lengths[entry.tokens] = left
+            else:
+                del self._lengths[entry.tokens]
         for digest in entry.hashes:
             holders = self._by_hash.get(digest)
             if holders is not None:

@@ -128,3 +128,14 @@ def _describe(model_type: str, args_json: str) -> ArchFacts:
 def exact_prefix_reuse(spec: ModelSpec) -> bool:
     """Whether the prefix cache may start ``spec``'s sequences from copies of others' first positions."""
     return describe(spec.model_type, spec.args).exact_prefix_reuse
+
+
+# Cache kinds whose whole state mlx-lm keeps in array attributes (a copy of them is the state): a sequence's
+# end state can be kept and restored whole (``stage_worker.cache.kv_store``).
+WHOLE_STATE_KINDS = frozenset({"kv", "rotating", "arrays"})
+
+
+def whole_state_reuse(spec: ModelSpec) -> bool:
+    """Whether the prefix cache may start ``spec``'s sequences from a copy of a finished sequence's whole state
+    (the models whose layers cannot be cut at a position: sliding windows, recurrent state)."""
+    return all(kind in WHOLE_STATE_KINDS for kind in describe(spec.model_type, spec.args).cache_kinds)

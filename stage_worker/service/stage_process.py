@@ -29,7 +29,7 @@ import mlx.core as mx
 from stage_worker.cache.prefix_cache import PrefixCache
 from stage_worker.checkpoint.default_model import default_model_path
 from stage_worker.checkpoint.load_progress import WeightProgress, reporting
-from stage_worker.checkpoint.mlx_arch import exact_prefix_reuse
+from stage_worker.checkpoint.mlx_arch import exact_prefix_reuse, whole_state_reuse
 from stage_worker.checkpoint.model_reader import read_model_spec
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec
 from stage_worker.engine.entry_engine import EntryEngine, PipelineBroken, step_ahead_wanted
@@ -450,12 +450,16 @@ def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:
     options = ctx.launch.options
     if not options.enable_prefix_caching:
         return None
-    if not exact_prefix_reuse(ctx.spec):
-        log.info("prefix caching off: %s layers keep sliding windows or recurrent state, which a copied prefix "
-                 "cannot reproduce exactly (docs/architecture.md)", ctx.spec.model_type)
+    cut = exact_prefix_reuse(ctx.spec)
+    if not cut and not whole_state_reuse(ctx.spec):
+        log.info("prefix caching off: %s layers keep state that can be neither cut at a position nor copied "
+                 "whole (docs/architecture.md)", ctx.spec.model_type)
         return None
+    if not cut:
+        log.info("prefix cache: %s layers keep sliding windows or recurrent state, so an entry is a finished "
+                 "sequence's whole state, reused by prompts that start with all of it", ctx.spec.model_type)
     salt = f"{model_fingerprint(ctx.spec)}/{wire.dtype_name(ctx.dtype)}".encode()
-    return PrefixCache(options.prefix_cache_block_size, salt)
+    return PrefixCache(options.prefix_cache_block_size, salt, exact=not cut)
 
 
 def _member_lost(status: StageStatus, member: str) -> None:
