@@ -4,7 +4,8 @@ Without ``RAY_ADDRESS`` (or ``--address``) it checks this machine: MLX's backend
 advertise (``STAGEMESH_HOST_IP``: on this node, not loopback, not a VPN tunnel), how its names resolve
 (``*.local`` to loopback), the ring / lane / gRPC / gateway ports, and, when ``STAGEMESH_HOST_IP`` says it is
 meant for a cluster, Ray's macOS cluster switch and token authentication; with ``--grpc-tls-dir`` (or
-``STAGEMESH_GRPC_TLS_DIR``) this node's mesh certificates.
+``STAGEMESH_GRPC_TLS_DIR``) this node's mesh certificates. ``--tp-link`` also measures a tensor-parallel
+group's link (``stagemesh.doctor.tp_link``: two local processes, or two ``mlx`` nodes of the cluster).
 
 With ``RAY_ADDRESS`` it probes every node in the environment its stages inherit and also reports nodes
 without an ``mlx`` unit, too few units for ``-pp`` x ``-dp``, versions that differ across nodes, two nodes
@@ -12,7 +13,7 @@ advertising one address, and ports one node cannot reach on another.
 
 Every finding has a severity (ok, info, warning, error), what is wrong and the fix; ``--json`` prints the
 findings and the gathered facts. Exit status: 0 when nothing is wrong (warnings allowed unless ``--strict``),
-1 when something is, 2 for bad flags.
+1 when something is, 2 for bad flags (and a ``--tp-backend`` this host's MLX cannot form).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from stagemesh.doctor.checks import (
     check_node,
     worst,
 )
-from stagemesh_core import settings
+from stagemesh_core import defaults, settings
+from stagemesh_core.errors import UserError
+from stagemesh_core.plan import TP_BACKENDS
 from stagemesh_core.settings import MLX_RESOURCE
 
 _JOIN_TIMEOUT_S = 5.0
@@ -72,6 +75,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip resolving this host's names (no DNS / mDNS lookups)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait for each node's probe (default %(default)s)")
+    parser.add_argument("--tp-link", action="store_true",
+                        help="also measure the link a -tp group computes over: all-reduce latency of a decode row "
+                             "and of a prefill chunk, a -pp hop of the row, each node's memory bandwidth; between "
+                             "two local processes, or two 'mlx' nodes of the cluster. `--json > FILE` writes what "
+                             "`stagemesh plan --tp-link FILE` reads")
+    parser.add_argument("--tp-backend", default=None, choices=TP_BACKENDS,
+                        help="with --tp-link: the MLX backend to measure (default ring)")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help="with --tp-link: the row's width (default: --model's hidden size)")
+    parser.add_argument("--dtype", default=None, choices=("auto", "float32", "float16", "bfloat16"),
+                        help="with --tp-link: the row's dtype (default auto: the compute dtype a stage on each node "
+                             "picks)")
+    parser.add_argument("--prefill-rows", type=int, default=None,
+                        help=f"with --tp-link: rows of the prefill-sized all-reduce (default "
+                             f"{defaults.MAX_BATCH_TOKENS}, a prefill chunk)")
+    parser.add_argument("--tp-link-iterations", type=int, default=None,
+                        help="with --tp-link: timed decode-row all-reduces and hops (default 200)")
 
 
 @dataclass
@@ -82,6 +102,7 @@ class Report:
     nodes: list[NodeFacts] = field(default_factory=list)
     reaches: list[Reach] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    tp_link: dict | None = None  # --tp-link's measurement (stagemesh.doctor.tp_link.summarize), or its error
 
     def failed(self, strict: bool) -> bool:
         level = worst(self.findings)
@@ -94,6 +115,7 @@ class Report:
             "findings": [asdict(f) for f in self.findings],
             "nodes": [asdict(n) for n in self.nodes],
             "reachability": [asdict(r) for r in self.reaches],
+            **({"tp_link": self.tp_link} if self.tp_link is not None else {}),
         }
 
 
@@ -140,7 +162,28 @@ def check_local(args: argparse.Namespace) -> Report:
         from stagemesh.doctor.tls import check_tls_dir
 
         findings += check_tls_dir(tls_dir, host_ip=settings.HOST_IP)
-    return Report("local", None, plan, [facts], [], findings)
+    report = Report("local", None, plan, [facts], [], findings)
+    if getattr(args, "tp_link_config", None) is not None:
+        from stagemesh.doctor.tp_link import measure_local
+
+        _add_tp_link(report, measure_local(args.tp_link_config, plan.ring_base_port, plan.grpc_base_port))
+    return report
+
+
+def _add_tp_link(report: Report, measured: dict) -> None:
+    """The measurement into the report: its section, and a finding saying what it found."""
+    report.tp_link = measured
+    if measured.get("error"):
+        report.findings.append(Finding("tp-link", ERROR, "", f"{measured['backend']} link not measured: "
+                                       f"{measured['error']}", "fix that and run doctor --tp-link again"))
+        return
+    ar, hop = measured["allreduce_us"], measured["hop_us"]
+    report.findings.append(Finding("tp-link", OK, "", (
+        f"{measured['backend']} between {' and '.join(measured['hosts'])}: all-reduce of [1, {measured['hidden_size']}] "
+        f"{measured['dtype']} {ar['decode']['median']:.1f} us median (p90 {ar['decode']['p90']:.1f}), of "
+        f"[{measured['prefill_rows']}, {measured['hidden_size']}] {ar['prefill']['median']:.1f} us "
+        f"({measured['prefill_bandwidth_gbs']:.2f} GB/s); a -pp hop of the row {hop['median']:.1f} us; memory "
+        f"bandwidth {' and '.join(f'{b:.1f}' for b in measured['memory_bandwidth_gbs'])} GB/s")))
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -220,8 +263,16 @@ def _probe_cluster(ray, address: str, args: argparse.Namespace) -> Report:
             except Exception:
                 pass
             ray.kill(actor)
+    measured = None
+    if getattr(args, "tp_link_config", None) is not None:  # after the probes: they listened on stage ports
+        from stagemesh.doctor.tp_link import measure_cluster
+
+        measured = measure_cluster(ray, alive, args.tp_link_config, plan.ring_base_port, plan.grpc_base_port)
     ordered = sorted(nodes.values(), key=lambda f: (not f.is_head, f.advertised or ""))
-    return Report("cluster", address, plan, ordered, reaches, check_cluster(ordered, plan, reaches))
+    report = Report("cluster", address, plan, ordered, reaches, check_cluster(ordered, plan, reaches))
+    if measured is not None:
+        _add_tp_link(report, measured)
+    return report
 
 
 def _reachability(ray, actors: dict, nodes: dict[str, NodeFacts], plan: MeshPlan, timeout: float) -> list[Reach]:
@@ -242,6 +293,42 @@ def _reachability(ray, actors: dict, nodes: dict[str, NodeFacts], plan: MeshPlan
         for dst_label, host, port, result in ray.get(ref, timeout=timeout):
             reaches.append(Reach(probed[src].label, dst_label, host, port, result))
     return reaches
+
+
+def tp_link_config(args: argparse.Namespace):
+    """``--tp-link``'s ``TpLinkConfig`` (None without it); ``UserError`` for its flags without it, a hidden
+    size nobody can tell, or a backend this host's MLX cannot form (refused here, as serve refuses it)."""
+    from stagemesh.doctor.tp_link import TpLinkConfig, check_backend
+
+    given = [flag for flag, value in (("--tp-backend", args.tp_backend), ("--hidden-size", args.hidden_size),
+                                      ("--dtype", args.dtype), ("--prefill-rows", args.prefill_rows),
+                                      ("--tp-link-iterations", args.tp_link_iterations)) if value is not None]
+    if not args.tp_link:
+        if given:
+            raise UserError(f"{', '.join(given)} only apply with --tp-link")
+        return None
+    hidden = args.hidden_size
+    if hidden is None:
+        hidden = _model_hidden_size(args.model)
+    config = TpLinkConfig(backend=args.tp_backend or "ring", hidden_size=hidden, dtype=args.dtype or "auto",
+                          prefill_rows=args.prefill_rows or defaults.MAX_BATCH_TOKENS,
+                          iterations=args.tp_link_iterations or 200, timeout_s=args.timeout)
+    check_backend(config.backend)
+    return config
+
+
+def _model_hidden_size(model: str | None) -> int:
+    """The hidden size of the MODEL doctor is told about (the embedded default without one)."""
+    path = _model_path(model)
+    if not path or not os.path.exists(path):
+        raise UserError(f"--tp-link: no model at {path or 'the embedded default'} to take the hidden size from; "
+                        "give --hidden-size N (the model's hidden_size) or --model")
+    from stage_worker.checkpoint.model_reader import read_model_spec
+
+    try:
+        return read_model_spec(path).hidden_size
+    except Exception as exc:
+        raise UserError(f"--tp-link: cannot read {path}'s hidden size ({exc}); give --hidden-size N") from None
 
 
 # -- output -----------------------------------------------------------------------------
@@ -276,6 +363,11 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"stagemesh doctor: error: {flag} must be at least 1", file=sys.stderr)
             return 2
+    try:
+        args.tp_link_config = tp_link_config(args)
+    except UserError as exc:
+        print(f"stagemesh doctor: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     address = None if args.local else (args.address or settings.RAY_ADDRESS)
     report = check_cluster_at(address, args) if address else check_local(args)
@@ -286,4 +378,4 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report.failed(args.strict) else 0
 
 
-__all__ = ["add_arguments", "run", "Report", "check_local", "check_cluster_at", "format_report"]
+__all__ = ["add_arguments", "run", "Report", "check_local", "check_cluster_at", "format_report", "tp_link_config"]
