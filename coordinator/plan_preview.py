@@ -11,7 +11,9 @@
   disturbed); then disconnect.
 
 Either way the planner (``coordinator.layer_planner``) decides; a request that
-cannot fit raises its ``PlanError``.
+cannot fit raises its ``PlanError``. ``preview`` also says, per stage, its node's
+device and whether its tensor-parallel group shares one node (what
+``stagemesh_core.tp_cost`` needs); ``preview_plan`` is the plan alone.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from coordinator.config import MeshConfig
 from coordinator.layer_planner import MemoryPlan, StageSeat, plan_mesh
@@ -31,25 +34,47 @@ from stagemesh_core.settings import LOOPBACK
 _PROBE_S = 120.0
 
 
+@dataclass(frozen=True)
+class PlanPreview:
+    """The plan, and per planned stage (``[replica][rank]``) its node's device name and whether every
+    worker of its tensor-parallel group runs on that one node."""
+
+    plan: MemoryPlan
+    devices: tuple[tuple[str, ...], ...]
+    one_node: tuple[tuple[bool, ...], ...]
+
+
 def preview_plan(config: MeshConfig) -> MemoryPlan:
     """The plan ``serve`` would make with ``config`` (which must carry ``model_facts``)."""
+    return preview(config).plan
+
+
+def preview(config: MeshConfig) -> PlanPreview:
+    """``preview_plan``'s plan with each stage's device and group placement."""
     model = config.planned_facts()
     if model is None:
         raise ValueError("preview_plan needs the model's facts (MeshConfig.model_facts)")
     address = config.ray_address or os.environ.get(RAY_ADDRESS_ENV)
+    pp, dp = config.pipeline_parallel_size, config.data_parallel_size
     if not address:
         memory = StageHost("plan").node_memory()
         sharing = config.total_workers
         seat = StageSeat("local", LOOPBACK, memory, sharing, socket.gethostname())
-        replicas = [[seat] * config.pipeline_parallel_size for _ in range(config.data_parallel_size)]
-        return plan_mesh(model, replicas, config.plan_request())
+        replicas = [[seat] * pp for _ in range(dp)]
+        return PlanPreview(plan_mesh(model, replicas, config.plan_request()),
+                           tuple((memory.device,) * pp for _ in range(dp)), tuple((True,) * pp for _ in range(dp)))
     session = connect_ray(config.total_workers, address=address)
     try:
         nodes = cluster_nodes(session.driver_node_id)
-        placement = place_stages(nodes, config.pipeline_parallel_size, config.data_parallel_size,
-                                 head_address=head_address(nodes), tensor_parallel_size=config.tensor_parallel_size)
+        placement = place_stages(nodes, pp, dp, head_address=head_address(nodes),
+                                 tensor_parallel_size=config.tensor_parallel_size)
         facts = _ask_nodes(sorted({s.node_id for s in placement.slots}))
-        return plan_mesh(model, _seats(placement, facts), config.plan_request())
+        seats = _seats(placement, facts)
+        groups = [[{s.node_id for s in replica if s.rank == rank} for rank in range(pp)]
+                  for replica in placement.replicas]
+        return PlanPreview(plan_mesh(model, seats, config.plan_request()),
+                           tuple(tuple(seat.memory.device for seat in replica) for replica in seats),
+                           tuple(tuple(len(g) == 1 for g in replica) for replica in groups))
     finally:
         disconnect(session)
 

@@ -3,8 +3,10 @@
 Takes ``serve``'s flags (model, ``-pp``, ``-dp``, ``--max-model-len``,
 ``--max-num-seqs``, ``--memory-fraction``, ``--dtype``, ``--dequantize``,
 ``--pp-layer-split``) and prints one row per stage: node, address, backend and
-dtype, layers, weight GB, KV GB (the tokens it holds) and headroom; ``--json``
-prints the same for tools. The cluster is this machine (no ``RAY_ADDRESS``) or
+dtype, layers, weight GB, KV GB (the tokens it holds) and headroom; at ``-tp``
+above 1 the all-reduce cost per token and -tp against -pp over the link
+(``--tp-link FILE`` from ``stagemesh doctor --tp-link``, or
+``--tp-link-latency-us``); ``--json`` prints the same for tools. The cluster is this machine (no ``RAY_ADDRESS``) or
 the Ray cluster at ``RAY_ADDRESS``, each node's facts read on that node
 (``coordinator.plan_preview``), or the nodes ``--assume-node`` describes (to
 ask "what if I add a 24 GB Mac mini?"). A request that cannot fit exits 2 with
@@ -15,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 
+import sys
+
 from stagemesh import serve
-from stagemesh.plan_report import print_plan
+from stagemesh.plan_report import print_plan, tp_link_figures
+from stagemesh_core.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +32,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose stages may count SIZE (e.g. 96GB; on a Mac its GPU's recommended working set), "
                              "BACKEND metal (default), cpu or cuda; repeat per node. Stage g of the mesh runs on "
                              "node g mod the number of nodes")
+    parser.add_argument("--tp-link", default=None, metavar="FILE",
+                        help="with -tp: the group's link as `stagemesh doctor --tp-link --json > FILE` measured it "
+                             "(all-reduce and hop latency, the nodes' memory bandwidth); default: the backend's "
+                             "assumed latency, printed as an assumption")
+    parser.add_argument("--tp-link-latency-us", type=float, default=None, metavar="US",
+                        help="with -tp: one all-reduce of a decode row over the group's link, in microseconds, as "
+                             "you measured it (instead of --tp-link)")
 
 
 def run(args: argparse.Namespace) -> int:
-    _, config = serve.build_mesh_config(args)
-    return print_plan(config, args.json, args.assume_node)
+    spec, config = serve.build_mesh_config(args)
+    try:
+        if config.tensor_parallel_size == 1 and (args.tp_link or args.tp_link_latency_us is not None):
+            raise UserError("--tp-link and --tp-link-latency-us describe a -tp group's link: plan with -tp 2 or more")
+        link = tp_link_figures(config.tp_backend, args.tp_link, args.tp_link_latency_us)
+    except UserError as exc:
+        print(f"stagemesh plan: error: {exc}", file=sys.stderr)
+        return 2
+    return print_plan(config, args.json, args.assume_node, link=link, spec=spec)

@@ -151,9 +151,9 @@ def link_from_doctor(report: Mapping[str, Any], path: str = "the report") -> Lin
     return LinkFigures(
         backend=str(data["backend"]),
         allreduce_us=Figure(float(decode), "measured", where),
-        hop_us=Figure(float(hop), "measured", where + " (TCP, one way)") if hop else None,
-        bandwidth_gbs=Figure(float(min(bandwidths)), "measured", where + " (the slower node)") if bandwidths
-        else None,
+        hop_us=Figure(float(hop), "measured", "stagemesh doctor --tp-link, TCP one way") if hop else None,
+        bandwidth_gbs=Figure(float(min(bandwidths)), "measured", "stagemesh doctor --tp-link, the slower node's "
+                             "matrix-vector product") if bandwidths else None,
         prefill_allreduce_us=Figure(float(prefill["median"]), "measured", where) if prefill else None,
         prefill_rows=int(data.get("prefill_rows", 0)), hidden_size=data.get("hidden_size"),
         dtype=data.get("dtype"))
@@ -233,7 +233,7 @@ def format_comparison(c: TpComparison, link: LinkFigures, stages: Sequence[Group
                      f"(stagemesh doctor --tp-link --tp-backend {link.backend} --json > link.json, then "
                      "--tp-link link.json) or state it (--tp-link-latency-us US)")
     else:
-        lines.append(f"-tp {tp} over {link.backend}: one all-reduce of a {row} {dtype or ''} row "
+        lines.append(f"-tp {tp} over {link.backend}: one all-reduce of a {row} {link.dtype or dtype or ''} row "
                      f"{link.allreduce_us.value:.1f} us ({_source(link.allreduce_us)})".replace("  ", " "))
         if link.allreduce_us.source == "assumed":
             lines.append("  that latency is an assumption, not this link's: measure yours with stagemesh doctor "
@@ -242,6 +242,9 @@ def format_comparison(c: TpComparison, link: LinkFigures, stages: Sequence[Group
         if link.hidden_size and hidden_size and link.hidden_size != hidden_size:
             lines.append(f"  measured with hidden size {link.hidden_size}, the model's is {hidden_size}: measure "
                          f"again with --hidden-size {hidden_size} (or --model) for this model's row")
+        if link.dtype and dtype and link.dtype != dtype:
+            lines.append(f"  measured in {link.dtype}, the stages compute in {dtype}: measure again with --dtype "
+                         f"{dtype} for this plan's row")
         per_layer = sorted({s.allreduces_per_layer for s in stages})
         lines.append(f"  all-reduces per token: {c.allreduces_per_token} ({'/'.join(map(str, per_layer))} per layer "
                      f"x {sum(s.layers for s in stages)} layers) = {_ms(c.allreduce_us_per_token or 0)}")
