@@ -5,7 +5,9 @@
 with dense weights, joins MLX's ring (``MLX_RANK`` / ``MLX_HOSTFILE``) when the group has more than one
 member and cuts its layers to its share (``stage_worker.model.tensor_parallel``), then decodes each prompt
 greedily through the stage's packed path with its own KV caches. Rank 0 writes the tokens and the logits of
-every step to ``CONFIG["out"]``.
+every step to ``CONFIG["out"]``, with its share, its weight bytes (the slice's and its layers' alone: the
+embedding and head stay whole) and the shapes its caches hold after the first prompt (``cache_shapes``: per
+layer, the shape of every array of its cache).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import sys
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 
 def main(config_path: str) -> None:
@@ -32,7 +35,7 @@ def main(config_path: str) -> None:
         group = mx.distributed.init(backend="ring", strict=True)
         assert group.size() == config["size"], group.size()
         share = model.shard(group, rank_0_extra=spec.vocab_size * spec.hidden_size)  # as a last stage
-    results = []
+    results, cache_shapes = [], None
     for prompt in config["prompts"]:
         caches = model.new_caches()
         hidden = model.embed(mx.array(prompt, dtype=mx.int32))
@@ -44,11 +47,24 @@ def main(config_path: str) -> None:
             logits_seen.append(logits[0].tolist())
             hidden = model.embed(mx.array([token], dtype=mx.int32))
         results.append({"tokens": tokens, "logits": logits_seen})
+        if cache_shapes is None:
+            cache_shapes = [[list(a.shape) for a in _arrays(cache.state)] for cache in caches]
     if share is None or share.rank == 0:
         with open(config["out"], "w") as f:
             json.dump({"results": results, "heads": None if share is None else len(share.heads),
                        "kv_heads": None if share is None else len(share.kv_heads),
-                       "weight_bytes": model.weight_bytes}, f)
+                       "weight_bytes": model.weight_bytes, "cache_shapes": cache_shapes,
+                       "layer_bytes": sum(v.nbytes for layer in model.layers
+                                          for _, v in tree_flatten(layer.parameters()))}, f)
+
+
+def _arrays(state: object) -> list[mx.array]:
+    """Every array of a cache's state (a KV cache's keys and values, an arrays cache's entries), in order."""
+    if isinstance(state, mx.array):
+        return [state]
+    if isinstance(state, (list, tuple)):
+        return [a for part in state for a in _arrays(part)]
+    return []
 
 
 if __name__ == "__main__":

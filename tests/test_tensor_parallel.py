@@ -73,18 +73,32 @@ def test_two_workers_decode_the_default_model_with_one_workers_greedy_tokens(tmp
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "qwen3_next", "gemma3_text", "mixtral"])
 def test_two_workers_decode_each_architecture_with_one_workers_greedy_tokens(tmp_path, name):
-    # The packed path (our own cut) is the default model's test above; qwen3_moe's experts and gpt_oss's
-    # sinks and windows are cut by mlx-lm's own shard() on the layer stack.
-    from tests.architectures import tiny_checkpoint
+    # The packed path (our own cut) is the default model's test above. On the layer stack, qwen3_moe's experts
+    # and gpt_oss's sinks and windows are cut by mlx-lm's own shard(); qwen3_next's linear attention and
+    # shared expert, gemma3_text's windows and mixtral's experts by arch_sharding's cuts.
+    from tests.architectures import TINY_CONFIGS, tiny_checkpoint
 
     path = tiny_checkpoint(name, tmp_path)
     whole, pair = _decode(tmp_path, 1, path), _decode(tmp_path, 2, path)
     assert pair["kv_heads"] == 1 and pair["heads"] == 2
     for one, two in zip(whole["results"], pair["results"]):
+        # Not bit-equal: the group sums two partial products where one process sums one dot product, another
+        # order of float32 additions. The tokens are the same over every step, the logits equal to its rounding.
         assert one["tokens"] == two["tokens"]
+        worst = max(abs(a - b) for la, lb in zip(one["logits"], two["logits"]) for a, b in zip(la, lb))
+        assert worst < 1e-3, worst
+    # Every layer's weights but its norms and routers are cut in two: a worker's layers hold about half.
+    assert 0.49 < pair["layer_bytes"] / whole["layer_bytes"] < 0.52, (pair["layer_bytes"], whole["layer_bytes"])
     assert pair["weight_bytes"] < whole["weight_bytes"]
+    # Each cache holds the worker's heads only: every cached array's head (or channel) axis halves.
+    config = TINY_CONFIGS[name]
+    for shapes_one, shapes_two in zip(whole["cache_shapes"], pair["cache_shapes"]):
+        for one, two in zip(shapes_one, shapes_two):
+            halved = [i for i, (a, b) in enumerate(zip(one, two)) if a != b]
+            assert len(halved) == 1 and one[halved[0]] == 2 * two[halved[0]], (name, one, two)
+    assert len(whole["cache_shapes"]) == config["num_hidden_layers"]
 
 
 def test_an_even_split_names_the_sizes_that_divide():

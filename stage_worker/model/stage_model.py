@@ -32,6 +32,7 @@ from stage_worker.checkpoint.checkpoint_check import mismatched_scales
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
 from stage_worker.checkpoint.stage_weights import load_stage_weights
+from stage_worker.model.arch_sharding import divided_counts, shard_model, shardable
 from stage_worker.model.device import current_backend
 from stage_worker.model.expert_routing import ExpertsPolicy
 from stage_worker.model.expert_routing import install as install_expert_routing
@@ -281,8 +282,9 @@ def runs_packed(spec: ModelSpec) -> bool:
 def check_shardable(spec: ModelSpec, size: int) -> None:
     """Refuse, before any worker loads, a ``-tp size`` this model's stages cannot be cut into: the packed path
     cuts by whole KV-head groups (uneven counts allowed, at least one KV head and one intermediate feature a
-    worker: ``split_layer``), every other architecture by mlx-lm's own ``Model.shard``, which it must have and
-    whose counts must divide (``even_share``). Raises ``UserError`` naming what would work."""
+    worker: ``split_layer``), every other architecture evenly, by mlx-lm's own ``Model.shard`` or
+    ``arch_sharding``'s cut, one of which it must have and whose counts must divide (``even_share`` of
+    ``divided_counts``). Raises ``UserError`` naming what would work."""
     if size == 1:
         return
     args = spec.args
@@ -290,11 +292,10 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
         heads = int(args["num_attention_heads"])
         split_layer(heads, int(args.get("num_key_value_heads") or heads), int(args["intermediate_size"]), size, 0)
         return
-    arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
-    if not hasattr(arch.Model, "shard"):
-        raise UserError(f"-tp {size}: mlx-lm has no tensor-parallel sharding for {spec.model_type}; serve it with "
-                        "-pp (pipeline stages) instead")
-    even_share(args, size, 0)
+    if not shardable(spec.model_type):
+        raise UserError(f"-tp {size}: no tensor-parallel sharding for {spec.model_type} (mlx-lm has none, nor "
+                        "stagemesh); serve it with -pp (pipeline stages) instead")
+    even_share(args, size, 0, divided_counts(spec.model_type, args))
 
 
 class StackStageModel(StageModel):
@@ -371,13 +372,12 @@ class StackStageModel(StageModel):
         self._bind_ends()
 
     def shard(self, group: Any, rank_0_extra: int = 0) -> LayerShare:
-        """This member's share of every layer, cut by mlx-lm's own ``Model.shard`` (which splits evenly:
-        ``even_share`` refuses counts it cannot split); the ends are rebound to the cut modules."""
-        if not hasattr(self._module, "shard"):
-            raise UserError(f"-tp {group.size()}: mlx-lm has no tensor-parallel sharding for "
-                            f"{self.spec.model_type}; serve it with -pp instead")
-        share = even_share(self.spec.args, group.size(), group.rank())
-        self._module.shard(group)
+        """This member's share of every layer, cut evenly by mlx-lm's own ``Model.shard`` or, where mlx-lm has
+        none, ``arch_sharding``'s cut (``even_share`` refuses counts they cannot split); the ends are rebound
+        to the cut modules. ``rank_0_extra`` is the packed path's (an even cut has nothing to balance)."""
+        share = even_share(self.spec.args, group.size(), group.rank(),
+                           divided_counts(self.spec.model_type, self.spec.args))
+        shard_model(self._module, self.spec.model_type, group)
         mx.eval(self._module.parameters())
         self._bind_ends()
         self._measure()

@@ -8,7 +8,8 @@ their rows (output features) of the member's share, o_proj and down_proj their c
 and those two become ``AllSumLinear``: the member's partial product summed over the group, with the bias
 added by rank 0 only. Two all-reduces per layer; each member's KV cache holds only its own heads. Norms,
 embedding and head stay whole on rank 0, so the MLP's split leans away from it (``balance_intermediate``).
-Architectures on the layer stack shard by mlx-lm's own ``shard()``, which splits evenly (``even_share``).
+Architectures on the layer stack shard evenly (``even_share``), by mlx-lm's own ``shard()`` or, where mlx-lm
+has none, by ``arch_sharding``'s cuts written the same way.
 A split the model cannot take raises ``UserError`` naming what would work.
 """
 
@@ -98,19 +99,29 @@ def balance_intermediate(intermediate_size: int, kv_parts: list[int], *, layers:
     return parts
 
 
-def even_share(args: Mapping[str, Any], size: int, rank: int) -> LayerShare:
-    """Member ``rank``'s share where the split must be even (mlx-lm's own ``shard()``, which divides every
-    count by ``size``): refused, naming the sizes that would work, where a count does not divide (pure)."""
-    fields = {"attention heads": "num_attention_heads", "KV heads": "num_key_value_heads",
-              "intermediate size": "intermediate_size", "experts' intermediate size": "moe_intermediate_size"}
-    counts: dict[str, int] = {name: int(args[key]) for name, key in fields.items() if args.get(key)}
+# The counts mlx-lm's own even cuts divide (by name for messages -> config key; a key the config lacks is not
+# a count of that model).
+MLX_LM_COUNTS: Mapping[str, str] = {
+    "attention heads": "num_attention_heads", "KV heads": "num_key_value_heads",
+    "intermediate size": "intermediate_size", "experts' intermediate size": "moe_intermediate_size",
+}
+
+
+def even_share(args: Mapping[str, Any], size: int, rank: int, counts: Mapping[str, int] | None = None) -> LayerShare:
+    """Member ``rank``'s share where the split must be even (mlx-lm's own ``shard()`` and ``arch_sharding``'s
+    cuts, which divide every count by ``size``): refused, naming the sizes that would work, where a count does
+    not divide (pure). ``counts``: the model's counts the cut divides, by name (``arch_sharding.divided_counts``);
+    None: mlx-lm's heads, KV heads and intermediate sizes read from ``args``."""
+    if counts is None:
+        counts = {name: int(args[key]) for name, key in MLX_LM_COUNTS.items() if args.get(key)}
     uneven = {name: n for name, n in counts.items() if n % size}
     if uneven:
         works = [n for n in range(1, min(counts.values()) + 1) if all(c % n == 0 for c in counts.values())]
         raise UserError(f"-tp {size} does not divide the model's " + ", ".join(f"{n} {name}" for name, n in
                         uneven.items()) + f"; -tp {' or '.join(map(str, works))} would")
     heads = counts.get("attention heads", size)
-    return split_layer(heads, counts.get("KV heads", heads), counts.get("intermediate size", size), size, rank)
+    intermediate = counts.get("intermediate size") or counts.get("experts' intermediate size") or size
+    return split_layer(heads, counts.get("KV heads", heads), intermediate, size, rank)
 
 
 class AllSumLinear(nn.Module):
