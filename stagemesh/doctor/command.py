@@ -310,9 +310,10 @@ def tp_link_config(args: argparse.Namespace):
     hidden = args.hidden_size
     if hidden is None:
         hidden = _model_hidden_size(args.model)
-    config = TpLinkConfig(backend=args.tp_backend or "ring", hidden_size=hidden, dtype=args.dtype or "auto",
-                          prefill_rows=args.prefill_rows or defaults.MAX_BATCH_TOKENS,
-                          iterations=args.tp_link_iterations or 200, timeout_s=args.timeout)
+    config = TpLinkConfig(
+        backend=args.tp_backend or "ring", hidden_size=hidden, dtype=args.dtype or "auto",
+        prefill_rows=defaults.MAX_BATCH_TOKENS if args.prefill_rows is None else args.prefill_rows,
+        iterations=200 if args.tp_link_iterations is None else args.tp_link_iterations, timeout_s=args.timeout)
     check_backend(config.backend)
     return config
 
