@@ -11,9 +11,8 @@
   disturbed); then disconnect.
 
 Either way the planner (``coordinator.layer_planner``) decides; a request that
-cannot fit raises its ``PlanError``. ``preview`` also says, per stage, its node's
-device and whether its tensor-parallel group shares one node (what
-``stagemesh_core.tp_cost`` needs); ``preview_plan`` is the plan alone.
+cannot fit raises its ``PlanError``. ``preview`` adds each stage's device and whether
+its tensor-parallel group shares one node (for ``stagemesh_core.tp_cost``).
 """
 
 from __future__ import annotations

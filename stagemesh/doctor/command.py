@@ -4,8 +4,7 @@ Without ``RAY_ADDRESS`` (or ``--address``) it checks this machine: MLX's backend
 advertise (``STAGEMESH_HOST_IP``: on this node, not loopback, not a VPN tunnel), how its names resolve
 (``*.local`` to loopback), the ring / lane / gRPC / gateway ports, and, when ``STAGEMESH_HOST_IP`` says it is
 meant for a cluster, Ray's macOS cluster switch and token authentication; with ``--grpc-tls-dir`` (or
-``STAGEMESH_GRPC_TLS_DIR``) this node's mesh certificates. ``--tp-link`` also measures a tensor-parallel
-group's link (``stagemesh.doctor.tp_link``: two local processes, or two ``mlx`` nodes of the cluster).
+``STAGEMESH_GRPC_TLS_DIR``) this node's mesh certificates; ``--tp-link``: a -tp group's link (``tp_link``).
 
 With ``RAY_ADDRESS`` it probes every node in the environment its stages inherit and also reports nodes
 without an ``mlx`` unit, too few units for ``-pp`` x ``-dp``, versions that differ across nodes, two nodes
