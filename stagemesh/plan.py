@@ -16,7 +16,6 @@ the numbers and the ways out; ``stagemesh serve --dry-run`` does the same.
 from __future__ import annotations
 
 import argparse
-
 import sys
 
 from stagemesh import serve

@@ -276,7 +276,7 @@ def format_comparison(c: TpComparison, link: LinkFigures, stages: Sequence[Group
         lines.append(f"  expected: -tp {tp} over this link SLOWER than -pp {pp * tp} for one stream{by}: serve "
                      f"-pp {pp * tp} instead, or a faster link (--tp-backend jaccl over Thunderbolt 5)")
     else:
-        lines.append(f"  expected: unknown until it has " + " and ".join(c.missing))
+        lines.append("  expected: unknown until it has " + " and ".join(c.missing))
     return lines
 
 

@@ -178,7 +178,8 @@ def _add_tp_link(report: Report, measured: dict) -> None:
         return
     ar, hop = measured["allreduce_us"], measured["hop_us"]
     report.findings.append(Finding("tp-link", OK, "", (
-        f"{measured['backend']} between {' and '.join(measured['hosts'])}: all-reduce of [1, {measured['hidden_size']}] "
+        f"{measured['backend']} between {' and '.join(measured['hosts'])}: all-reduce of "
+        f"[1, {measured['hidden_size']}] "
         f"{measured['dtype']} {ar['decode']['median']:.1f} us median (p90 {ar['decode']['p90']:.1f}), of "
         f"[{measured['prefill_rows']}, {measured['hidden_size']}] {ar['prefill']['median']:.1f} us "
         f"({measured['prefill_bandwidth_gbs']:.2f} GB/s); a -pp hop of the row {hop['median']:.1f} us; memory "

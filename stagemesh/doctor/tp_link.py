@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from stagemesh_core.errors import UserError
@@ -107,7 +107,7 @@ def summarize(results: Sequence[Mapping[str, Any]], hosts: Sequence[str], config
         "prefill_bandwidth_gbs": round(row_bytes * config.prefill_rows / (prefill["median"] * 1e3), 3),
         "hop_us": percentiles_us([rtt / 2 for rtt in leader["hop_rtt_s"]]),
         "memory_bandwidth_gbs": [r["bandwidth_gbs"] for r in results],
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
