@@ -48,7 +48,7 @@ def main(config_path: str) -> None:
             hidden = model.embed(mx.array([token], dtype=mx.int32))
         results.append({"tokens": tokens, "logits": logits_seen})
         if cache_shapes is None:
-            cache_shapes = [[list(a.shape) for a in _arrays(cache.state)] for cache in caches]
+            cache_shapes = [[list(a.shape) for a in cached_arrays(cache.state)] for cache in caches]
     if share is None or share.rank == 0:
         with open(config["out"], "w") as f:
             json.dump({"results": results, "heads": None if share is None else len(share.heads),
@@ -58,12 +58,12 @@ def main(config_path: str) -> None:
                                           for _, v in tree_flatten(layer.parameters()))}, f)
 
 
-def _arrays(state: object) -> list[mx.array]:
+def cached_arrays(state: object) -> list[mx.array]:
     """Every array of a cache's state (a KV cache's keys and values, an arrays cache's entries), in order."""
     if isinstance(state, mx.array):
         return [state]
     if isinstance(state, (list, tuple)):
-        return [a for part in state for a in _arrays(part)]
+        return [a for part in state for a in cached_arrays(part)]
     return []
 
 

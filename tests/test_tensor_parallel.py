@@ -1,5 +1,7 @@
-"""Tensor parallelism's compute: a layer's split decided, and a real two-process MLX ring group decoding the
-default model with the greedy tokens of one whole process (``stage_worker.model.tensor_parallel``)."""
+"""Tensor parallelism's compute: a layer's split decided, each architecture's cut (``arch_sharding``) summing
+to the whole layer, the counts a cut cannot divide refused, and a real two-process MLX ring group decoding the
+default model and each layer-stack architecture with the greedy tokens of one whole process
+(``stage_worker.model.tensor_parallel``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from stage_worker.checkpoint.model_spec import ModelSpec
+from stage_worker.model.arch_sharding import SHARDERS, divided_counts, linear_attention_heads
+from stage_worker.model.stage_model import check_shardable
 from stage_worker.model.tensor_parallel import even_share, split_layer
 from stagemesh_core.errors import UserError
 from tests.conftest import free_port_base
@@ -108,3 +113,169 @@ def test_an_even_split_names_the_sizes_that_divide():
     with pytest.raises(UserError, match=r"-tp 3 does not divide the model's 4 KV heads, 8 experts' intermediate size; "
                                         r"-tp 1 or 2 or 4 would"):
         even_share(args, 3, 0)
+
+
+def test_a_linear_attention_share_is_whole_key_head_groups():
+    # Qwen3-Next-80B: 16 key heads, 32 value heads (two per key head).
+    share = linear_attention_heads(16, 32, 4, 1)
+    assert (share.key_heads, share.value_heads) == (range(4, 8), range(8, 16))
+    assert linear_attention_heads(2, 4, 2, 1).value_heads == range(2, 4)
+    with pytest.raises(UserError, match="does not divide the model's 2 linear-attention key heads"):
+        linear_attention_heads(2, 4, 4, 0)
+
+
+def test_the_counts_each_cut_divides():
+    from tests.architectures import TINY_CONFIGS
+
+    next_counts = divided_counts("qwen3_next", TINY_CONFIGS["qwen3_next"])
+    assert next_counts == {"attention heads": 4, "KV heads": 2, "linear-attention key heads": 2,
+                           "linear-attention value heads": 4, "experts' intermediate size": 32,
+                           "shared expert's intermediate size": 32}  # every layer has experts: no dense MLP
+    assert divided_counts("qwen3_next", {**TINY_CONFIGS["qwen3_next"], "mlp_only_layers": [0]})[
+        "intermediate size"] == 128
+    assert divided_counts("mixtral", TINY_CONFIGS["mixtral"]) == {
+        "attention heads": 4, "KV heads": 2, "experts' intermediate size": 64}
+    assert divided_counts("gemma3_text", TINY_CONFIGS["gemma3_text"]) == {
+        "attention heads": 4, "KV heads": 2, "intermediate size": 128}
+    assert divided_counts("qwen3_moe", TINY_CONFIGS["qwen3_moe"]) == {
+        "attention heads": 4, "KV heads": 2, "intermediate size": 128, "experts' intermediate size": 32}
+
+
+def _spec(name: str, **changes: object) -> ModelSpec:
+    from tests.architectures import TINY_CONFIGS
+
+    args = {**TINY_CONFIGS[name], **changes}
+    return ModelSpec(path="/nonexistent", format="mlx", model_type=args["model_type"], args=args,
+                     num_layers=args["num_hidden_layers"], hidden_size=args["hidden_size"],
+                     vocab_size=args["vocab_size"], tie_word_embeddings=bool(args.get("tie_word_embeddings")),
+                     quantization=None, default_served_name=name)
+
+
+@pytest.mark.parametrize("name, changes, size, message", [
+    ("qwen3_next", {}, 4, r"-tp 4 does not divide the model's 2 KV heads, 2 linear-attention key heads; "
+                          r"-tp 1 or 2 would"),
+    ("qwen3_next", {"linear_num_value_heads": 6, "linear_num_key_heads": 3}, 2,
+     r"-tp 2 does not divide the model's 3 linear-attention key heads; -tp 1 would"),
+    ("qwen3_next", {"shared_expert_intermediate_size": 33}, 2, r"the model's 33 shared expert's intermediate size; "
+                                                               r"-tp 1 would"),
+    ("gemma3_text", {"intermediate_size": 90}, 4, r"2 KV heads, 90 intermediate size; -tp 1 or 2 would"),
+    ("gemma3_text", {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}, 2,
+     r"-tp 2 does not divide the model's 3 KV heads; -tp 1 or 3 would"),
+    ("mixtral", {"intermediate_size": 42}, 4, r"2 KV heads, 42 experts' intermediate size; -tp 1 or 2 would"),
+    ("phi3", {}, 2, r"no tensor-parallel sharding for phi3 .*-pp"),
+])
+def test_check_shardable_refuses_counts_the_cut_cannot_divide(name, changes, size, message):
+    spec = _spec(name, **changes)
+    with pytest.raises(UserError, match=message):
+        check_shardable(spec, size)
+    check_shardable(_spec(name), 1)
+
+
+def test_check_shardable_takes_the_counts_that_divide():
+    for name in ("qwen3_next", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss"):
+        check_shardable(_spec(name), 2)
+
+
+class _Member:
+    """Member ``rank`` of a group of ``size``, in this one process: enough for mlx's cut, which asks only the
+    size and rank (the group's sums are replaced in the test below)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _tiny_model(name: str, quantized: bool):
+    import importlib
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from tests.architectures import TINY_CONFIGS
+
+    arch = importlib.import_module(f"mlx_lm.models.{name}")
+    args = arch.ModelArgs.from_dict({**TINY_CONFIGS[name], "vocab_size": 128})
+    mx.random.seed(sum(map(ord, name)))
+    whole = arch.Model(args)
+    if quantized:
+        nn.quantize(whole, group_size=32, bits=8)
+    mx.eval(whole.parameters())
+
+    def copy():
+        model = arch.Model(args)
+        if quantized:
+            nn.quantize(model, group_size=32, bits=8)
+        model.load_weights(tree_flatten(whole.parameters()))
+        return model
+
+    return whole, copy
+
+
+def _sublayers(name: str, layer):
+    """A layer's attention (with a fresh cache of its kind) and its MLP, each as ``f(x) -> (out, cache)``."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    if name == "qwen3_next" and layer.is_linear:
+        def mixer(x):
+            cache = ArraysCache(size=2)
+            return layer.linear_attn(x, None, cache), cache
+    else:
+        def mixer(x):
+            cache = KVCache()
+            return layer.self_attn(x, None, cache), cache
+    mlp = layer.block_sparse_moe if name == "mixtral" else layer.mlp
+    return [mixer, lambda x: (mlp(x), None)]
+
+
+@pytest.mark.parametrize("name, quantized", [("qwen3_next", False), ("gemma3_text", False), ("mixtral", False),
+                                             ("gemma3_text", True), ("mixtral", True)])
+def test_each_members_part_sums_to_the_whole_layer(monkeypatch, name, quantized):
+    # Every attention (full, sliding or linear) and every MLP or expert block of a cut layer: the members'
+    # outputs before the group's sum add up to the whole layer's, each sums once over the group, and each
+    # member's cache holds half the heads.
+    import mlx.core as mx
+
+    from tests.tensor_parallel_worker import cached_arrays
+
+    whole, copy = _tiny_model(name, quantized)
+    members = []
+    for rank in range(2):
+        model = copy()
+        SHARDERS[name](model, _Member(2, rank))
+        members.append(model)
+    sums = []
+
+    def own_part(x, group=None, stream=None):  # the group's sum replaced by a member's own part, counted
+        sums.append(group)
+        return x
+
+    monkeypatch.setattr(mx.distributed, "all_sum", own_part)
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(7))
+    for index, layer in enumerate(whole.model.layers):
+        parts = [_sublayers(name, member.model.layers[index]) for member in members]
+        for which, run in enumerate(_sublayers(name, layer)):
+            out, cache = run(x)
+            sums.clear()
+            halves = [part[which](x) for part in parts]
+            assert len(sums) == 2, (index, which, len(sums))  # one all-reduce per attention or MLP, per member
+            total = halves[0][0] + halves[1][0]
+            assert mx.allclose(out, total, atol=1e-4 if quantized else 1e-5).item(), (index, which)
+            if cache is not None:
+                arrays = [cached_arrays(c.state) for c in (cache, halves[0][1])]
+                assert arrays[0] and len(arrays[0]) == len(arrays[1])
+                for one, half in zip(*arrays):
+                    axis = next(i for i, (a, b) in enumerate(zip(one.shape, half.shape)) if a != b)
+                    assert one.shape[axis] == 2 * half.shape[axis], (one.shape, half.shape)
+
+
+def test_a_cut_that_splits_a_quantization_group_is_refused():
+    # Experts of 32 intermediate features in groups of 32: two members cannot each hold whole groups.
+    whole, copy = _tiny_model("qwen3_next", quantized=True)
+    with pytest.raises(UserError, match="splits a quantization group of 32"):
+        SHARDERS["qwen3_next"](copy(), _Member(2, 0))

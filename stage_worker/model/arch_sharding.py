@@ -100,13 +100,19 @@ def divided_counts(model_type: str, args: Mapping[str, Any]) -> dict[str, int]:
 # ----- the pieces every cut is made of (mlx's shard_linear / shard_inplace, as mlx-lm's shard() uses them)
 
 
+def _whole_groups(module: nn.Module, n: int) -> None:
+    """Refuse a column cut of a quantized layer (linear or experts) that would split a quantization group:
+    mlx's cut splits the scales by the group's size, so each member's columns must be whole groups."""
+    if "scales" in module and module.scales.shape[-1] % n:
+        groups = module.scales.shape[-1]
+        raise UserError(f"-tp {n} splits a quantization group of {module.group_size} in a projection of "
+                        f"{groups * module.group_size} input features: use a -tp that divides {groups}, or dense "
+                        "weights")
+
+
 def _sharded_to_all(linear: nn.Module, group: Any) -> nn.Module:
     """``linear`` cut by its input features, its partial products summed over the group (a new layer)."""
-    if isinstance(linear, nn.QuantizedLinear) and (linear.scales.shape[-1] % group.size()):
-        # mlx's cut splits the scales by the group's size: a member's columns must be whole quantization groups.
-        raise UserError(f"-tp {group.size()} splits a quantization group of {linear.group_size} in a projection "
-                        f"of {linear.scales.shape[-1] * linear.group_size} input features: use a -tp that divides "
-                        f"{linear.scales.shape[-1]}, or dense weights")
+    _whole_groups(linear, group.size())
     return shard_linear(linear, "sharded-to-all", group=group)
 
 
@@ -134,6 +140,7 @@ def _glu_inplace(glu: nn.Module, group: Any) -> None:
     size; no sum of its own: the enclosing block sums its output once (``sharding_group``)."""
     shard_inplace(glu.gate_proj, "all-to-sharded", group=group)
     shard_inplace(glu.up_proj, "all-to-sharded", group=group)
+    _whole_groups(glu.down_proj, group.size())
     shard_inplace(glu.down_proj, "sharded-to-all", group=group)
 
 
