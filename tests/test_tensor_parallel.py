@@ -1,4 +1,4 @@
-"""Tensor parallelism's compute: a layer's split decided, each architecture's cut (``arch_sharding``) summing
+"""Tensor parallelism's compute: a layer's split decided, each architecture's cut (``SHARDERS``) summing
 to the whole layer, the counts a cut cannot divide refused, and a real two-process MLX ring group decoding the
 default model and each layer-stack architecture with the greedy tokens of one whole process
 (``stage_worker.model.tensor_parallel``)."""
@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from stage_worker.checkpoint.model_spec import ModelSpec
-from stage_worker.model.arch_sharding import SHARDERS, divided_counts, linear_attention_heads
 from stage_worker.model.stage_model import check_shardable
-from stage_worker.model.tensor_parallel import even_share, split_layer
+from stage_worker.model.tensor_parallel import SHARDERS, divided_counts, even_share, linear_attention_heads, split_layer
 from stagemesh_core.errors import UserError
 from tests.conftest import free_port_base
 
@@ -82,7 +81,7 @@ def test_two_workers_decode_the_default_model_with_one_workers_greedy_tokens(tmp
 def test_two_workers_decode_each_architecture_with_one_workers_greedy_tokens(tmp_path, name):
     # The packed path (our own cut) is the default model's test above. On the layer stack, qwen3_moe's experts
     # and gpt_oss's sinks and windows are cut by mlx-lm's own shard(); qwen3_next's linear attention and
-    # shared expert, gemma3_text's windows and mixtral's experts by arch_sharding's cuts.
+    # shared expert, gemma3_text's windows and mixtral's experts by tensor_parallel's own cuts (SHARDERS).
     from tests.architectures import TINY_CONFIGS, tiny_checkpoint
 
     path = tiny_checkpoint(name, tmp_path)

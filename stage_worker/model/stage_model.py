@@ -32,7 +32,6 @@ from stage_worker.checkpoint.checkpoint_check import mismatched_scales
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
 from stage_worker.checkpoint.stage_weights import load_stage_weights
-from stage_worker.model.arch_sharding import divided_counts, shard_model, shardable
 from stage_worker.model.device import current_backend
 from stage_worker.model.expert_routing import ExpertsPolicy
 from stage_worker.model.expert_routing import install as install_expert_routing
@@ -40,7 +39,15 @@ from stage_worker.model.fused_projections import FusedLayer, fuse_layer_projecti
 from stage_worker.model.layer_stack import stack_layers
 from stage_worker.model.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.model.sibling_projections import join_sibling_projections
-from stage_worker.model.tensor_parallel import LayerShare, even_share, shard_layers, split_layer
+from stage_worker.model.tensor_parallel import (
+    LayerShare,
+    divided_counts,
+    even_share,
+    shard_layers,
+    shard_model,
+    shardable,
+    split_layer,
+)
 from stagemesh_core.errors import UserError
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.memory import AUTO_DTYPES
@@ -283,7 +290,7 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
     """Refuse, before any worker loads, a ``-tp size`` this model's stages cannot be cut into: the packed path
     cuts by whole KV-head groups (uneven counts allowed, at least one KV head and one intermediate feature a
     worker: ``split_layer``), every other architecture evenly, by mlx-lm's own ``Model.shard`` or
-    ``arch_sharding``'s cut, one of which it must have and whose counts must divide (``even_share`` of
+    ``tensor_parallel.SHARDERS``' cut, one of which it must have and whose counts must divide (``even_share`` of
     ``divided_counts``). Raises ``UserError`` naming what would work."""
     if size == 1:
         return
@@ -373,7 +380,7 @@ class StackStageModel(StageModel):
 
     def shard(self, group: Any, rank_0_extra: int = 0) -> LayerShare:
         """This member's share of every layer, cut evenly by mlx-lm's own ``Model.shard`` or, where mlx-lm has
-        none, ``arch_sharding``'s cut (``even_share`` refuses counts they cannot split); the ends are rebound
+        none, ``tensor_parallel.SHARDERS``' cut (``even_share`` refuses counts they cannot split); the ends are rebound
         to the cut modules. ``rank_0_extra`` is the packed path's (an even cut has nothing to balance)."""
         share = even_share(self.spec.args, group.size(), group.rank(),
                            divided_counts(self.spec.model_type, self.spec.args))
