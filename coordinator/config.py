@@ -20,6 +20,7 @@ from coordinator.stage_host import DEFAULT_STAGE_COMMAND
 from coordinator.supervision import BackoffPolicy
 from stagemesh_core import defaults
 from stagemesh_core.grpc_tls import TlsFiles
+from stagemesh_core.kv_cache_dtype import KVCacheDtype
 from stagemesh_core.layer_split import plan_layer_split
 from stagemesh_core.memory import DraftFacts, ModelFacts
 from stagemesh_core.plan import StageOptions
@@ -50,6 +51,7 @@ class MeshConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching
     prefix_cache_block_size: int | None = None  # --prefix-cache-block-size
+    kv_cache_dtype: KVCacheDtype | None = None  # --kv-cache-dtype / --kv-cache-group-size
     speculative: SpeculativeConfig | None = None  # --speculative-config
     ray_address: str | None = None  # None: RAY_ADDRESS, else a local loopback Ray
     startup_timeout_s: float = defaults.STARTUP_TIMEOUT_S
@@ -118,7 +120,7 @@ def stage_options(config: MeshConfig, node_id: str, stages_on_node: int = 1, gpu
                              "max_model_len": config.max_model_len,
                              "enable_prefix_caching": config.enable_prefix_caching,
                              "prefix_cache_block_size": config.prefix_cache_block_size,
-                             "speculative": config.speculative}
+                             "speculative": config.speculative, "kv_cache_dtype": config.kv_cache_dtype}
     return StageOptions(node_id=node_id, connect_timeout_s=config.connect_timeout_s,
                         stages_on_host=stages_on_node, gpu_index=gpu_index,
                         stages_on_gpu=stages_on_gpu if gpu_index is not None else 0,

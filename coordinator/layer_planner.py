@@ -162,6 +162,7 @@ class _Layers:
         kvs = [model.layer_kv(i) for i in range(model.num_layers)]
         self._windows = sorted({kv.window for kv in kvs if kv.window is not None})
         self._per_token = _prefix([0 if kv.window is not None else kv.per_token for kv in kvs])
+        self._packed_per_token = _prefix([0 if kv.window is not None else kv.packed_per_token for kv in kvs])
         self._window_sums = {w: _prefix([kv.per_token if kv.window == w else 0 for kv in kvs])
                              for w in self._windows}
         self._state_packed = _prefix([kv.state.packed for kv in kvs])
@@ -179,7 +180,8 @@ class _Layers:
         windows = tuple((self._window_sums[w][end] - self._window_sums[w][start], w) for w in self._windows)
         return StageKV(self._per_token[end] - self._per_token[start], tuple(x for x in windows if x[0]),
                        TensorBytes(self._state_packed[end] - self._state_packed[start],
-                                   self._state_elements[end] - self._state_elements[start]))
+                                   self._state_elements[end] - self._state_elements[start]),
+                       packed_per_token=self._packed_per_token[end] - self._packed_per_token[start])
 
 
 def _prefix(values: Sequence[int]) -> list[int]:

@@ -25,6 +25,7 @@ from stagemesh import openai_flags, security_flags
 from stagemesh.bench.random_checkpoint import SHAPES_DIR, add_load_format_argument, shape_names
 from stagemesh_core import defaults, settings
 from stagemesh_core.errors import UserError
+from stagemesh_core.kv_cache_dtype import DEFAULT_KV_GROUP_SIZE, KV_CACHE_DTYPES, parse_kv_cache_dtype
 from stagemesh_core.layer_split import plan_layer_split
 from stagemesh_core.plan import TP_BACKENDS
 from stagemesh_core.ports import check_port_base, data_plane_ports, port_is_free
@@ -70,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-block-size", type=int, default=defaults.PREFIX_CACHE_BLOCK_SIZE,
                         help="tokens per prefix-cache block: prefixes are cached and reused in whole blocks "
                              "(default %(default)s)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES + ("fp8",),
+                        help="how plain KV layers store keys and values: auto (the compute dtype), q8 or q4 "
+                             "(8 or 4-bit codes with a scale and bias per group, mlx-lm's QuantizedKVCache: about "
+                             "1.9x or 3.6x the context in the same memory); sliding windows and recurrent state "
+                             "stay in the compute dtype. vLLM's fp8 is refused, pointing to q8")
+    parser.add_argument("--kv-cache-group-size", type=int, default=DEFAULT_KV_GROUP_SIZE,
+                        help="elements per quantization group of q8 / q4 KV: 32, 64 or 128 (default %(default)s, "
+                             "mlx-lm's --kv-group-size)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding, vLLM's flag: e.g. '{\"method\": \"ngram\", "
                              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
@@ -197,6 +206,7 @@ def build_mesh_config(args: argparse.Namespace):
     # Lazily: the model readers and the stage's model code bring MLX, the coordinator its Ray glue.
     from coordinator.mesh import MeshConfig
     from stage_worker.checkpoint.checkpoint_check import check_checkpoint
+    from stage_worker.checkpoint.mlx_arch import check_kv_cache_dtype
     from stage_worker.checkpoint.model_reader import read_model_spec
     from stage_worker.model.model_facts import draft_facts, model_facts
     from stage_worker.model.stage_model import resolve_compute_dtype
@@ -214,6 +224,8 @@ def build_mesh_config(args: argparse.Namespace):
     speculative = checked_draft(speculative, spec)
     plan_layer_split(spec.num_layers, args.pipeline_parallel_size, args.pp_layer_split)
     check_tensor_parallel(args, spec)
+    kv_cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, args.kv_cache_group_size)
+    check_kv_cache_dtype(spec, kv_cache_dtype)
     resolve_compute_dtype(args.dtype)
     if not 0 < args.memory_fraction <= 1:
         raise ServeConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
@@ -253,11 +265,12 @@ def build_mesh_config(args: argparse.Namespace):
         max_model_len=max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_block_size=args.prefix_cache_block_size,
+        kv_cache_dtype=kv_cache_dtype,
         speculative=speculative,
         startup_timeout_s=args.startup_timeout,
         # The layer planner sizes quantized weights unless --dequantize on (auto dequantizes only when the
         # dense weights fit half a stage's budget, so a plan that fits quantized still fits).
-        model_facts=model_facts(spec, dense=args.dequantize == "on"),
+        model_facts=model_facts(spec, dense=args.dequantize == "on").with_kv_cache_dtype(kv_cache_dtype),
         draft_facts=draft_facts(speculative, spec, args.max_num_seqs, dense=args.dequantize == "on"),
         mesh_token=security_flags.mesh_token(args),
         grpc_tls=security_flags.grpc_tls(args),

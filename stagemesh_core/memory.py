@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from stagemesh_core.errors import UserError
+from stagemesh_core.kv_cache_dtype import KVCacheDtype
 
 # What a stage process needs beyond weights and KV: Python, MLX, mlx-lm (which imports
 # transformers), gRPC, ring buffers, activations of one batch (docs/performance.md has the figures).
@@ -157,6 +158,17 @@ class LayerKV:
     per_token: int = 0
     window: int | None = None
     state: TensorBytes = TensorBytes()
+    # Bytes per position whatever the compute dtype: quantized keys and values' codes (``--kv-cache-dtype``),
+    # whose scales and biases are then the ``per_token`` elements.
+    packed_per_token: int = 0
+
+    def quantized(self, kv_dtype: KVCacheDtype) -> LayerKV:
+        """This layer's KV as ``kv_dtype`` stores it: a plain KV layer's keys and values quantized (its
+        positions as codes, scales and biases), a sliding window or a recurrent state as it is (pure)."""
+        if not kv_dtype.quantized or self.window is not None or not self.per_token or self.packed_per_token:
+            return self
+        packed, elements = kv_dtype.quantized_bytes(self.per_token)
+        return replace(self, per_token=elements, packed_per_token=packed)
 
 
 @dataclass(frozen=True)
@@ -174,6 +186,7 @@ class StageKV:
     per_token: int = 0
     windows: tuple[tuple[int, int], ...] = ()
     state: TensorBytes = TensorBytes()
+    packed_per_token: int = 0  # bytes per position whatever the dtype (quantized KV's codes: ``LayerKV``)
 
     @classmethod
     def of_layers(cls, layers: Sequence[LayerKV]) -> StageKV:
@@ -184,6 +197,7 @@ class StageKV:
             if layer.window is not None and layer.per_token:
                 by_window[layer.window] = by_window.get(layer.window, 0) + layer.per_token
         return cls(per_token=sum(layer.per_token for layer in layers if layer.window is None),
+                   packed_per_token=sum(layer.packed_per_token for layer in layers if layer.window is None),
                    windows=tuple((elements, window) for window, elements in sorted(by_window.items())),
                    state=state)
 
@@ -194,21 +208,22 @@ class StageKV:
             return -(-elements * heads // of)
 
         return StageKV(per_token=part(self.per_token), windows=tuple((part(e), w) for e, w in self.windows),
-                       state=self.state)
+                       state=self.state, packed_per_token=part(self.packed_per_token))
 
     def per_token_bytes(self, element_bytes: int) -> int:
         """Bytes of one more position in the full-context layers (the part that grows without bound)."""
-        return self.per_token * element_bytes
+        return self.per_token * element_bytes + self.packed_per_token
 
     def sequence_bytes(self, tokens: int, element_bytes: int) -> int:
         """What one sequence of ``tokens`` positions holds in these layers."""
         held = self.per_token * tokens + sum(e * min(tokens, w) for e, w in self.windows)
-        return held * element_bytes + self.state.nbytes(element_bytes)
+        return held * element_bytes + self.packed_per_token * tokens + self.state.nbytes(element_bytes)
 
     def reserved_bytes(self, tokens: int, element_bytes: int, max_sequences: int) -> int:
         """The most that ``tokens`` positions held by up to ``max_sequences`` sequences can take."""
         held = self.per_token * tokens + sum(e * min(tokens, max_sequences * w) for e, w in self.windows)
-        return held * element_bytes + max_sequences * self.state.nbytes(element_bytes)
+        return (held * element_bytes + self.packed_per_token * tokens
+                + max_sequences * self.state.nbytes(element_bytes))
 
     def capacity(self, room: int, element_bytes: int, max_sequences: int) -> int | None:
         """The most positions whose ``reserved_bytes`` fit ``room`` (0 when not even the states fit); None when
@@ -295,11 +310,20 @@ class ModelFacts:
             return TensorBytes(-(-b.packed // t), -(-b.elements // t))
 
         def kv(layer: LayerKV) -> LayerKV:
-            return replace(layer, per_token=-(-layer.per_token // t))
+            return replace(layer, per_token=-(-layer.per_token // t),
+                           packed_per_token=-(-layer.packed_per_token // t))
 
         return replace(self, layer=weights(self.layer), layer_sizes=tuple(weights(b) for b in self.layer_sizes),
                        kv_elements_per_token=-(-self.kv_elements_per_token // t),
                        kv_layers=tuple(kv(layer) for layer in self.kv_layers))
+
+    def with_kv_cache_dtype(self, kv_dtype: KVCacheDtype) -> ModelFacts:
+        """The same model with its KV stored as ``kv_dtype`` says (``LayerKV.quantized``, pure): what the
+        planner and every stage count KV by."""
+        if not kv_dtype.quantized:
+            return self
+        layers = tuple(self.layer_kv(i).quantized(kv_dtype) for i in range(self.num_layers))
+        return replace(self, kv_layers=layers)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -21,6 +21,7 @@ from typing import Any
 
 from stagemesh_core import defaults
 from stagemesh_core.errors import UserError
+from stagemesh_core.kv_cache_dtype import AUTO, KVCacheDtype
 from stagemesh_core.layer_split import LayerRange, plan_layer_split
 from stagemesh_core.ports import member_ports, stage_ports
 from stagemesh_core.settings import DEFAULT_GRPC_BASE_PORT, DEFAULT_RING_BASE_PORT, LOOPBACK
@@ -227,6 +228,8 @@ class StageOptions:
     # this many tokens (vLLM's --enable-prefix-caching and --block-size).
     enable_prefix_caching: bool = defaults.ENABLE_PREFIX_CACHING
     prefix_cache_block_size: int = defaults.PREFIX_CACHE_BLOCK_SIZE
+    # --kv-cache-dtype: keys and values of plain KV layers stored quantized (stagemesh_core.kv_cache_dtype).
+    kv_cache_dtype: KVCacheDtype = AUTO
     connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S  # neighbours' lanes must be up by then
     ring_timeout_s: float | None = None  # None: STAGEMESH_RING_TIMEOUT where the stage runs
     # The node's visible GPU this stage computes on (stagemesh_core.gpus); None: the node's default.
@@ -257,7 +260,9 @@ class StageOptions:
     def from_dict(cls, raw: dict[str, Any]) -> StageOptions:
         """The options as ``asdict`` wrote them (the launch file)."""
         speculative = raw.get("speculative")
-        return cls(**{**raw, "speculative": None if speculative is None else SpeculativeConfig.from_json(speculative)})
+        kv_dtype = raw.get("kv_cache_dtype")
+        return cls(**{**raw, "speculative": None if speculative is None else SpeculativeConfig.from_json(speculative),
+                      "kv_cache_dtype": AUTO if kv_dtype is None else KVCacheDtype.from_dict(kv_dtype)})
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 from stage_worker.batch import WireMismatchError
+from stage_worker.cache.quantized_kv import PLAIN_SEQUENCE_CACHES, SequenceQuantizedKVCache, kv_map
 from stage_worker.cache.prefix_cache import PrefixCacheCounts
 
 
@@ -42,11 +43,14 @@ def extract_row(batch: Any, index: int, held: int) -> Any:
     members out of a group with it, ``stage_worker.model.layer_stack`` the prompt chunks it batches."""
     if not isinstance(batch, BatchKVCache):
         return batch.extract(index)
-    cache = KVCache()
+    cache = (SequenceQuantizedKVCache(batch.group_size, batch.bits) if hasattr(batch, "bits") else KVCache())
     if batch.keys is not None and batch.values is not None and held:
-        start = batch._idx - held
-        cache.keys = mx.contiguous(batch.keys[index : index + 1, :, start : batch._idx])
-        cache.values = mx.contiguous(batch.values[index : index + 1, :, start : batch._idx])
+        start, end = batch._idx - held, batch._idx
+
+        def row(a: mx.array) -> mx.array:
+            return mx.contiguous(a[index : index + 1, :, start:end])
+
+        cache.keys, cache.values = kv_map(row, batch.keys), kv_map(row, batch.values)
         cache.offset = held
     return cache
 
@@ -145,14 +149,14 @@ class KVStore:
             return
         sources = self._retained_views(seq_id, tokens)
         kept, copies = [], []
-        for keys, values in sources:
-            entry = KVCache()
+        for (keys, values), kind in zip(sources, self._sequence_kinds(seq_id)):
+            entry = kind()
             if keys is not None and values is not None:
                 # A copy of its own: a view would keep the sequence's (or its group's) whole buffer alive and
                 # stop MLX from updating that buffer in place.
-                entry.keys, entry.values = mx.contiguous(keys), mx.contiguous(values)
+                entry.keys, entry.values = kv_map(mx.contiguous, keys), kv_map(mx.contiguous, values)
                 entry.offset = tokens
-                copies += [entry.keys, entry.values]
+                copies += _arrays(entry)
             kept.append(entry)
         if copies:
             self.evaluate_later(copies)  # every layer's copy in one submission, never waited for here
@@ -164,11 +168,20 @@ class KVStore:
         self.prefix_cached_tokens += tokens
         self.tokens_held += tokens
 
+    def _sequence_kinds(self, seq_id: int) -> list[Callable[[], Any]]:
+        """Per layer, how to make an empty sequence cache of the kind ``seq_id`` keeps (plain or quantized)."""
+        caches = self._standalone.get(seq_id)
+        if caches is None:
+            caches = self._group_of[seq_id].caches
+        return [(lambda c=c: SequenceQuantizedKVCache(c.group_size, c.bits)) if hasattr(c, "bits") else KVCache
+                for c in caches]
+
     def _plain(self, seq_id: int) -> bool:
-        """The sequence's every layer keeps plain keys and values (a ``KVCache``, or a row of a ``BatchKVCache``)."""
+        """The sequence's every layer keeps plain keys and values (a ``KVCache`` or a quantized one, or a row of
+        their batch forms)."""
         caches = self._standalone.get(seq_id)
         if caches is not None:
-            return all(isinstance(c, KVCache) for c in caches)
+            return all(isinstance(c, PLAIN_SEQUENCE_CACHES) for c in caches)
         group = self._group_of.get(seq_id)
         return group is None or all(isinstance(c, BatchKVCache) for c in group.caches)
 
@@ -195,8 +208,11 @@ class KVStore:
         all its positions once more, for every finishing sequence)."""
         caches = self._standalone.get(seq_id)
         if caches is not None:
+            def first(a: mx.array) -> mx.array:
+                return a[..., :tokens, :]
+
             return [(None, None) if c.keys is None or c.values is None
-                    else (c.keys[..., :tokens, :], c.values[..., :tokens, :]) for c in caches]
+                    else (kv_map(first, c.keys), kv_map(first, c.values)) for c in caches]
         group = self._group_of.get(seq_id)
         if group is None:
             raise WireMismatchError(f"sequence {seq_id} continues but this stage holds no KV for it")
@@ -208,8 +224,11 @@ class KVStore:
                 views.append((None, None))
                 continue
             start = batch._idx - held  # the member's keys are its last ``held`` columns before ``_idx``
-            views.append((batch.keys[index:index + 1, :, start:start + tokens],
-                          batch.values[index:index + 1, :, start:start + tokens]))
+
+            def cut(a: mx.array, start: int = start) -> mx.array:
+                return a[index:index + 1, :, start:start + tokens]
+
+            views.append((kv_map(cut, batch.keys), kv_map(cut, batch.values)))
         return views
 
     def evict(self, entry_id: int) -> None:
@@ -228,20 +247,24 @@ class KVStore:
         if entry is None or self._prefix_tokens[entry_id] < tokens:
             raise WireMismatchError(f"a new sequence starts from {tokens} positions of prefix entry {entry_id}, "
                                     f"which this stage does not hold")
-        if not all(isinstance(c, KVCache) for c in entry):
+        if not all(isinstance(c, PLAIN_SEQUENCE_CACHES) for c in entry):
             if tokens != self._prefix_tokens[entry_id]:
                 raise WireMismatchError(f"a new sequence starts from {tokens} positions of prefix entry {entry_id}, "
                                         f"a whole state of {self._prefix_tokens[entry_id]} that cannot be cut")
             self.prefix_reused_tokens += tokens
             return [_copied(cache) for cache in entry]  # its own arrays: the sequence's writes leave the entry
         caches = []
+
+        def first(a: mx.array) -> mx.array:
+            return a[..., :tokens, :]
+
         for source in entry:
-            cache = KVCache()
+            cache = (SequenceQuantizedKVCache(source.group_size, source.bits) if hasattr(source, "bits")
+                     else KVCache())
             if source.keys is not None and source.values is not None:
                 # keys.shape[2] == offset: the first write concatenates into a new buffer (mlx-lm's
-                # KVCache.update_and_fetch), so the entry stays as it is.
-                cache.keys = source.keys[..., :tokens, :]
-                cache.values = source.values[..., :tokens, :]
+                # KVCache.update_and_fetch and QuantizedKVCache's alike), so the entry stays as it is.
+                cache.keys, cache.values = kv_map(first, source.keys), kv_map(first, source.values)
                 cache.offset = tokens
             caches.append(cache)
         self.prefix_reused_tokens += tokens
@@ -298,15 +321,15 @@ class KVStore:
             cache.offset = cache.offset - dropped
             if rolled and cache.keys is not None:
                 end = cache._idx
-                cache.keys[..., :end, :] = dynamic_roll(cache.keys[..., :end, :], shifts[:, None], axis=2)
-                cache.values[..., :end, :] = dynamic_roll(cache.values[..., :end, :], shifts[:, None], axis=2)
+                for buffer in _buffers(cache):
+                    buffer[..., :end, :] = dynamic_roll(buffer[..., :end, :], shifts[:, None], axis=2)
             if rolled:
                 cache.left_padding = cache.left_padding + shifts
 
     @staticmethod
     def _check_trimmable(group: _Group, what: str) -> None:
         for cache in group.caches:
-            if type(cache) is not BatchKVCache:
+            if not isinstance(cache, BatchKVCache):
                 raise WireMismatchError(f"{what} on a decode group holding a {type(cache).__name__}, which cannot "
                                         "drop positions")
 
@@ -384,15 +407,15 @@ class KVStore:
                 cache.filter(indices)  # mlx-lm's own: a window or a recurrent state has no columns to trim here
                 continue
             if cache.keys is not None:
-                cache.keys = cache.keys[indices]
-                cache.values = cache.values[indices]
+                cache.keys = kv_map(lambda a: a[indices], cache.keys)
+                cache.values = kv_map(lambda a: a[indices], cache.values)
             cache.offset = cache.offset[indices]
             cache.left_padding = cache.left_padding[indices]
             trim = cache._idx - longest
             if trim > 0:
                 if cache.keys is not None:
-                    cache.keys = cache.keys[..., trim:, :]
-                    cache.values = cache.values[..., trim:, :]
+                    cache.keys = kv_map(lambda a, trim=trim: a[..., trim:, :], cache.keys)
+                    cache.values = kv_map(lambda a, trim=trim: a[..., trim:, :], cache.values)
                 cache._idx -= trim
                 cache.left_padding = cache.left_padding - trim
         group.members = kept
@@ -444,7 +467,7 @@ class KVStore:
             group.trims[seq_id] = group.trims.get(seq_id, 0) + held - start_pos
         else:
             for cache in caches if caches is not None else self._ungroup(seq_id):
-                if not isinstance(cache, KVCache) or cache.offset != held:
+                if not isinstance(cache, PLAIN_SEQUENCE_CACHES) or cache.offset != held:
                     raise WireMismatchError(
                         f"sequence {seq_id} continues at position {start_pos} but this stage's KV holds {held}, "
                         f"in a {type(cache).__name__} that cannot drop positions")
@@ -463,12 +486,17 @@ class KVStore:
             )
 
 
+def _buffers(cache: Any) -> list[mx.array]:
+    """A plain batch cache's key and value buffers: two arrays, or a quantized cache's six."""
+    return [a for part in (cache.keys, cache.values) for a in (part if isinstance(part, tuple) else (part,))]
+
+
 def _arrays(cache: Any) -> list[mx.array]:
     out: list[mx.array] = []
     for value in vars(cache).values():
         if isinstance(value, mx.array):
             out.append(value)
-        elif isinstance(value, list):
+        elif isinstance(value, (list, tuple)):
             out += [v for v in value if isinstance(v, mx.array)]
     return out
 
@@ -481,8 +509,8 @@ def _copied(cache: Any) -> Any:
     for name, value in vars(cache).items():
         if isinstance(value, mx.array):
             setattr(out, name, mx.contiguous(value))
-        elif isinstance(value, list):
-            setattr(out, name, [mx.contiguous(v) if isinstance(v, mx.array) else v for v in value])
+        elif isinstance(value, (list, tuple)):
+            setattr(out, name, type(value)(mx.contiguous(v) if isinstance(v, mx.array) else v for v in value))
     return out
 
 

@@ -24,6 +24,8 @@ from functools import lru_cache
 from typing import Any
 
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec
+from stagemesh_core.errors import UserError
+from stagemesh_core.kv_cache_dtype import KVCacheDtype, check_head_dims
 
 # Run by ``packed_forward`` (these with full attention); the stack ones by ``layer_stack``.
 PACKED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -139,3 +141,29 @@ def whole_state_reuse(spec: ModelSpec) -> bool:
     """Whether the prefix cache may start ``spec``'s sequences from a copy of a finished sequence's whole state
     (the models whose layers cannot be cut at a position: sliding windows, recurrent state)."""
     return all(kind in WHOLE_STATE_KINDS for kind in describe(spec.model_type, spec.args).cache_kinds)
+
+
+# Architectures whose plain KV layers are served quantized (``--kv-cache-dtype q8|q4``), each tested equal to
+# mlx-lm's generate over QuantizedKVCache: their attention reads keys and values through mlx-lm's
+# ``scaled_dot_product_attention``, which takes the quantized path. gpt_oss adds attention sinks, which that
+# path refuses; DeepSeek's MLA keeps a latent, not keys and values.
+QUANTIZED_KV_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "mixtral")
+
+
+def check_kv_cache_dtype(spec: ModelSpec, kv_dtype: KVCacheDtype) -> None:
+    """Refuse a quantized ``--kv-cache-dtype`` that ``spec``'s layers cannot take, naming what works (pure but for
+    mlx-lm's lazy model description)."""
+    if not kv_dtype.quantized:
+        return
+    if spec.model_type not in QUANTIZED_KV_ARCHITECTURES:
+        why = (" (its attention adds sinks, which mlx-lm's quantized attention cannot take)"
+               if spec.model_type == "gpt_oss" else "")
+        raise UserError(f"--kv-cache-dtype {kv_dtype.name}: {spec.model_type}{why} is not served with quantized KV; "
+                        f"serve it with --kv-cache-dtype auto (quantized KV: {', '.join(QUANTIZED_KV_ARCHITECTURES)})")
+    if "kv" not in describe(spec.model_type, spec.args).cache_kinds:
+        raise UserError(f"--kv-cache-dtype {kv_dtype.name}: no layer of {spec.model_type} keeps plain keys and values "
+                        "(only sliding windows or recurrent state, which stay in the compute dtype); use auto")
+    args = spec.args
+    heads = int(args["num_attention_heads"])
+    head_dim = int(args.get("head_dim") or int(args["hidden_size"]) // heads)
+    check_head_dims(kv_dtype, {"its attention heads": head_dim})

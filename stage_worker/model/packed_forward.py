@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from stage_worker.cache.quantized_kv import kv_columns
 from stage_worker.model import masked_decode_kernel
 from stage_worker.model.fused_projections import attention_projections, feed_forward
 
@@ -123,7 +124,10 @@ def packed_layers(
 
 def fresh_prompt_groups(segments: Sequence[Segment]) -> tuple[list[_FreshGroup], list[Segment]]:
     """Fresh chunks (empty caches) of similar length, grouped (two or more each), and the rest."""
-    fresh = sorted((s for s in segments if s.caches[0].offset == 0), key=lambda s: s.num_tokens)
+    # Quantized KV (``--kv-cache-dtype``) is attended quantized, as each chunk's own positions are once written:
+    # such chunks take the cache's path, never this one's attention over the unquantized keys.
+    fresh = sorted((s for s in segments if s.caches[0].offset == 0 and not hasattr(s.caches[0], "bits")),
+                   key=lambda s: s.num_tokens)
     buckets: list[list[Segment]] = []
     for segment in fresh:
         if buckets and segment.num_tokens <= _pad_limit(buckets[-1][0].num_tokens):
@@ -225,7 +229,7 @@ def _attention(attn: nn.Module, x: mx.array, fresh: Sequence[_FreshGroup], other
         if padded is not None and segment.num_tokens > 1:
             # The whole buffer (its shape changes once in 256 positions), the positions past the history masked.
             k, v = cache.keys, cache.values
-            mask = padded.mask(cache.offset, segment.num_tokens, k.shape[2])
+            mask = padded.mask(cache.offset, segment.num_tokens, kv_columns(k))
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
         outputs.append(out.transpose(0, 2, 1, 3).reshape(segment.num_tokens, -1))
     out = mx.concatenate(outputs) if len(outputs) > 1 else outputs[0]
@@ -276,14 +280,14 @@ def _decode_attention(attn: nn.Module, queries: mx.array, keys: mx.array, values
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
     if (shared.fused_end is not None and cache.keys is not None and cache.values is not None
-            and masked_decode_kernel.supported(q, cache.keys)):
+            and not hasattr(cache, "bits") and masked_decode_kernel.supported(q, cache.keys)):
         # The whole buffers, each row's window [left padding, end): what the mask below would leave visible.
         out = masked_decode_kernel.attend(q, cache.keys, cache.values, cache.left_padding, shared.fused_end,
                                           attn.scale)
         return out.reshape(out.shape[0], -1)
     if pad_keys and width > 1 and cache.keys is not None and cache.values is not None:
         k, v = cache.keys, cache.values
-        mask = shared.over_buffer(k.shape[2])
+        mask = shared.over_buffer(kv_columns(k))
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     if width == 1:
         return out.reshape(out.shape[0], -1)

@@ -30,6 +30,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from stage_worker.checkpoint.checkpoint_check import mismatched_scales
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
+from stage_worker.cache.quantized_kv import quantized_caches
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
 from stage_worker.checkpoint.stage_weights import load_stage_weights
 from stage_worker.model.device import current_backend
@@ -49,6 +50,7 @@ from stage_worker.model.tensor_parallel import (
     split_layer,
 )
 from stagemesh_core.errors import UserError
+from stagemesh_core.kv_cache_dtype import AUTO
 from stagemesh_core.layer_split import LayerRange
 from stagemesh_core.memory import AUTO_DTYPES
 
@@ -167,6 +169,8 @@ class StageModel:
         # A one-token decode group's masked attention as one kernel (``masked_decode_kernel``, CUDA only); the
         # stage turns it on (``STAGEMESH_DECODE_KERNEL``).
         self.fused_decode = False
+        # How keys and values are stored (``--kv-cache-dtype``); the stage sets it before any sequence starts.
+        self.kv_cache_dtype = AUTO
         self._measure()
 
     def _measure(self) -> None:
@@ -251,8 +255,8 @@ class StageModel:
         """This stage's decoder layers (mlx-lm modules)."""
         return self._module.layers
 
-    def new_caches(self) -> list[KVCache]:
-        return [KVCache() for _ in self._module.layers]
+    def new_caches(self) -> list[Any]:
+        return quantized_caches([KVCache() for _ in self._module.layers], self.kv_cache_dtype)
 
     def embed(self, token_ids: mx.array) -> mx.array:
         """``int32[T]`` -> ``[T, hidden]`` in the compute dtype."""
@@ -402,8 +406,9 @@ class StackStageModel(StageModel):
         return self._module.model.layers
 
     def new_caches(self) -> list[Any]:
-        """Fresh caches of the kinds the model asks for, one per layer of the slice."""
-        return copy.deepcopy(self._prototype_caches)
+        """Fresh caches of the kinds the model asks for, one per layer of the slice (its plain KV layers
+        quantized as ``kv_cache_dtype`` says)."""
+        return quantized_caches(copy.deepcopy(self._prototype_caches), self.kv_cache_dtype)
 
     @property
     def exact_prefix_reuse(self) -> bool:

@@ -245,7 +245,12 @@ def load(ctx: StageContext, status: StageStatus, group: mx.distributed.Group | N
     status.weight_bytes, status.quantized = model.weight_bytes, model.quantized
     # The planner's count (stage_worker.model.model_facts): each layer's keys and values (MLA's latent), windows
     # bounded by their size, recurrent state per sequence.
-    kv = model_facts(spec).slice_kv(me.layers.start, me.layers.end)
+    # --kv-cache-dtype: plain KV layers store quantized keys and values, counted as the planner counts them.
+    model.kv_cache_dtype = options.kv_cache_dtype
+    if options.kv_cache_dtype.quantized:
+        log.info("KV cache: %s in every plain KV layer (sliding windows and recurrent state stay in %s)",
+                 options.kv_cache_dtype.describe(), wire.dtype_name(ctx.dtype))
+    kv = model_facts(spec).with_kv_cache_dtype(options.kv_cache_dtype).slice_kv(me.layers.start, me.layers.end)
     if share is not None and runs_packed(spec):  # the packed cut keeps its KV heads' part (mlx-lm's: counted whole)
         heads = int(spec.args.get("num_key_value_heads") or spec.args["num_attention_heads"])
         kv = kv.share(len(share.kv_heads), heads)
@@ -458,7 +463,9 @@ def prefix_cache_for(ctx: StageContext) -> PrefixCache | None:
     if not cut:
         log.info("prefix cache: %s layers keep sliding windows or recurrent state, so an entry is a finished "
                  "sequence's whole state, reused by prompts that start with all of it", ctx.spec.model_type)
-    salt = f"{model_fingerprint(ctx.spec)}/{wire.dtype_name(ctx.dtype)}".encode()
+    kv_dtype = options.kv_cache_dtype
+    kv_form = f"/{kv_dtype.name}g{kv_dtype.group_size}" if kv_dtype.quantized else ""
+    salt = f"{model_fingerprint(ctx.spec)}/{wire.dtype_name(ctx.dtype)}{kv_form}".encode()
     return PrefixCache(options.prefix_cache_block_size, salt, exact=not cut)
 
 
