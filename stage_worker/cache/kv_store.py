@@ -17,14 +17,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 from stage_worker.batch import WireMismatchError
-from stage_worker.cache.quantized_kv import PLAIN_SEQUENCE_CACHES, SequenceQuantizedKVCache, kv_map
 from stage_worker.cache.prefix_cache import PrefixCacheCounts
+from stage_worker.cache.quantized_kv import PLAIN_SEQUENCE_CACHES, SequenceQuantizedKVCache, kv_map
 
 
 @dataclass
@@ -43,7 +44,8 @@ def extract_row(batch: Any, index: int, held: int) -> Any:
     members out of a group with it, ``stage_worker.model.layer_stack`` the prompt chunks it batches."""
     if not isinstance(batch, BatchKVCache):
         return batch.extract(index)
-    cache = (SequenceQuantizedKVCache(batch.group_size, batch.bits) if hasattr(batch, "bits") else KVCache())
+    cache: Any = (SequenceQuantizedKVCache(*_quantization(batch))
+                  if hasattr(batch, "bits") else KVCache())
     if batch.keys is not None and batch.values is not None and held:
         start, end = batch._idx - held, batch._idx
 
@@ -173,8 +175,8 @@ class KVStore:
         caches = self._standalone.get(seq_id)
         if caches is None:
             caches = self._group_of[seq_id].caches
-        return [(lambda c=c: SequenceQuantizedKVCache(c.group_size, c.bits)) if hasattr(c, "bits") else KVCache
-                for c in caches]
+        return [partial(SequenceQuantizedKVCache, *_quantization(c))
+                if hasattr(c, "bits") else KVCache for c in caches]
 
     def _plain(self, seq_id: int) -> bool:
         """The sequence's every layer keeps plain keys and values (a ``KVCache`` or a quantized one, or a row of
@@ -240,7 +242,7 @@ class KVStore:
         self.prefix_cached_tokens -= held
         self.tokens_held -= held
 
-    def _copy_prefix(self, entry_id: int, tokens: int) -> list[KVCache]:
+    def _copy_prefix(self, entry_id: int, tokens: int) -> list[Any]:
         """A new sequence's caches: the first ``tokens`` positions of prefix entry ``entry_id``, as slices (the
         sequence's first chunk writes into a new buffer, so the entry is never written)."""
         entry = self._prefixes.get(entry_id)
@@ -484,6 +486,11 @@ class KVStore:
                 f"sequence {seq_id} continues at position {start_pos} but this stage's KV "
                 f"holds {held} positions"
             )
+
+
+def _quantization(cache: Any) -> tuple[int, int]:
+    """A quantized cache's (group size, bits)."""
+    return cache.group_size, cache.bits
 
 
 def _buffers(cache: Any) -> list[mx.array]:

@@ -15,6 +15,10 @@ Only a plain KV layer quantizes: mlx-lm has no quantized sliding window (``Rotat
 raises) and a recurrent state has no positions; ``quantized_caches`` swaps the plain ones and leaves the rest.
 """
 
+# mlx-lm's BatchKVCache leaves ``keys``/``values`` unannotated (inferred None) and ``tolist`` returns a union:
+# this batch form keeps (codes, scales, biases) triples there and reads the left padding as ints.
+# mypy: disable-error-code="assignment,call-overload,type-var,arg-type,operator,index"
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

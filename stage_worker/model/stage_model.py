@@ -28,9 +28,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from stage_worker.cache.quantized_kv import quantized_caches
 from stage_worker.checkpoint.checkpoint_check import mismatched_scales
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
-from stage_worker.cache.quantized_kv import quantized_caches
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
 from stage_worker.checkpoint.stage_weights import load_stage_weights
 from stage_worker.model.device import current_backend
