@@ -25,7 +25,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 from stage_worker.batch import WireMismatchError
 from stage_worker.cache.prefix_cache import PrefixCacheCounts
-from stage_worker.cache.quantized_kv import PLAIN_SEQUENCE_CACHES, SequenceQuantizedKVCache, kv_map
+from stage_worker.cache.quantized_kv import PLAIN_SEQUENCE_CACHES, SequenceQuantizedKVCache, kv_arrays, kv_map
 
 
 @dataclass
@@ -323,7 +323,7 @@ class KVStore:
             cache.offset = cache.offset - dropped
             if rolled and cache.keys is not None:
                 end = cache._idx
-                for buffer in _buffers(cache):
+                for buffer in kv_arrays(cache):
                     buffer[..., :end, :] = dynamic_roll(buffer[..., :end, :], shifts[:, None], axis=2)
             if rolled:
                 cache.left_padding = cache.left_padding + shifts
@@ -491,11 +491,6 @@ class KVStore:
 def _quantization(cache: Any) -> tuple[int, int]:
     """A quantized cache's (group size, bits)."""
     return cache.group_size, cache.bits
-
-
-def _buffers(cache: Any) -> list[mx.array]:
-    """A plain batch cache's key and value buffers: two arrays, or a quantized cache's six."""
-    return [a for part in (cache.keys, cache.values) for a in (part if isinstance(part, tuple) else (part,))]
 
 
 def _arrays(cache: Any) -> list[mx.array]:
