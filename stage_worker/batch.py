@@ -35,7 +35,9 @@ class RecordFlag(enum.IntFlag):
     SAMPLE = 2  # the last stage samples a token from this record's last row
     RELEASE = 4  # free this sequence's KV cache after the batch
     # Prefix caching (stage_worker.cache.prefix_cache decides on the entry stage; every stage obeys):
-    RETAIN = 8  # with RELEASE: keep the first start_pos positions as prefix entry ``prefix_entry``
+    # Keep the first start_pos positions as prefix entry ``prefix_entry``: with RELEASE as the sequence ends;
+    # alone, a prompt checkpoint of a sequence that goes on (its state at start_pos, every position it holds).
+    RETAIN = 8
     EVICT = 16  # drop prefix entry ``prefix_entry`` (zero tokens; seq_id unused)
     # Speculative decoding (stage_worker.speculation.rules): with SAMPLE, the record's tokens are the last sampled one
     # and proposals (their ids in the FORWARD body); the last stage keeps the longest prefix its argmax agrees

@@ -110,3 +110,66 @@ def test_every_event_reports_the_positions_restored_not_those_looked_up():
     _events_to_end(s, GenerationRequest("a", tuple(range(12)), 1))
     refused = _events_to_end(s, GenerationRequest("b", tuple(range(12)) + (1,), 11))
     assert {e.cached_tokens for e in refused} == {0} and s.prefix_cache is not None and s.prefix_cache.stats.hits == 0
+
+
+def _exact_scheduler(capacity=None, block_size=4):
+    return Scheduler(max_num_seqs=4, max_model_len=64, max_waiting=4, max_batch_tokens=64,
+                     prefill_chunk_tokens=64, kv_token_capacity=capacity,
+                     prefix_cache=PrefixCache(block_size, exact=True))
+
+
+def _batches_to_end(s, request, token=7):
+    """Like ``_run_to_end``, but each batch's records apart."""
+    s.add(request)
+    batches = []
+    while s.has_work():
+        batch = s.next_batch()
+        batches.append([c.record for c in batch.chunks])
+        s.on_sampled(batch, [SampledToken(c.record.seq_id, c.record.start_pos + c.record.num_tokens, token)
+                             for c in batch.chunks if c.record.has(RecordFlag.SAMPLE)])
+    return batches
+
+
+def test_a_whole_state_cache_checkpoints_each_prompt_before_its_last_token():
+    s = _exact_scheduler()
+    prompt = tuple(range(10))
+    batches = _batches_to_end(s, GenerationRequest("a", prompt, 3))
+    # The prefill stops one token short; the next batch keeps that state (RETAIN without RELEASE) before the
+    # last prompt token is fed and sampled.
+    first, second = batches[0], batches[1]
+    assert [(r.start_pos, r.num_tokens, r.flags) for r in first] == [(0, 9, RecordFlag.NEW_SEQUENCE)]
+    checkpoint, last = second
+    assert (checkpoint.start_pos, checkpoint.num_tokens, checkpoint.flags) == (9, 0, RecordFlag.RETAIN)
+    assert (last.start_pos, last.num_tokens, last.flags) == (9, 1, RecordFlag.SAMPLE)
+    finished = [r for b in batches for r in b if r.has(RecordFlag.RELEASE)]
+    assert [(r.start_pos, r.flags) for r in finished] == [(12, RecordFlag.RELEASE | RecordFlag.RETAIN)]
+    assert s.prefix_cache is not None and s.prefix_cache.cached_tokens == 9 + 12  # both kept: neither supersedes
+    # The same prompt again (a regenerated turn) restores the checkpoint and prefills one token.
+    again = [r for b in _batches_to_end(s, GenerationRequest("b", prompt, 2)) for r in b]
+    (new,) = [r for r in again if r.has(RecordFlag.NEW_SEQUENCE)]
+    assert (new.start_pos, new.num_tokens, new.prefix_entry) == (9, 1, checkpoint.prefix_entry)
+    assert not [r for r in again if r.flags == RecordFlag.RETAIN]  # nothing new to checkpoint
+
+
+def test_a_later_turns_checkpoint_supersedes_the_earlier_turns_entries():
+    s = _exact_scheduler()
+    _batches_to_end(s, GenerationRequest("a", tuple(range(10)), 3))  # checkpoint 9, finished 12
+    turn = tuple(range(10)) + (7, 7, 7) + (50, 51, 52)  # the reply re-sent, then the user's next message
+    batches = _batches_to_end(s, GenerationRequest("b", turn, 2))
+    records = [r for b in batches for r in b]
+    (new,) = [r for r in records if r.has(RecordFlag.NEW_SEQUENCE)]
+    assert (new.start_pos, new.num_tokens) == (12, 3)  # from the finished state, one short of the prompt's end
+    (checkpoint,) = [r for r in records if r.flags == RecordFlag.RETAIN]
+    assert checkpoint.start_pos == 15
+    assert len([r for r in records if r.has(RecordFlag.EVICT)]) == 2  # turn 1's checkpoint and finished state
+    assert s.prefix_cache is not None and s.prefix_cache.cached_tokens == 15 + 17
+
+
+def test_short_prompts_and_a_full_kv_budget_take_no_checkpoint():
+    s = _exact_scheduler(block_size=8)
+    short = [r for b in _batches_to_end(s, GenerationRequest("a", tuple(range(8)), 1)) for r in b]
+    assert [(r.start_pos, r.num_tokens) for r in short if r.num_tokens] == [(0, 8)]  # no block's worth to keep
+    tight = _exact_scheduler(capacity=20)
+    records = [r for b in _batches_to_end(tight, GenerationRequest("b", tuple(range(12)), 8)) for r in b]
+    # 20 reserved of 20: the checkpoint would not fit, so nothing is kept while the sequence runs.
+    assert not [r for r in records if r.flags == RecordFlag.RETAIN]

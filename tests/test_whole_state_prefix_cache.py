@@ -3,8 +3,9 @@ recurrent state: qwen3_next), on tiny random checkpoints, in a real in-process p
 
 Such a model's prefix entry is a finished sequence's whole state (``PrefixCache(exact=True)``,
 ``KVStore._retain_whole``): a later turn that re-sends the conversation restores all of it and prefills only
-what it adds. Greedy output equals the cache off, token for token, alone and batched; a prompt that diverges
-inside an entry restores nothing (a state cannot be cut) and still equals the cache off.
+what it adds. Each prompt's state before its last token is kept too (a prompt checkpoint), so a regenerated turn
+restores all but one token. Greedy output equals the cache off, token for token, alone and batched; a prompt that
+diverges inside an entry restores nothing (a state cannot be cut) and still equals the cache off.
 """
 
 from __future__ import annotations
@@ -74,6 +75,33 @@ def test_a_conversation_restores_its_whole_history_and_equals_the_cache_off(chec
         assert cache.stats.hits >= least, (name, depth, cache.stats)
 
 
+def _regenerations(pipeline: InProcessPipeline) -> list[list[int]]:
+    """A turn generated, regenerated, then re-sent with something else appended instead of its reply; then two
+    regenerations of another prompt batched beside a fresh one."""
+    prompt = SYSTEM + (5, 6, 7)
+    out = [pipeline.generate(prompt, 6), pipeline.generate(prompt, 6), pipeline.generate(prompt + (70, 71), 5)]
+    other = SYSTEM[:12] + (8, 8, 8)
+    out.append(pipeline.generate(other, 4))
+    handles = [pipeline.submit(other, 4), pipeline.submit(other, 4), pipeline.submit(tuple(range(2000, 2020)), 4)]
+    replies, _ = read_until_finished(handles)
+    return out + replies
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_regenerated_turn_restores_its_prompt_checkpoint_and_equals_the_cache_off(checkpoints, name):
+    spec = read_model_spec(tiny_checkpoint(name, checkpoints))
+    for depth in (1, 2):
+        with InProcessPipeline(_stages(spec, depth)) as off:
+            expected = _regenerations(off)
+        cache = PrefixCache(BLOCK, b"test", exact=True)
+        with InProcessPipeline(_stages(spec, depth), prefix_cache=cache) as on:
+            assert _regenerations(on) == expected, f"{name} PP={depth}"
+        # The regeneration and the appended prompt restore the first prompt's checkpoint (all but its last
+        # token); the batched regenerations restore the other prompt's. The finished states cannot serve them.
+        first, other = len(SYSTEM) + 3, 15
+        assert cache.stats.hits >= 2 * (first - 1) + 2 * (other - 1), (name, depth, cache.stats)
+
+
 def test_exact_entries_are_found_only_whole_and_supersede_their_beginnings():
     cache = PrefixCache(4, exact=True)
     kept = cache.insert(tuple(range(10)), 10)
@@ -88,3 +116,17 @@ def test_exact_entries_are_found_only_whole_and_supersede_their_beginnings():
     assert cache.lookup(tuple(range(12))) is None  # the shorter state is gone; the longer one cannot be cut
     hit = cache.lookup(tuple(range(20)))
     assert hit is not None and hit.tokens == 15
+
+
+def test_a_prompt_checkpoint_is_not_superseded_by_its_own_finished_state():
+    cache = PrefixCache(4, exact=True)
+    checkpoint = cache.insert_checkpoint(tuple(range(9)))
+    finished = cache.insert(tuple(range(12)), 12)
+    assert finished.superseded == () and cache.cached_tokens == 21
+    hit = cache.lookup(tuple(range(10)))  # the same prompt again: all but its last token
+    assert hit is not None and (hit.entry_id, hit.tokens) == (checkpoint.entry_id, 9)
+    cache.release(hit.entry_id)
+    later = cache.insert_checkpoint(tuple(range(15)))  # a later turn's prompt holds both whole
+    assert set(later.superseded) == {checkpoint.entry_id, finished.entry_id} and cache.cached_tokens == 15
+    with pytest.raises(ValueError, match="exact-mode"):
+        PrefixCache(4).insert_checkpoint(tuple(range(9)))

@@ -10,9 +10,11 @@ in the stage's KV budget next to the running sequences' reservations: ``evict_to
 admission leaves free, so a cached block never takes a place a running sequence needs.
 
 With ``exact=True`` (a model with a sliding-window or recurrent layer, whose state cannot be cut at a block)
-an entry is the state at the end of a finished sequence, whole: ``lookup`` takes it only where the prompt
-starts with every one of its tokens, and restores exactly that many. The entry stage is the only one that
-decides; every other stage does what the batch records say (``stage_worker.cache.kv_store``).
+an entry is a state taken whole: at the end of a finished sequence (``insert``), and at the end of a prompt but
+its last token (``insert_checkpoint``), so a regenerated turn, or one that re-sends the prompt with something
+else appended, restores all but the token it must compute to sample from. ``lookup`` takes an entry only where
+the prompt starts with every one of its tokens, and restores exactly that many. The entry stage is the only one
+that decides; every other stage does what the batch records say (``stage_worker.cache.kv_store``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class _Entry:
     hashes: list[bytes]  # the keys it is found by: its blocks' chain, or its one exact key
     tokens: int  # positions it holds
     references: int = 0
+    checkpoint: bool = False  # exact mode: a prompt's state before its last token (``insert_checkpoint``)
 
 
 @dataclass
@@ -188,7 +191,7 @@ class PrefixCache:
         an entry already covers adds nothing. In exact mode the entry is all ``kv_tokens`` positions (the
         state the stages hold at its end), and it supersedes the entries it begins with."""
         if self.exact:
-            return self._insert_exact(tokens[:kv_tokens])
+            return self._insert_exact(tokens[:kv_tokens], checkpoint=False)
         hashes = block_hashes(tokens[:kv_tokens], self.block_size, self.salt)
         if not hashes:
             return Retain(None, 0)
@@ -208,7 +211,18 @@ class PrefixCache:
         self._add(entry_id, _Entry(hashes, len(hashes) * self.block_size))
         return Retain(entry_id, len(hashes) * self.block_size, superseded)
 
-    def _insert_exact(self, kept: Sequence[int]) -> Retain:
+    def insert_checkpoint(self, tokens: Sequence[int]) -> Retain:
+        """Exact mode: a running sequence's state after ``tokens`` (its prompt but the last token), kept while
+        it goes on. A finished sequence's entry (``insert``) begins with it but does not supersede it: the
+        checkpoint is what a regenerated turn restores, which the finished state (past the prompt) cannot be
+        cut back to. A checkpoint supersedes the entries of both kinds it begins with (a later turn's prompt
+        holds the earlier turns whole), so a conversation keeps about two entries: its last prompt's checkpoint
+        and its last finished state."""
+        if not self.exact:
+            raise ValueError("prompt checkpoints are for exact-mode caches: a plain one cuts any entry at a block")
+        return self._insert_exact(tokens, checkpoint=True)
+
+    def _insert_exact(self, kept: Sequence[int], *, checkpoint: bool) -> Retain:
         if not kept:
             return Retain(None, 0)
         key = self._exact_key(kept)
@@ -219,12 +233,12 @@ class PrefixCache:
         entry_id = self._new_id()
         superseded = tuple(
             other for other, entry in list(self._entries.items())
-            if not entry.references and entry.tokens < len(kept) and entry.hashes[0] == self._exact_key(
-                kept[:entry.tokens]))
+            if not entry.references and entry.tokens < len(kept) and (checkpoint or not entry.checkpoint)
+            and entry.hashes[0] == self._exact_key(kept[:entry.tokens]))
         for other in superseded:
             self.stats.evicted_blocks += self._blocks(self._entries[other])
             self._remove(other)
-        self._add(entry_id, _Entry([key], len(kept)))
+        self._add(entry_id, _Entry([key], len(kept), checkpoint=checkpoint))
         return Retain(entry_id, len(kept), superseded)
 
     def clear(self) -> None:

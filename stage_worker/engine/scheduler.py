@@ -119,6 +119,10 @@ class Scheduler:
     entry to copy), least recently used entries are evicted (EVICT records) while the new reservation would
     not fit beside them, and a sequence that finishes (not one aborted) leaves its whole blocks behind (its
     RELEASE record gains RETAIN). The cache's tokens count against ``kv_token_capacity`` like reservations.
+    A model whose entries are whole states (``PrefixCache(exact=True)``) also keeps each prompt's state before
+    its last token: the prompt's prefill stops one token short, the next batch opens with a RETAIN record
+    (without RELEASE) for that position, and the last token is prefilled (and sampled) after it
+    (``_checkpoint_end``, ``_keep_checkpoint``), so a regenerated turn restores all but one token.
 
     With a ``SpeculativeConfig`` (``--speculative-config``), a decode step of a sequence that
     ``speculation.speculative_tokens`` lets speculate feeds its last sampled token and up to k proposals (the
@@ -283,6 +287,9 @@ class Scheduler:
             if seq.in_flight or seq.aborted or seq.prefill_done or budget <= 0 or seats <= 0:
                 continue
             size = min(self.prefill_chunk_tokens, budget, len(seq.request.prompt) - seq.prefilled)
+            checkpoint = self._checkpoint_end(seq, size)
+            if checkpoint is not None:
+                size = checkpoint - seq.prefilled
             flags = RecordFlag.NONE if seq.holds_kv else RecordFlag.NEW_SEQUENCE
             if seq.prefilled + size == len(seq.request.prompt):
                 flags |= RecordFlag.SAMPLE
@@ -293,6 +300,9 @@ class Scheduler:
             chunks.append(Chunk(SequenceRecord(seq.seq_id, seq.prefilled, size, flags, seq.request.sampling,
                                                seq.prefix_entry), tokens, options=options))
             self._drop_prefix_reference(seq)  # every stage copies the entry in this batch, before any eviction
+            if checkpoint is not None:
+                # After the reference is dropped: the entry this sequence started from may be superseded.
+                self._releases.extend(self._keep_checkpoint(seq, checkpoint))
             seq.prefilled += size
             seq.holds_kv = True
             seq.in_flight_steps += 1
@@ -441,6 +451,37 @@ class Scheduler:
             self._releases.extend(SequenceRecord(0, 0, 0, RecordFlag.EVICT, prefix_entry=e) for e in evicted)
         if hit is not None:
             seq.prefilled, seq.prefix_entry, seq.cached_tokens = hit.tokens, hit.entry_id, hit.tokens
+
+    def _checkpoint_end(self, seq: _Sequence, size: int) -> int | None:
+        """Where this prompt chunk of ``seq`` stops to take a checkpoint (its prompt's last position but one),
+        or None: only for a whole-state cache, a prompt longer than a block whose checkpoint lies past what the
+        sequence restored and within the ``size`` tokens this chunk would take."""
+        cache = self.prefix_cache
+        if cache is None or not cache.exact or seq.aborted:
+            return None
+        end = len(seq.request.prompt) - 1
+        if end < cache.block_size or not seq.prefilled < end <= seq.prefilled + size:
+            return None
+        return end
+
+    def _keep_checkpoint(self, seq: _Sequence, end: int) -> list[SequenceRecord]:
+        """The records that keep ``seq``'s state at ``end`` as a prompt checkpoint on every stage, in the next
+        batch (before the chunk that continues the sequence): room made by evicting least recently used
+        entries, the RETAIN, and the EVICTs of the entries it supersedes. Nothing where the checkpoint cannot
+        fit beside the running sequences' reservations and the referenced entries."""
+        cache = self.prefix_cache
+        assert cache is not None
+        records: list[SequenceRecord] = []
+        if self.kv_token_capacity is not None:
+            room = self.kv_token_capacity - self._reserved_tokens - end
+            if cache.pinned_tokens > room:
+                return []
+            records += [SequenceRecord(0, 0, 0, RecordFlag.EVICT, prefix_entry=e) for e in cache.evict_to(room)]
+        kept = cache.insert_checkpoint(seq.request.prompt[:end])
+        if kept.entry_id is None:
+            return records
+        return [*records, SequenceRecord(seq.seq_id, end, 0, RecordFlag.RETAIN, prefix_entry=kept.entry_id),
+                *(SequenceRecord(0, 0, 0, RecordFlag.EVICT, prefix_entry=e) for e in kept.superseded)]
 
     def _drop_prefix_reference(self, seq: _Sequence) -> None:
         if seq.prefix_entry and self.prefix_cache is not None:
