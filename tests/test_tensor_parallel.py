@@ -278,3 +278,15 @@ def test_a_cut_that_splits_a_quantization_group_is_refused():
     whole, copy = _tiny_model("qwen3_next", quantized=True)
     with pytest.raises(UserError, match="splits a quantization group of 32"):
         SHARDERS["qwen3_next"](copy(), _Member(2, 0))
+
+
+def test_a_members_kv_is_its_kv_heads_part_or_the_whole_latent():
+    from stage_worker.model.tensor_parallel import kv_part_held
+    from stagemesh_core.memory import StageKV
+
+    share = even_share({"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 64}, 2, 1)
+    assert kv_part_held("qwen3_next", {"num_attention_heads": 8, "num_key_value_heads": 4}, share) == (2, 4)
+    assert kv_part_held("deepseek_v3", {"num_attention_heads": 8, "num_key_value_heads": 8}, share) == (1, 1)
+    kv = StageKV(per_token=512, windows=((256, 128),))
+    assert kv.share(*kv_part_held("gemma3_text", {"num_attention_heads": 8, "num_key_value_heads": 4}, share)) \
+        == StageKV(per_token=256, windows=((128, 128),))

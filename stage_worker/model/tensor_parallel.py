@@ -263,6 +263,21 @@ def _qwen3_next_counts(args: Mapping[str, Any]) -> dict[str, str]:
     return counts
 
 
+# Attention that caches one latent for every head (DeepSeek's MLA, mlx-lm's deepseek_v3): a member keeps the whole
+# latent whatever heads it computes, so its cache is not cut.
+LATENT_KV_ARCHITECTURES: tuple[str, ...] = ("deepseek_v3",)
+
+
+def kv_part_held(model_type: str, args: Mapping[str, Any], share: LayerShare) -> tuple[int, int]:
+    """``(held, of)``: the part of each KV layer's per-position keys and values a member of ``share`` keeps
+    (pure; ``StageKV.share`` takes it): its KV heads of the model's, or the whole latent. Every cut here and
+    mlx-lm's ``shard()`` divide the KV heads of the caches they leave (tests/test_tensor_parallel.py checks each
+    cached array's head axis halves at -tp 2); a recurrent state is counted whole, an upper bound."""
+    if model_type in LATENT_KV_ARCHITECTURES:
+        return 1, 1
+    return len(share.kv_heads), int(args.get("num_key_value_heads") or args["num_attention_heads"])
+
+
 def divided_counts(model_type: str, args: Mapping[str, Any]) -> dict[str, int]:
     """The counts of this model a ``-tp`` must divide, by name (pure): the cut's own (``SHARDERS``) or
     mlx-lm's (``MLX_LM_COUNTS``)."""

@@ -51,8 +51,8 @@ from stage_worker.model.stage_model import (
     choose_dense_weights,
     model_fingerprint,
     resolve_compute_dtype,
-    runs_packed,
 )
+from stage_worker.model.tensor_parallel import kv_part_held
 from stage_worker.service.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.service.memory import (
     MemoryBudgetError,
@@ -251,9 +251,8 @@ def load(ctx: StageContext, status: StageStatus, group: mx.distributed.Group | N
         log.info("KV cache: %s in every plain KV layer (sliding windows and recurrent state stay in %s)",
                  options.kv_cache_dtype.describe(), wire.dtype_name(ctx.dtype))
     kv = model_facts(spec).with_kv_cache_dtype(options.kv_cache_dtype).slice_kv(me.layers.start, me.layers.end)
-    if share is not None and runs_packed(spec):  # the packed cut keeps its KV heads' part (mlx-lm's: counted whole)
-        heads = int(spec.args.get("num_key_value_heads") or spec.args["num_attention_heads"])
-        kv = kv.share(len(share.kv_heads), heads)
+    if share is not None:  # a member's caches hold its KV heads only (MLA's latent: whole)
+        kv = kv.share(*kv_part_held(spec.model_type, spec.args, share))
     # The entry stage also holds the draft model (--speculative-config "model"), loaded later: its weights and
     # its speculating sequences' KV come out of the room for this stage's KV, as the planner counts them.
     draft = draft_facts(options.speculative, spec, options.max_num_seqs, dense=launch.plan.dequantize == "on") \
