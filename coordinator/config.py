@@ -20,7 +20,7 @@ from coordinator.stage_host import DEFAULT_STAGE_COMMAND
 from coordinator.supervision import BackoffPolicy
 from stagemesh_core import defaults
 from stagemesh_core.grpc_tls import TlsFiles
-from stagemesh_core.kv_cache_dtype import KVCacheDtype
+from stagemesh_core.kv_cache_dtype import AUTO, KVCacheDtype
 from stagemesh_core.layer_split import plan_layer_split
 from stagemesh_core.memory import DraftFacts, ModelFacts
 from stagemesh_core.plan import StageOptions
@@ -64,7 +64,8 @@ class MeshConfig:
     backoff: BackoffPolicy = BackoffPolicy()  # how long a replica that keeps dying waits between restarts
     stage_command: tuple[str, ...] = DEFAULT_STAGE_COMMAND  # after `python`; `--launch FILE` follows
     # The model's size (stage_worker.model.model_facts): the layer planner splits by each node's memory. None: even
-    # split / --pp-layer-split, unchecked (the fake stages of the coordinator's tests have no model).
+    # split / --pp-layer-split, unchecked (the fake stages of the coordinator's tests have no model). Its KV in
+    # the compute dtype: ``planned_facts`` counts it as --kv-cache-dtype stores it, and auto's for comparison.
     model_facts: ModelFacts | None = None
     # The draft model's size (stage_worker.model.model_facts.draft_facts), held beside the entry stage's slice.
     draft_facts: DraftFacts | None = None
@@ -82,9 +83,19 @@ class MeshConfig:
         """Stage processes in the mesh: every stage's tensor-parallel workers (one per ``mlx`` unit)."""
         return self.total_stages * self.tensor_parallel_size
 
-    def planned_facts(self) -> ModelFacts | None:
-        """The model as the layer planner counts one stage's worker (``ModelFacts.worker_share``)."""
-        return self.model_facts.worker_share(self.tensor_parallel_size) if self.model_facts else None
+    def planned_facts(self, kv_cache_dtype: KVCacheDtype | None = None) -> ModelFacts | None:
+        """The model as the layer planner counts one stage's worker (``ModelFacts.worker_share``), its KV stored
+        as ``kv_cache_dtype`` says (default: --kv-cache-dtype's), quantized before the share as a worker's
+        stage counts it."""
+        if self.model_facts is None:
+            return None
+        kv = kv_cache_dtype or self.kv_cache_dtype or AUTO
+        return self.model_facts.with_kv_cache_dtype(kv).worker_share(self.tensor_parallel_size)
+
+    def auto_kv_facts(self) -> ModelFacts | None:
+        """With a quantized --kv-cache-dtype, ``planned_facts`` with KV in the compute dtype: what the plan
+        states the quantized plan's context against (``layer_planner.auto_kv_tokens``); else None."""
+        return self.planned_facts(AUTO) if self.kv_cache_dtype and self.kv_cache_dtype.quantized else None
 
     def plan_request(self) -> PlanRequest:
         """What the layer planner must fit (the stage's own defaults where the user left a flag unset)."""
@@ -92,7 +103,7 @@ class MeshConfig:
             max_model_len=self.max_model_len or defaults.MAX_MODEL_LEN,
             max_num_seqs=self.max_num_seqs or defaults.MAX_NUM_SEQS,
             memory_fraction=self.memory_fraction or defaults.MEMORY_FRACTION, compute_dtype=self.compute_dtype,
-            layer_split=self.layer_split, draft=self.draft_facts)
+            layer_split=self.layer_split, draft=self.draft_facts, kv_cache_dtype=self.kv_cache_dtype or AUTO)
 
 
 def validate_config(config: MeshConfig) -> None:

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from coordinator.config import MeshConfig, stage_options
 from coordinator.health import StageChannel
-from coordinator.layer_planner import MemoryPlan, StageSeat, format_plan, plan_pipeline
+from coordinator.layer_planner import MemoryPlan, StageSeat, auto_kv_tokens, format_plan, plan_pipeline
 from coordinator.placement import StageSlot, assign_gpus, pipeline_plan, place_stages, without_lost_nodes
 from coordinator.ray_cluster import RaySession, cluster_nodes, head_address, release_bundles, reserve_bundles
 from coordinator.replica import LiveReplica, LiveStage
@@ -206,8 +206,11 @@ class ReplicaHosts:
         if facts is None:
             return None
         seats = [seat for stage, seat in zip(replica.stages, self._seats(replica)) if stage.member == 0]
-        stages, chosen_by = plan_pipeline(facts, seats, self.config.plan_request(), replica.index)
-        plan = MemoryPlan(self.config.plan_request(), (stages,), chosen_by)
+        request = self.config.plan_request()
+        stages, chosen_by = plan_pipeline(facts, seats, request, replica.index)
+        auto = self.config.auto_kv_facts()  # the log's plan states a quantized KV's context against auto's
+        plan = MemoryPlan(request, (stages,), chosen_by,
+                          (auto_kv_tokens(auto, seats, request, replica.index),) if auto is not None else ())
         self.memory_plans[replica.index] = plan
         log.info("replica %d layer plan:\n%s", replica.index, format_plan(plan))
         return plan.ranges(0)

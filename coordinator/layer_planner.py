@@ -4,6 +4,9 @@
 plain values, no Ray and no MLX: the nodes' facts (``StageSeat``), the model's (``ModelFacts``) and the
 request (``PlanRequest``). ``format_plan`` prints a plan; ``largest_max_model_len`` finds the longest context
 that fits. ``coordinator.hosts`` plans before launching; ``coordinator.plan_preview`` serves ``stagemesh plan``.
+With ``--kv-cache-dtype q8`` or ``q4`` the model's facts count KV as it is stored
+(``ModelFacts.with_kv_cache_dtype``), and ``plan_mesh`` given the same model's ``auto`` facts also plans the
+same seats with them (``auto_kv_tokens``), so the plan states the context the choice buys.
 
 A stage must fit its weights, KV for one ``--max-model-len`` sequence and the runtime in its budget, as the
 stage itself counts them (``stage_worker.service.memory``), and keep ``HEADROOM_FRACTION`` free; the rest is its KV
@@ -19,6 +22,7 @@ from typing import Any
 
 from stagemesh_core import defaults
 from stagemesh_core.errors import UserError
+from stagemesh_core.kv_cache_dtype import AUTO, KVCacheDtype
 from stagemesh_core.layer_split import LayerRange, even_split, parse_layer_split
 from stagemesh_core.memory import (
     RUNTIME_OVERHEAD_BYTES,
@@ -78,6 +82,9 @@ class PlanRequest:
     layer_split: str | None = None  # --pp-layer-split: checked, not chosen
     # --speculative-config's draft model, held by each replica's entry stage beside its slice; None: no draft.
     draft: DraftFacts | None = None
+    # --kv-cache-dtype: how the model's facts count KV (the facts carry it: ModelFacts.with_kv_cache_dtype);
+    # here to be stated beside the tokens it buys.
+    kv_cache_dtype: KVCacheDtype = AUTO
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,15 @@ class MemoryPlan:
     request: PlanRequest
     replicas: tuple[tuple[PlannedStage, ...], ...]
     chosen_by: str  # "memory planner" or "--pp-layer-split"
+    # With a quantized --kv-cache-dtype: each replica's KV tokens were its KV stored in the compute dtype
+    # (``auto_kv_tokens``; None where auto does not fit); empty when the plan is auto's or was not compared.
+    auto_kv_tokens: tuple[int | None, ...] = ()
+
+    def kv_gain(self, replica: int) -> float | None:
+        """How many times auto's KV tokens ``replica`` holds with the plan's --kv-cache-dtype (None: not
+        compared, or auto does not fit)."""
+        auto = self.auto_kv_tokens[replica] if replica < len(self.auto_kv_tokens) else None
+        return self.replica_kv_tokens(replica) / auto if auto else None
 
     def ranges(self, replica: int) -> tuple[LayerRange, ...]:
         return tuple(s.layers for s in self.replicas[replica])
@@ -137,8 +153,12 @@ class MemoryPlan:
             "request": {"max_model_len": r.max_model_len, "max_num_seqs": r.max_num_seqs,
                         "memory_fraction": r.memory_fraction, "dtype": r.compute_dtype,
                         "pp_layer_split": r.layer_split},
+            "kv_cache_dtype": {"name": r.kv_cache_dtype.name, "bits": r.kv_cache_dtype.bits,
+                               "group_size": r.kv_cache_dtype.group_size},
             "replicas": [{"replica": i, "kv_tokens": self.replica_kv_tokens(i),
                           "full_length_sequences": self.replica_kv_tokens(i) // r.max_model_len,
+                          **({"auto_kv_tokens": self.auto_kv_tokens[i], "kv_tokens_vs_auto": self.kv_gain(i)}
+                             if self.auto_kv_tokens else {}),
                           "stages": [s.to_json() for s in stages]} for i, stages in enumerate(self.replicas)],
         }
 
@@ -373,13 +393,31 @@ def plan_pipeline(model: ModelFacts, seats: Sequence[StageSeat], request: PlanRe
                  for r, (seat, cost, layers) in enumerate(zip(seats, costs, ranges))), chosen_by
 
 
-def plan_mesh(model: ModelFacts, replicas: Sequence[Sequence[StageSeat]], request: PlanRequest) -> MemoryPlan:
-    """Every replica's plan (``replicas[i][rank]`` is where that stage runs)."""
+def plan_mesh(model: ModelFacts, replicas: Sequence[Sequence[StageSeat]], request: PlanRequest,
+              auto_model: ModelFacts | None = None) -> MemoryPlan:
+    """Every replica's plan (``replicas[i][rank]`` is where that stage runs). ``auto_model``: the same model
+    with its KV in the compute dtype, given when ``model`` counts it quantized: each replica is also planned
+    with it (``auto_kv_tokens``), for the plan's ``kv_gain``."""
     planned, chosen_by = [], "memory planner"
     for index, seats in enumerate(replicas):
         stages, chosen_by = plan_pipeline(model, seats, request, index)
         planned.append(stages)
-    return MemoryPlan(request, tuple(planned), chosen_by)
+    auto = (tuple(auto_kv_tokens(auto_model, seats, request, index) for index, seats in enumerate(replicas))
+            if auto_model is not None else ())
+    return MemoryPlan(request, tuple(planned), chosen_by, auto)
+
+
+def auto_kv_tokens(auto_model: ModelFacts, seats: Sequence[StageSeat], request: PlanRequest,
+                   replica: int = 0) -> int | None:
+    """The KV tokens replica ``replica`` would hold with ``--kv-cache-dtype auto``: the same planner over the
+    same seats and request with ``auto_model`` (the model's KV in the compute dtype), so a quantized plan's
+    gain is counted by the same byte math as the plan itself (pure). None when auto does not fit (the
+    quantized KV is then what makes the request fit)."""
+    try:
+        stages, _ = plan_pipeline(auto_model, seats, replace(request, kv_cache_dtype=AUTO), replica)
+    except PlanError:
+        return None
+    return min(s.kv_tokens for s in stages)
 
 
 # -- refusing, with numbers and ways out -----------------------------------------------------------
@@ -533,6 +571,7 @@ def format_plan(plan: MemoryPlan) -> str:
                         f"; {r.max_num_seqs} full-length sequences at once would need --max-num-seqs {max(1, full)} "
                         f"or --max-model-len {max(1, tokens // r.max_num_seqs)}; shorter requests share the rest")
                      + ")")
+    lines += kv_cache_lines(plan)
     drafts = [s for stages in plan.replicas for s in stages if s.draft_bytes]
     if drafts:
         lines.append(f"each replica's rank 0 also holds the draft model: {drafts[0].draft_bytes / _GB:.2f} GB "
@@ -540,3 +579,26 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"layers chosen by the {plan.chosen_by}; each stage keeps {HEADROOM_FRACTION:.0%} of its budget "
                  f"as headroom beyond weights, one full sequence and {RUNTIME_OVERHEAD_BYTES / _GB:.2f} GB of runtime")
     return "\n".join(lines)
+
+
+def kv_cache_lines(plan: MemoryPlan) -> list[str]:
+    """The plan's --kv-cache-dtype beside the KV tokens it holds and, quantized, the context that buys against
+    auto on the same seats (pure): one line, naming each replica where replicas differ."""
+    kv = plan.request.kv_cache_dtype
+    if kv.quantized:
+        name = f"KV cache: {kv.name} ({kv.bits}-bit, group {kv.group_size})"
+    else:
+        dtypes = sorted({s.dtype for stages in plan.replicas for s in stages})
+        name = f"KV cache: auto (keys and values in {', '.join(dtypes) or 'the compute dtype'})"
+    figures = []
+    for index in range(len(plan.replicas)):
+        figure = f"{plan.replica_kv_tokens(index):,} tokens"
+        gain = plan.kv_gain(index)
+        if gain is not None:
+            figure += f", {gain:.2f}x of auto ({plan.auto_kv_tokens[index]:,} tokens)"
+        elif plan.auto_kv_tokens:
+            figure += " (auto does not fit these stages)"
+        figures.append(figure)
+    if len(set(figures)) == 1:
+        return [f"{name}: {figures[0]}" + (" per replica" if len(figures) > 1 else "")]
+    return [f"{name}: " + "; ".join(f"replica {i} {figure}" for i, figure in enumerate(figures))]

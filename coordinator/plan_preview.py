@@ -51,6 +51,7 @@ def preview_plan(config: MeshConfig) -> MemoryPlan:
 def preview(config: MeshConfig) -> PlanPreview:
     """``preview_plan``'s plan with each stage's device and group placement."""
     model = config.planned_facts()
+    auto = config.auto_kv_facts()  # a quantized --kv-cache-dtype's plan states its context against auto's
     if model is None:
         raise ValueError("preview_plan needs the model's facts (MeshConfig.model_facts)")
     address = config.ray_address or os.environ.get(RAY_ADDRESS_ENV)
@@ -60,7 +61,7 @@ def preview(config: MeshConfig) -> PlanPreview:
         sharing = config.total_workers
         seat = StageSeat("local", LOOPBACK, memory, sharing, socket.gethostname())
         replicas = [[seat] * pp for _ in range(dp)]
-        return PlanPreview(plan_mesh(model, replicas, config.plan_request()),
+        return PlanPreview(plan_mesh(model, replicas, config.plan_request(), auto),
                            tuple((memory.device,) * pp for _ in range(dp)), tuple((True,) * pp for _ in range(dp)))
     session = connect_ray(config.total_workers, address=address)
     try:
@@ -71,7 +72,7 @@ def preview(config: MeshConfig) -> PlanPreview:
         seats = _seats(placement, facts)
         groups = [[{s.node_id for s in replica if s.rank == rank} for rank in range(pp)]
                   for replica in placement.replicas]
-        return PlanPreview(plan_mesh(model, seats, config.plan_request()),
+        return PlanPreview(plan_mesh(model, seats, config.plan_request(), auto),
                            tuple(tuple(seat.memory.device for seat in replica) for replica in seats),
                            tuple(tuple(len(g) == 1 for g in replica) for replica in groups))
     finally:

@@ -2,8 +2,9 @@
 
 Takes ``serve``'s flags (model, ``-pp``, ``-dp``, ``--max-model-len``,
 ``--max-num-seqs``, ``--memory-fraction``, ``--dtype``, ``--dequantize``,
-``--pp-layer-split``) and prints one row per stage: node, address, backend and
-dtype, layers, weight GB, KV GB (the tokens it holds) and headroom; at ``-tp``
+``--kv-cache-dtype``, ``--pp-layer-split``) and prints one row per stage: node, address, backend and
+dtype, layers, weight GB, KV GB (the tokens it holds) and headroom, then the KV dtype beside its tokens
+(q8 / q4: and how many times auto's on the same stages); at ``-tp``
 above 1 the all-reduce cost per token and -tp against -pp over the link
 (``--tp-link FILE`` from ``stagemesh doctor --tp-link``, or
 ``--tp-link-latency-us``); ``--json`` prints the same for tools. The cluster is this machine (no ``RAY_ADDRESS``) or

@@ -111,7 +111,8 @@ def print_plan(config, as_json: bool, assume: list[str] | None = None, *, link: 
     try:
         if assume:
             seats = assumed_seats(assume, config.pipeline_parallel_size, config.data_parallel_size)
-            plan = plan_mesh(config.model_facts, seats, config.plan_request())
+            plan = plan_mesh(config.model_facts.with_kv_cache_dtype(config.plan_request().kv_cache_dtype), seats,
+                             config.plan_request(), config.model_facts if config.auto_kv_facts() else None)
             # Placement spreads a group over distinct nodes where there are units: one node only when one.
             one_node = len(assume) < 2
             shown = PlanPreview(plan, tuple(tuple(seat.memory.device for seat in replica) for replica in seats),

@@ -269,8 +269,9 @@ def build_mesh_config(args: argparse.Namespace):
         speculative=speculative,
         startup_timeout_s=args.startup_timeout,
         # The layer planner sizes quantized weights unless --dequantize on (auto dequantizes only when the
-        # dense weights fit half a stage's budget, so a plan that fits quantized still fits).
-        model_facts=model_facts(spec, dense=args.dequantize == "on").with_kv_cache_dtype(kv_cache_dtype),
+        # dense weights fit half a stage's budget, so a plan that fits quantized still fits). KV in the compute
+        # dtype: MeshConfig.planned_facts counts it as --kv-cache-dtype stores it, and auto's beside it.
+        model_facts=model_facts(spec, dense=args.dequantize == "on"),
         draft_facts=draft_facts(speculative, spec, args.max_num_seqs, dense=args.dequantize == "on"),
         mesh_token=security_flags.mesh_token(args),
         grpc_tls=security_flags.grpc_tls(args),
