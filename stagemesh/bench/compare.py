@@ -9,10 +9,10 @@ PP=1); ``two-hosts`` (PP=2, each stage pinned to its own core, vs PP=1 on one co
 and DP=2 on two GPUs); ``gpus-pp`` (PP=2 with and without building steps ahead); ``fused`` (projections
 joined or not); ``prefix`` (prefix cache off, on, and ``mlx_lm.server``'s prompt cache, on multi-turn chat
 and on distinct prompts; ``prefix-summary.json`` checks its ratios against their targets); ``tp`` (-tp 1, -pp 2,
--tp 2 and ``bench tensor``'s split and ceiling). ``--shape NAME``
-serves a real-sized model with random weights; a model directory as MODEL is served as it is (``stock`` and
-``matched`` then refuse). ``--bare`` adds the bare batched forward (the device's limit). The report lists every
-run with its report's path, whether every request succeeded, and its ratios. Pinning uses ``taskset`` (Linux).
+-tp 2 and ``bench tensor``'s split and ceiling); ``kv-cache-dtype`` (auto, q8 and q4 on long prompts, with each
+server's KV token capacity). ``--shape NAME`` serves a real-sized model with random weights; a model directory
+as MODEL is served as it is (``stock`` and ``matched`` then refuse). ``--bare`` adds the bare batched forward.
+The report lists every run with its report's path, whether every request succeeded, and its ratios.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from stagemesh.bench import flags
 from stagemesh.bench.random_checkpoint import check_shape_flags, shape_description, write_shape_checkpoint
 from stagemesh_core.errors import UserError
 
-COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix", "tp")
+COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix", "tp",
+               "kv-cache-dtype")
 # ``tp``'s every worker on one BLAS thread: each stands for one Mac (``stagemesh bench tensor`` does the same).
 TP_ENV = {"STAGEMESH_BLAS_THREADS": "1"}
 # Those that serve mlx_lm the GGUF converted to an mlx-lm directory: they need MODEL to be a .gguf file.
@@ -46,6 +47,12 @@ GGUF_COMPARISONS = ("stock", "matched")
 # a first turn's length in, few tokens out (its point is the time to first token), two prompts per stream.
 DEFAULT_SIZES = (32, 48, None)  # None: stagemesh bench serve's own per level, 4 x its concurrency (at least 16)
 PREFIX_OUTPUT_LEN = 16
+DEFAULT_CONCURRENCY = "1,16"
+# ``kv-cache-dtype``: quantized KV's cost shows where attention reads many positions, so long prompts, and 8
+# streams rather than 16 (eight 1,088-token sequences already fill what a CPU runs in a few minutes).
+KV_DTYPE_SIZES = (1024, 64, None)
+KV_DTYPE_CONCURRENCY = "1,8"
+KV_CACHE_DTYPES = ("auto", "q8", "q4")  # auto first: every ratio is taken against it
 LOG_TAIL_LINES = 15  # of a server's log, shown when it exits or never comes up
 
 
@@ -64,13 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_model_argument(parser, "a GGUF file, converted for mlx_lm.server")
     parser.add_argument("--comparisons", default=",".join(COMPARISONS),
                         help=f"which to run, comma-separated from {', '.join(COMPARISONS)}")
-    flags.add_concurrency(parser, "1,16")
+    flags.add_concurrency(parser, None, f"default {DEFAULT_CONCURRENCY}; kv-cache-dtype: {KV_DTYPE_CONCURRENCY}")
     flags.add_num_prompts(parser, None, "default 4 x the level's concurrency, at least 16, so a level is several "
                                         "waves of requests rather than one whose first token and tail dominate; "
                                         "prefix: 2 x --conversations")
     flags.add_lengths(parser, input_len=None, output_len=None,
-                      input_note=f"default {DEFAULT_SIZES[0]}; prefix: --system-len + --user-len",
-                      output_note=f"default {DEFAULT_SIZES[1]}; prefix: {PREFIX_OUTPUT_LEN}")
+                      input_note=f"default {DEFAULT_SIZES[0]}; prefix: --system-len + --user-len; "
+                                 f"kv-cache-dtype: {KV_DTYPE_SIZES[0]}",
+                      output_note=f"default {DEFAULT_SIZES[1]}; prefix: {PREFIX_OUTPUT_LEN}; "
+                                  f"kv-cache-dtype: {KV_DTYPE_SIZES[1]}")
     pf = parser.add_argument_group("prefix comparison")
     pf.add_argument("--conversations", type=int, default=8,
                     help="multi-turn conversations at once, and distinct-prompt streams (default %(default)s)")
@@ -146,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
                     runs += prefix_runs
                     continue
                 runs.append(_bench(args, name, endpoints, out, tokenizer_dir))
+                if name == "kv-cache-dtype":
+                    runs[-1]["kv_token_capacity"] = {e.label: kv_token_capacity(e.url) for e in endpoints}
                 if name == "tp":
                     runs[-1]["tensor"] = _tensor_split(model, out)
                 if _profile_levels(args):
@@ -170,6 +181,8 @@ def format_compare(report: dict) -> str:
         state = "ok" if run["ok"] else "FAILED requests (see its report)"
         lines += [f"== {run['name']}: {' vs '.join(run['endpoints'])}: {state}; report {run['report']}"]
         lines += format_ratios([r for r in report["ratios"] if r["run"] == run["name"]])
+        if run.get("kv_token_capacity"):
+            lines += format_kv_capacity(run["kv_token_capacity"])
     prefix = report["results"]["prefix"]
     for target in (prefix or {}).get("targets", ()):
         met = {True: "met", False: "NOT met", None: "unknown"}[target["met"]]
@@ -185,7 +198,7 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
     from stagemesh.bench.pipeline import bare_forward
     from stagemesh_core.gpus import node_gpu_count
 
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    levels = [int(c) for c in _concurrency(args, "bare").split(",") if c.strip()]
     input_len, output_len, _ = _sizes(args, "bare")
     bare = {f"batch{n}": bare_forward(model, n, 32, "auto", input_len, output_len) for n in levels}
     if node_gpu_count(os.environ, nvidia_smi_list(os.environ)):
@@ -222,7 +235,9 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
     - ``fused``: PP=1 with each layer's q/k/v and gate/up projections joined (``STAGEMESH_FUSE_PROJECTIONS=on``)
       vs ``off`` (mlx-lm's layers as they are): what joining them is worth;
     - ``prefix``: stagemesh with the prefix cache off (``--no-enable-prefix-caching``, the baseline), on (the
-      default), and ``mlx_lm.server`` with its prompt cache (on by default) on the same weights."""
+      default), and ``mlx_lm.server`` with its prompt cache (on by default) on the same weights;
+    - ``kv-cache-dtype``: ``--kv-cache-dtype`` auto (the baseline), q8 and q4 (``kv_cache_dtype_servers``):
+      what storing keys and values quantized costs in speed, beside the context it buys."""
     ncpu = os.cpu_count() or 1
     serve_args = list(serve_args)
     _stagemesh = functools.partial(_stagemesh_server, log_dir=log_dir)
@@ -245,6 +260,9 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
             stack.enter_context(_stagemesh(model, next(ports), serve_args, "stagemesh")),
             stack.enter_context(_mlx_lm_server(reference, next(ports), env, "mlx_lm")),
         ]
+    if name == "kv-cache-dtype":
+        return [stack.enter_context(_stagemesh(model, next(ports), flags, label))
+                for label, flags in kv_cache_dtype_servers(serve_args)]
     if name == "mlx-lm":
         return [
             stack.enter_context(_stagemesh(model, next(ports), serve_args, "stagemesh")),
@@ -422,12 +440,62 @@ def server_process(command: list[str], label: str, health_url: str | None, *, en
             os.unlink(log.name)  # a temporary log of a run that went well explains nothing
 
 
+def kv_cache_dtype_servers(serve_args: list[str]) -> list[tuple[str, list[str]]]:
+    """(label, serve flags) of the ``kv-cache-dtype`` comparison's servers, auto first (pure). The dtype flag
+    comes last, so it wins over one ``--serve-args`` gives (``--kv-cache-group-size`` there applies to both
+    quantized servers)."""
+    return [(f"kv-{name}", [*serve_args, "--kv-cache-dtype", name]) for name in KV_CACHE_DTYPES]
+
+
+def kv_token_capacity(url: str) -> int | None:
+    """The pipeline's KV capacity in token positions as a stagemesh gateway's ``/metrics`` reports it: the
+    smallest stage's ``stagemesh_stage_kv_token_capacity`` (every stage holds every running position); None
+    when it cannot be read (the run goes on without it)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        print(f"cannot read {url}/metrics: {exc}", file=sys.stderr)
+        return None
+    return capacity_from_metrics(text_string_to_metric_families(text))
+
+
+def capacity_from_metrics(families) -> int | None:
+    """The smallest stage's KV token capacity among parsed ``/metrics`` families (pure); None without one."""
+    values = [sample.value for family in families if family.name == "stagemesh_stage_kv_token_capacity"
+              for sample in family.samples if sample.name == family.name]
+    return int(min(values)) if values else None
+
+
+def format_kv_capacity(capacity: dict[str, int | None]) -> list[str]:
+    """Each server's KV token capacity and its ratio to the first's (the baseline) (pure)."""
+    labels = list(capacity)
+    base = capacity[labels[0]]
+    lines = []
+    for label in labels:
+        tokens = capacity[label]
+        ratio = f", {tokens / base:.2f}x of {labels[0]}" if tokens and base and label != labels[0] else ""
+        lines.append(f"{label}: KV for {tokens:,} tokens{ratio}" if tokens else f"{label}: KV capacity unknown")
+    return lines
+
+
+def _concurrency(args: argparse.Namespace, name: str) -> str:
+    """The concurrency levels of a comparison: ``--concurrency``, else its default."""
+    if args.concurrency is not None:
+        return args.concurrency
+    return KV_DTYPE_CONCURRENCY if name == "kv-cache-dtype" else DEFAULT_CONCURRENCY
+
+
 def _sizes(args: argparse.Namespace, name: str) -> tuple[int, int, int | None]:
     """(input, output, prompts per level) of a comparison: the flags, else its defaults (prompts None:
     ``stagemesh bench serve`` picks them per level)."""
     defaults: tuple[int, int, int | None]
     if name == "prefix":
         defaults = (args.system_len + args.user_len, PREFIX_OUTPUT_LEN, 2 * args.conversations)
+    elif name == "kv-cache-dtype":
+        defaults = KV_DTYPE_SIZES
     else:
         defaults = DEFAULT_SIZES
     input_len = defaults[0] if args.input_len is None else args.input_len
@@ -443,7 +511,7 @@ def _bench(args, name: str, endpoints: list[Endpoint], out: Path, tokenizer_dir:
     with the rest of the progress; returns the run's entry of the report, its ratios included."""
     input_len, output_len, num_prompts = _sizes(args, name)
     if workload is None:
-        workload = ["--concurrency", args.concurrency, "--input-len", str(input_len),
+        workload = ["--concurrency", _concurrency(args, name), "--input-len", str(input_len),
                     *(["--num-prompts", str(num_prompts)] if num_prompts is not None else [])]
     report = out / f"{name}.json"
     command = [sys.executable, "-m", "stagemesh.cli", "bench", "serve", *workload, "--output-len", str(output_len),
