@@ -247,12 +247,14 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
         # directory: MODEL's or the --shape checkpoint itself; else, as for ``matched``, the same dense float32
         # weights with the same BLAS as our stages (stock mlx_lm here is far slower for reasons that have
         # nothing to do with caching, which would make "no worse than mlx_lm" say nothing; docs/performance.md
-        # has the figures).
-        if as_is:
-            reference, env = model, {}
-        else:
-            reference = _dense_f32_dir(q4_dir, tmp)
-            env = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": str(ncpu)} if blas else {}
+        # has the figures). On a CPU host mlx_lm.server gets our stages' BLAS also for a model it reads as it is
+        # (a --shape checkpoint): without it a long prompt's prefill is about ten times slower there, which
+        # again says nothing about its prompt cache.
+        from stage_worker.model.device import current_backend
+
+        reference = model if as_is else _dense_f32_dir(q4_dir, tmp)
+        cpu_blas = not as_is or current_backend() == "cpu"
+        env = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": str(ncpu)} if cpu_blas and blas else {}
         return [
             # The flag last: it wins over anything --serve-args says about the cache.
             stack.enter_context(_stagemesh(model, next(ports), [*serve_args, "--no-enable-prefix-caching"],
