@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from stagemesh import serve
-from stagemesh.plan_report import print_plan, tp_link_figures
+from stagemesh.plan_report import print_plan, tp_link_for
 from stagemesh_core.errors import UserError
 
 
@@ -32,21 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose stages may count SIZE (e.g. 96GB; on a Mac its GPU's recommended working set), "
                              "BACKEND metal (default), cpu or cuda; repeat per node. Stage g of the mesh runs on "
                              "node g mod the number of nodes")
-    parser.add_argument("--tp-link", default=None, metavar="FILE",
-                        help="with -tp: the group's link as `stagemesh doctor --tp-link --json > FILE` measured it "
-                             "(all-reduce and hop latency, the nodes' memory bandwidth); default: the backend's "
-                             "assumed latency, printed as an assumption")
-    parser.add_argument("--tp-link-latency-us", type=float, default=None, metavar="US",
-                        help="with -tp: one all-reduce of a decode row over the group's link, in microseconds, as "
-                             "you measured it (instead of --tp-link)")
 
 
 def run(args: argparse.Namespace) -> int:
     spec, config = serve.build_mesh_config(args)
     try:
-        if config.tensor_parallel_size == 1 and (args.tp_link or args.tp_link_latency_us is not None):
-            raise UserError("--tp-link and --tp-link-latency-us describe a -tp group's link: plan with -tp 2 or more")
-        link = tp_link_figures(config.tp_backend, args.tp_link, args.tp_link_latency_us)
+        link = tp_link_for(args, config.tensor_parallel_size, config.tp_backend)
     except UserError as exc:
         print(f"stagemesh plan: error: {exc}", file=sys.stderr)
         return 2

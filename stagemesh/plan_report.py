@@ -59,6 +59,15 @@ def assumed_seats(specs: list[str], pp: int, dp: int) -> list[list]:
              for g in range(replica * pp, (replica + 1) * pp)] for replica in range(dp)]
 
 
+def tp_link_for(args: Any, tensor_parallel_size: int, backend: str) -> LinkFigures:
+    """The link the flags of ``add_tp_link_arguments`` name (``tp_link_figures``); ``UserError`` where they are
+    given without a -tp group."""
+    link_file, latency_us = getattr(args, "tp_link", None), getattr(args, "tp_link_latency_us", None)
+    if tensor_parallel_size == 1 and (link_file or latency_us is not None):
+        raise UserError("--tp-link and --tp-link-latency-us describe a -tp group's link: plan with -tp 2 or more")
+    return tp_link_figures(backend, link_file, latency_us)
+
+
 def tp_link_figures(backend: str, link_file: str | None = None, latency_us: float | None = None) -> LinkFigures:
     """The link ``-tp`` plans with: measured (``--tp-link FILE``, doctor's JSON), given
     (``--tp-link-latency-us``), else ``backend``'s named assumption; ``UserError`` for a file that holds no

@@ -116,7 +116,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds allowed for every stage to load and join its ring")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the layer plan (as `stagemesh plan` does) and exit without starting a stage")
+    add_tp_link_arguments(parser)
     security_flags.add_arguments(parser)
+
+
+def add_tp_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tp-link`` and ``--tp-link-latency-us``: the link a -tp group's plan is costed with (``stagemesh plan``
+    and ``stagemesh serve --dry-run``)."""
+    parser.add_argument("--tp-link", default=None, metavar="FILE",
+                        help="with -tp: the group's link as `stagemesh doctor --tp-link --json > FILE` measured it "
+                             "(all-reduce and hop latency, the nodes' memory bandwidth) for the plan's cost of the "
+                             "group's all-reduces; default: the backend's assumed latency, printed as an assumption")
+    parser.add_argument("--tp-link-latency-us", type=float, default=None, metavar="US",
+                        help="with -tp: one all-reduce of a decode row over the group's link, in microseconds, as "
+                             "you measured it (instead of --tp-link)")
 
 
 def resolve_model_argument(model: str | None, load_format: str) -> str:
@@ -291,6 +304,10 @@ def run(args: argparse.Namespace) -> int:
     from stagemesh.model_card import model_card
 
     try:
+        if not getattr(args, "dry_run", False) and (args.tp_link or args.tp_link_latency_us is not None):
+            # Only the plan reads the link's figures; a serving mesh would drop them without a word.
+            raise ServeConfigError("--tp-link and --tp-link-latency-us cost a -tp plan: use them with --dry-run "
+                                   "or `stagemesh plan`")
         spec, config = build_mesh_config(args)
         check_port_free(args.host, args.port, "--port")
         if args.ollama_port is not None:
@@ -300,9 +317,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagemesh serve: error: {exc}", file=sys.stderr)
         return 2
     if getattr(args, "dry_run", False):
-        from stagemesh.plan_report import print_plan  # the coordinator's planning code: only for a dry run
+        from stagemesh.plan_report import print_plan, tp_link_for  # the coordinator's planning code: dry run only
 
-        return print_plan(config, as_json=False)
+        try:
+            link = tp_link_for(args, config.tensor_parallel_size, config.tp_backend)
+        except UserError as exc:
+            print(f"stagemesh serve: error: {exc}", file=sys.stderr)
+            return 2
+        return print_plan(config, as_json=False, link=link, spec=spec)
     tokenizer = load_tokenizer(spec)
     check_dummy_vocabulary(spec, tokenizer)
     coordinator = MeshCoordinator(config)

@@ -79,3 +79,15 @@ def test_assumed_nodes_plan_a_cluster_that_is_not_there(_run):
     assert studio["layers"][1] > 16 and mini["budget_bytes"] == int(16e9 * 0.8)
     bad = _run("plan", "--assume-node", "mac-mini=lots")
     assert bad.returncode == 2 and "--assume-node 'mac-mini=lots'" in bad.stderr
+
+
+@pytest.mark.e2e
+def test_serve_dry_run_costs_a_tp_group_over_the_link_given_and_serve_refuses_it_without(_run):
+    done = _run("serve", "-tp", "2", "--dry-run", "--tp-link-latency-us", "40", memory="4GB")
+    assert done.returncode == 0, done.stderr
+    assert "one all-reduce of a [1, 576] float32 row 40.0 us (given: --tp-link-latency-us)" in done.stdout
+    assert "all-reduces per token: 60 (2 per layer x 30 layers) = 2.40 ms" in done.stdout
+    refused = _run("serve", "-tp", "2", "--tp-link-latency-us", "40", memory="4GB")
+    assert refused.returncode == 2 and "use them with --dry-run" in refused.stderr
+    alone = _run("serve", "--dry-run", "--tp-link-latency-us", "40", memory="4GB")
+    assert alone.returncode == 2 and "plan with -tp 2 or more" in alone.stderr
