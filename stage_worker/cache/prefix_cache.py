@@ -9,12 +9,9 @@ cached prefix of a prompt and takes a reference on its entry; a referenced entry
 in the stage's KV budget next to the running sequences' reservations: ``evict_to`` keeps them within what
 admission leaves free, so a cached block never takes a place a running sequence needs.
 
-With ``exact=True`` (a model with a sliding-window or recurrent layer, whose state cannot be cut at a block)
-an entry is a state taken whole: at the end of a finished sequence (``insert``), and at the end of a prompt but
-its last token (``insert_checkpoint``), so a regenerated turn, or one that re-sends the prompt with something
-else appended, restores all but the token it must compute to sample from. ``lookup`` takes an entry only where
-the prompt starts with every one of its tokens, and restores exactly that many. The entry stage is the only one
-that decides; every other stage does what the batch records say (``stage_worker.cache.kv_store``).
+With ``exact=True`` (a sliding-window or recurrent layer: no cut at a block) an entry is a whole state, of a
+finished sequence (``insert``) or of a prompt but its last token (``insert_checkpoint``), found only by a prompt
+starting with all its tokens. The entry stage alone decides; the others obey the records (``kv_store``).
 """
 
 from __future__ import annotations
