@@ -92,14 +92,21 @@ def test_every_worker_is_in_the_mesh_and_the_metrics(serve):
     assert workers == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(s["healthy"] and s["state"] == "serving" for s in replica["stages"])
     assert len({s["grpc_port"] for s in replica["stages"]}) == 4
-    metrics = httpx.get(f"{serve.url}/metrics", timeout=10).text
-    batches = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("stagemesh_stage_batches_total{")}
-    # A member computes every batch its worker 0 computes.
-    for rank in (0, 1):
-        leader = batches[f'host="127.0.0.1",rank="{rank}",replica="0",worker="0"']
-        member = batches[f'host="127.0.0.1",rank="{rank}",replica="0",worker="1"']
-        assert leader > 0 and member == leader
+    # A member computes every batch its worker 0 computes. The stages' counts are read from each one's status
+    # as the gateway last polled it, so a batch that just ran (the release after the last request) may be in
+    # one member's count before its leader's: read until the mesh is quiet and the two agree, for a while.
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(f"{serve.url}/metrics", timeout=10).text
+        batches = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                   for line in metrics.splitlines() if line.startswith("stagemesh_stage_batches_total{")}
+        pairs = [(batches[f'host="127.0.0.1",rank="{rank}",replica="0",worker="0"'],
+                  batches[f'host="127.0.0.1",rank="{rank}",replica="0",worker="1"']) for rank in (0, 1)]
+        if all(leader == member for leader, member in pairs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for leader, member in pairs:
+        assert leader > 0 and member == leader, pairs
 
 
 def test_a_killed_worker_fails_requests_in_flight_and_its_group_heals(serve, reference, tokenizer):
