@@ -57,16 +57,22 @@ def _conversation(pipeline: InProcessPipeline) -> list[list[int]]:
     return out
 
 
+def _cache_on_equals_off(spec, depth: int, drive) -> PrefixCache:
+    """``drive`` over a PP=``depth`` pipeline with the prefix cache off, then on: the same tokens; the cache."""
+    with InProcessPipeline(_stages(spec, depth)) as off:
+        expected = drive(off)
+    cache = PrefixCache(BLOCK, b"test", exact=True)
+    with InProcessPipeline(_stages(spec, depth), prefix_cache=cache) as on:
+        assert drive(on) == expected, f"{spec.model_type} PP={depth}"
+    return cache
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_conversation_restores_its_whole_history_and_equals_the_cache_off(checkpoints, name):
     spec = read_model_spec(tiny_checkpoint(name, checkpoints))
     assert not exact_prefix_reuse(spec) and whole_state_reuse(spec)
     for depth in (1, 2):
-        with InProcessPipeline(_stages(spec, depth)) as off:
-            expected = _conversation(off)
-        cache = PrefixCache(BLOCK, b"test", exact=True)
-        with InProcessPipeline(_stages(spec, depth), prefix_cache=cache) as on:
-            assert _conversation(on) == expected, f"{name} PP={depth}"
+        cache = _cache_on_equals_off(spec, depth, _conversation)
         # Turns 2 and 3 of each conversation restored the whole previous turn: its prompt and the reply's
         # tokens fed (the last sampled one was never fed).
         first = len(SYSTEM) + 3
@@ -91,11 +97,7 @@ def _regenerations(pipeline: InProcessPipeline) -> list[list[int]]:
 def test_a_regenerated_turn_restores_its_prompt_checkpoint_and_equals_the_cache_off(checkpoints, name):
     spec = read_model_spec(tiny_checkpoint(name, checkpoints))
     for depth in (1, 2):
-        with InProcessPipeline(_stages(spec, depth)) as off:
-            expected = _regenerations(off)
-        cache = PrefixCache(BLOCK, b"test", exact=True)
-        with InProcessPipeline(_stages(spec, depth), prefix_cache=cache) as on:
-            assert _regenerations(on) == expected, f"{name} PP={depth}"
+        cache = _cache_on_equals_off(spec, depth, _regenerations)
         # The regeneration and the appended prompt restore the first prompt's checkpoint (all but its last
         # token); the batched regenerations restore the other prompt's. The finished states cannot serve them.
         first, other = len(SYSTEM) + 3, 15

@@ -453,6 +453,12 @@ def kv_token_capacity(url: str) -> int | None:
     """The pipeline's KV capacity in token positions as a stagemesh gateway's ``/metrics`` reports it: the
     smallest stage's ``stagemesh_stage_kv_token_capacity`` (every stage holds every running position); None
     when it cannot be read (the run goes on without it)."""
+    families = _metric_families(url)
+    return None if families is None else capacity_from_metrics(families)
+
+
+def _metric_families(url: str) -> list | None:
+    """A stagemesh gateway's ``/metrics``, parsed; None (said on stderr) when it cannot be read."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -461,7 +467,7 @@ def kv_token_capacity(url: str) -> int | None:
     except httpx.HTTPError as exc:
         print(f"cannot read {url}/metrics: {exc}", file=sys.stderr)
         return None
-    return capacity_from_metrics(text_string_to_metric_families(text))
+    return list(text_string_to_metric_families(text))
 
 
 def capacity_from_metrics(families) -> int | None:
@@ -559,16 +565,8 @@ def _bench_prefix(args, endpoints: list[Endpoint], out: Path, tokenizer_dir: str
 def prefix_cache_counters(url: str) -> dict[str, float]:
     """The prefix-cache counters a stagemesh gateway's ``/metrics`` reports, summed over its stages
     (empty when it cannot be read: the summary then lacks them, the run goes on)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError as exc:
-        print(f"cannot read {url}/metrics: {exc}", file=sys.stderr)
-        return {}
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in _metric_families(url) or ():
         if family.name.startswith("stagemesh_stage_prefix_cache_"):
             for sample in family.samples:
                 if not sample.name.endswith("_created"):
