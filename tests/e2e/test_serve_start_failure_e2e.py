@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -37,9 +38,22 @@ def test_a_stage_that_cannot_read_its_weights_fails_serve_with_exit_2_and_its_er
     assert "stagemesh serve: the mesh did not start: replica 0 stage 0" in stderr, stderr[-3000:]
     # The stage's own words, through its log tail: which file, which tensor, and what is likely wrong.
     assert f"cannot read {weights}" in stderr and "incomplete download" in stderr, stderr[-3000:]
-    left = [p for p in psutil.process_iter(["pid"]) if _session(p.pid) == process.pid]
+    left = _still_running(process.pid)
     assert not left, f"processes of the failed serve still running: {left}"
     assert all(port_is_free(p) for p in (port, grpc_base, ring_base, ring_base + 1))
+
+
+def _still_running(session: int, settle_s: float = 10.0) -> list[psutil.Process]:
+    """The session's processes that still run once they have had ``settle_s`` to exit. A zombie has exited (it holds
+    no memory, port or device; it only waits for its parent, or for PID 1 in a container, to reap it), so it does
+    not count."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = [p for p in psutil.process_iter(["pid", "status"])
+                if _session(p.pid) == session and p.info["status"] != psutil.STATUS_ZOMBIE]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _session(pid: int) -> int | None:
