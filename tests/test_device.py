@@ -11,6 +11,7 @@ from stage_worker.model.device import (
     backend_of,
     cpu_model_name,
     describe,
+    memory_limit_for,
     needs_nvidia_smi,
     parse_nvidia_smi_query,
     probe,
@@ -48,6 +49,16 @@ def test_metal_names_the_chip_and_its_architecture_and_budgets_the_working_set()
     assert wired_limit(device) == 48 * GB
     older = describe(DeviceFacts("gpu", True, False, {"architecture": "applegpu_g13s", "memory_size": 16 * GB}))
     assert (older.name, older.memory_bytes) == ("applegpu_g13s", 16 * GB)
+
+
+def test_a_gpu_stage_keeps_mlx_within_its_budget_and_a_cpu_stage_leaves_the_host_to_page():
+    # Three servers sharing an 80 GB GPU, each at --memory-fraction 0.26: each MLX held to its 20.8 GB, where its
+    # own default (0.8 of the GPU) would let one process's freed buffers crowd out the others.
+    budget = budget_for(0.26, 1, host_total=128 * GB, host_available=100 * GB, backend="cuda",
+                        device_total=80 * GB, device_free=79 * GB)
+    assert memory_limit_for("cuda", budget.budget_bytes) == int(80 * GB * 0.26)
+    assert memory_limit_for("metal", 30 * GB) == 30 * GB
+    assert memory_limit_for("cpu", 10 * GB) is None
 
 
 def test_cuda_takes_name_and_memory_from_mlx_else_from_nvidia_smi():

@@ -240,3 +240,26 @@ def apply_wired_limit(device: StageDevice) -> int | None:
     except (RuntimeError, ValueError):
         return None
     return limit
+
+
+def memory_limit_for(backend: str, budget_bytes: int) -> int | None:
+    """The limit MLX's allocator keeps this stage under (pure): its memory budget on a GPU backend, None on the
+    CPU. A GPU's memory is not paged: MLX's allocator keeps freed buffers for reuse, by default up to most of the
+    whole GPU (CUDA: 0.8 of it; Metal: 1.5x the recommended working set), so two servers or stages sharing a GPU,
+    each within its ``--memory-fraction`` share, could still starve each other into out-of-memory errors. Under
+    the limit, MLX returns what it keeps before it would go past its share. On the CPU the host pages memory and
+    the budget stays a planning figure."""
+    return budget_bytes if backend in ("cuda", "metal") and budget_bytes > 0 else None
+
+
+def apply_memory_limit(backend: str, budget_bytes: int) -> int | None:
+    """Set MLX's memory limit and its buffer cache's to ``memory_limit_for``; the limit set, or None where none
+    applies."""
+    limit = memory_limit_for(backend, budget_bytes)
+    if limit is None:
+        return None
+    import mlx.core as mx
+
+    mx.set_memory_limit(limit)
+    mx.set_cache_limit(limit)
+    return limit

@@ -40,7 +40,7 @@ from stage_worker.engine.stage_runtime import EntryPipeline, LogitRecorder, Stag
 from stage_worker.engine.stage_status import StageStatus
 from stage_worker.engine.warmup import warm_up, warmup_plan
 from stage_worker.model.blas import AdaptiveBlasThreads, loaded_blas, usable_cores
-from stage_worker.model.device import StageDevice, apply_wired_limit, current_backend, probe
+from stage_worker.model.device import StageDevice, apply_memory_limit, apply_wired_limit, current_backend, probe
 from stage_worker.model.expert_routing import policy_for
 from stage_worker.model.fused_projections import fusion_wanted
 from stage_worker.model.masked_decode_kernel import decode_kernel_wanted
@@ -197,6 +197,16 @@ def load(ctx: StageContext, status: StageStatus, group: mx.distributed.Group | N
     if device.backend == "cuda":  # set before MLX ran (process_setup.serving_mlx_environment)
         log.info("MLX CUDA settings: %s",
                  " ".join(f"{name}={os.environ.get(name, 'unset')}" for name in SERVING_MLX_CUDA_DEFAULTS))
+    sharing = launch.stages_sharing_host()
+    own_gpu = stage_has_own_gpu(options.gpu_index, settings.GPU_PER_STAGE)
+    budget = host_memory_budget(options.memory_fraction,
+                                stages_sharing_memory(device.backend, sharing, options.stages_on_gpu, own_gpu),
+                                device.backend, device.memory_bytes, device.free_bytes)
+    # Before the load: reading and joining weights frees buffers too, which MLX would otherwise keep.
+    limit = apply_memory_limit(device.backend, budget.budget_bytes)
+    if limit is not None:
+        log.info("MLX memory and cache limit %.1f GB: this stage's budget (--memory-fraction %g of the GPU's %.1f GB "
+                 "over %d stage(s))", limit / 1e9, budget.fraction, budget.total_bytes / 1e9, budget.stages_on_host)
     started = time.monotonic()
     # The readers report the bytes they read: a line in the log every few seconds, and GetStageInfo's stats
     # (so `stagemesh status`, /mesh and the dashboard show how far a long load has got).
@@ -205,11 +215,6 @@ def load(ctx: StageContext, status: StageStatus, group: mx.distributed.Group | N
         # A group member computes layers only: worker 0 embeds, and samples from the group's sum.
         role = StageRole(me.layers, launch.is_first and not launch.is_member, launch.is_last and not launch.is_member)
         model = StageModel.load(spec, role, ctx.dtype)
-    sharing = launch.stages_sharing_host()
-    own_gpu = stage_has_own_gpu(options.gpu_index, settings.GPU_PER_STAGE)
-    budget = host_memory_budget(options.memory_fraction,
-                                stages_sharing_memory(device.backend, sharing, options.stages_on_gpu, own_gpu),
-                                device.backend, device.memory_bytes, device.free_bytes)
     status.blas = loaded_blas()
     dense, why = choose_dense_weights(
         launch.plan.dequantize, backend=device.backend, blas=status.blas,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import functools
 import json
 import os
 import shutil
@@ -29,12 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stagemesh.bench import flags
 from stagemesh.bench.random_checkpoint import check_shape_flags, shape_description, write_shape_checkpoint
+from stagemesh_core import defaults
 from stagemesh_core.errors import UserError
 
 COMPARISONS = ("stock", "matched", "pp", "two-hosts", "mlx-lm", "gpus", "gpus-pp", "fused", "prefix", "tp",
@@ -213,9 +213,23 @@ def _bare(args: argparse.Namespace, model: str, out: Path) -> dict:
     return bare
 
 
-def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), as_is=False,
-                      log_dir: Path | None = None) -> list[Endpoint]:
-    """The servers of comparison ``name``, started on ``stack``, the first the one every ratio is taken against:
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server of a comparison, before it starts: ``stagemesh serve`` with ``flags``, or ``mlx_lm.server``."""
+
+    label: str
+    model: str
+    flags: tuple[str, ...] = ()  # stagemesh serve's own flags; none for mlx_lm.server
+    env: tuple[tuple[str, str], ...] = ()  # added to the environment
+    mlx_lm: bool = False
+    pin: str | None = None  # STAGEMESH_PIN_CORES (two-hosts)
+
+
+def comparison_servers(name: str, model: str, q4_dir: str, dense_f32: Callable[[], str], blas: str | None,
+                       serve_args: Sequence[str] = (), as_is: bool = False, backend: str = "cpu",
+                       ncpu: int = 1) -> list[ServerSpec]:
+    """The servers of comparison ``name``, in the order they start, the first the one every ratio is taken
+    against (pure but for ``dense_f32``, which makes the dense float32 checkpoint once when a server needs it):
 
     - ``stock``: stagemesh serve (defaults) vs stock ``mlx_lm.server`` on the same checkpoint converted to an
       mlx-lm directory (4-bit layers, 8-bit embedding, MLX's bundled reference BLAS): what a user gets out of
@@ -238,10 +252,9 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
       default), and ``mlx_lm.server`` with its prompt cache (on by default) on the same weights;
     - ``kv-cache-dtype``: ``--kv-cache-dtype`` auto (the baseline), q8 and q4 (``kv_cache_dtype_servers``):
       what storing keys and values quantized costs in speed, beside the context it buys."""
-    ncpu = os.cpu_count() or 1
-    serve_args = list(serve_args)
-    _stagemesh = functools.partial(_stagemesh_server, log_dir=log_dir)
-    _mlx_lm_server = functools.partial(_mlx_lm, log_dir=log_dir)
+    serve = tuple(serve_args)
+    same_blas = (("LD_PRELOAD", blas), ("OPENBLAS_NUM_THREADS", str(ncpu))) if blas else ()
+    tp_env = tuple(TP_ENV.items())
     if name == "prefix":
         # Cache off first: the baseline every ratio is taken against. mlx_lm.server reads an mlx-lm
         # directory: MODEL's or the --shape checkpoint itself; else, as for ``matched``, the same dense float32
@@ -250,78 +263,81 @@ def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(
         # has the figures). On a CPU host mlx_lm.server gets our stages' BLAS also for a model it reads as it is
         # (a --shape checkpoint): without it a long prompt's prefill is about ten times slower there, which
         # again says nothing about its prompt cache.
-        from stage_worker.model.device import current_backend
-
-        reference = model if as_is else _dense_f32_dir(q4_dir, tmp)
-        cpu_blas = not as_is or current_backend() == "cpu"
-        env = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": str(ncpu)} if cpu_blas and blas else {}
+        reference = model if as_is else dense_f32()
+        cpu_blas = not as_is or backend == "cpu"
         return [
             # The flag last: it wins over anything --serve-args says about the cache.
-            stack.enter_context(_stagemesh(model, next(ports), [*serve_args, "--no-enable-prefix-caching"],
-                                           "stagemesh-cache-off")),
-            stack.enter_context(_stagemesh(model, next(ports), serve_args, "stagemesh")),
-            stack.enter_context(_mlx_lm_server(reference, next(ports), env, "mlx_lm")),
+            ServerSpec("stagemesh-cache-off", model, (*serve, "--no-enable-prefix-caching")),
+            ServerSpec("stagemesh", model, serve),
+            ServerSpec("mlx_lm", reference, env=same_blas if cpu_blas else (), mlx_lm=True),
         ]
     if name == "kv-cache-dtype":
-        return [stack.enter_context(_stagemesh(model, next(ports), flags, label))
-                for label, flags in kv_cache_dtype_servers(serve_args)]
+        return [ServerSpec(label, model, tuple(flags)) for label, flags in kv_cache_dtype_servers(list(serve))]
     if name == "mlx-lm":
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), serve_args, "stagemesh")),
-            stack.enter_context(_mlx_lm_server(model, next(ports), {}, "mlx_lm")),
-        ]
+        return [ServerSpec("stagemesh", model, serve), ServerSpec("mlx_lm", model, mlx_lm=True)]
     if name == "stock":
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), [], "stagemesh")),
-            stack.enter_context(_mlx_lm_server(q4_dir, next(ports), {}, "mlx_lm-q4-refblas")),
-        ]
+        return [ServerSpec("stagemesh", model), ServerSpec("mlx_lm-q4-refblas", q4_dir, mlx_lm=True)]
     if name == "matched":
-        env = {"LD_PRELOAD": blas, "OPENBLAS_NUM_THREADS": str(ncpu)} if blas else {}
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), [], "stagemesh")),
-            stack.enter_context(_mlx_lm_server(_dense_f32_dir(q4_dir, tmp), next(ports), env,
-                                               "mlx_lm-f32-same-blas")),
-        ]
+        return [ServerSpec("stagemesh", model),
+                ServerSpec("mlx_lm-f32-same-blas", dense_f32(), env=same_blas, mlx_lm=True)]
     if name == "pp":
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
-        ]
+        return [ServerSpec("pp1", model, ("-pp", "1", *serve)), ServerSpec("pp2", model, ("-pp", "2", *serve))]
     if name == "gpus":
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
-            stack.enter_context(_stagemesh(model, next(ports), ["-dp", "2", *serve_args], "dp2")),
-        ]
+        return [ServerSpec("pp1", model, ("-pp", "1", *serve)), ServerSpec("pp2", model, ("-pp", "2", *serve)),
+                ServerSpec("dp2", model, ("-dp", "2", *serve))]
     if name == "gpus-pp":
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1")),
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2")),
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2-step-ahead-off",
-                                           extra_env={"STAGEMESH_STEP_AHEAD": "off"})),
-        ]
+        return [ServerSpec("pp1", model, ("-pp", "1", *serve)), ServerSpec("pp2", model, ("-pp", "2", *serve)),
+                ServerSpec("pp2-step-ahead-off", model, ("-pp", "2", *serve),
+                           env=(("STAGEMESH_STEP_AHEAD", "off"),))]
     if name == "tp":
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), ["-tp", "1", *serve_args], "tp1", extra_env=TP_ENV)),
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2", *serve_args], "pp2", extra_env=TP_ENV)),
-            stack.enter_context(_stagemesh(model, next(ports), ["-tp", "2", *serve_args], "tp2", extra_env=TP_ENV)),
-        ]
+        return [ServerSpec("tp1", model, ("-tp", "1", *serve), env=tp_env),
+                ServerSpec("pp2", model, ("-pp", "2", *serve), env=tp_env),
+                ServerSpec("tp2", model, ("-tp", "2", *serve), env=tp_env)]
     if name == "fused":
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1",
-                                           extra_env={"STAGEMESH_FUSE_PROJECTIONS": "on"})),
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1", *serve_args], "pp1-unfused",
-                                           extra_env={"STAGEMESH_FUSE_PROJECTIONS": "off"})),
-        ]
+        return [ServerSpec("pp1", model, ("-pp", "1", *serve), env=(("STAGEMESH_FUSE_PROJECTIONS", "on"),)),
+                ServerSpec("pp1-unfused", model, ("-pp", "1", *serve), env=(("STAGEMESH_FUSE_PROJECTIONS", "off"),))]
     if name == "two-hosts":
-        if not shutil.which("taskset") or ncpu < 2:
-            raise SystemExit("two-hosts needs taskset and at least 2 cores")
         # Each "host" is one core: stage g pinned to core g; the one-host reference on core 0.
-        return [
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "1"], "one-host", pin="0")),
-            stack.enter_context(_stagemesh(model, next(ports), ["-pp", "2"], "two-hosts", pin="per-stage")),
-        ]
+        return [ServerSpec("one-host", model, ("-pp", "1"), pin="0"),
+                ServerSpec("two-hosts", model, ("-pp", "2"), pin="per-stage")]
     raise ValueError(name)
+
+
+def share_the_gpu(servers: list[ServerSpec], backend: str) -> list[ServerSpec]:
+    """``servers`` with each stagemesh serve given an equal share of ``--memory-fraction``'s default where
+    they run side by side on a GPU (pure). Every serve plans its weights and KV within its fraction of the
+    device, and its stages hold MLX to that budget; several serves each taking the whole default would
+    together ask for more than the GPU has, and a GPU's memory is not paged: the first step that does not
+    fit fails. mlx_lm.server has no such limit and takes what it needs from what the shares leave. A
+    ``--memory-fraction`` in ``--serve-args`` wins; the CPU's host pages memory and keeps the default."""
+    if backend not in ("cuda", "metal") or len(servers) < 2:
+        return servers
+    if any("--memory-fraction" in s.flags or any(f.startswith("--memory-fraction=") for f in s.flags)
+           for s in servers):
+        return servers
+    share = f"{int(defaults.MEMORY_FRACTION / len(servers) * 100) / 100:g}"
+    return [s if s.mlx_lm else replace(s, flags=(*s.flags, "--memory-fraction", share)) for s in servers]
+
+
+def _start_comparison(name, stack, model, q4_dir, tmp, blas, ports, serve_args=(), as_is=False,
+                      log_dir: Path | None = None) -> list[Endpoint]:
+    """``comparison_servers``, shared on a GPU (``share_the_gpu``), started on ``stack`` in their order."""
+    from stage_worker.model.device import current_backend
+
+    backend = current_backend()
+    servers = share_the_gpu(comparison_servers(name, model, q4_dir, lambda: _dense_f32_dir(q4_dir, tmp), blas,
+                                               serve_args, as_is, backend, os.cpu_count() or 1), backend)
+    if any(s.pin for s in servers) and (not shutil.which("taskset") or (os.cpu_count() or 1) < 2):
+        raise SystemExit("two-hosts needs taskset and at least 2 cores")
+    endpoints = []
+    for server in servers:
+        if server.mlx_lm:
+            started = _mlx_lm(server.model, next(ports), dict(server.env), server.label, log_dir=log_dir)
+        else:
+            started = _stagemesh_server(server.model, next(ports), list(server.flags), server.label, pin=server.pin,
+                                        log_dir=log_dir, extra_env=dict(server.env))
+        endpoints.append(stack.enter_context(started))
+    return endpoints
 
 
 def _tensor_split(model: str, out: Path) -> dict | None:
