@@ -1,13 +1,13 @@
 """One member of a tensor-parallel group in its own process, for tests/test_tensor_parallel.py.
 
 ``python -m tests.tensor_parallel_worker CONFIG.json``: loads a model's whole stage (the default, or
-``CONFIG["model"]``) in float32
-with dense weights, joins MLX's ring (``MLX_RANK`` / ``MLX_HOSTFILE``) when the group has more than one
-member and cuts its layers to its share (``stage_worker.model.tensor_parallel``), then decodes each prompt
-greedily through the stage's packed path with its own KV caches. Rank 0 writes the tokens and the logits of
-every step to ``CONFIG["out"]``, with its share, its weight bytes (the slice's and its layers' alone: the
-embedding and head stay whole) and the shapes its caches hold after the first prompt (``cache_shapes``: per
-layer, the shape of every array of its cache).
+``CONFIG["model"]``) in float32 with dense weights, joins MLX's ring (``MLX_RANK`` / ``MLX_HOSTFILE``) when the
+group has more than one member and cuts its layers to its share (``stage_worker.model.tensor_parallel``),
+loading lazily as a stage's worker does, then decodes each prompt greedily through the stage's packed path with
+its own KV caches. Rank 0 writes the tokens and the logits of every step to ``CONFIG["out"]``, with its share,
+its weight bytes (the slice's and its layers' alone: the embedding and head stay whole), the whole slice's
+bytes before the cut, its largest layer's, MLX's peak memory over the load and the cut, and the shapes its
+caches hold after the first prompt (``cache_shapes``: per layer, the shape of every array of its cache).
 """
 
 from __future__ import annotations
@@ -28,13 +28,20 @@ def main(config_path: str) -> None:
     from stagemesh_core.layer_split import LayerRange
 
     spec = read_model_spec(resolve_model_path(config.get("model")))
-    model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
-    model.dequantize()
+    # As a stage's worker does: a group member loads lazily and evaluates its cut layer by layer.
+    lazy = config["size"] > 1
+    mx.reset_peak_memory()
+    model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32,
+                            evaluate=not lazy)
+    model.dequantize(evaluate=not lazy)
+    whole_bytes = model.weight_bytes
+    largest_layer = max(sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in model.layers)
     share = None
     if config["size"] > 1:
         group = mx.distributed.init(backend="ring", strict=True)
         assert group.size() == config["size"], group.size()
         share = model.shard(group, rank_0_extra=spec.vocab_size * spec.hidden_size)  # as a last stage
+    load_peak = mx.get_peak_memory()
     results, cache_shapes = [], None
     for prompt in config["prompts"]:
         caches = model.new_caches()
@@ -54,6 +61,7 @@ def main(config_path: str) -> None:
             json.dump({"results": results, "heads": None if share is None else len(share.heads),
                        "kv_heads": None if share is None else len(share.kv_heads),
                        "weight_bytes": model.weight_bytes, "cache_shapes": cache_shapes,
+                       "whole_bytes": whole_bytes, "largest_layer_bytes": largest_layer, "load_peak_bytes": load_peak,
                        "layer_bytes": sum(v.nbytes for layer in model.layers
                                           for _, v in tree_flatten(layer.parameters()))}, f)
 

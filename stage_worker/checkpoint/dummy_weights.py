@@ -86,14 +86,15 @@ def _layer_order(name: str) -> tuple[int, str]:
 
 
 def dummy_stage_weights(
-    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, dtype: mx.Dtype
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, dtype: mx.Dtype, evaluate: bool = True
 ) -> dict[str, mx.array]:
     """Random, evaluated weights for exactly the tensors this stage holds.
 
     Tensors are generated directly in ``dtype`` (no float32 copy of the model); a module the spec quantizes
     (``spec.quantization_for``) arrives as ``mx.quantize`` of its random dense weight in the module's mode
     (``.weight``, ``.scales`` and, affine only, ``.biases``). Each decoder layer is evaluated before the next is
-    made, so memory peaks at the slice plus a few of its largest tensors.
+    made, so memory peaks at the slice plus a few of its largest tensors. Without ``evaluate`` they stay lazy
+    for whoever cuts them (a tensor-parallel member), which generates each as its cut is evaluated.
     """
     std = init_std(spec)
     shapes, quantizable = _model_layout(spec)
@@ -120,6 +121,7 @@ def dummy_stage_weights(
             if biases:  # affine only; the fp modes have none
                 made[f"{module}.biases"] = biases[0]
         # One layer at a time: its lazy dense weights (quantized or not) are freed before the next is made.
-        mx.eval(list(made.values()))
+        if evaluate:
+            mx.eval(list(made.values()))
         weights.update(made)
     return weights

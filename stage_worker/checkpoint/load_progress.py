@@ -8,7 +8,8 @@ Contract:
   progress bar).
 - ``reporting(progress)`` makes a ``WeightProgress`` the current one for the block; the readers
   (``safetensors_format``, ``gguf_format``, ``dummy_weights``) report through the module functions ``expect``
-  and ``read``, which do nothing when no progress is current.
+  and ``read``, which do nothing when no progress is current. A reader asked not to evaluate leaves the reads
+  to whoever evaluates (``StageModel.shard``), who counts ``outstanding()`` down.
 - ``progress_text(counts, seconds)`` is the pure formatting of the log line.
 """
 
@@ -112,3 +113,12 @@ def read(nbytes: int) -> None:
     """The current reader has read ``nbytes`` more (no-op without a current progress)."""
     if (progress := _CURRENT.get()) is not None:
         progress.read(nbytes)
+
+
+def outstanding() -> int:
+    """Bytes the current progress expects but has not counted as read (0 without a current progress): what a
+    stage that evaluates its weights later (a tensor-parallel member's lazy load) reports as it goes."""
+    if (progress := _CURRENT.get()) is None:
+        return 0
+    counts = progress.snapshot()
+    return max(0, counts.total_bytes - counts.done_bytes)

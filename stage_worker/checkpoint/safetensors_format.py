@@ -197,11 +197,12 @@ def wanted(name: str, layers: range, with_embedding: bool, with_head: bool, tied
 
 
 def load_safetensors_weights(
-    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, evaluate: bool = True
 ) -> dict[str, mx.array]:
     """Read only the shards holding the slice's tensors; return mlx-lm names. ``mx.load`` is lazy, so only
     the kept arrays are read (``wanted``: rotary ``inv_freq`` and a stored head that the embeddings tie are left
-    out)."""
+    out). Without ``evaluate`` nothing is read yet: a tensor-parallel member cuts the lazy arrays first, so each
+    tensor is read only as its cut is evaluated and freed before the next."""
     names = spec.details.get("weight_map") or weight_map(spec.path)
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, file in names.items():
@@ -226,6 +227,8 @@ def load_safetensors_weights(
         del arrays
         shards.append(keys)
     load_progress.expect(sum(weights[k].nbytes for k in weights))
+    if not evaluate:
+        return sanitize_slice(spec, weights, layers)
     for keys in shards:  # one shard after the other, a few hundred MB per evaluation, so progress moves
         for chunk in _chunks(keys, weights, _READ_CHUNK_BYTES):
             mx.eval([weights[k] for k in chunk])

@@ -1,7 +1,7 @@
 """A pipeline stage's weights, whatever the file format.
 
 Contract: ``load_stage_weights(spec, layers, with_embedding, with_head)``
-returns evaluated ``mx.array``s named exactly as mlx-lm's
+returns ``mx.array``s (lazy with ``evaluate=False``) named exactly as mlx-lm's
 ``mlx_lm.models.<spec.model_type>.Model`` names its parameters, with GLOBAL
 layer indices (``model.layers.12...``), holding only:
 - ``model.layers.{i}.*`` for i in ``layers``;
@@ -34,15 +34,19 @@ def check_layer_range(spec: ModelSpec, layers: range) -> None:
 
 
 def load_stage_weights(
-    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, *, dtype: mx.Dtype = mx.float32
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, *, dtype: mx.Dtype = mx.float32,
+    evaluate: bool = True,
 ) -> dict[str, mx.array]:
-    """Load and evaluate only the tensors of one stage (generate them, for dummy weights)."""
+    """Load (and, with ``evaluate``, evaluate) only the tensors of one stage (generate them, for dummy
+    weights). ``evaluate=False`` reads nothing yet from safetensors and makes no dummy weight yet (a GGUF file's
+    bytes are still read: its blocks are converted on the host): a tensor-parallel member cuts the lazy arrays to
+    its share before they are evaluated, so it never holds the whole stage."""
     check_layer_range(spec, layers)
     # Each format's loader is imported only for a model of that format.
     if spec.random_weights:
         from stage_worker.checkpoint.dummy_weights import dummy_stage_weights
 
-        weights = dummy_stage_weights(spec, layers, with_embedding, with_head, dtype)
+        weights = dummy_stage_weights(spec, layers, with_embedding, with_head, dtype, evaluate)
     elif spec.format == "gguf":
         from stage_worker.checkpoint.gguf.format import load_gguf_weights
 
@@ -50,11 +54,12 @@ def load_stage_weights(
     elif spec.format == "mlx":
         from stage_worker.checkpoint.safetensors_format import load_safetensors_weights
 
-        weights = load_safetensors_weights(spec, layers, with_embedding, with_head)
+        weights = load_safetensors_weights(spec, layers, with_embedding, with_head, evaluate)
     else:
         raise ModelFormatError(f"unknown model format {spec.format!r}; expected 'gguf' or 'mlx'.")
     _check_complete(spec, weights, layers, with_embedding, with_head)
-    mx.eval(list(weights.values()))
+    if evaluate:
+        mx.eval(list(weights.values()))
     return weights
 
 

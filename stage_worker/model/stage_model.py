@@ -29,6 +29,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from stage_worker.cache.quantized_kv import quantized_caches
+from stage_worker.checkpoint import load_progress
 from stage_worker.checkpoint.checkpoint_check import mismatched_scales
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
@@ -193,15 +194,17 @@ class StageModel:
                 total += sum(v.nbytes for _, v in _flat_parameters(m))
         return total
 
-    def dequantize(self) -> None:
+    def dequantize(self, evaluate: bool = True) -> None:
         """Replace quantized layers by dense ones in the compute dtype: on the CPU and on CUDA this is
         the fast path, because dense GEMMs gain from batching while MLX's quantized matmul there
-        does not (see ``choose_dense_weights``)."""
+        does not (see ``choose_dense_weights``). Without ``evaluate`` the dense weights stay lazy, for
+        ``shard`` to cut before they exist (a lazily loaded member's)."""
         if not self.quantized:
             return
         _dequantize_modules(self._module)
         self._module.set_dtype(self.dtype, lambda d: mx.issubdtype(d, mx.floating))
-        mx.eval(self._module.parameters())
+        if evaluate:
+            mx.eval(self._module.parameters())
         self._measure()
 
     def fuse_projections(self) -> FusedLayer:
@@ -218,9 +221,31 @@ class StageModel:
         ``fuse_projections``, so the joined projections are joined from the member's own rows.
         ``rank_0_extra``: weight elements worker 0 reads per token beyond the layers (the head of the last
         stage), which the MLP's split balances; the same on every member."""
+        before = self._layer_sizes()
         share = shard_layers(list(self._module.layers), group, rank_0_extra)
+        self._evaluate_by_layer(before)
         self._measure()
         return share
+
+    def _layer_sizes(self) -> list[int]:
+        """Each layer's bytes as loaded (lazy or not), and last the rest of the slice (ends, norms)."""
+        sizes = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in self.layers]
+        return [*sizes, max(0, self.weight_bytes - sum(sizes))]
+
+    def _evaluate_by_layer(self, sizes: list[int]) -> None:
+        """Evaluate the cut weights one layer after the other, then the rest: a lazily loaded member (``load``
+        with ``evaluate=False``) thereby reads, or makes, each layer's whole tensors only while cutting that
+        layer, and holds about its share of the stage at any time. The bytes the readers expected but left
+        unread (``load_progress.outstanding``) are counted down in proportion to the layers' sizes."""
+        pending, whole = load_progress.outstanding(), max(1, sum(sizes))
+        counted = 0
+        for layer, size in zip(self.layers, sizes):
+            mx.eval(layer.parameters())
+            part = pending * size // whole
+            load_progress.read(part)
+            counted += part
+        mx.eval(self._module.parameters())
+        load_progress.read(pending - counted)
 
     def route_experts(self, policy: ExpertsPolicy) -> int:
         """Run this slice's unquantized expert blocks by ``policy`` (``expert_routing``); how many follow it.
@@ -228,11 +253,12 @@ class StageModel:
         return install_expert_routing(self._module, policy)
 
     @classmethod
-    def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StageModel:
+    def load(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, evaluate: bool = True) -> StageModel:
         """The slice ``role`` of ``spec`` in ``dtype``, by the path its architecture takes (module docstring):
-        this class or ``StackStageModel``."""
+        this class or ``StackStageModel``. ``evaluate=False`` (a tensor-parallel member) leaves the weights
+        lazy, unread, until ``shard`` has cut them (``load_stage_weights``)."""
         if not runs_packed(spec):
-            return StackStageModel.load_stack(spec, role, dtype)
+            return StackStageModel.load_stack(spec, role, dtype, evaluate)
         arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
         args = arch.ModelArgs.from_dict(dict(spec.args))
         full = arch.Model(args)  # lazy: unowned parts are never evaluated
@@ -247,7 +273,8 @@ class StageModel:
             lm_head=lm_head,
         )
         del full
-        _load_slice_weights(module, spec, role, dtype, local_name=_local_name, global_path=_global_path)
+        _load_slice_weights(module, spec, role, dtype, local_name=_local_name, global_path=_global_path,
+                            evaluate=evaluate)
         return cls(spec, role, dtype, module)
 
     @property
@@ -329,7 +356,7 @@ class StackStageModel(StageModel):
         self._bind_ends()
 
     @classmethod
-    def load_stack(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype) -> StackStageModel:
+    def load_stack(cls, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, evaluate: bool = True) -> StackStageModel:
         arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
         full = arch.Model(arch.ModelArgs.from_dict(dict(spec.args)))  # lazy: unowned parts are never evaluated
         facts = describe(spec.model_type, spec.args)
@@ -361,7 +388,8 @@ class StackStageModel(StageModel):
                 return f"model.layers.{int(index) + layers.start}.{rest}"
             return path
 
-        _load_slice_weights(full, spec, role, dtype, local_name=local_name, global_path=global_path)
+        _load_slice_weights(full, spec, role, dtype, local_name=local_name, global_path=global_path,
+                            evaluate=evaluate)
         return cls(spec, role, dtype, full, caches[start:end], facts)
 
     def _bind_ends(self) -> None:
@@ -378,8 +406,8 @@ class StackStageModel(StageModel):
             head.model = _NormOnly(full.model)
             self._head_view = head
 
-    def dequantize(self) -> None:
-        super().dequantize()
+    def dequantize(self, evaluate: bool = True) -> None:
+        super().dequantize(evaluate)
         self._bind_ends()
 
     def shard(self, group: Any, rank_0_extra: int = 0) -> LayerShare:
@@ -388,8 +416,9 @@ class StackStageModel(StageModel):
         to the cut modules. ``rank_0_extra`` is the packed path's (an even cut has nothing to balance)."""
         share = even_share(self.spec.args, group.size(), group.rank(),
                            divided_counts(self.spec.model_type, self.spec.args))
+        before = self._layer_sizes()
         shard_model(self._module, self.spec.model_type, group)
-        mx.eval(self._module.parameters())
+        self._evaluate_by_layer(before)
         self._bind_ends()
         self._measure()
         return share
@@ -476,11 +505,12 @@ class _NormOnly(nn.Module):
 
 
 def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, *,
-                        local_name, global_path) -> None:
+                        local_name, global_path, evaluate: bool = True) -> None:
     """Load the slice's weights into ``module`` (named by ``local_name``), quantizing exactly the modules that
-    arrive quantized, strictly, then cast to ``dtype`` and evaluate."""
+    arrive quantized, strictly, then cast to ``dtype`` and (with ``evaluate``) evaluate."""
     weights = load_stage_weights(
-        spec, role.layers.as_range(), with_embedding=role.is_first, with_head=role.is_last, dtype=dtype
+        spec, role.layers.as_range(), with_embedding=role.is_first, with_head=role.is_last, dtype=dtype,
+        evaluate=evaluate,
     )
     local = {local_name(k, role.layers): v for k, v in weights.items()}
     del weights
@@ -498,7 +528,8 @@ def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dty
     module.load_weights(list(local.items()), strict=True)
     module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
     module.eval()
-    mx.eval(module.parameters())
+    if evaluate:
+        mx.eval(module.parameters())
 
 
 def _check_tensors(spec: ModelSpec, role: StageRole, expected: dict[str, mx.array], given: dict[str, mx.array],

@@ -185,7 +185,9 @@ def shard_layers(layers: list[nn.Module], group: Any, rank_0_extra: int = 0) -> 
     """Cut every dense decoder layer in ``layers`` (mlx-lm's llama / qwen2 / qwen3 layout, before
     ``fuse_projections``) to this member's share of ``group``, in place; the share taken. ``rank_0_extra``:
     the weight elements rank 0 reads per token beyond its layers (the head, on the last stage): every member
-    must pass the same, since it moves the MLP's split (``balance_intermediate``)."""
+    must pass the same, since it moves the MLP's split (``balance_intermediate``). The cuts stay lazy: the
+    caller evaluates them layer by layer (``StageModel.shard``), so lazily loaded weights are read only as
+    they are cut."""
     share = None
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -214,7 +216,6 @@ def shard_layers(layers: list[nn.Module], group: Any, rank_0_extra: int = 0) -> 
         _rows(mlp.up_proj, share.intermediate)
         _columns(mlp.down_proj, share.intermediate, keep_bias=share.rank == 0)
         mlp.down_proj = AllSumLinear(mlp.down_proj, group)
-        mx.eval(layer.parameters())
     if share is None:
         raise UserError("a tensor-parallel stage needs at least one decoder layer")
     return share

@@ -211,24 +211,30 @@ def load(ctx: StageContext, status: StageStatus, group: mx.distributed.Group | N
     # The readers report the bytes they read: a line in the log every few seconds, and GetStageInfo's stats
     # (so `stagemesh status`, /mesh and the dashboard show how far a long load has got).
     progress = WeightProgress(log=log, on_change=lambda counts: setattr(status, "load", counts))
+    # A group's worker loads lazily: nothing is read until its share is cut (``shard`` evaluates layer by layer),
+    # so it never holds the whole stage's weights, only its share and the layer being cut.
+    lazy = group is not None
+    share = None
     with reporting(progress):
         # A group member computes layers only: worker 0 embeds, and samples from the group's sum.
         role = StageRole(me.layers, launch.is_first and not launch.is_member, launch.is_last and not launch.is_member)
-        model = StageModel.load(spec, role, ctx.dtype)
-    status.blas = loaded_blas()
-    dense, why = choose_dense_weights(
-        launch.plan.dequantize, backend=device.backend, blas=status.blas,
-        quantized=model.quantized, dense_bytes=model.dense_bytes(), memory_budget=budget.budget_bytes,
-    )
-    if dense:
-        model.dequantize()
-    log.info("weights %s (%s)", "dequantized" if dense else ("quantized" if model.quantized else "dense"), why)
-    share = None
-    if group is not None:
-        whole = model.weight_bytes
-        # The last stage's worker 0 also reads the whole head for every token: the MLP's split leans away from it.
-        head = spec.vocab_size * spec.hidden_size if launch.is_last else 0
-        share = model.shard(group, rank_0_extra=head)
+        model = StageModel.load(spec, role, ctx.dtype, evaluate=not lazy)
+        status.blas = loaded_blas()
+        # Decided on the whole stage's weights, as every worker of the group decides it alike.
+        dense, why = choose_dense_weights(
+            launch.plan.dequantize, backend=device.backend, blas=status.blas,
+            quantized=model.quantized, dense_bytes=model.dense_bytes(), memory_budget=budget.budget_bytes,
+        )
+        if dense:
+            model.dequantize(evaluate=not lazy)
+        log.info("weights %s (%s)", "dequantized" if dense else ("quantized" if model.quantized else "dense"), why)
+        if group is not None:
+            whole = model.weight_bytes
+            # The last stage's worker 0 also reads the whole head for every token: the MLP's split leans away
+            # from it.
+            head = spec.vocab_size * spec.hidden_size if launch.is_last else 0
+            share = model.shard(group, rank_0_extra=head)
+    if share is not None:
         log.info("tensor-parallel share: worker %d of %d holds KV heads %d-%d, attention heads %d-%d, intermediate "
                  "features %d-%d: %.1f MB of the slice's %.1f MB", share.rank, share.size, share.kv_heads.start,
                  share.kv_heads.stop - 1, share.heads.start, share.heads.stop - 1, share.intermediate.start,

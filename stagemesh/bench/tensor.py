@@ -9,7 +9,8 @@ waiting for the slower member); rank 0 also times the group's all-reduces alone 
 ``[rows, hidden]`` array). The ceiling is this machine's own: ``--tp`` processes at once, each streaming its
 share of the stage's weight bytes through a matrix product of ``rows`` rows, against one process streaming
 all of them; on one host the processes share memory bandwidth, so it is well below ``--tp``. The report's
-ratios: the group's tokens/s over one process's, and that speed-up over the ceiling.
+ratios: the group's tokens/s over one process's, that speed-up over the ceiling, and a member's peak memory over
+its load (lazy, cut layer by layer, as a stage's worker loads) over one process's.
 """
 
 from __future__ import annotations
@@ -61,11 +62,14 @@ def run(args: argparse.Namespace) -> int:
                        "tp_tokens_per_s": round(1e3 * g["rows"] / g["step_ms"], 1),
                        "speedup": round(speedup, 3), "ceiling": round(ceiling, 3),
                        "of_ceiling": round(speedup / ceiling, 3)})
+    load_peak = round(group["load_peak_bytes"] / single["load_peak_bytes"], 3)
     results = {"tp": args.tp, "model": single["model"], "weight_bytes": single["weight_bytes"],
-               "member_weight_bytes": group["weight_bytes"], "blas": single["blas"], "shapes": shapes}
+               "member_weight_bytes": group["weight_bytes"], "load_peak_bytes": single["load_peak_bytes"],
+               "member_load_peak_bytes": group["load_peak_bytes"], "blas": single["blas"], "shapes": shapes}
     ratios = [{"rows": s["rows"], "compares": f"-tp {args.tp} / -tp 1 tokens/s", "value": s["speedup"]}
               for s in shapes] + [{"rows": s["rows"], "compares": "speed-up / ceiling", "value": s["of_ceiling"]}
-                                  for s in shapes]
+                                  for s in shapes] + [
+        {"compares": f"-tp {args.tp} member / -tp 1 peak memory over the load", "value": load_peak}]
     report = build_report("tensor", started_at=started_at, local_mlx=True,
                           config={**flags_of(args), "rows": rows, "blas_threads_per_member": 1},
                           results=results, ratios=ratios)
@@ -91,7 +95,9 @@ def format_tensor(report: dict[str, Any]) -> str:
     """One row per shape: step times, the group's all-reduce share, speed-up and ceiling (pure)."""
     r = report["results"]
     lines = [f"{r['model']}, -tp {r['tp']} against -tp 1, {r['blas']} on one thread per member; member weights "
-             f"{r['member_weight_bytes'] / 1e6:.0f} MB of {r['weight_bytes'] / 1e6:.0f} MB",
+             f"{r['member_weight_bytes'] / 1e6:.0f} MB of {r['weight_bytes'] / 1e6:.0f} MB; MLX's peak over the load "
+             f"(a member's lazy, cut layer by layer) {r['member_load_peak_bytes'] / 1e6:.0f} MB against "
+             f"{r['load_peak_bytes'] / 1e6:.0f} MB",
              f"{'rows':>5} {'tp1 ms':>9} {'tp ms':>9} {'compute':>8} {'allreduce':>10} {'tok/s tp1':>10} "
              f"{'tok/s tp':>9} {'speedup':>8} {'ceiling':>8} {'of ceil':>8}"]
     for s in r["shapes"]:
@@ -142,10 +148,15 @@ def _rank_main(config: dict[str, Any]) -> None:
                     samples.append(time.perf_counter() - started)
             result["shapes"].append({"rows": rows, "step_ms": _median_ms(samples)})
     else:
-        model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32)
-        model.dequantize()
+        # As a stage's worker loads: a member lazily, cut layer by layer; one process whole.
+        lazy = group is not None
+        mx.reset_peak_memory()
+        model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32,
+                                evaluate=not lazy)
+        model.dequantize(evaluate=not lazy)
         if group is not None:
             model.shard(group, rank_0_extra=spec.vocab_size * spec.hidden_size)  # as a last stage shards
+        result["load_peak_bytes"] = mx.get_peak_memory()
         result["weight_bytes"] = model.weight_bytes
         for rows in config["rows"]:
             caches = [model.new_caches() for _ in range(rows)]

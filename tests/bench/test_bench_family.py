@@ -156,6 +156,7 @@ def _fake(kind: str) -> tuple[dict, dict, list[dict]]:
                                    "all_experts_ms_p50": 0.5, "speedup": 3.0, "max_relative_difference": 0.0}]},
                     [{"rows": 16, "compares": "gathered / all experts time", "value": 3.0}]),
         "tensor": ({}, {"tp": 2, "model": "m", "weight_bytes": 2e8, "member_weight_bytes": 1.2e8, "blas": "openblas",
+                        "load_peak_bytes": 2.5e8, "member_load_peak_bytes": 1.5e8,
                         "shapes": [{"rows": 1, "tp1_step_ms": 10.0, "tp_step_ms": 6.0, "tp_allreduce_ms": 1.0,
                                     "tp_compute_ms": 5.0, "tp1_tokens_per_s": 100.0, "tp_tokens_per_s": 166.7,
                                     "speedup": 1.667, "ceiling": 1.9, "of_ceiling": 0.877}]},
