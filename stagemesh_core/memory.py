@@ -252,6 +252,11 @@ def kv_capacity_tokens(room: int, kv: StageKV, element_bytes: int, max_sequences
     return max_sequences * max_model_len if tokens is None else max(0, tokens)
 
 
+def weights_share(weights: TensorBytes, workers: int) -> TensorBytes:
+    """A worker's part of ``weights`` cut ``workers`` ways, rounded up (pure)."""
+    return TensorBytes(-(-weights.packed // workers), -(-weights.elements // workers))
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """A model's size as the planner needs it: each decoder layer's weights and KV, the embedding, the head."""
@@ -268,6 +273,8 @@ class ModelFacts:
     # Each decoder layer's KV where layers differ in kind (sliding windows, recurrent state, widths); empty
     # when every layer keeps ``kv_elements_per_token`` per position of the whole context.
     kv_layers: tuple[LayerKV, ...] = ()
+    # One latent cached for every head (DeepSeek's MLA): each worker of a -tp group keeps it whole.
+    kv_latent: bool = False
 
     def layer_bytes(self, index: int, element_bytes: int) -> int:
         return (self.layer_sizes[index] if self.layer_sizes else self.layer).nbytes(element_bytes)
@@ -299,21 +306,23 @@ class ModelFacts:
 
     def worker_share(self, tensor_parallel_size: int) -> ModelFacts:
         """What a worker of a ``tensor_parallel_size``-way group holds as the planner counts it (pure): each
-        layer's weights and KV divided by the group, rounded up; the embedding and head whole (worker 0 keeps
-        them). An uneven split (KV heads that do not divide) gives the first workers a head more, which each
-        worker's own budget check at load counts exactly. The same model at -tp 1."""
+        layer's weights and KV divided by the group, rounded up (a latent KV, ``kv_latent``, whole, as every
+        worker keeps it); the embedding and head whole (worker 0 keeps them). An uneven split (KV heads that do
+        not divide) gives the first workers a head more, which each worker's own budget check at load counts
+        exactly. The same model at -tp 1."""
         t = tensor_parallel_size
         if t == 1:
             return self
-
-        def weights(b: TensorBytes) -> TensorBytes:
-            return TensorBytes(-(-b.packed // t), -(-b.elements // t))
+        if self.kv_latent:
+            return replace(self, layer=weights_share(self.layer, t),
+                           layer_sizes=tuple(weights_share(b, t) for b in self.layer_sizes))
 
         def kv(layer: LayerKV) -> LayerKV:
             return replace(layer, per_token=-(-layer.per_token // t),
                            packed_per_token=-(-layer.packed_per_token // t))
 
-        return replace(self, layer=weights(self.layer), layer_sizes=tuple(weights(b) for b in self.layer_sizes),
+        return replace(self, layer=weights_share(self.layer, t),
+                       layer_sizes=tuple(weights_share(b, t) for b in self.layer_sizes),
                        kv_elements_per_token=-(-self.kv_elements_per_token // t),
                        kv_layers=tuple(kv(layer) for layer in self.kv_layers))
 

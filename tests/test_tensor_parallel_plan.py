@@ -3,6 +3,8 @@ handshake and environment, a worker's KV and planned share, and which models and
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coordinator.placement import ClusterNode, PlacementError, check_port_ranges, pipeline_plan, place_stages
@@ -104,6 +106,23 @@ def test_a_worker_keeps_its_share_of_kv_and_the_planner_counts_a_share_of_each_l
     assert half.layer == TensorBytes(5, 501) and half.kv_elements_per_token == 192
     assert half.kv_layers == (LayerKV(192),) and half.embedding == facts.embedding
     assert facts.worker_share(1) is facts
+    # DeepSeek's MLA caches one latent for every head: each worker keeps it whole, as the stage counts it
+    # (tensor_parallel.kv_part_held), so the plan halves the layer's weights only.
+    latent = dataclasses.replace(facts, kv_latent=True).worker_share(2)
+    assert latent.layer == TensorBytes(5, 501) and latent.kv_layers == facts.kv_layers
+    assert latent.kv_elements_per_token == facts.kv_elements_per_token
+
+
+def test_the_planner_counts_deepseek_v3s_latent_whole_per_worker(tmp_path):
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.model.model_facts import model_facts
+    from tests.architectures import tiny_checkpoint
+
+    deepseek = model_facts(read_model_spec(tiny_checkpoint("deepseek_v3", tmp_path / "d")))
+    llama = model_facts(read_model_spec(tiny_checkpoint("llama", tmp_path / "l")))
+    assert deepseek.kv_latent and not llama.kv_latent
+    assert deepseek.worker_share(2).slice_kv(0, 1) == deepseek.slice_kv(0, 1)
+    assert llama.worker_share(2).slice_kv(0, 1) != llama.slice_kv(0, 1)
 
 
 def test_the_mlp_split_leans_away_from_the_worker_that_holds_more():

@@ -20,6 +20,7 @@ from typing import Any
 
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, exact_prefix_reuse
 from stage_worker.checkpoint.model_spec import ModelSpec
+from stage_worker.model.tensor_parallel import LATENT_KV_ARCHITECTURES
 from stagemesh_core.memory import DraftFacts, LayerKV, ModelFacts, TensorBytes
 from stagemesh_core.speculative import SpeculativeConfig
 
@@ -158,6 +159,7 @@ def _stack_facts(spec: ModelSpec, dense: bool) -> ModelFacts:
         head=head + norm, kv_elements_per_token=max((kv.per_token for kv in kv_layers), default=0),
         tied_embeddings=spec.tie_word_embeddings, layer_sizes=_differing(layers),
         kv_layers=() if all(kv == LayerKV(kv_layers[0].per_token) for kv in kv_layers) else kv_layers,
+        kv_latent=spec.model_type in LATENT_KV_ARCHITECTURES,
     )
 
 
