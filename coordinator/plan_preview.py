@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.config import MeshConfig
 from coordinator.layer_planner import MemoryPlan, StageSeat, plan_mesh
-from coordinator.placement import Placement, place_stages
+from coordinator.placement import ClusterNode, Placement, place_stages
 from coordinator.ray_cluster import RAY_ADDRESS_ENV, cluster_nodes, connect_ray, disconnect, head_address
 from coordinator.stage_host import HostInfo, StageHost, node_probe_actor
 from stagemesh_core.memory import NodeMemory
@@ -69,24 +69,43 @@ def preview(config: MeshConfig) -> PlanPreview:
         placement = place_stages(nodes, pp, dp, head_address=head_address(nodes),
                                  tensor_parallel_size=config.tensor_parallel_size)
         facts = _ask_nodes(sorted({s.node_id for s in placement.slots}))
-        seats = _seats(placement, facts)
-        groups = [[{s.node_id for s in replica if s.rank == rank} for rank in range(pp)]
-                  for replica in placement.replicas]
-        return PlanPreview(plan_mesh(model, seats, config.plan_request(), auto),
-                           tuple(tuple(seat.memory.device for seat in replica) for replica in seats),
-                           tuple(tuple(len(g) == 1 for g in replica) for replica in groups))
+        return _placed_preview(config, placement, {n: memory for n, (_, memory) in facts.items()},
+                               {n: (info.host, info.hostname) for n, (info, _) in facts.items()})
     finally:
         disconnect(session)
 
 
-def _seats(placement: Placement, facts: Mapping[str, tuple[HostInfo, NodeMemory]]) -> list[list[StageSeat]]:
+def assumed_preview(config: MeshConfig, nodes: Sequence[tuple[str, NodeMemory]]) -> PlanPreview:
+    """``preview`` for nodes described instead of asked (``stagemesh plan --assume-node``, the first the head):
+    serve's own placement over them, the workers shared out evenly (each node offering as many ``mlx`` units
+    as that takes: one each where there are as many nodes as workers), and the same seats: each stage
+    planned where its worker 0 runs, with a worker's share of the model, beside every worker on that node."""
+    units = -(-config.total_workers // max(1, len(nodes)))
+    cluster = [ClusterNode(name, name, units, is_head=i == 0) for i, (name, _) in enumerate(nodes)]
+    placement = place_stages(cluster, config.pipeline_parallel_size, config.data_parallel_size,
+                             tensor_parallel_size=config.tensor_parallel_size)
+    return _placed_preview(config, placement, dict(nodes), {name: (name, name) for name, _ in nodes})
+
+
+def _placed_preview(config: MeshConfig, placement: Placement, memory: Mapping[str, NodeMemory],
+                    names: Mapping[str, tuple[str, str]]) -> PlanPreview:
+    """The plan over ``placement``'s nodes (``memory`` and ``(host, hostname)`` by node id), with each stage's
+    device and whether its group is on one node."""
+    model, auto = config.planned_facts(), config.auto_kv_facts()
+    if model is None:
+        raise ValueError("a plan preview needs the model's facts (MeshConfig.model_facts)")
     per_node: dict[str, int] = {}
     for slot in placement.slots:
         per_node[slot.node_id] = per_node.get(slot.node_id, 0) + 1
     # Each stage is planned where its worker 0 runs (with a worker's share of the model).
-    return [[StageSeat(s.node_id, facts[s.node_id][0].host, facts[s.node_id][1], per_node[s.node_id],
-                       facts[s.node_id][0].hostname) for s in replica if s.member == 0]
-            for replica in placement.replicas]
+    seats = [[StageSeat(s.node_id, names[s.node_id][0], memory[s.node_id], per_node[s.node_id],
+                        names[s.node_id][1]) for s in replica if s.member == 0]
+             for replica in placement.replicas]
+    groups = [[{s.node_id for s in replica if s.rank == rank} for rank in range(config.pipeline_parallel_size)]
+              for replica in placement.replicas]
+    return PlanPreview(plan_mesh(model, seats, config.plan_request(), auto),
+                       tuple(tuple(seat.memory.device for seat in replica) for replica in seats),
+                       tuple(tuple(len(g) == 1 for g in replica) for replica in groups))
 
 
 def _ask_nodes(node_ids: list[str]) -> dict[str, tuple[HostInfo, NodeMemory]]:

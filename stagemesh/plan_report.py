@@ -2,7 +2,7 @@
 
 Contract: ``print_plan(config, as_json, assume)`` plans a ``MeshConfig`` for the cluster this machine sees
 (``coordinator.plan_preview``: each node's facts read on that node) or for the nodes ``--assume-node``
-describes (``assumed_seats``), prints one row per stage (or the JSON) and returns the exit code: 2 when the
+describes (``assumed_nodes``), prints one row per stage (or the JSON) and returns the exit code: 2 when the
 plan cannot fit, with the numbers and the ways out. It starts no stage. At ``-tp`` above 1 it also states the
 group's all-reduce cost per token and whether ``-tp`` over the link is expected to beat ``-pp``
 (``tp_comparison``; the link's figures from ``tp_link_figures``: ``--tp-link FILE`` measured by
@@ -16,9 +16,9 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from coordinator.layer_planner import MemoryPlan, StageSeat, format_plan, plan_mesh
+from coordinator.layer_planner import MemoryPlan, format_plan
 from coordinator.placement import PlacementError
-from coordinator.plan_preview import PlanPreview, preview
+from coordinator.plan_preview import assumed_preview, preview
 from coordinator.ray_cluster import RayStartError
 from stagemesh_core.errors import UserError
 from stagemesh_core.memory import ModelFacts, NodeMemory, dtype_bytes
@@ -37,9 +37,9 @@ from stagemesh_core.tp_cost import (
 )
 
 
-def assumed_seats(specs: list[str], pp: int, dp: int) -> list[list]:
-    """Seats for ``--assume-node`` values (what-if planning: nothing is asked of any node)."""
-    nodes = []
+def assumed_nodes(specs: list[str]) -> list[tuple[str, NodeMemory]]:
+    """The nodes ``--assume-node`` values describe (what-if planning: nothing is asked of any node)."""
+    nodes: list[tuple[str, NodeMemory]] = []
     for spec in specs:
         name, _, rest = spec.partition("=")
         size, _, backend = rest.partition(":")
@@ -50,13 +50,11 @@ def assumed_seats(specs: list[str], pp: int, dp: int) -> list[list]:
             raise UserError(f"--assume-node {spec!r}: {exc}") from None
         if not name or backend not in ("metal", "cpu", "cuda"):
             raise UserError(f"--assume-node {spec!r}: write NAME=SIZE[:BACKEND], e.g. mac-mini=16GB:metal")
+        if name in {n for n, _ in nodes}:
+            raise UserError(f"--assume-node {spec!r}: {name} is described twice; give each node its own name")
         device = None if backend == "cpu" else total
         nodes.append((name, NodeMemory(backend, "assumed", total, total, device, device)))
-    total_stages = pp * dp
-    sharing = [sum(1 for g in range(total_stages) if g % len(nodes) == i) for i in range(len(nodes))]
-    return [[StageSeat(nodes[g % len(nodes)][0], nodes[g % len(nodes)][0], nodes[g % len(nodes)][1],
-                       sharing[g % len(nodes)], nodes[g % len(nodes)][0])
-             for g in range(replica * pp, (replica + 1) * pp)] for replica in range(dp)]
+    return nodes
 
 
 def tp_link_for(args: Any, tensor_parallel_size: int, backend: str) -> LinkFigures:
@@ -119,13 +117,7 @@ def print_plan(config, as_json: bool, assume: list[str] | None = None, *, link: 
     tp = config.tensor_parallel_size
     try:
         if assume:
-            seats = assumed_seats(assume, config.pipeline_parallel_size, config.data_parallel_size)
-            plan = plan_mesh(config.model_facts.with_kv_cache_dtype(config.plan_request().kv_cache_dtype), seats,
-                             config.plan_request(), config.model_facts if config.auto_kv_facts() else None)
-            # Placement spreads a group over distinct nodes where there are units: one node only when one.
-            one_node = len(assume) < 2
-            shown = PlanPreview(plan, tuple(tuple(seat.memory.device for seat in replica) for replica in seats),
-                                tuple((one_node,) * len(replica) for replica in seats))
+            shown = assumed_preview(config, assumed_nodes(assume))
         else:
             shown = preview(config)
         answers = []

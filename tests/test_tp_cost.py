@@ -145,14 +145,24 @@ def test_the_plans_lines_say_cost_source_and_verdict():
 
 def test_plan_comparison_over_a_planned_mesh():
     """stagemesh.plan_report.tp_comparison on the planner's own plan for assumed nodes (no process)."""
-    from coordinator.layer_planner import PlanRequest, plan_mesh
-    from stagemesh.plan_report import assumed_seats, tp_comparison
-    from stagemesh_core.memory import ModelFacts, TensorBytes
+    from coordinator.config import MeshConfig
+    from coordinator.layer_planner import PlanRequest, StageSeat, plan_mesh
+    from coordinator.plan_preview import assumed_preview
+    from stagemesh.plan_report import assumed_nodes, tp_comparison
+    from stagemesh_core.memory import ModelFacts, NodeMemory, TensorBytes
 
     facts = ModelFacts(num_layers=32, layer=TensorBytes(0, 200_000_000), embedding=TensorBytes(0, 500_000_000),
                        head=TensorBytes(0, 500_000_000), kv_elements_per_token=2048)
-    seats = assumed_seats(["a=64GB", "b=64GB"], 2, 1)
-    plan = plan_mesh(facts.worker_share(2), seats, PlanRequest(max_model_len=4096, compute_dtype="float16"))
+    config = MeshConfig(model_path="m", served_model_name="m", num_layers=32, pipeline_parallel_size=2,
+                        tensor_parallel_size=2, model_facts=facts, max_model_len=4096, compute_dtype="float16")
+    shown = assumed_preview(config, assumed_nodes(["a=64GB", "b=64GB"]))
+    # Serve's placement: each stage's two workers on the two nodes, so each node holds two workers, and each
+    # stage is planned with a worker's share of the model (not the whole model, as it once was).
+    assert shown.one_node == ((False, False),)
+    plan = shown.plan
+    seats = [[StageSeat(node, node, NodeMemory("metal", "assumed", 64 * 10**9, 64 * 10**9, 64 * 10**9, 64 * 10**9),
+                        2, node) for node in ("a", "b")]]
+    assert plan == plan_mesh(facts.worker_share(2), seats, PlanRequest(max_model_len=4096, compute_dtype="float16"))
     link = LinkFigures("jaccl", measured(30.0), hop_us=measured(25.0), bandwidth_gbs=measured(400.0))
     (group, c), = tp_comparison(plan, facts, 2, link, (("Apple M2 Max", "Apple M2 Max"),), ((False, False),))
     assert [g.layers for g in group] == [len(s.layers) for s in plan.replicas[0]]
