@@ -301,3 +301,56 @@ def test_a_members_kv_is_its_kv_heads_part_or_the_whole_latent():
     kv = StageKV(per_token=512, windows=((256, 128),))
     assert kv.share(*kv_part_held("gemma3_text", {"num_attention_heads": 8, "num_key_value_heads": 4}, share)) \
         == StageKV(per_token=256, windows=((128, 128),))
+
+
+@pytest.mark.parametrize("name, load_format, quantization, dense", [
+    ("llama", "auto", None, False),  # the packed path, read from its file
+    ("llama", "auto", "affine8", True),  # quantized, dequantized as it is cut
+    ("qwen3_moe", "auto", None, False),  # the layer stack: mlx-lm's own shard()
+    ("qwen3_next", "dummy", None, False),  # random weights made as they are cut; our own cut
+    ("gpt_oss", "auto", None, False),  # sinks and windows, mlx-lm's own shard()
+    ("mixtral", "auto", "affine8", True),  # experts dequantized as they are cut, our own cut
+])
+def test_a_lazily_loaded_member_holds_exactly_what_a_whole_load_then_cut_holds(tmp_path, name, load_format,
+                                                                               quantization, dense):
+    # A group's worker loads without evaluating and cuts before anything is read (stage_process.load); what it
+    # ends with must be the very arrays a whole load and then the cut gives, in every layer and at the ends.
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.model.stage_model import StageModel, StageRole
+    from stagemesh_core.layer_split import LayerRange
+    from tests.architectures import tiny_checkpoint
+
+    spec = read_model_spec(tiny_checkpoint(name, tmp_path, quantization=quantization), load_format=load_format)
+    role = StageRole(LayerRange(0, spec.num_layers), True, True)
+    for rank in range(2):
+        held = []
+        for evaluate in (True, False):
+            mx.random.seed(3)  # dummy weights: the same random draws either way
+            model = StageModel.load(spec, role, mx.float32, evaluate=evaluate)
+            if dense:
+                model.dequantize(evaluate=evaluate)
+            model.shard(_Member(2, rank), rank_0_extra=spec.vocab_size * spec.hidden_size)
+            held.append(dict(tree_flatten(model._module.parameters())))
+        eager, lazy = held
+        assert eager.keys() == lazy.keys()
+        for key, array in eager.items():
+            assert array.dtype == lazy[key].dtype and mx.array_equal(array, lazy[key]).item(), (name, rank, key)
+
+
+def test_mlx_lms_cut_that_would_split_a_quantization_group_is_refused_naming_the_way_out(tmp_path):
+    import mlx.core as mx
+
+    from stage_worker.checkpoint.model_reader import read_model_spec
+    from stage_worker.model.stage_model import StageModel, StageRole
+    from stagemesh_core.layer_split import LayerRange
+    from tests.architectures import tiny_checkpoint
+
+    # gpt_oss's 64-feature projections in groups of 64: a half is 32 features, not one whole group.
+    spec = read_model_spec(tiny_checkpoint("gpt_oss", tmp_path, quantization="affine8"))
+    model = StageModel.load(spec, StageRole(LayerRange(0, spec.num_layers), True, True), mx.float32,
+                            evaluate=False)
+    with pytest.raises(UserError, match=r"-tp 2 cannot cut gpt_oss's quantized weights: .*--dequantize on"):
+        model.shard(_Member(2, 0))

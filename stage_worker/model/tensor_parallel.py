@@ -444,7 +444,11 @@ def shardable(model_type: str) -> bool:
 def shard_model(model: nn.Module, model_type: str, group: Any) -> None:
     """Cut mlx-lm's loaded ``model`` to this member's share of ``group`` in place (module docstring)."""
     if hasattr(model, "shard"):
-        model.shard(group)
+        try:
+            model.shard(group)
+        except ValueError as exc:  # mlx's cut of a quantized projection whose parts would split its groups
+            raise UserError(f"-tp {group.size()} cannot cut {model_type}'s quantized weights: {exc}. Use a -tp "
+                            "whose parts keep whole quantization groups, or dense weights (--dequantize on)") from exc
     elif model_type in SHARDERS:
         SHARDERS[model_type](model, group)
     else:
