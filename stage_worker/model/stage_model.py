@@ -229,7 +229,7 @@ class StageModel:
 
     def _layer_sizes(self) -> list[int]:
         """Each layer's bytes as loaded (lazy or not), and last the rest of the slice (ends, norms)."""
-        sizes = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in self.layers]
+        sizes = [sum(v.nbytes for _, v in _flat_parameters(layer)) for layer in self.layers]
         return [*sizes, max(0, self.weight_bytes - sum(sizes))]
 
     def _evaluate_by_layer(self, sizes: list[int]) -> None:
