@@ -4,7 +4,7 @@ Starts ``--tp`` processes on loopback (MLX ring ranks, every one on one BLAS thr
 preloaded, as a stage is, each standing for one Mac), loads the whole model as one stage in float32 with
 dense weights, cuts it to each member's share (``stage_worker.model.tensor_parallel``) and times greedy
 decode steps of ``--rows`` sequences at once; then one process does the same with the whole stage. A step
-splits into the member's compute (the same steps with the sums left out) and the rest (all-reduces and
+splits into each member's compute (the same steps with the sums left out) and the rest (all-reduces and
 waiting for the slower member); rank 0 also times the group's all-reduces alone (two per layer of a
 ``[rows, hidden]`` array). The ceiling is this machine's own: ``--tp`` processes at once, each streaming its
 share of the stage's weight bytes through a matrix product of ``rows`` rows, against one process streaming
@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         ceiling = c1["step_ms"] / c["step_ms"]
         shapes.append({"rows": g["rows"], "tp1_step_ms": s["step_ms"], "tp_step_ms": g["step_ms"],
                        "tp_allreduce_ms": g["allreduce_ms"], "tp_compute_ms": g["compute_ms"],
+                       "tp_compute_ms_by_worker": g["compute_ms_by_worker"],
                        "tp1_tokens_per_s": round(1e3 * g["rows"] / s["step_ms"], 1),
                        "tp_tokens_per_s": round(1e3 * g["rows"] / g["step_ms"], 1),
                        "speedup": round(speedup, 3), "ceiling": round(ceiling, 3),
@@ -88,7 +89,12 @@ def _run_ranks(size: int, port_base: int, config: dict[str, Any]) -> dict[str, A
         codes = [p.wait(900) for p in procs]
         if any(codes):
             raise UserError(f"stagemesh bench tensor: {size} ranks exited with {codes}")
-        return json.loads(Path(config["result"]).read_text())
+        result = json.loads(Path(config["result"]).read_text())
+        # Every worker's own compute: a step waits for the slowest, which need not be worker 0.
+        workers = [json.loads(Path(f"{config['result']}.{rank}").read_text()) for rank in range(size)]
+        for index, shape in enumerate(result["shapes"]):
+            shape["compute_ms_by_worker"] = [w["shapes"][index].get("compute_ms") for w in workers]
+        return result
 
 
 def format_tensor(report: dict[str, Any]) -> str:
@@ -98,10 +104,11 @@ def format_tensor(report: dict[str, Any]) -> str:
              f"{r['member_weight_bytes'] / 1e6:.0f} MB of {r['weight_bytes'] / 1e6:.0f} MB; MLX's peak over the load "
              f"(a member's lazy, cut layer by layer) {r['member_load_peak_bytes'] / 1e6:.0f} MB against "
              f"{r['load_peak_bytes'] / 1e6:.0f} MB",
-             f"{'rows':>5} {'tp1 ms':>9} {'tp ms':>9} {'compute':>8} {'allreduce':>10} {'tok/s tp1':>10} "
+             f"{'rows':>5} {'tp1 ms':>9} {'tp ms':>9} {'compute by worker':>18} {'allreduce':>10} {'tok/s tp1':>10} "
              f"{'tok/s tp':>9} {'speedup':>8} {'ceiling':>8} {'of ceil':>8}"]
     for s in r["shapes"]:
-        lines.append(f"{s['rows']:>5} {s['tp1_step_ms']:>9.3f} {s['tp_step_ms']:>9.3f} {s['tp_compute_ms']:>8.3f} "
+        by_worker = " / ".join(f"{ms:.1f}" for ms in s.get("tp_compute_ms_by_worker") or [s["tp_compute_ms"]])
+        lines.append(f"{s['rows']:>5} {s['tp1_step_ms']:>9.3f} {s['tp_step_ms']:>9.3f} {by_worker:>18} "
                      f"{s['tp_allreduce_ms']:>10.3f} "
                      f"{s['tp1_tokens_per_s']:>10.1f} {s['tp_tokens_per_s']:>9.1f} {s['speedup']:>8.3f} "
                      f"{s['ceiling']:>8.3f} {s['of_ceiling']:>8.3f}")
@@ -200,6 +207,7 @@ def _rank_main(config: dict[str, Any]) -> None:
             result["shapes"].append({"rows": rows, "step_ms": _median_ms(samples),
                                      "allreduce_ms": _median_ms(allreduce) if allreduce else 0.0,
                                      "compute_ms": _median_ms(compute) if compute else _median_ms(samples)})
+    Path(f"{config['result']}.{rank}").write_text(json.dumps(result))
     if rank == 0:
         Path(config["result"]).write_text(json.dumps(result))
 
