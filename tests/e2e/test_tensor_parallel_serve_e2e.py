@@ -2,7 +2,8 @@
 
 The default model (9 attention heads over 3 KV heads) is cut unevenly: each stage's worker 0 holds 2 KV
 heads, worker 1 one. Greedy completions through the OpenAI SDK, sent together so they batch, equal the
-tokens of one process computing the whole model (the harness at -tp 1, -pp 1) over their first 48 tokens;
+tokens of one process computing the whole model (the harness at -tp 1, -pp 1) over their first 48 tokens, and
+so does one stream with prompt lookup speculating (its proposals taken);
 /mesh and /metrics show every worker; a killed worker 1 fails what is in flight at once, brings its replica
 back, and the healed mesh answers the same tokens. Then serve stops clean, leaving no worker or port behind.
 Also: the bad inputs of -tp, refused before anything starts.
@@ -31,7 +32,10 @@ from tests.e2e.serve_process import assert_stops_clean, start_serve
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three primary colours are"]
+           "The three primary colours are",
+           # Repeats itself, so prompt lookup's proposals are taken (test_a_group_speculates_...).
+           "Count with me: 1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3"]
+SPECULATION = '{"method": "ngram", "num_speculative_tokens": 4}'  # off while more than 4 sequences run
 TOKENS = 48
 
 
@@ -56,7 +60,8 @@ def reference(default_model_path, tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    serve = start_serve(tmp_path_factory.mktemp("serve-tp2-pp2"), pp=2, tp=2, timeout=300)
+    serve = start_serve(tmp_path_factory.mktemp("serve-tp2-pp2"), "--speculative-config", SPECULATION, pp=2, tp=2,
+                        timeout=300)
     yield serve
     serve.stop()
 
@@ -84,6 +89,24 @@ def _texts(tokenizer, outputs: list[list[int]]) -> list[str]:
 def test_tp2_pp2_serves_the_tokens_of_one_process_batched(serve, reference, tokenizer):
     prompts, expected = reference
     assert _complete_all(serve, prompts) == _texts(tokenizer, expected)
+
+
+def test_a_group_speculates_with_the_tokens_of_one_process(serve, reference, tokenizer):
+    # One stream: prompt lookup proposes, worker 0 of each group verifies several rows in one trip, its member
+    # computes the same rows on its heads and rolls back what was rejected with it.
+    prompts, expected = reference
+    assert _complete_all(serve, prompts[-1:]) == _texts(tokenizer, expected[-1:])
+    # The counts are each stage's status as the gateway last polled it: read until the stream's shows.
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(f"{serve.url}/metrics", timeout=10).text
+        accepted = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("stagemesh_stage_spec_decode_num_accepted_tokens_total{")
+                    and 'worker="0"' in line and 'rank="0"' in line]
+        if (accepted and accepted[0] > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert accepted and accepted[0] > 0, accepted
 
 
 def test_every_worker_is_in_the_mesh_and_the_metrics(serve):
