@@ -3,7 +3,8 @@
 The default model (9 attention heads over 3 KV heads) is cut unevenly: each stage's worker 0 holds 2 KV
 heads, worker 1 one. Greedy completions through the OpenAI SDK, sent together so they batch, equal the
 tokens of one process computing the whole model (the harness at -tp 1, -pp 1) over their first 48 tokens, and
-so does one stream with prompt lookup speculating (its proposals taken);
+so do one stream with prompt lookup speculating (its proposals taken) and a repeated prompt restored from the
+prefix cache;
 /mesh and /metrics show every worker; a killed worker 1 fails what is in flight at once, brings its replica
 back, and the healed mesh answers the same tokens. Then serve stops clean, leaving no worker or port behind.
 Also: the bad inputs of -tp, refused before anything starts.
@@ -107,6 +108,19 @@ def test_a_group_speculates_with_the_tokens_of_one_process(serve, reference, tok
             break
         time.sleep(0.5)
     assert accepted and accepted[0] > 0, accepted
+
+
+def test_a_repeated_prompt_restores_its_blocks_on_every_worker(serve, reference, tokenizer):
+    # The prefix cache at -tp: worker 0 decides what is restored, and its member restores the same blocks of its
+    # own KV heads; a member that computed from other keys and values would change the tokens.
+    prompts, expected = reference
+    client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    replies = [client.completions.create(model=model, prompt=prompts[-1], max_tokens=TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True}) for _ in range(2)]
+    cached = replies[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached < len(prompts[-1]), (cached, len(prompts[-1]))
+    assert [r.choices[0].text for r in replies] == _texts(tokenizer, expected[-1:]) * 2
 
 
 def test_every_worker_is_in_the_mesh_and_the_metrics(serve):
