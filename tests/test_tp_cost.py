@@ -157,7 +157,7 @@ def test_plan_comparison_over_a_planned_mesh():
                         tensor_parallel_size=2, model_facts=facts, max_model_len=4096, compute_dtype="float16")
     shown = assumed_preview(config, assumed_nodes(["a=64GB", "b=64GB"]))
     # Serve's placement: each stage's two workers on the two nodes, so each node holds two workers, and each
-    # stage is planned with a worker's share of the model (not the whole model, as it once was).
+    # stage is planned with a worker's share of the model, not the whole model.
     assert shown.one_node == ((False, False),)
     plan = shown.plan
     seats = [[StageSeat(node, node, NodeMemory("metal", "assumed", 64 * 10**9, 64 * 10**9, 64 * 10**9, 64 * 10**9),

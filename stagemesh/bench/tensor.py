@@ -89,9 +89,9 @@ def _run_ranks(size: int, port_base: int, config: dict[str, Any]) -> dict[str, A
         codes = [p.wait(900) for p in procs]
         if any(codes):
             raise UserError(f"stagemesh bench tensor: {size} ranks exited with {codes}")
-        result = json.loads(Path(config["result"]).read_text())
-        # Every worker's own compute: a step waits for the slowest, which need not be worker 0.
         workers = [json.loads(Path(f"{config['result']}.{rank}").read_text()) for rank in range(size)]
+        result = workers[0]
+        # Every worker's own compute: a step waits for the slowest, which need not be worker 0.
         for index, shape in enumerate(result["shapes"]):
             shape["compute_ms_by_worker"] = [w["shapes"][index].get("compute_ms") for w in workers]
         return result
@@ -120,7 +120,8 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def _rank_main(config: dict[str, Any]) -> None:
-    """One member (``MLX_RANK``), run as ``python -m stagemesh.bench.tensor CONFIG``; rank 0 writes the result."""
+    """One member (``MLX_RANK``), run as ``python -m stagemesh.bench.tensor CONFIG``; each writes its own result
+    (rank 0's is the group's)."""
     from stage_worker.model.blas import reexec_with_optimized_blas
 
     reexec_with_optimized_blas(["-m", "stagemesh.bench.tensor", json.dumps(config)], threads=1)
@@ -208,8 +209,6 @@ def _rank_main(config: dict[str, Any]) -> None:
                                      "allreduce_ms": _median_ms(allreduce) if allreduce else 0.0,
                                      "compute_ms": _median_ms(compute) if compute else _median_ms(samples)})
     Path(f"{config['result']}.{rank}").write_text(json.dumps(result))
-    if rank == 0:
-        Path(config["result"]).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,15 @@ STOPS = {"sigterm-to-serve": (signal.SIGTERM, False), "ctrl-c-to-group": (signal
          "sigterm-to-group": (signal.SIGTERM, True)}
 
 
+def still_running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited: a zombie has (it holds no memory, port or device; it
+    only waits for its parent, or for PID 1 in a container, to reap it)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def assert_stops_clean(serve: ServeProcess, how: str) -> None:
     """Stop ``serve`` the way ``how`` names (``STOPS``): it exits cleanly and leaves no stage process, no
     process it started and no bound port behind.
@@ -137,8 +146,7 @@ def assert_stops_clean(serve: ServeProcess, how: str) -> None:
     leftovers: list[int] = []
     busy: list[int] = []
     while time.monotonic() < deadline:
-        leftovers = [p for p in [*stage_pids, *(d.pid for d in serve.descendants)]
-                     if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        leftovers = [p for p in [*stage_pids, *(d.pid for d in serve.descendants)] if still_running(p)]
         busy = [port for port in serve.ports() if not port_is_free(port)]
         if not leftovers and not busy:
             return

@@ -15,7 +15,7 @@ import pytest
 
 from tests.architectures import tiny_checkpoint
 from tests.conftest import free_port_base
-from tests.e2e.serve_process import port_is_free
+from tests.e2e.serve_process import port_is_free, still_running
 
 pytestmark = pytest.mark.e2e
 
@@ -43,14 +43,12 @@ def test_a_stage_that_cannot_read_its_weights_fails_serve_with_exit_2_and_its_er
     assert all(port_is_free(p) for p in (port, grpc_base, ring_base, ring_base + 1))
 
 
-def _still_running(session: int, settle_s: float = 10.0) -> list[psutil.Process]:
-    """The session's processes that still run once they have had ``settle_s`` to exit. A zombie has exited (it holds
-    no memory, port or device; it only waits for its parent, or for PID 1 in a container, to reap it), so it does
-    not count."""
+def _still_running(session: int, settle_s: float = 10.0) -> list[int]:
+    """The session's processes that still run (``still_running``: a zombie has exited) once they have had
+    ``settle_s`` to exit."""
     deadline = time.monotonic() + settle_s
     while True:
-        left = [p for p in psutil.process_iter(["pid", "status"])
-                if _session(p.pid) == session and p.info["status"] != psutil.STATUS_ZOMBIE]
+        left = [p.pid for p in psutil.process_iter(["pid"]) if _session(p.pid) == session and still_running(p.pid)]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
