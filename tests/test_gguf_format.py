@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import gguf
@@ -219,6 +220,26 @@ def test_middle_slice_of_three_holds_only_its_layers(spec):
     assert abs(ratio - 1 / 3) < 0.05 / 3
     # MLX holds just the slice: nothing else of the file stayed in memory
     assert retained <= _nbytes(middle) * 1.02
+
+
+@pytest.mark.e2e
+def test_unevaluated_weights_are_the_same_arrays_converted_a_layer_at_a_time(spec, tmp_path, monkeypatch):
+    # A tensor-parallel member loads without evaluating: each layer is converted and handed back lazily, so MLX
+    # never holds more than one layer's blocks before the member cuts them.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    layers = range(26, 30)
+    eager = load_gguf_weights(spec, layers, with_embedding=False, with_head=False)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    lazy = load_gguf_weights(spec, layers, with_embedding=False, with_head=False, evaluate=False)
+    held_while_converting = mx.get_peak_memory() - before
+    assert lazy.keys() == eager.keys()
+    for key, array in eager.items():
+        assert array.dtype == lazy[key].dtype and mx.array_equal(array, lazy[key]).item(), key
+    largest_layer = max(_nbytes({k: v for k, v in eager.items() if f".{i}." in k}) for i in layers)
+    assert held_while_converting <= 1.1 * largest_layer < _nbytes(eager) / 2  # never all four at once
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
 @pytest.mark.e2e

@@ -63,13 +63,14 @@ def _decode(tmp_path: Path, size: int, model: str | None = None) -> dict:
     return json.loads(Path(config["out"]).read_text())
 
 
-def _never_held_the_whole_stage(member: dict) -> None:
+def _never_held_the_whole_stage(member: dict, bound: float = 0.8) -> None:
     """A member loads lazily and cuts layer by layer: beyond the share it keeps, MLX's peak over the load held
-    well under what it drops (each layer's whole tensors only while that layer is cut; a GGUF's quantized
-    blocks, which are converted on the host, whole). Loaded whole and then cut, the excess is all it drops."""
+    well under what it drops (each layer's whole tensors only while that layer is cut, a GGUF's converted a
+    layer at a time). Loaded whole and then cut, the excess is all it drops. A tiny model drops only two or
+    three layers' worth, so its bound is loose; the default model's is tight."""
     dropped = member["whole_bytes"] - member["weight_bytes"]
     excess = member["load_peak_bytes"] - member["weight_bytes"]
-    assert excess < 0.75 * dropped, member
+    assert excess < bound * dropped, member
 
 
 @pytest.mark.e2e
@@ -83,7 +84,8 @@ def test_two_workers_decode_the_default_model_with_one_workers_greedy_tokens(tmp
         assert worst < 1e-2, worst
     # Rank 0 holds 6 of 9 heads' and half the MLP's weights; embedding and head stay whole.
     assert pair["weight_bytes"] < whole["weight_bytes"]
-    _never_held_the_whole_stage(pair)
+    # 30 layers: the excess is about one layer's whole tensors (24 of the 268 MB dropped, 2026-12-07).
+    _never_held_the_whole_stage(pair, bound=0.2)
 
 
 @pytest.mark.e2e
@@ -310,6 +312,8 @@ def test_a_members_kv_is_its_kv_heads_part_or_the_whole_latent():
     ("qwen3_next", "dummy", None, False),  # random weights made as they are cut; our own cut
     ("gpt_oss", "auto", None, False),  # sinks and windows, mlx-lm's own shard()
     ("mixtral", "auto", "affine8", True),  # experts dequantized as they are cut, our own cut
+    # The default model's GGUF, converted a layer at a time and dequantized as it is cut (the real model).
+    pytest.param("default", "auto", None, True, marks=pytest.mark.e2e),
 ])
 def test_a_lazily_loaded_member_holds_exactly_what_a_whole_load_then_cut_holds(tmp_path, name, load_format,
                                                                                quantization, dense):
@@ -318,12 +322,14 @@ def test_a_lazily_loaded_member_holds_exactly_what_a_whole_load_then_cut_holds(t
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from stage_worker.checkpoint.default_model import default_model_path
     from stage_worker.checkpoint.model_reader import read_model_spec
     from stage_worker.model.stage_model import StageModel, StageRole
     from stagemesh_core.layer_split import LayerRange
     from tests.architectures import tiny_checkpoint
 
-    spec = read_model_spec(tiny_checkpoint(name, tmp_path, quantization=quantization), load_format=load_format)
+    path = default_model_path() if name == "default" else tiny_checkpoint(name, tmp_path, quantization=quantization)
+    spec = read_model_spec(path, load_format=load_format)
     role = StageRole(LayerRange(0, spec.num_layers), True, True)
     for rank in range(2):
         held = []

@@ -38,9 +38,10 @@ def load_stage_weights(
     evaluate: bool = True,
 ) -> dict[str, mx.array]:
     """Load (and, with ``evaluate``, evaluate) only the tensors of one stage (generate them, for dummy
-    weights). ``evaluate=False`` reads nothing yet from safetensors and makes no dummy weight yet (a GGUF file's
-    bytes are still read: its blocks are converted on the host): a tensor-parallel member cuts the lazy arrays to
-    its share before they are evaluated, so it never holds the whole stage."""
+    weights). ``evaluate=False`` reads nothing yet from safetensors and makes no dummy weight yet (a GGUF's
+    blocks, converted on the host, are converted a layer at a time and read again when evaluated): a
+    tensor-parallel member cuts the lazy arrays to its share before they are evaluated, so it never holds the
+    whole stage."""
     check_layer_range(spec, layers)
     # Each format's loader is imported only for a model of that format.
     if spec.random_weights:
@@ -50,7 +51,7 @@ def load_stage_weights(
     elif spec.format == "gguf":
         from stage_worker.checkpoint.gguf.format import load_gguf_weights
 
-        weights = load_gguf_weights(spec, layers, with_embedding, with_head)
+        weights = load_gguf_weights(spec, layers, with_embedding, with_head, evaluate)
     elif spec.format == "mlx":
         from stage_worker.checkpoint.safetensors_format import load_safetensors_weights
 

@@ -233,18 +233,23 @@ class StageModel:
         return [*sizes, max(0, self.weight_bytes - sum(sizes))]
 
     def _evaluate_by_layer(self, sizes: list[int]) -> None:
-        """Evaluate the cut weights one layer after the other, then the rest: a lazily loaded member (``load``
-        with ``evaluate=False``) thereby reads, or makes, each layer's whole tensors only while cutting that
-        layer, and holds about its share of the stage at any time. The bytes the readers expected but left
-        unread (``load_progress.outstanding``) are counted down in proportion to the layers' sizes."""
+        """Evaluate the cut weights: first the ends (embedding, norm, head), then one layer after the other. A
+        lazily loaded member (``load`` with ``evaluate=False``) thereby reads, or makes, each layer's whole
+        tensors only while cutting that layer, and holds about its share of the stage at any time. The ends
+        go first because a dense embedding is made from its quantized form through a half-precision copy,
+        three of it at once for a moment: with nothing else held yet, that moment is not the load's peak.
+        The bytes the readers expected but left unread (``load_progress.outstanding``) are counted down in
+        proportion to the sizes (each layer's, the ends' last)."""
         pending, whole = load_progress.outstanding(), max(1, sum(sizes))
-        counted = 0
+        in_layers = {id(v) for layer in self.layers for _, v in _flat_parameters(layer)}
+        mx.eval([v for _, v in _flat_parameters(self._module) if id(v) not in in_layers])
+        counted = pending * sizes[-1] // whole
+        load_progress.read(counted)
         for layer, size in zip(self.layers, sizes):
             mx.eval(layer.parameters())
             part = pending * size // whole
             load_progress.read(part)
             counted += part
-        mx.eval(self._module.parameters())
         load_progress.read(pending - counted)
 
     def route_experts(self, policy: ExpertsPolicy) -> int:

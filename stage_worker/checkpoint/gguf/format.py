@@ -19,6 +19,7 @@ import math
 import mmap
 import os
 import struct
+import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -437,11 +438,13 @@ def _check_model_args(path: str, table: GGUFArchitecture, args: Mapping[str, Any
 # --------------------------------------------------------------------------- tensors
 
 
-def _read_bytes(path: str, infos: Iterable[GGUFTensorInfo]) -> dict[str, np.ndarray]:
-    """Copy each tensor's raw bytes out of the file (in file order, no mapping kept)."""
+def _read_bytes(path: str, infos: Iterable[GGUFTensorInfo], expected: bool = False) -> dict[str, np.ndarray]:
+    """Copy each tensor's raw bytes out of the file (in file order, no mapping kept); ``expected``: the caller
+    has already told ``load_progress`` of these bytes."""
     out: dict[str, np.ndarray] = {}
     infos = list(infos)
-    load_progress.expect(sum(info.nbytes for info in infos))
+    if not expected:
+        load_progress.expect(sum(info.nbytes for info in infos))
     with open(path, "rb", buffering=0) as f:
         for info in sorted(infos, key=lambda i: i.offset):
             buf = np.empty(info.nbytes, dtype=np.uint8)
@@ -514,7 +517,7 @@ def needed_gguf_tensors(
 
 
 def load_gguf_weights(
-    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, evaluate: bool = True
 ) -> dict[str, mx.array]:
     """Read only the slice's tensors from a GGUF and return them under mlx-lm names, the converter's quirks undone.
 
@@ -524,16 +527,60 @@ def load_gguf_weights(
     quantization map says the same bits. llama q/k rows are un-permuted back to the Hugging Face layout (so the
     model runs with standard RoPE), and Gemma 3's norm scales, stored as ``1 + weight``, come back as
     ``weight`` in float32.
+
+    ``evaluate=False`` (a tensor-parallel member) converts one layer at a time and hands each back unevaluated
+    (``_spilled``), so the member never holds the whole stage's blocks: each layer's are read again only while
+    the member cuts that layer.
     """
     header = read_gguf_header(spec.path)
     table = _architecture(header)
     names = needed_gguf_tensors(header, layers, with_embedding, with_head, spec.tie_word_embeddings)
     infos = [header.tensors[n] for n in names]
-    raw = _read_bytes(spec.path, infos)
+    load_progress.expect(sum(info.nbytes for info in infos))
     permute = {
         "attn_q": int(spec.args["num_attention_heads"]),
         "attn_k": int(spec.args["num_key_value_heads"]),
     } if table.permuted_qk else {}
+    if evaluate:
+        return _converted(spec.path, table, infos, permute)
+    weights: dict[str, mx.array] = {}
+    with tempfile.TemporaryDirectory(prefix="stagemesh-gguf-") as spill:
+        for unit in _by_unit(infos):
+            weights.update(_spilled(_converted(spec.path, table, unit, permute), spill))
+    return weights
+
+
+def _by_unit(infos: list[GGUFTensorInfo]) -> list[list[GGUFTensorInfo]]:
+    """The tensors grouped by decoder layer, the ends (embedding, norm, head) as one more group."""
+    units: dict[int, list[GGUFTensorInfo]] = {}
+    for info in infos:
+        m = _BLOCK_RE.match(info.name)
+        units.setdefault(int(m.group(1)) if m else -1, []).append(info)
+    return [units[k] for k in sorted(units)]
+
+
+def _spilled(weights: dict[str, mx.array], spill: str) -> dict[str, mx.array]:
+    """``weights`` written to a file in ``spill`` and handed back as ``mx.load``'s lazy arrays over it: MLX
+    reads them again when they are evaluated, and frees these host copies now. The file is unlinked at once
+    (the open loader keeps it readable), so nothing is left behind, whatever happens next."""
+    path = os.path.join(spill, "unit.safetensors")
+    try:
+        mx.save_safetensors(path, weights)
+    except (OSError, RuntimeError) as e:
+        raise ModelFormatError(
+            f"cannot write a converted GGUF layer to {spill} ({e}); a tensor-parallel member converts its GGUF "
+            f"one layer at a time through the temporary directory: point TMPDIR at a disk with room."
+        ) from e
+    lazy = mx.load(path)
+    os.remove(path)
+    assert isinstance(lazy, dict)
+    return lazy
+
+
+def _converted(path: str, table: GGUFArchitecture, infos: list[GGUFTensorInfo],
+               permute: Mapping[str, int]) -> dict[str, mx.array]:
+    """``infos``' tensors read and converted to mlx-lm's names and layouts (``load_gguf_weights``)."""
+    raw = _read_bytes(path, infos, expected=True)
     weights: dict[str, mx.array] = {}
     for info in infos:
         mlx_name = table.mlx_name(info.name)
