@@ -4,10 +4,10 @@ Contract:
 - ``read_gguf_spec(path)`` builds a ``ModelSpec`` from the GGUF header only; an architecture, a tensor type or
   a tensor it cannot serve, and a truncated or corrupt tensor table, raise ``ModelFormatError`` naming the file
   and the offset before any weight is read.
-- ``load_gguf_weights(spec, layers, with_embedding, with_head)`` reads the bytes of only the tensors that slice
-  needs and returns them under mlx-lm's parameter names, layer indices global, quantized tensors in MLX's
-  affine layout (as close to ``gguf.quants.dequantize`` as ``gguf_quants`` states), the converter's quirks
-  undone.
+- ``load_gguf_weights(spec, layers, with_embedding, with_head, evaluate=True)`` reads the bytes of only the
+  tensors that slice needs and returns them under mlx-lm's parameter names, layer indices global, quantized
+  tensors in MLX's affine layout (as close to ``gguf.quants.dequantize`` as ``gguf_quants`` states), the
+  converter's quirks undone; ``evaluate=False`` hands them back lazy, converted a layer at a time.
 - ``convert_gguf_tensor(path, name)`` gives one tensor exactly as ``mx.load`` names and lays it out (no
   permutation undone); tests compare the two.
 """
