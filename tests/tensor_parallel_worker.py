@@ -4,7 +4,8 @@
 ``CONFIG["model"]``) in float32 with dense weights, joins MLX's ring (``MLX_RANK`` / ``MLX_HOSTFILE``) when the
 group has more than one member and cuts its layers to its share (``stage_worker.model.tensor_parallel``),
 loading lazily as a stage's worker does, then decodes each prompt greedily through the stage's packed path with
-its own KV caches. Rank 0 writes the tokens and the logits of every step to ``CONFIG["out"]``, with its share,
+its own KV caches. Rank 0 writes the tokens of every step to ``CONFIG["out"]`` (their logits, float32, to
+``CONFIG["out"] + ".logits.npy"``: [prompt, step, vocab]), with its share,
 its weight bytes (the slice's and its layers' alone: the embedding and head stay whole), the whole slice's
 bytes before the cut, its largest layer's, MLX's peak memory over the load and the cut, and the shapes its
 caches hold after the first prompt (``cache_shapes``: per layer, the shape of every array of its cache).
@@ -16,6 +17,7 @@ import json
 import sys
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 
@@ -42,7 +44,7 @@ def main(config_path: str) -> None:
         assert group.size() == config["size"], group.size()
         share = model.shard(group, rank_0_extra=spec.vocab_size * spec.hidden_size)  # as a last stage
     load_peak = mx.get_peak_memory()
-    results, cache_shapes = [], None
+    results, cache_shapes, every_logit = [], None, []
     for prompt in config["prompts"]:
         caches = model.new_caches()
         hidden = model.embed(mx.array(prompt, dtype=mx.int32))
@@ -51,12 +53,14 @@ def main(config_path: str) -> None:
             logits = model.logits(model.run_layers(hidden, caches)[-1:])
             token = int(mx.argmax(logits, axis=-1).item())
             tokens.append(token)
-            logits_seen.append(logits[0].tolist())
+            logits_seen.append(logits[0])
             hidden = model.embed(mx.array([token], dtype=mx.int32))
-        results.append({"tokens": tokens, "logits": logits_seen})
+        results.append({"tokens": tokens})
+        every_logit.append(mx.stack(logits_seen))
         if cache_shapes is None:
             cache_shapes = [[list(a.shape) for a in cached_arrays(cache.state)] for cache in caches]
     if share is None or share.rank == 0:
+        np.save(config["out"] + ".logits.npy", np.array(mx.stack(every_logit)))  # [prompt, step, vocab]
         with open(config["out"], "w") as f:
             json.dump({"results": results, "heads": None if share is None else len(share.heads),
                        "kv_heads": None if share is None else len(share.kv_heads),
