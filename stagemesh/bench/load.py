@@ -65,7 +65,7 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload, prompt: Prompt,
                timeout: float, *, level: str, round_: int, index: int, run_start: float,
-               queued: float = 0.0, on_chunk: Callable[[], None] | None = None, turn: int = 0,
+               due: float | None = None, on_chunk: Callable[[], None] | None = None, turn: int = 0,
                reply: list[str] | None = None) -> RequestRecord:
     """One streaming request, always as a ``RequestRecord``: a non-200 status, a transport error, the
     whole-request ``timeout``, an error event in the stream, a stream that ends before ``[DONE]`` /
@@ -73,7 +73,8 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload
     message. Output tokens come from the stream's ``usage`` when the server sends it, otherwise from the
     number of chunks with text; prompt tokens likewise from ``usage``, otherwise from the prompt's own
     estimate. Given a ``reply`` list, the streamed text is appended to it (a conversation's next turn re-sends
-    it)."""
+    it). ``due`` (open loop) is the ``perf_counter`` time the send was due; ``queued`` is how late it went out,
+    read on the same clock reading as ``start``, so ``start - queued`` is exactly the due time."""
     assert endpoint.model is not None, "resolve the model name before sending"
     body = request_body(workload, endpoint.model, prompt)
     if endpoint.extra_body:
@@ -85,6 +86,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload
     error: str | None = None
     finished = False
     t0 = time.perf_counter()
+    queued = 0.0 if due is None else t0 - due
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", url, json=body, headers=headers_for(endpoint)) as response:
@@ -141,8 +143,9 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, workload: Workload
     )
 
 
-# send_indexed(index, queued) -> record; the runner fills in everything else.
-SendFn = Callable[[int, float], Awaitable[RequestRecord]]
+# send_indexed(index, due) -> record (due: the perf_counter time the send was due, or None); the runner fills
+# in everything else.
+SendFn = Callable[[int, float | None], Awaitable[RequestRecord]]
 # run_indexed(index) -> the records of one job (one request, or every turn of one conversation).
 JobFn = Callable[[int], Awaitable[Sequence[RequestRecord]]]
 # send_turn(prompt, turn, reply) -> record, the streamed text appended to ``reply``.
@@ -197,7 +200,7 @@ async def open_loop(send_indexed: SendFn, rate: float, plan: RunPlan, rng: rando
 
     async def one(i: int, due: float) -> RequestRecord:
         async with cap:  # the cap delays the send; latency is still measured from the send
-            return await send_indexed(i, time.perf_counter() - due)
+            return await send_indexed(i, due)
 
     tasks = []
     due = start

@@ -280,17 +280,17 @@ async def _run_one(client, endpoint, workload, level, round_: int, plan, tokeniz
     progress = Progress(title, None if plan.num_prompts is None else plan.num_prompts * turns)
     run_start = time.perf_counter()
 
-    async def send_indexed(i: int, queued: float, prompt=None, turn: int = 0, reply=None):
+    async def send_indexed(i: int, due: float | None, prompt=None, turn: int = 0, reply=None):
         rec = await send(client, endpoint, workload, job(i) if prompt is None else prompt, plan.timeout,
-                         level=level.name, round_=round_, index=i, run_start=run_start, queued=queued,
+                         level=level.name, round_=round_, index=i, run_start=run_start, due=due,
                          on_chunk=progress.chunk, turn=turn, reply=reply)
         progress.record(rec)
         return rec
 
     async def run_indexed(i: int) -> list:
         if system is None:
-            return [await send_indexed(i, 0.0)]
-        return await converse(lambda prompt, turn, reply: send_indexed(i, 0.0, prompt, turn, reply), system, job(i))
+            return [await send_indexed(i, None)]
+        return await converse(lambda prompt, turn, reply: send_indexed(i, None, prompt, turn, reply), system, job(i))
 
     ticker = asyncio.create_task(progress.tick())
     try:

@@ -115,5 +115,5 @@ class RequestRecord:
     ok: bool
     status: int | None  # HTTP status; None when no response arrived
     error: str | None
-    queued: float = 0.0  # open loop: time spent waiting for the concurrency cap before sending
+    queued: float = 0.0  # open loop: how late the send went out after it was due (the concurrency cap, a busy client)
     turn: int = 0  # multi-turn workload: the turn (1 = first) of conversation ``index``; 0 otherwise
