@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from stage_worker.checkpoint.model_spec import ModelSpec
+from stage_worker.model.blas import blas_environment, find_optimized_blas
 from stage_worker.model.stage_model import check_shardable
 from stage_worker.model.tensor_parallel import SHARDERS, divided_counts, even_share, linear_attention_heads, split_layer
 from stagemesh_core.errors import UserError
@@ -51,8 +52,10 @@ def _decode(tmp_path: Path, size: int, model: str | None = None) -> dict:
     base = free_port_base(size)
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base + rank}"] for rank in range(size)]))
     command = [sys.executable, "-m", "tests.tensor_parallel_worker", str(tmp_path / f"tp{size}-config.json")]
+    # On the BLAS a stage preloads, one thread each: the reference BLAS MLX links takes 4x as long a step.
+    env = blas_environment(os.environ, find_optimized_blas(), threads=1)
     procs = [subprocess.Popen(command,
-                              cwd=ROOT, env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile),
+                              cwd=ROOT, env={**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile),
                                              "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(size)]
     try:
