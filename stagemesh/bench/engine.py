@@ -62,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from stage_worker.model.blas import reexec_with_optimized_blas
     from stage_worker.service.process_setup import serving_mlx_environment
 
     # As a stage sets MLX's CUDA backend (before its first GPU work); a variable already set wins.
@@ -91,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_launch < 0 or (args.compare_launch and (args.profile or args.compare_projections)):
         raise UserError("--compare-launch takes a positive count of rounds, without --profile or "
                         "--compare-projections")
+    # As a stage does (stage_worker.service.process_setup): MLX's CPU kernels with the optimized BLAS, if any;
+    # without it a Linux CPU engine would be timed on MLX's reference BLAS, several times slower than a stage.
+    reexec_with_optimized_blas(["-m", "stagemesh.cli", *sys.argv[1:]], None)
     started_at = now()
     with tempfile.TemporaryDirectory(prefix="stagemesh-bench-engine-") as tmp:
         if args.shape:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from stage_worker.model.blas import loaded_blas
 from stagemesh.bench.random_checkpoint import shape_config, shape_names, write_random_checkpoint
 from stagemesh.bench.report import ENVELOPE_KEYS
 from stagemesh.cli import main
@@ -20,7 +21,7 @@ from tests.conftest import free_port_base
 def tiny_llama(tmp_path_factory) -> str:
     """A small random Llama (hidden 64, 4 layers) with the default model's tokenizer: the tools below are
     tested for what they measure and report, which a small model shows as well as the default one, in a
-    fraction of the CPU time (the engine runs a checkpoint as loaded, without the optimized BLAS)."""
+    fraction of the CPU time."""
     return tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny"))
 
 
@@ -90,6 +91,8 @@ def test_bench_engine_drives_the_entry_stage_alone(tmp_path, tiny_llama):
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["environment"]["backend"] == "cpu" and report["config"]["step_ahead"] is False
+    # Timed on the BLAS a stage preloads (this process loaded the same one: tests/conftest.py).
+    assert report["config"]["blas"] == loaded_blas()
     result = report["results"]
     assert result["single_stream"]["tokens"] == 4 and result["single_stream"]["ms_per_token_p50"] > 0
     assert result["streams"]["tokens"] == 8 and result["streams"]["tokens_per_s"] > 0
