@@ -2,7 +2,7 @@
 
 ``python -m tests.tensor_parallel_worker CONFIG.json``: loads a model's whole stage (the default, or
 ``CONFIG["model"]``) in float32 with dense weights, joins MLX's ring (``MLX_RANK`` / ``MLX_HOSTFILE``) when the
-group has more than one member and cuts its layers to its share (``stage_worker.model.tensor_parallel``),
+group has more than one member and cuts its layers to its share (``stage_worker.parallel.tensor_parallel``),
 loading lazily as a stage's worker does, then decodes each prompt greedily through the stage's packed path with
 its own KV caches. Rank 0 writes the tokens of every step to ``CONFIG["out"]`` (their logits, float32, to
 ``CONFIG["out"] + ".logits.npy"``: [prompt, step, vocab]), with its share,

@@ -239,11 +239,12 @@ STAGE_ROOMS: dict[str, tuple[str, ...]] = {
     "checkpoint": (),
     "cache": ("batch",),
     "transport": ("batch",),
-    "model": ("batch", "checkpoint", "cache"),
-    "speculation": ("batch", "checkpoint", "cache", "model"),
+    "parallel": ("batch", "checkpoint"),
+    "model": ("batch", "checkpoint", "cache", "parallel"),
+    "speculation": ("batch", "checkpoint", "cache", "parallel", "model"),
     "sampling": ("batch", "checkpoint", "speculation"),
-    "engine": ("batch", "checkpoint", "cache", "transport", "model", "speculation", "sampling"),
-    "service": ("batch", "checkpoint", "cache", "transport", "model", "speculation", "sampling", "engine"),
+    "engine": ("batch", "checkpoint", "cache", "transport", "parallel", "model", "speculation", "sampling"),
+    "service": ("batch", "checkpoint", "cache", "transport", "parallel", "model", "speculation", "sampling", "engine"),
     "__main__": ("model", "service"),
 }
 MAX_ROOM_MODULES = 12  # a room a newcomer reads in one look; a format's own folder (checkpoint/gguf/) counts apart

@@ -126,7 +126,7 @@ def test_the_planner_counts_deepseek_v3s_latent_whole_per_worker(tmp_path):
 
 
 def test_the_mlp_split_leans_away_from_the_worker_that_holds_more():
-    from stage_worker.model.tensor_parallel import balance_intermediate
+    from stage_worker.parallel.tensor_parallel import balance_intermediate
 
     # The default model's shapes: 30 layers, 3 KV groups split 2 + 1, the tied head on worker 0.
     shape = dict(layers=30, per_kv_group=576 * 64 * 8, per_feature=3 * 576)

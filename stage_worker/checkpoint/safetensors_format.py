@@ -9,21 +9,27 @@
 - ``load_safetensors_weights(spec, layers, with_embedding, with_head)`` opens only the shard files that hold
   the slice's tensors (``wanted``), then applies the architecture's own mlx-lm ``Model.sanitize`` to that
   slice (``sanitize_slice``), so a checkpoint in Hugging Face's original layout loads as mlx-lm's layout does.
+- ``stored_tensors(file)`` gives each tensor's place (``StoredTensor``) and ``read_part(tensor, keep)`` the part
+  keeping given index runs per axis, reading only those bytes (the file mapped, each run copied out): MLX's
+  ``mx.load`` reads a tensor whole once any part is evaluated; a tensor-parallel member reads through here.
 """
 
 from __future__ import annotations
 
 import glob
 import importlib
+import itertools
 import json
 import os
 import re
 import struct
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from stage_worker.checkpoint import load_progress
 from stage_worker.checkpoint.model_spec import (
@@ -37,16 +43,93 @@ INDEX_FILE = "model.safetensors.index.json"
 _QUANT_KEYS = ("quantization", "quantization_config")
 
 
-def safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Each tensor's (safetensors dtype, shape) from a file's header (8-byte length + JSON), no data read."""
+# safetensors dtype -> the numpy dtype its bytes are read as (bfloat16 as its 16-bit pattern, viewed in MLX).
+_NUMPY_DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(np.uint16),
+    "F64": np.dtype(np.float64), "U32": np.dtype(np.uint32), "I32": np.dtype(np.int32),
+    "U16": np.dtype(np.uint16), "I16": np.dtype(np.int16), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64), "I64": np.dtype(np.int64), "BOOL": np.dtype(np.bool_),
+}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor's place in a safetensors file: its data starts ``offset`` bytes into ``path``."""
+
+    path: str
+    offset: int
+    dtype: str  # the safetensors dtype name (F32, BF16, U32, ...)
+    shape: tuple[int, ...]
+
+
+def stored_tensors(file: str) -> dict[str, StoredTensor]:
+    """Every tensor of ``file`` by name, from its header (no tensor data is read)."""
     try:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
-        return {k: (str(v["dtype"]), tuple(int(d) for d in v["shape"])) for k, v in header.items()
-                if k != "__metadata__"}
+        return {name: StoredTensor(file, 8 + n + int(entry["data_offsets"][0]), str(entry["dtype"]),
+                                   tuple(int(d) for d in entry["shape"]))
+                for name, entry in header.items() if name != "__metadata__"}
     except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
         raise ModelFormatError(f"cannot read the safetensors header of {file}: {e}") from e
+
+
+def runs_of(indices: Sequence[int]) -> tuple[range, ...]:
+    """Sorted distinct ``indices`` as their maximal contiguous runs (pure); ValueError if they are not."""
+    if any(b <= a for a, b in itertools.pairwise(indices)):
+        raise ValueError("indices must increase")
+    runs: list[range] = []
+    for index in indices:
+        if runs and runs[-1].stop == index:
+            runs[-1] = range(runs[-1].start, index + 1)
+        else:
+            runs.append(range(index, index + 1))
+    return tuple(runs)
+
+
+def part_nbytes(tensor: StoredTensor, keep: Sequence[Sequence[range]]) -> int:
+    """The bytes ``read_part(tensor, keep)`` reads (pure)."""
+    elements = 1
+    for runs in keep:
+        elements *= sum(len(r) for r in runs)
+    return elements * _NUMPY_DTYPES[tensor.dtype].itemsize
+
+
+def read_part(tensor: StoredTensor, keep: Sequence[Sequence[range]]) -> mx.array:
+    """The part of ``tensor`` keeping, along axis ``a``, the index runs ``keep[a]`` (module docstring)."""
+    if tensor.dtype not in _NUMPY_DTYPES:
+        raise ModelFormatError(f"{tensor.path}: a tensor of dtype {tensor.dtype} cannot be read in parts")
+    if len(keep) != len(tensor.shape) or any(r.start < 0 or r.stop > n or not len(r)
+                                             for runs, n in zip(keep, tensor.shape) for r in runs):
+        raise ValueError(f"runs {keep} do not fit a tensor of shape {tensor.shape}")
+    dtype = _NUMPY_DTYPES[tensor.dtype]
+    try:
+        stored = np.memmap(tensor.path, dtype=dtype, mode="r", offset=tensor.offset, shape=tensor.shape)
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"cannot read {tensor.path} at byte {tensor.offset}: {e}") from e
+    try:
+        # One block per combination of runs (a member's cut has one run per axis but for a segmented cut, such
+        # as qwen3_next's convolution: three), joined axis by axis.
+        part = _joined(stored, [list(runs) for runs in keep], 0)
+    finally:
+        del stored  # unmapped: the pages read are the page cache's, not this process's
+    array = mx.array(part)
+    return array.view(mx.bfloat16) if tensor.dtype == "BF16" else array
+
+
+def _joined(stored: np.ndarray, keep: list[list[range]], axis: int) -> np.ndarray:
+    """The runs of ``keep[axis:]`` cut from ``stored`` (already cut along the axes before ``axis``), copied."""
+    if axis == len(keep):
+        return np.array(stored)  # the copy is what reads the mapped bytes
+    cut = (slice(None),) * axis
+    blocks = [_joined(stored[(*cut, slice(r.start, r.stop))], keep, axis + 1) for r in keep[axis]]
+    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=axis)
+
+
+def safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's (safetensors dtype, shape) from a file's header (8-byte length + JSON), no data read."""
+    return {name: (tensor.dtype, tensor.shape) for name, tensor in stored_tensors(file).items()}
 
 
 def _safetensors_keys(file: str) -> list[str]:
@@ -197,12 +280,14 @@ def wanted(name: str, layers: range, with_embedding: bool, with_head: bool, tied
 
 
 def load_safetensors_weights(
-    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, evaluate: bool = True
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, evaluate: bool = True,
+    sources: dict[str, StoredTensor] | None = None,
 ) -> dict[str, mx.array]:
     """Read only the shards holding the slice's tensors; return mlx-lm names. ``mx.load`` is lazy, so only
     the kept arrays are read (``wanted``: rotary ``inv_freq`` and a stored head that the embeddings tie are left
-    out). Without ``evaluate`` nothing is read yet: a tensor-parallel member cuts the lazy arrays first, so each
-    tensor is read only as its cut is evaluated and freed before the next."""
+    out). Without ``evaluate`` nothing is read yet: a tensor-parallel member reads its part of each tensor
+    instead (``share_reads``). ``sources``, if given, is filled with the ``StoredTensor`` behind each returned
+    array that is the file's tensor as stored (under the same name, untouched by sanitize)."""
     names = spec.details.get("weight_map") or weight_map(spec.path)
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, file in names.items():
@@ -228,7 +313,13 @@ def load_safetensors_weights(
         shards.append(keys)
     load_progress.expect(sum(weights[k].nbytes for k in weights))
     if not evaluate:
-        return sanitize_slice(spec, weights, layers)
+        sanitized = sanitize_slice(spec, weights, layers)
+        if sources is not None:
+            untouched = [name for name, array in sanitized.items() if weights.get(name) is array]
+            for file in {names[name] for name in untouched}:
+                stored = stored_tensors(os.path.join(spec.path, file))
+                sources.update({name: stored[name] for name in untouched if names[name] == file})
+        return sanitized
     for keys in shards:  # one shard after the other, a few hundred MB per evaluation, so progress moves
         for chunk in _chunks(keys, weights, _READ_CHUNK_BYTES):
             mx.eval([weights[k] for k in chunk])

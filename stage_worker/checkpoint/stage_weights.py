@@ -20,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec
+from stage_worker.checkpoint.safetensors_format import StoredTensor
 
 
 def check_layer_range(spec: ModelSpec, layers: range) -> None:
@@ -35,13 +36,14 @@ def check_layer_range(spec: ModelSpec, layers: range) -> None:
 
 def load_stage_weights(
     spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, *, dtype: mx.Dtype = mx.float32,
-    evaluate: bool = True,
+    evaluate: bool = True, sources: dict[str, StoredTensor] | None = None,
 ) -> dict[str, mx.array]:
     """Load (and, with ``evaluate``, evaluate) only the tensors of one stage (generate them, for dummy
     weights). ``evaluate=False`` reads nothing yet from safetensors and makes no dummy weight yet (a GGUF's
     blocks, converted on the host, are converted a layer at a time and read again when evaluated): a
     tensor-parallel member cuts the lazy arrays to its share before they are evaluated, so it never holds the
-    whole stage."""
+    whole stage. ``sources``, if given, is filled with where each tensor read lazily from safetensors lies in its
+    file (``load_safetensors_weights``), for such a member to read its part alone."""
     check_layer_range(spec, layers)
     # Each format's loader is imported only for a model of that format.
     if spec.random_weights:
@@ -55,7 +57,7 @@ def load_stage_weights(
     elif spec.format == "mlx":
         from stage_worker.checkpoint.safetensors_format import load_safetensors_weights
 
-        weights = load_safetensors_weights(spec, layers, with_embedding, with_head, evaluate)
+        weights = load_safetensors_weights(spec, layers, with_embedding, with_head, evaluate, sources)
     else:
         raise ModelFormatError(f"unknown model format {spec.format!r}; expected 'gguf' or 'mlx'.")
     _check_complete(spec, weights, layers, with_embedding, with_head)

@@ -4,6 +4,6 @@
 of layers as mlx-lm does; ``packed_forward`` is the packed decode path (``fused_projections``,
 ``sibling_projections``, ``masked_decode_kernel``), ``expert_routing`` the mixture-of-experts blocks.
 ``device`` and ``blas`` say where and how it computes, ``lean_mlx_lm`` imports mlx-lm's model modules without
-its front door, ``model_facts`` sizes a model for the planner. Imports: ``checkpoint``, ``cache``,
+its front door, ``model_facts`` sizes a model for the planner. Imports: ``checkpoint``, ``cache``, ``parallel``,
 ``stage_worker.batch`` and ``stagemesh_core``.
 """

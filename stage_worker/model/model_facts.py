@@ -20,7 +20,7 @@ from typing import Any
 
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, exact_prefix_reuse
 from stage_worker.checkpoint.model_spec import ModelSpec
-from stage_worker.model.tensor_parallel import LATENT_KV_ARCHITECTURES
+from stage_worker.parallel.tensor_parallel import LATENT_KV_ARCHITECTURES
 from stagemesh_core.memory import DraftFacts, LayerKV, ModelFacts, TensorBytes
 from stagemesh_core.speculative import SpeculativeConfig
 

@@ -18,7 +18,7 @@ import copy
 import hashlib
 import importlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from stage_worker.checkpoint import load_progress
 from stage_worker.checkpoint.checkpoint_check import mismatched_scales
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
+from stage_worker.checkpoint.safetensors_format import StoredTensor
 from stage_worker.checkpoint.stage_weights import load_stage_weights
 from stage_worker.model.device import current_backend
 from stage_worker.model.expert_routing import ExpertsPolicy
@@ -41,7 +42,8 @@ from stage_worker.model.fused_projections import FusedLayer, fuse_layer_projecti
 from stage_worker.model.layer_stack import stack_layers
 from stage_worker.model.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.model.sibling_projections import join_sibling_projections
-from stage_worker.model.tensor_parallel import (
+from stage_worker.parallel.share_reads import DequantizedSource, Source, read_cut_parts, trace_cut
+from stage_worker.parallel.tensor_parallel import (
     LayerShare,
     divided_counts,
     even_share,
@@ -172,6 +174,10 @@ class StageModel:
         self.fused_decode = False
         # How keys and values are stored (``--kv-cache-dtype``); the stage sets it before any sequence starts.
         self.kv_cache_dtype = AUTO
+        # Where each parameter loaded lazily from safetensors lies in the files, by its name in the module:
+        # what ``shard`` reads its part of alone. Empty for a whole load (already read) and other formats.
+        self.sources: dict[str, Source] = {}
+        self.parts_read_bytes = 0  # what ``shard`` so read: the cut tensors' parts, in the bytes they are held
         self._measure()
 
     def _measure(self) -> None:
@@ -201,10 +207,36 @@ class StageModel:
         ``shard`` to cut before they exist (a lazily loaded member's)."""
         if not self.quantized:
             return
-        _dequantize_modules(self._module)
+        for name, child in _dequantize_modules(self._module):
+            self._record_dequantized(name, child)
         self._module.set_dtype(self.dtype, lambda d: mx.issubdtype(d, mx.floating))
         if evaluate:
             mx.eval(self._module.parameters())
+        self._measure()
+
+    def _record_dequantized(self, name: str, child: nn.Module) -> None:
+        """The dense weight made of module ``name``'s stored triple, where all of it lies in the files."""
+        parts = [self.sources.pop(f"{name}.{p}", None) for p in ("weight", "scales", "biases")]
+        weight, scales, biases = parts
+        if weight is None or scales is None or (biases is None) != (getattr(child, "biases", None) is None):
+            return
+        assert isinstance(weight, StoredTensor) and isinstance(scales, StoredTensor)
+        assert biases is None or isinstance(biases, StoredTensor)
+        self.sources[f"{name}.weight"] = DequantizedSource(weight, scales, biases, child.scales.dtype,
+                                                           child.group_size, child.bits, child.mode)
+
+    def _cut(self, cut: Callable[[nn.Module], Any]) -> None:
+        """Run this member's ``cut`` on the module, then evaluate it layer by layer. Loaded lazily from
+        safetensors, each cut tensor's part is read alone (``share_reads``): traced on probes, the cut run, each
+        traced parameter replaced by its part read from the files, layer after layer."""
+        before = self._layer_sizes()
+        kept = trace_cut(self._module, cut) if self.sources else {}
+        cut(self._module)
+        read: list[int] = []
+        self._evaluate_by_layer(before, lambda module, prefix: read.append(read_cut_parts(
+            module, {n[len(prefix):]: k for n, k in kept.items() if n.startswith(prefix)}, self.sources)))
+        self.sources = {}
+        self.parts_read_bytes = sum(read)
         self._measure()
 
     def fuse_projections(self) -> FusedLayer:
@@ -221,31 +253,31 @@ class StageModel:
         ``fuse_projections``, so the joined projections are joined from the member's own rows.
         ``rank_0_extra``: weight elements worker 0 reads per token beyond the layers (the head of the last
         stage), which the MLP's split balances; the same on every member."""
-        before = self._layer_sizes()
-        share = shard_layers(list(self._module.layers), group, rank_0_extra)
-        self._evaluate_by_layer(before)
-        self._measure()
-        return share
+        shares: list[LayerShare] = []
+        self._cut(lambda module: shares.append(shard_layers(list(module.layers), group, rank_0_extra)))
+        return shares[-1]
 
     def _layer_sizes(self) -> list[int]:
         """Each layer's bytes as loaded (lazy or not), and last the rest of the slice (ends, norms)."""
         sizes = [sum(v.nbytes for _, v in _flat_parameters(layer)) for layer in self.layers]
         return [*sizes, max(0, self.weight_bytes - sum(sizes))]
 
-    def _evaluate_by_layer(self, sizes: list[int]) -> None:
+    def _evaluate_by_layer(self, sizes: list[int], read_parts: Callable[[nn.Module, str], Any]) -> None:
         """Evaluate the cut weights: first the ends (embedding, norm, head), then one layer after the other. A
         lazily loaded member (``load`` with ``evaluate=False``) thereby reads, or makes, each layer's whole
         tensors only while cutting that layer, and holds about its share of the stage at any time. The ends
         go first because a dense embedding is made from its quantized form through a half-precision copy,
         three of it at once for a moment: with nothing else held yet, that moment is not the load's peak.
         The bytes the readers expected but left unread (``load_progress.outstanding``) are counted down in
-        proportion to the sizes (each layer's, the ends' last)."""
+        proportion to the sizes (each layer's, the ends' last). ``read_parts(module, prefix)`` first replaces
+        what can be read alone of the module's parameters named under ``prefix``."""
         pending, whole = load_progress.outstanding(), max(1, sum(sizes))
         in_layers = {id(v) for layer in self.layers for _, v in _flat_parameters(layer)}
         mx.eval([v for _, v in _flat_parameters(self._module) if id(v) not in in_layers])
         counted = pending * sizes[-1] // whole
         load_progress.read(counted)
-        for layer, size in zip(self.layers, sizes):
+        for index, (layer, size) in enumerate(zip(self.layers, sizes)):
+            read_parts(layer, f"{self._LAYERS_PREFIX}{index}.")
             mx.eval(layer.parameters())
             part = pending * size // whole
             load_progress.read(part)
@@ -278,9 +310,11 @@ class StageModel:
             lm_head=lm_head,
         )
         del full
-        _load_slice_weights(module, spec, role, dtype, local_name=_local_name, global_path=_global_path,
-                            evaluate=evaluate)
-        return cls(spec, role, dtype, module)
+        sources = _load_slice_weights(module, spec, role, dtype, local_name=_local_name, global_path=_global_path,
+                                      evaluate=evaluate)
+        model = cls(spec, role, dtype, module)
+        model.sources = sources
+        return model
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -393,9 +427,11 @@ class StackStageModel(StageModel):
                 return f"model.layers.{int(index) + layers.start}.{rest}"
             return path
 
-        _load_slice_weights(full, spec, role, dtype, local_name=local_name, global_path=global_path,
-                            evaluate=evaluate)
-        return cls(spec, role, dtype, full, caches[start:end], facts)
+        sources = _load_slice_weights(full, spec, role, dtype, local_name=local_name, global_path=global_path,
+                                      evaluate=evaluate)
+        model = cls(spec, role, dtype, full, caches[start:end], facts)
+        model.sources = sources
+        return model
 
     def _bind_ends(self) -> None:
         """The views that compute the ends with mlx-lm's own code; remade whenever modules are replaced."""
@@ -421,11 +457,8 @@ class StackStageModel(StageModel):
         to the cut modules. ``rank_0_extra`` is the packed path's (an even cut has nothing to balance)."""
         share = even_share(self.spec.args, group.size(), group.rank(),
                            divided_counts(self.spec.model_type, self.spec.args))
-        before = self._layer_sizes()
-        shard_model(self._module, self.spec.model_type, group)
-        self._evaluate_by_layer(before)
+        self._cut(lambda module: shard_model(module, self.spec.model_type, group))
         self._bind_ends()
-        self._measure()
         return share
 
     def fuse_projections(self) -> FusedLayer:
@@ -510,14 +543,17 @@ class _NormOnly(nn.Module):
 
 
 def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dtype: mx.Dtype, *,
-                        local_name, global_path, evaluate: bool = True) -> None:
+                        local_name, global_path, evaluate: bool = True) -> dict[str, Source]:
     """Load the slice's weights into ``module`` (named by ``local_name``), quantizing exactly the modules that
-    arrive quantized, strictly, then cast to ``dtype`` and (with ``evaluate``) evaluate."""
+    arrive quantized, strictly, then cast to ``dtype`` and (with ``evaluate``) evaluate. Without ``evaluate``:
+    where each parameter that is a stored tensor (cast at most) lies in the files, by its name in ``module``."""
+    stored: dict[str, StoredTensor] = {}
     weights = load_stage_weights(
         spec, role.layers.as_range(), with_embedding=role.is_first, with_head=role.is_last, dtype=dtype,
-        evaluate=evaluate,
+        evaluate=evaluate, sources=None if evaluate else stored,
     )
     local = {local_name(k, role.layers): v for k, v in weights.items()}
+    sources: dict[str, Source] = {local_name(k, role.layers): v for k, v in stored.items()}
     del weights
 
     def quantize_predicate(path: str, _module: nn.Module):
@@ -531,10 +567,14 @@ def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dty
     nn.quantize(module, class_predicate=quantize_predicate)
     _check_tensors(spec, role, dict(_flat_parameters(module)), local, lambda name: global_path(name, role.layers))
     module.load_weights(list(local.items()), strict=True)
+    # Only a parameter that is the loaded array itself is the stored tensor (set_dtype below only casts it).
+    held = dict(_flat_parameters(module))
+    sources = {name: source for name, source in sources.items() if held.get(name) is local[name]}
     module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
     module.eval()
     if evaluate:
         mx.eval(module.parameters())
+    return sources
 
 
 def _check_tensors(spec: ModelSpec, role: StageRole, expected: dict[str, mx.array], given: dict[str, mx.array],
@@ -552,13 +592,15 @@ def _check_tensors(spec: ModelSpec, role: StageRole, expected: dict[str, mx.arra
                                f"{spec.model_type} model for its config.json: {problems}")
 
 
-def _dequantize_modules(module: nn.Module) -> None:
-    """Swap every quantized linear, embedding and expert block under ``module`` for its dense twin, in place.
+def _dequantize_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Swap every quantized linear, embedding and expert block under ``module`` for its dense twin, in place;
+    the ``(name, quantized module)`` of each one swapped.
 
     What ``mlx_lm.utils.dequantize_model`` does (``tests/test_mlx_quantization.py`` holds the two equal); it is
     not called because importing ``mlx_lm.utils`` imports transformers, which a stage process otherwise never
     loads (``stage_worker.model.lean_mlx_lm``)."""
     dense: list[tuple[str, nn.Module]] = []
+    replaced: list[tuple[str, nn.Module]] = []  # (name, the quantized module) of each one swapped
     for name, child in module.named_modules():
         twin: nn.Module
         if isinstance(child, nn.QuantizedLinear):
@@ -575,8 +617,10 @@ def _dequantize_modules(module: nn.Module) -> None:
         if "bias" in child:
             twin.bias = child.bias
         dense.append((name, twin))
+        replaced.append((name, child))
     if dense:
         module.update_modules(tree_unflatten(dense))
+    return replaced
 
 
 def _is_quantized(module: nn.Module) -> bool:

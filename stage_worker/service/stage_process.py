@@ -52,7 +52,7 @@ from stage_worker.model.stage_model import (
     model_fingerprint,
     resolve_compute_dtype,
 )
-from stage_worker.model.tensor_parallel import kv_part_held
+from stage_worker.parallel.tensor_parallel import kv_part_held
 from stage_worker.service.grpc_service import StageDescription, StageServicer, start_grpc_server
 from stage_worker.service.memory import (
     MemoryBudgetError,
@@ -236,9 +236,10 @@ def load(ctx: StageContext, status: StageStatus, group: mx.distributed.Group | N
             share = model.shard(group, rank_0_extra=head)
     if share is not None:
         log.info("tensor-parallel share: worker %d of %d holds KV heads %d-%d, attention heads %d-%d, intermediate "
-                 "features %d-%d: %.1f MB of the slice's %.1f MB", share.rank, share.size, share.kv_heads.start,
+                 "features %d-%d: %.1f MB of the slice's %.1f MB, %.1f MB of it read alone from the files (the cut "
+                 "tensors' parts)", share.rank, share.size, share.kv_heads.start,
                  share.kv_heads.stop - 1, share.heads.start, share.heads.stop - 1, share.intermediate.start,
-                 share.intermediate.stop - 1, model.weight_bytes / 1e6, whole / 1e6)
+                 share.intermediate.stop - 1, model.weight_bytes / 1e6, whole / 1e6, model.parts_read_bytes / 1e6)
     if fusion_wanted(settings.FUSE_PROJECTIONS, device.backend):
         fused = model.fuse_projections()
         log.info("projections joined: q/k/v %s, gate/up %s (%s=off keeps them apart)",

@@ -2,7 +2,7 @@
 
 Starts ``--tp`` processes on loopback (MLX ring ranks, every one on one BLAS thread with the optimized BLAS
 preloaded, as a stage is, each standing for one Mac), loads the whole model as one stage in float32 with
-dense weights, cuts it to each member's share (``stage_worker.model.tensor_parallel``) and times greedy
+dense weights, cuts it to each member's share (``stage_worker.parallel.tensor_parallel``) and times greedy
 decode steps of ``--rows`` sequences at once; then one process does the same with the whole stage. A step
 splits into each member's compute (the same steps with the sums left out) and the rest (all-reduces and
 waiting for the slower member); rank 0 also times the group's all-reduces alone (two per layer of a
@@ -132,7 +132,7 @@ def _rank_main(config: dict[str, Any]) -> None:
     from stage_worker.model.blas import loaded_blas
     from stage_worker.model.packed_forward import Segment
     from stage_worker.model.stage_model import StageModel, StageRole
-    from stage_worker.model.tensor_parallel import AllSumLinear
+    from stage_worker.parallel.tensor_parallel import AllSumLinear
     from stagemesh_core.layer_split import LayerRange
 
     group = mx.distributed.init(backend="ring", strict=True) if config["size"] > 1 else None
