@@ -25,7 +25,7 @@ import re
 import struct
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -60,6 +60,8 @@ class StoredTensor:
     offset: int
     dtype: str  # the safetensors dtype name (F32, BF16, U32, ...)
     shape: tuple[int, ...]
+    # An open file that ``path`` names by its descriptor (an unlinked temporary copy), kept open while needed.
+    handle: Any = field(default=None, compare=False, repr=False)
 
 
 def stored_tensors(file: str) -> dict[str, StoredTensor]:

@@ -42,8 +42,9 @@ def load_stage_weights(
     weights). ``evaluate=False`` reads nothing yet from safetensors and makes no dummy weight yet (a GGUF's
     blocks, converted on the host, are converted a layer at a time and read again when evaluated): a
     tensor-parallel member cuts the lazy arrays to its share before they are evaluated, so it never holds the
-    whole stage. ``sources``, if given, is filled with where each tensor read lazily from safetensors lies in its
-    file (``load_safetensors_weights``), for such a member to read its part alone."""
+    whole stage. ``sources``, if given, is filled with where each tensor read lazily lies in a safetensors file
+    (the model's, or a GGUF layer's converted copy: ``load_gguf_weights``), for such a member to read its part
+    alone."""
     check_layer_range(spec, layers)
     # Each format's loader is imported only for a model of that format.
     if spec.random_weights:
@@ -53,7 +54,7 @@ def load_stage_weights(
     elif spec.format == "gguf":
         from stage_worker.checkpoint.gguf.format import load_gguf_weights
 
-        weights = load_gguf_weights(spec, layers, with_embedding, with_head, evaluate)
+        weights = load_gguf_weights(spec, layers, with_embedding, with_head, evaluate, sources)
     elif spec.format == "mlx":
         from stage_worker.checkpoint.safetensors_format import load_safetensors_weights
 

@@ -22,7 +22,7 @@ import struct
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -37,6 +37,7 @@ from stage_worker.checkpoint.model_spec import (
     ModelSpec,
     served_name_from_path,
 )
+from stage_worker.checkpoint.safetensors_format import StoredTensor, stored_tensors
 
 T = GGMLQuantizationType
 PLAIN_TYPES: Mapping[int, np.dtype] = {
@@ -517,7 +518,8 @@ def needed_gguf_tensors(
 
 
 def load_gguf_weights(
-    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, evaluate: bool = True
+    spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, evaluate: bool = True,
+    sources: dict[str, StoredTensor] | None = None,
 ) -> dict[str, mx.array]:
     """Read only the slice's tensors from a GGUF and return them under mlx-lm names, the converter's quirks undone.
 
@@ -530,7 +532,8 @@ def load_gguf_weights(
 
     ``evaluate=False`` (a tensor-parallel member) converts one layer at a time and hands each back unevaluated
     (``_spilled``), so the member never holds the whole stage's blocks: each layer's are read again only while
-    the member cuts that layer.
+    the member cuts that layer, and then, where ``sources`` is given (filled with where each converted tensor
+    lies in its layer's file), only the member's part of each cut tensor (``share_reads``).
     """
     header = read_gguf_header(spec.path)
     table = _architecture(header)
@@ -546,7 +549,7 @@ def load_gguf_weights(
     weights: dict[str, mx.array] = {}
     with tempfile.TemporaryDirectory(prefix="stagemesh-gguf-") as spill:
         for unit in _by_unit(infos):
-            weights.update(_spilled(_converted(spec.path, table, unit, permute), spill))
+            weights.update(_spilled(_converted(spec.path, table, unit, permute), spill, sources))
     return weights
 
 
@@ -559,7 +562,8 @@ def _by_unit(infos: list[GGUFTensorInfo]) -> list[list[GGUFTensorInfo]]:
     return [units[k] for k in sorted(units)]
 
 
-def _spilled(weights: dict[str, mx.array], spill: str) -> dict[str, mx.array]:
+def _spilled(weights: dict[str, mx.array], spill: str,
+             sources: dict[str, StoredTensor] | None = None) -> dict[str, mx.array]:
     """``weights`` written to a file in ``spill`` and handed back as ``mx.load``'s lazy arrays over it: MLX
     reads them again when they are evaluated, and frees these host copies now. The file is unlinked at once
     (the open loader keeps it readable), so nothing is left behind, whatever happens next."""
@@ -572,6 +576,13 @@ def _spilled(weights: dict[str, mx.array], spill: str) -> dict[str, mx.array]:
             f"one layer at a time through the temporary directory: point TMPDIR at a disk with room."
         ) from e
     lazy = mx.load(path)
+    if sources is not None:
+        # Kept open past the unlink, and named by its descriptor (/dev/fd: Linux and macOS), for the part reader
+        # to map; closed when the last StoredTensor holding it is dropped (after the member's cut).
+        handle = open(path, "rb")  # noqa: SIM115
+        named = f"/dev/fd/{handle.fileno()}"
+        sources.update({name: replace(t, path=named, handle=handle)
+                        for name, t in stored_tensors(path).items()})
     os.remove(path)
     assert isinstance(lazy, dict)
     return lazy
