@@ -1,8 +1,10 @@
 """A tensor-parallel member reads its part of each tensor alone: parts of real safetensors files against numpy's
-cut of the whole (``safetensors_format``), the cut traced on probes (``share_reads.trace_cut``) for mlx's own cuts,
-a cut that computes left untraced, and a member of the real tiny llama loaded lazily holding, at MLX's peak,
-no more than its share. tests/test_tensor_parallel.py holds every architecture's lazily read member equal, bit
-for bit, to a whole load then the cut, and its two-process members' peaks to their shares."""
+cut of the whole (``safetensors_format``), parts of the default model's GGUF blocks against the whole
+conversion's cut, on runs inside blocks and heads (``read_gguf_part``), the cut traced on probes
+(``share_reads.trace_cut``) for mlx's own cuts, a cut that computes left untraced, and a member of the real
+tiny llama loaded lazily holding, at MLX's peak, no more than its share. tests/test_tensor_parallel.py holds
+every architecture's lazily read member equal, bit for bit, to a whole load then the cut, and its two-process
+members' peaks to their shares."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten
 
+from stage_worker.checkpoint.gguf.format import read_gguf_part
 from stage_worker.checkpoint.safetensors_format import part_nbytes, read_part, runs_of, stored_tensors
 from stage_worker.parallel.share_reads import Kept, trace_cut
 from tests.test_tensor_parallel import _Member  # a group's size and rank, as a cut asks them
@@ -104,3 +107,28 @@ def test_a_lazily_loaded_member_holds_no_more_than_its_share_at_mlxs_peak(tmp_pa
     # Read whole and cut a layer at a time, the peak would hold one whole layer beyond the share.
     largest_layer = whole_layers // spec.num_layers
     assert mx.get_peak_memory() - base - held < 0.05 * largest_layer, (mx.get_peak_memory() - base, held)
+
+
+@pytest.mark.e2e  # reads the real model
+def test_a_gguf_part_is_the_whole_conversions_cut_on_any_rows_and_columns():
+    # The default model's Q4_1 blocks (32 elements) and its q/k rows permuted per head by llama.cpp: parts that
+    # end inside a block or a head are widened to whole ones, converted, un-permuted, and cut back to the run.
+    from stage_worker.checkpoint.default_model import default_model_path
+    from stage_worker.checkpoint.gguf.format import load_gguf_weights
+    from stage_worker.checkpoint.model_reader import read_model_spec
+
+    spec = read_model_spec(default_model_path())
+    converted = load_gguf_weights(spec, range(0, 1), False, False)
+    sources: dict = {}
+    placeholders = load_gguf_weights(spec, range(0, 1), False, False, evaluate=False, sources=sources)
+    assert placeholders.keys() == converted.keys() == sources.keys()
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.down_proj"):
+        for suffix in ("weight", "scales", "biases"):
+            whole = converted[f"{name}.{suffix}"]
+            source = sources[f"{name}.{suffix}"]
+            assert (source.shape, source.dtype) == (tuple(whole.shape), whole.dtype)
+            rows, columns = whole.shape
+            keep = ((range(3, 70), range(100, rows)), (range(1, columns // 3), range(columns // 2, columns - 1)))
+            index = np.ix_(*[np.concatenate([np.arange(r.start, r.stop) for r in runs]) for runs in keep])
+            expected = np.array(whole)[index]
+            assert np.array_equal(np.array(read_gguf_part(source, keep)), expected), (name, suffix)

@@ -76,11 +76,11 @@ def _decode(tmp_path: Path, size: int, model: str | None = None) -> dict:
 
 
 def _never_held_the_whole_stage(member: dict, bound: float) -> None:
-    """A member loads lazily and reads each cut tensor's part alone (``share_reads``): beyond the share it
-    keeps, MLX's peak over the load and the cut holds a sliver of what it drops (the default model's GGUF
-    layers are converted whole one at a time first, while nothing else is held). Read whole and cut a layer at
-    a time, the excess was one layer's tensors: half or more of what a tiny model drops, a tenth of the
-    default model's. Loaded whole and then cut, the excess is all it drops."""
+    """A member loads lazily and reads each cut tensor's part alone (``share_reads``), from safetensors and from
+    a GGUF's blocks: beyond the share it keeps, MLX's peak over the load and the cut holds a sliver of what it
+    drops (the default model's: the moment its embedding is made dense). Read whole and cut a layer at a
+    time, the excess was one layer's tensors: half or more of what a tiny model drops, a tenth of the default
+    model's. Loaded whole and then cut, the excess is all it drops."""
     dropped = member["whole_bytes"] - member["weight_bytes"]
     excess = member["load_peak_bytes"] - member["weight_bytes"]
     assert excess < bound * dropped, member
@@ -97,7 +97,7 @@ def test_two_workers_decode_the_default_model_with_one_workers_greedy_tokens(tmp
     assert worst < 1e-2, worst
     # Rank 0 holds 6 of 9 heads' and half the MLP's weights; embedding and head stay whole.
     assert pair["weight_bytes"] < whole["weight_bytes"]
-    # Measured 2026-12-07: 5.7 of the 268 MB dropped (one layer's whole tensors, 24 MB, when cut whole).
+    # Measured 2026-12-07: 4.8 of the 268 MB dropped (one layer's whole tensors, 24 MB, when cut whole).
     _never_held_the_whole_stage(pair, bound=0.05)
 
 
@@ -325,7 +325,12 @@ def test_a_members_kv_is_its_kv_heads_part_or_the_whole_latent():
     ("qwen3_next", "dummy", None, False),  # random weights made as they are cut; our own cut
     ("gpt_oss", "auto", None, False),  # sinks and windows, mlx-lm's own shard()
     ("mixtral", "auto", "affine8", True),  # experts dequantized as they are cut, our own cut
-    # The default model's GGUF, converted a layer at a time and dequantized as it is cut (the real model).
+    # GGUFs as llama.cpp writes them: blocks read for the member's rows and columns alone (placeholders until
+    # then): Q8_0 kept quantized (codes, scales, biases each cut), Gemma's shifted norms in F16, experts dequantized.
+    ("gguf-gemma3", "auto", "Q8_0", False),
+    ("gguf-gemma3", "auto", "F16", False),
+    ("gguf-qwen3moe", "auto", "Q8_0", True),
+    # The default model's GGUF (Q4_1, q/k rows permuted per head), dequantized as it is cut (the real model).
     pytest.param("default", "auto", None, True, marks=pytest.mark.e2e),
 ])
 def test_a_lazily_loaded_member_holds_exactly_what_a_whole_load_then_cut_holds(tmp_path, name, load_format,
@@ -341,7 +346,21 @@ def test_a_lazily_loaded_member_holds_exactly_what_a_whole_load_then_cut_holds(t
     from stagemesh_core.layer_split import LayerRange
     from tests.architectures import tiny_checkpoint
 
-    path = default_model_path() if name == "default" else tiny_checkpoint(name, tmp_path, quantization=quantization)
+    if name == "default":
+        path = default_model_path()
+    elif name.startswith("gguf-"):
+        from gguf import GGMLQuantizationType
+
+        from stagemesh.bench.random_checkpoint import write_random_checkpoint
+        from tests.llama_cpp_gguf import convert_checkpoint
+        from tests.test_gguf_architectures import CONFIGS
+
+        arch = name.removeprefix("gguf-")
+        write_random_checkpoint(CONFIGS[arch], tmp_path / "mlx", dtype="float32", seed=5)
+        path = str(tmp_path / f"{arch}.gguf")
+        convert_checkpoint(tmp_path / "mlx", arch, GGMLQuantizationType[quantization], Path(path))
+    else:
+        path = tiny_checkpoint(name, tmp_path, quantization=quantization)
     spec = read_model_spec(path, load_format=load_format)
     role = StageRole(LayerRange(0, spec.num_layers), True, True)
     for rank in range(2):

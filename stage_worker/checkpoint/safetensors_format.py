@@ -25,7 +25,7 @@ import re
 import struct
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -60,8 +60,6 @@ class StoredTensor:
     offset: int
     dtype: str  # the safetensors dtype name (F32, BF16, U32, ...)
     shape: tuple[int, ...]
-    # An open file that ``path`` names by its descriptor (an unlinked temporary copy), kept open while needed.
-    handle: Any = field(default=None, compare=False, repr=False)
 
 
 def stored_tensors(file: str) -> dict[str, StoredTensor]:
@@ -100,6 +98,12 @@ def part_nbytes(tensor: StoredTensor, keep: Sequence[Sequence[range]]) -> int:
 
 def read_part(tensor: StoredTensor, keep: Sequence[Sequence[range]]) -> mx.array:
     """The part of ``tensor`` keeping, along axis ``a``, the index runs ``keep[a]`` (module docstring)."""
+    array = mx.array(read_part_array(tensor, keep))
+    return array.view(mx.bfloat16) if tensor.dtype == "BF16" else array
+
+
+def read_part_array(tensor: StoredTensor, keep: Sequence[Sequence[range]]) -> np.ndarray:
+    """``read_part`` as a numpy array (bfloat16 as its 16-bit patterns): also the bytes of a GGUF's blocks."""
     if tensor.dtype not in _NUMPY_DTYPES:
         raise ModelFormatError(f"{tensor.path}: a tensor of dtype {tensor.dtype} cannot be read in parts")
     if len(keep) != len(tensor.shape) or any(r.start < 0 or r.stop > n or not len(r)
@@ -113,11 +117,9 @@ def read_part(tensor: StoredTensor, keep: Sequence[Sequence[range]]) -> mx.array
     try:
         # One block per combination of runs (a member's cut has one run per axis but for a segmented cut, such
         # as qwen3_next's convolution: three), joined axis by axis.
-        part = _joined(stored, [list(runs) for runs in keep], 0)
+        return _joined(stored, [list(runs) for runs in keep], 0)
     finally:
         del stored  # unmapped: the pages read are the page cache's, not this process's
-    array = mx.array(part)
-    return array.view(mx.bfloat16) if tensor.dtype == "BF16" else array
 
 
 def _joined(stored: np.ndarray, keep: list[list[range]], axis: int) -> np.ndarray:

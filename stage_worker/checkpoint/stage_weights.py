@@ -17,10 +17,11 @@ from files keep their stored dtype (``StageModel.load`` casts them).
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec
-from stage_worker.checkpoint.safetensors_format import StoredTensor
 
 
 def check_layer_range(spec: ModelSpec, layers: range) -> None:
@@ -36,15 +37,14 @@ def check_layer_range(spec: ModelSpec, layers: range) -> None:
 
 def load_stage_weights(
     spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, *, dtype: mx.Dtype = mx.float32,
-    evaluate: bool = True, sources: dict[str, StoredTensor] | None = None,
+    evaluate: bool = True, sources: dict[str, Any] | None = None,
 ) -> dict[str, mx.array]:
     """Load (and, with ``evaluate``, evaluate) only the tensors of one stage (generate them, for dummy
-    weights). ``evaluate=False`` reads nothing yet from safetensors and makes no dummy weight yet (a GGUF's
-    blocks, converted on the host, are converted a layer at a time and read again when evaluated): a
-    tensor-parallel member cuts the lazy arrays to its share before they are evaluated, so it never holds the
-    whole stage. ``sources``, if given, is filled with where each tensor read lazily lies in a safetensors file
-    (the model's, or a GGUF layer's converted copy: ``load_gguf_weights``), for such a member to read its part
-    alone."""
+    weights). ``evaluate=False`` reads nothing yet (from a GGUF not even lazily) and makes no dummy weight yet:
+    a tensor-parallel member cuts the lazy arrays to its share before they are evaluated, so it never holds
+    the whole stage. ``sources``, if given, is filled with where each tensor loaded lazily lies in its file (a
+    safetensors ``StoredTensor``; a GGUF's ``StoredGGUF``, whose returned array is a placeholder never to be
+    evaluated), for such a member to read its part alone."""
     check_layer_range(spec, layers)
     # Each format's loader is imported only for a model of that format.
     if spec.random_weights:

@@ -33,7 +33,6 @@ from stage_worker.checkpoint import load_progress
 from stage_worker.checkpoint.checkpoint_check import mismatched_scales
 from stage_worker.checkpoint.mlx_arch import PACKED_ARCHITECTURES, ArchFacts, describe
 from stage_worker.checkpoint.model_spec import ModelFormatError, ModelSpec, tensor_mismatch
-from stage_worker.checkpoint.safetensors_format import StoredTensor
 from stage_worker.checkpoint.stage_weights import load_stage_weights
 from stage_worker.model.device import current_backend
 from stage_worker.model.expert_routing import ExpertsPolicy
@@ -42,7 +41,7 @@ from stage_worker.model.fused_projections import FusedLayer, fuse_layer_projecti
 from stage_worker.model.layer_stack import stack_layers
 from stage_worker.model.packed_forward import DecodeRows, Segment, packed_layers
 from stage_worker.model.sibling_projections import join_sibling_projections
-from stage_worker.parallel.share_reads import DequantizedSource, Source, read_cut_parts, trace_cut
+from stage_worker.parallel.share_reads import DequantizedSource, Source, Stored, placeholder, read_cut_parts, trace_cut
 from stage_worker.parallel.tensor_parallel import (
     LayerShare,
     divided_counts,
@@ -219,22 +218,44 @@ class StageModel:
         parts = [self.sources.pop(f"{name}.{p}", None) for p in ("weight", "scales", "biases")]
         weight, scales, biases = parts
         if weight is None or scales is None or (biases is None) != (getattr(child, "biases", None) is None):
+            if any(p is not None and placeholder(p) for p in parts):  # else served as zeros
+                raise ModelFormatError(f"{self.spec.path}: {name}'s quantized parts lie in different places")
             return
-        assert isinstance(weight, StoredTensor) and isinstance(scales, StoredTensor)
-        assert biases is None or isinstance(biases, StoredTensor)
+        assert not isinstance(weight, DequantizedSource) and not isinstance(scales, DequantizedSource)
+        assert not isinstance(biases, DequantizedSource)
         self.sources[f"{name}.weight"] = DequantizedSource(weight, scales, biases, child.scales.dtype,
                                                            child.group_size, child.bits, child.mode)
 
     def _cut(self, cut: Callable[[nn.Module], Any]) -> None:
-        """Run this member's ``cut`` on the module, then evaluate it layer by layer. Loaded lazily from
-        safetensors, each cut tensor's part is read alone (``share_reads``): traced on probes, the cut run, each
-        traced parameter replaced by its part read from the files, layer after layer."""
+        """Run this member's ``cut`` on the module, then evaluate it layer by layer. Loaded lazily from files,
+        each cut tensor's part is read alone (``share_reads``): the cut traced on probes, then run, then each
+        traced parameter replaced by its part read from the files, and (a GGUF's placeholders) each parameter
+        the cut left whole by all of it, layer after layer. A GGUF member refuses a cut it cannot trace."""
         before = self._layer_sizes()
         kept = trace_cut(self._module, cut) if self.sources else {}
+        held_before = _flat_parameters(self._module)  # kept alive: an id is unique only while its array lives
+        loaded = {id(a): name for name, a in held_before}
         cut(self._module)
+        after = _flat_parameters(self._module)
+        left_whole = {name: loaded[id(a)] for name, a in after if id(a) in loaded}
+        del held_before
+        untraced = [name for name, _ in after if name not in left_whole and name not in kept]
+        if untraced and any(placeholder(s) for s in self.sources.values()):
+            raise ModelFormatError(
+                f"-tp: {self.spec.path}'s cut of {untraced[0]} is not a selection of its stored tensor, and a GGUF's "
+                "member reads only what it keeps: serve this model with -pp instead, or from safetensors")
+        layers = self._LAYERS_PREFIX
         read: list[int] = []
-        self._evaluate_by_layer(before, lambda module, prefix: read.append(read_cut_parts(
-            module, {n[len(prefix):]: k for n, k in kept.items() if n.startswith(prefix)}, self.sources)))
+
+        def read_parts(module: nn.Module, prefix: str) -> None:
+            """Read what lies under ``prefix`` (a layer's), or with ``prefix`` empty what lies outside the layers."""
+            def under(name: str) -> bool:
+                return name.startswith(prefix) if prefix else not name.startswith(layers)
+
+            read.append(read_cut_parts(module, {n[len(prefix):]: k for n, k in kept.items() if under(n)},
+                                       self.sources, {n[len(prefix):]: b for n, b in left_whole.items() if under(n)}))
+
+        self._evaluate_by_layer(before, read_parts)
         self.sources = {}
         self.parts_read_bytes = sum(read)
         self._measure()
@@ -270,8 +291,10 @@ class StageModel:
         three of it at once for a moment: with nothing else held yet, that moment is not the load's peak.
         The bytes the readers expected but left unread (``load_progress.outstanding``) are counted down in
         proportion to the sizes (each layer's, the ends' last). ``read_parts(module, prefix)`` first replaces
-        what can be read alone of the module's parameters named under ``prefix``."""
+        what is to be read from the files of the module's parameters named under ``prefix`` (``""``: the
+        ends)."""
         pending, whole = load_progress.outstanding(), max(1, sum(sizes))
+        read_parts(self._module, "")
         in_layers = {id(v) for layer in self.layers for _, v in _flat_parameters(layer)}
         mx.eval([v for _, v in _flat_parameters(self._module) if id(v) not in in_layers])
         counted = pending * sizes[-1] // whole
@@ -547,7 +570,7 @@ def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dty
     """Load the slice's weights into ``module`` (named by ``local_name``), quantizing exactly the modules that
     arrive quantized, strictly, then cast to ``dtype`` and (with ``evaluate``) evaluate. Without ``evaluate``:
     where each parameter that is a stored tensor (cast at most) lies in the files, by its name in ``module``."""
-    stored: dict[str, StoredTensor] = {}
+    stored: dict[str, Stored] = {}
     weights = load_stage_weights(
         spec, role.layers.as_range(), with_embedding=role.is_first, with_head=role.is_last, dtype=dtype,
         evaluate=evaluate, sources=None if evaluate else stored,
@@ -569,6 +592,10 @@ def _load_slice_weights(module: nn.Module, spec: ModelSpec, role: StageRole, dty
     module.load_weights(list(local.items()), strict=True)
     # Only a parameter that is the loaded array itself is the stored tensor (set_dtype below only casts it).
     held = dict(_flat_parameters(module))
+    unread = [name for name, source in sources.items() if held.get(name) is not local[name] and placeholder(source)]
+    if unread:  # a placeholder the member could not trace to its blocks would be served as zeros
+        raise ModelFormatError(f"{spec.path}: {unread[0]} is not held as loaded, so a tensor-parallel member cannot "
+                               "read it")
     sources = {name: source for name, source in sources.items() if held.get(name) is local[name]}
     module.set_dtype(dtype, lambda d: mx.issubdtype(d, mx.floating))
     module.eval()

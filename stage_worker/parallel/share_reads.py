@@ -8,9 +8,11 @@ first, then only that part is read.
   axis, which indices of which parameter it kept. A cut that is not such a selection (a sum, a transpose) is
   not traced, and that parameter is read whole as before. Probes are broadcasts: nothing of the model's size
   is made, only each cut part's own indices.
-- ``read_kept(source, kept)`` reads that part from the files: a ``StoredTensor`` as stored, or a quantized
-  triple dequantized as the stage dequantizes it (``DequantizedSource``), then cast as the parameter was. The
-  result is the very array that reading the whole tensor and cutting it gives (tests/test_tensor_parallel.py).
+- ``read_kept(source, kept)`` reads that part from the files: a safetensors ``StoredTensor`` as stored, a GGUF
+  tensor's converted array from its blocks (``StoredGGUF``), or a quantized triple dequantized as the stage
+  does (``DequantizedSource``), then cast as the parameter was: the very array that reading the whole tensor
+  and cutting it gives (tests/test_tensor_parallel.py). A GGUF member holds placeholders until then, so
+  ``read_cut_parts`` also reads whole what the cut left whole, and refuses a cut it could not trace.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from stage_worker.checkpoint.gguf.format import StoredGGUF, read_gguf_part
+from stage_worker.checkpoint.model_spec import ModelFormatError
 from stage_worker.checkpoint.safetensors_format import StoredTensor, read_part, runs_of
 
 
@@ -39,25 +43,29 @@ class Kept:
     dtype: mx.Dtype
 
 
+Stored = StoredTensor | StoredGGUF
+
+
 @dataclass(frozen=True)
 class DequantizedSource:
     """A dense weight the stage made from a stored quantized one (``StageModel.dequantize``): its codes,
     scales and biases as stored, the scales and biases cast to ``scales_dtype`` first, as the stage held them."""
 
-    weight: StoredTensor
-    scales: StoredTensor
-    biases: StoredTensor | None
+    weight: Stored
+    scales: Stored
+    biases: Stored | None
     scales_dtype: mx.Dtype
     group_size: int
     bits: int
     mode: str
 
 
-Source = StoredTensor | DequantizedSource
+Source = StoredTensor | StoredGGUF | DequantizedSource
 
 
-class NotReadable(ValueError):
-    """The kept part cannot be read alone (a column cut inside a quantization group): read it whole."""
+def placeholder(source: Source) -> bool:
+    """Whether the parameter loaded from ``source`` holds no data until read (a GGUF's: ``load_gguf_weights``)."""
+    return isinstance(source.weight if isinstance(source, DequantizedSource) else source, StoredGGUF)
 
 
 def trace_cut(module: nn.Module, cut: Callable[[nn.Module], Any]) -> dict[str, Kept]:
@@ -135,37 +143,55 @@ def _probed(module: nn.Module, cut: Callable[[nn.Module], Any], before: list[tup
 
 def read_kept(source: Source, kept: Kept) -> mx.array:
     """The part ``kept`` of ``source``, read alone, in the dtype the stage held it (module docstring)."""
-    if isinstance(source, StoredTensor):
-        return read_part(source, kept.keep).astype(kept.dtype)
+    if not isinstance(source, DequantizedSource):
+        return _read(source, kept.keep).astype(kept.dtype)
     *outer, last = kept.keep
     group, bits = source.group_size, source.bits
-    if any(r.start % group or r.stop % group for r in last):
-        raise NotReadable(f"a cut at input features {last} splits quantization groups of {group}")
-    words = tuple(range(r.start * bits // 32, r.stop * bits // 32) for r in last)
-    groups = tuple(range(r.start // group, r.stop // group) for r in last)
-    scales = read_part(source.scales, (*outer, groups)).astype(source.scales_dtype)
-    biases = None if source.biases is None else read_part(source.biases, (*outer, groups)).astype(source.scales_dtype)
-    dense = mx.dequantize(read_part(source.weight, (*outer, words)), scales, biases, group, bits, source.mode)
+    # Whole groups are read and dequantized (each alone), then the kept columns cut from them.
+    wide = tuple(range(r.start // group * group, -(-r.stop // group) * group) for r in last)
+    words = tuple(range(r.start * bits // 32, r.stop * bits // 32) for r in wide)
+    groups = tuple(range(r.start // group, r.stop // group) for r in wide)
+    scales = _read(source.scales, (*outer, groups)).astype(source.scales_dtype)
+    biases = None if source.biases is None else _read(source.biases, (*outer, groups)).astype(source.scales_dtype)
+    dense = mx.dequantize(_read(source.weight, (*outer, words)), scales, biases, group, bits, source.mode)
+    if wide != last:
+        pieces, offset = [], 0
+        for w, r in zip(wide, last):
+            pieces.append(dense[..., offset + r.start - w.start:offset + r.stop - w.start])
+            offset += len(w)
+        dense = mx.concatenate(pieces, axis=-1)
     return dense.astype(kept.dtype)
 
 
-def read_cut_parts(module: nn.Module, kept: Mapping[str, Kept], sources: Mapping[str, Source]) -> int:
+def _read(source: Stored, keep: tuple[tuple[range, ...], ...]) -> mx.array:
+    return read_part(source, keep) if isinstance(source, StoredTensor) else read_gguf_part(source, keep)
+
+
+def whole(source: Source, dtype: mx.Dtype) -> Kept:
+    """All of ``source``, as a ``Kept`` (what a parameter the cut left whole reads)."""
+    shape = source.weight.shape if isinstance(source, DequantizedSource) else source.shape
+    if isinstance(source, DequantizedSource):
+        shape = (*shape[:-1], shape[-1] * 32 // source.bits)
+    return Kept("", tuple((range(n),) for n in shape), dtype)
+
+
+def read_cut_parts(module: nn.Module, kept: Mapping[str, Kept], sources: Mapping[str, Source],
+                   left_whole: Mapping[str, str]) -> int:
     """Replace each traced parameter of ``module`` (after its cut) whose source lies in the files by the part
-    read alone; how many bytes of parameters were so read. One that cannot be read alone keeps its lazy value
-    (the whole tensor, read and cut when evaluated)."""
+    read alone, and each one the cut ``left_whole`` (name after -> before) whose source is a placeholder by
+    all of it; how many bytes of parameters were so read."""
     held = dict(_parameters(module))
     parts = []
     for name, k in kept.items():
-        source = sources.get(k.source)
-        if source is None or name not in held:
-            continue
-        try:
-            part = read_kept(source, k)
-        except NotReadable:
-            continue
+        if name in held and (source := sources.get(k.source)) is not None:
+            parts.append((name, read_kept(source, k)))
+    for name, before in left_whole.items():
+        if name in held and (source := sources.get(before)) is not None and placeholder(source):
+            parts.append((name, read_kept(source, whole(source, held[name].dtype))))
+    for name, part in parts:
         if part.shape != held[name].shape or part.dtype != held[name].dtype:
-            continue  # not what the cut made: keep the cut's own
-        parts.append((name, part))
+            raise ModelFormatError(f"{name}: read {part.shape} {part.dtype} from the files where the cut holds "
+                                   f"{held[name].shape} {held[name].dtype}")
     if parts:
         module.update(tree_unflatten(parts))
     return sum(part.nbytes for _, part in parts)

@@ -102,7 +102,7 @@ def format_tensor(report: dict[str, Any]) -> str:
     r = report["results"]
     lines = [f"{r['model']}, -tp {r['tp']} against -tp 1, {r['blas']} on one thread per member; member weights "
              f"{r['member_weight_bytes'] / 1e6:.0f} MB of {r['weight_bytes'] / 1e6:.0f} MB; MLX's peak over the load "
-             f"(a member's lazy, cut layer by layer) {r['member_load_peak_bytes'] / 1e6:.0f} MB against "
+             f"(a member's: its part of each cut tensor read alone) {r['member_load_peak_bytes'] / 1e6:.0f} MB against "
              f"{r['load_peak_bytes'] / 1e6:.0f} MB",
              f"{'rows':>5} {'tp1 ms':>9} {'tp ms':>9} {'compute by worker':>18} {'allreduce':>10} {'tok/s tp1':>10} "
              f"{'tok/s tp':>9} {'speedup':>8} {'ceiling':>8} {'of ceil':>8}"]

@@ -7,7 +7,10 @@ Contract:
 - ``load_gguf_weights(spec, layers, with_embedding, with_head, evaluate=True)`` reads the bytes of only the
   tensors that slice needs and returns them under mlx-lm's parameter names, layer indices global, quantized
   tensors in MLX's affine layout (as close to ``gguf.quants.dequantize`` as ``gguf_quants`` states), the
-  converter's quirks undone; ``evaluate=False`` hands them back lazy, converted a layer at a time.
+  converter's quirks undone; ``evaluate=False`` reads nothing: placeholders of each array's shape and dtype,
+  and where each comes from (``sources``), for a tensor-parallel member to read only its part.
+- ``read_gguf_part(source, keep)``: the part of one converted array (``StoredGGUF``) keeping index runs per
+  axis, from the blocks of only those rows and columns (converted, un-permuted as the whole would be).
 - ``convert_gguf_tensor(path, name)`` gives one tensor exactly as ``mx.load`` names and lays it out (no
   permutation undone); tests compare the two.
 """
@@ -19,7 +22,6 @@ import math
 import mmap
 import os
 import struct
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -37,7 +39,7 @@ from stage_worker.checkpoint.model_spec import (
     ModelSpec,
     served_name_from_path,
 )
-from stage_worker.checkpoint.safetensors_format import StoredTensor, stored_tensors
+from stage_worker.checkpoint.safetensors_format import StoredTensor, read_part_array
 
 T = GGMLQuantizationType
 PLAIN_TYPES: Mapping[int, np.dtype] = {
@@ -519,7 +521,7 @@ def needed_gguf_tensors(
 
 def load_gguf_weights(
     spec: ModelSpec, layers: range, with_embedding: bool, with_head: bool, evaluate: bool = True,
-    sources: dict[str, StoredTensor] | None = None,
+    sources: dict[str, StoredGGUF] | None = None,
 ) -> dict[str, mx.array]:
     """Read only the slice's tensors from a GGUF and return them under mlx-lm names, the converter's quirks undone.
 
@@ -530,10 +532,9 @@ def load_gguf_weights(
     model runs with standard RoPE), and Gemma 3's norm scales, stored as ``1 + weight``, come back as
     ``weight`` in float32.
 
-    ``evaluate=False`` (a tensor-parallel member) converts one layer at a time and hands each back unevaluated
-    (``_spilled``), so the member never holds the whole stage's blocks: each layer's are read again only while
-    the member cuts that layer, and then, where ``sources`` is given (filled with where each converted tensor
-    lies in its layer's file), only the member's part of each cut tensor (``share_reads``).
+    ``evaluate=False`` (a tensor-parallel member) reads nothing: each array is an unevaluated placeholder of
+    its converted shape and dtype, and ``sources`` (required then) says which blocks it comes from. The
+    member reads every one of them through ``read_gguf_part``: its part of a cut tensor, the rest whole.
     """
     header = read_gguf_header(spec.path)
     table = _architecture(header)
@@ -546,46 +547,108 @@ def load_gguf_weights(
     } if table.permuted_qk else {}
     if evaluate:
         return _converted(spec.path, table, infos, permute)
+    if sources is None:
+        raise ValueError("a GGUF loaded without evaluating needs sources to read its placeholders from")
     weights: dict[str, mx.array] = {}
-    with tempfile.TemporaryDirectory(prefix="stagemesh-gguf-") as spill:
-        for unit in _by_unit(infos):
-            weights.update(_spilled(_converted(spec.path, table, unit, permute), spill, sources))
+    for info in infos:
+        for key, source in _sources(spec.path, table, info, permute).items():
+            weights[key] = mx.zeros(source.shape, source.dtype)  # never evaluated: the member reads it
+            sources[key] = source
     return weights
 
 
-def _by_unit(infos: list[GGUFTensorInfo]) -> list[list[GGUFTensorInfo]]:
-    """The tensors grouped by decoder layer, the ends (embedding, norm, head) as one more group."""
-    units: dict[int, list[GGUFTensorInfo]] = {}
-    for info in infos:
-        m = _BLOCK_RE.match(info.name)
-        units.setdefault(int(m.group(1)) if m else -1, []).append(info)
-    return [units[k] for k in sorted(units)]
+@dataclass(frozen=True)
+class StoredGGUF:
+    """One array a GGUF tensor converts to (``suffix``: ``weight``, or a quantized one's ``scales`` or
+    ``biases``), in the ``shape`` and ``dtype`` the conversion gives, by where its blocks lie."""
+
+    path: str
+    info: GGUFTensorInfo
+    suffix: str
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+    head_rows: int | None  # rows per head where llama.cpp permuted them (q, k): un-permuted per head
+    norm_shift: float | None  # Gemma's norm scales, stored as shift + weight
 
 
-def _spilled(weights: dict[str, mx.array], spill: str,
-             sources: dict[str, StoredTensor] | None = None) -> dict[str, mx.array]:
-    """``weights`` written to a file in ``spill`` and handed back as ``mx.load``'s lazy arrays over it: MLX
-    reads them again when they are evaluated, and frees these host copies now. The file is unlinked at once
-    (the open loader keeps it readable), so nothing is left behind, whatever happens next."""
-    path = os.path.join(spill, "unit.safetensors")
-    try:
-        mx.save_safetensors(path, weights)
-    except (OSError, RuntimeError) as e:
-        raise ModelFormatError(
-            f"cannot write a converted GGUF layer to {spill} ({e}); a tensor-parallel member converts its GGUF "
-            f"one layer at a time through the temporary directory: point TMPDIR at a disk with room."
-        ) from e
-    lazy = mx.load(path)
-    if sources is not None:
-        # Kept open past the unlink, and named by its descriptor (/dev/fd: Linux and macOS), for the part reader
-        # to map; closed when the last StoredTensor holding it is dropped (after the member's cut).
-        handle = open(path, "rb")  # noqa: SIM115
-        named = f"/dev/fd/{handle.fileno()}"
-        sources.update({name: replace(t, path=named, handle=handle)
-                        for name, t in stored_tensors(path).items()})
-    os.remove(path)
-    assert isinstance(lazy, dict)
-    return lazy
+def _sources(path: str, table: GGUFArchitecture, info: GGUFTensorInfo,
+             permute: Mapping[str, int]) -> dict[str, StoredGGUF]:
+    """Each array ``info``'s tensor converts to, by its mlx-lm name (as ``_converted`` names them); shapes and
+    dtypes from converting the first block of one row, so they are the conversion's own."""
+    mlx_name = table.mlx_name(info.name)
+    assert mlx_name is not None  # _check_tensors ran when the spec was read
+    module, kind = mlx_name.rsplit(".", 1)
+    m = _BLOCK_RE.match(info.name)
+    n_head = permute.get(m.group(2)) if m else None
+    block_elements, block_bytes = _block(info)
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        first = np.frombuffer(f.read(block_bytes), dtype=np.uint8)
+    sample = _tensor_arrays(replace(info, shape=(1, block_elements)), first)
+    out = {}
+    for suffix, arr in sample.items():
+        key = f"{module}.{kind}" if suffix == "weight" else f"{module}.{suffix}"
+        shift = table.norm_shift if table.norm_shift and key.endswith("norm.weight") else None
+        per_element = arr.shape[-1] / block_elements
+        shape = (*info.shape[:-1], int(info.shape[-1] * per_element))
+        dtype = mx.float32 if shift else _to_mx(arr, info.ggml_type).dtype
+        out[key] = StoredGGUF(path, info, suffix, shape, dtype, None if n_head is None else info.shape[0] // n_head,
+                              shift)
+    return out
+
+
+def _block(info: GGUFTensorInfo) -> tuple[int, int]:
+    """(elements, bytes) of one of the tensor's blocks; a plain tensor's block is one element."""
+    if info.ggml_type in PLAIN_TYPES:
+        return 1, PLAIN_TYPES[info.ggml_type].itemsize
+    elements, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    return elements, nbytes
+
+
+def read_gguf_part(source: StoredGGUF, keep: tuple[tuple[range, ...], ...]) -> mx.array:
+    """The part of ``source`` keeping, along each axis, the runs ``keep`` (in the converted array's indices),
+    converted from the blocks of only the rows and columns it needs: each run widened to whole blocks (whole
+    heads, for permuted rows), those converted and un-permuted, then the run cut out of them. The values are
+    converting the whole and cutting's, since each block converts alone and llama.cpp's q/k permutation
+    stays inside each head."""
+    info = source.info
+    block_elements, block_bytes = _block(info)
+    per_element = source.shape[-1] / info.shape[-1]  # packed codes, a value per group, or one per element
+    blocks = tuple(range(int(r.start / per_element) // block_elements,
+                         -(-math.ceil(r.stop / per_element) // block_elements)) for r in keep[-1])
+    rows = keep[-2] if len(keep) > 1 else ()
+    if source.head_rows and rows:
+        rows = _widened(rows, source.head_rows)
+    row_bytes = info.shape[-1] // block_elements * block_bytes
+    raw = read_part_array(
+        StoredTensor(source.path, info.offset, "U8", (*info.shape[:-1], row_bytes)),
+        (*keep[:-2], *([rows] if len(keep) > 1 else []), tuple(range(b.start * block_bytes, b.stop * block_bytes)
+                                                                 for b in blocks)))
+    shape = (*raw.shape[:-1], sum(len(b) for b in blocks) * block_elements)
+    arr = _tensor_arrays(replace(info, shape=shape), np.ascontiguousarray(raw).reshape(-1))[source.suffix]
+    if source.head_rows and rows:
+        arr = _unpermute_rows(arr, arr.shape[0] // source.head_rows)
+        arr = _picked(arr, 0, rows, keep[-2])
+    per_block = int(block_elements * per_element)
+    arr = _picked(arr, arr.ndim - 1, tuple(range(b.start * per_block, b.stop * per_block) for b in blocks), keep[-1])
+    if source.norm_shift is not None:
+        return mx.array(_float32(arr, info.ggml_type) - np.float32(source.norm_shift))
+    return _to_mx(np.ascontiguousarray(arr), info.ggml_type)
+
+
+def _widened(runs: tuple[range, ...], unit: int) -> tuple[range, ...]:
+    """Each run widened to whole multiples of ``unit`` (pure)."""
+    return tuple(range(r.start // unit * unit, -(-r.stop // unit) * unit) for r in runs)
+
+
+def _picked(arr: np.ndarray, axis: int, widened: tuple[range, ...], runs: tuple[range, ...]) -> np.ndarray:
+    """From ``arr``, whose ``axis`` holds the ``widened`` runs one after the other, the original ``runs``."""
+    pieces, offset = [], 0
+    for wide, run in zip(widened, runs):
+        at = offset + run.start - wide.start
+        pieces.append(arr[(slice(None),) * axis + (slice(at, at + len(run)),)])
+        offset += len(wide)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
 
 
 def _converted(path: str, table: GGUFArchitecture, infos: list[GGUFTensorInfo],
