@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from stage_worker.checkpoint.gguf.format import StoredGGUF, read_gguf_part
+from stage_worker.checkpoint.gguf.format import StoredGGUF, forget_converted_parts, read_gguf_part
 from stage_worker.checkpoint.model_spec import ModelFormatError
 from stage_worker.checkpoint.safetensors_format import StoredTensor, read_part, runs_of
 
@@ -77,24 +77,24 @@ def trace_cut(module: nn.Module, cut: Callable[[nn.Module], Any]) -> dict[str, K
     ndim = max((a.ndim for _, a in before), default=0)
     try:
         seen = [_probed(module, cut, before, axis, 0) for axis in range(ndim)]
-        shifted = _probed(module, cut, before, 0, _SHIFT) if ndim else {}
+        shifted = _probed(module, cut, before, 0, _SHIFT) if ndim else ({}, [])
     except _TooManyIndices:
         return {}
     except (ValueError, TypeError, RuntimeError):  # a cut that refuses probes (integer division): none traced
         return {}
     kept = {}
-    for name, (first, bases) in seen[0].items() if seen else ():
-        moved = shifted.get(name, (None, bases))[0]
+    for name, first in seen[0][0].items() if seen else ():
+        moved = shifted[0].get(name)
         if first is None or moved is None or not np.array_equal(moved, first + _SHIFT):
             continue
-        k = bisect.bisect_right(bases, int(first[0])) - 1
+        k = bisect.bisect_right(seen[0][1], int(first[0])) - 1
         source, array = before[k]
         vectors = []
         for axis in range(array.ndim):
-            indices = seen[axis].get(name, (None, bases))[0] if axis < len(seen) else None
+            indices, bases = seen[axis][0].get(name), seen[axis][1]
             if indices is None:
                 break
-            local = indices - seen[axis][name][1][k]
+            local = indices - bases[k]
             if int(local.min()) < 0 or int(local.max()) >= array.shape[axis]:
                 break
             vectors.append(local)
@@ -118,10 +118,10 @@ class _TooManyIndices(Exception):
 
 
 def _probed(module: nn.Module, cut: Callable[[nn.Module], Any], before: list[tuple[str, mx.array]], axis: int,
-            shift: int) -> dict[str, tuple[np.ndarray | None, list[int]]]:
+            shift: int) -> tuple[dict[str, np.ndarray | None], list[int]]:
     """``cut`` run on a copy of ``module`` probed along ``axis``: for each parameter it changed, the probe
-    values it holds along that axis (None where they differ along another: not a selection), with the bases
-    of the parameters' probes."""
+    values it holds along that axis (None where they differ along another: not a selection); and the bases
+    of the parameters' probes, in ``before``'s order."""
     twin = _structural_copy(module)
     probes, bases, base = [], [], 0
     for name, array in before:
@@ -133,12 +133,9 @@ def _probed(module: nn.Module, cut: Callable[[nn.Module], Any], before: list[tup
     twin.update(tree_unflatten(probes))
     cut(twin)
     untouched = {id(p) for _, p in probes}
-    out: dict[str, tuple[np.ndarray | None, list[int]]] = {}
-    for name, held in _parameters(twin):
-        if id(held) not in untouched and held.ndim > axis and held.size:
-            values = _indices_along(held, axis)
-            out[name] = (values, bases)
-    return out
+    changed = {name: _indices_along(held, axis) for name, held in _parameters(twin)
+               if id(held) not in untouched and held.ndim > axis and held.size}
+    return changed, bases
 
 
 def read_kept(source: Source, kept: Kept) -> mx.array:
@@ -194,6 +191,7 @@ def read_cut_parts(module: nn.Module, kept: Mapping[str, Kept], sources: Mapping
                                    f"{held[name].shape} {held[name].dtype}")
     if parts:
         module.update(tree_unflatten(parts))
+    forget_converted_parts()  # the last GGUF part converted: its codes, scales and biases are all read now
     return sum(part.nbytes for _, part in parts)
 
 

@@ -612,20 +612,14 @@ def read_gguf_part(source: StoredGGUF, keep: tuple[tuple[range, ...], ...]) -> m
     converting the whole and cutting's, since each block converts alone and llama.cpp's q/k permutation
     stays inside each head."""
     info = source.info
-    block_elements, block_bytes = _block(info)
+    block_elements, _ = _block(info)
     per_element = source.shape[-1] / info.shape[-1]  # packed codes, a value per group, or one per element
     blocks = tuple(range(int(r.start / per_element) // block_elements,
                          -(-math.ceil(r.stop / per_element) // block_elements)) for r in keep[-1])
     rows = keep[-2] if len(keep) > 1 else ()
     if source.head_rows and rows:
         rows = _widened(rows, source.head_rows)
-    row_bytes = info.shape[-1] // block_elements * block_bytes
-    raw = read_part_array(
-        StoredTensor(source.path, info.offset, "U8", (*info.shape[:-1], row_bytes)),
-        (*keep[:-2], *([rows] if len(keep) > 1 else []), tuple(range(b.start * block_bytes, b.stop * block_bytes)
-                                                                 for b in blocks)))
-    shape = (*raw.shape[:-1], sum(len(b) for b in blocks) * block_elements)
-    arr = _tensor_arrays(replace(info, shape=shape), np.ascontiguousarray(raw).reshape(-1))[source.suffix]
+    arr = _converted_part(source.path, info, (*keep[:-2], *([rows] if len(keep) > 1 else [])), blocks)[source.suffix]
     if source.head_rows and rows:
         arr = _unpermute_rows(arr, arr.shape[0] // source.head_rows)
         arr = _picked(arr, 0, rows, keep[-2])
@@ -634,6 +628,25 @@ def read_gguf_part(source: StoredGGUF, keep: tuple[tuple[range, ...], ...]) -> m
     if source.norm_shift is not None:
         return mx.array(_float32(arr, info.ggml_type) - np.float32(source.norm_shift))
     return _to_mx(np.ascontiguousarray(arr), info.ggml_type)
+
+
+@functools.lru_cache(maxsize=1)
+def _converted_part(path: str, info: GGUFTensorInfo, outer: tuple[tuple[range, ...], ...],
+                    blocks: tuple[range, ...]) -> dict[str, np.ndarray]:
+    """The blocks ``blocks`` of the rows ``outer`` names (every axis but the last), read and converted. The last
+    one is kept: a quantized tensor's codes, scales and biases are read one after the other from the same
+    blocks (``forget_converted_parts`` lets it go)."""
+    block_elements, block_bytes = _block(info)
+    row_bytes = info.shape[-1] // block_elements * block_bytes
+    raw = read_part_array(StoredTensor(path, info.offset, "U8", (*info.shape[:-1], row_bytes)),
+                          (*outer, tuple(range(b.start * block_bytes, b.stop * block_bytes) for b in blocks)))
+    shape = (*raw.shape[:-1], sum(len(b) for b in blocks) * block_elements)
+    return _tensor_arrays(replace(info, shape=shape), np.ascontiguousarray(raw).reshape(-1))
+
+
+def forget_converted_parts() -> None:
+    """Drop the part ``read_gguf_part`` converted last."""
+    _converted_part.cache_clear()
 
 
 def _widened(runs: tuple[range, ...], unit: int) -> tuple[range, ...]:
